@@ -1,0 +1,41 @@
+# fuseforge: the two commands are `make demo` and `make test`; both set up what they need.
+PYTHON ?= python3
+JOBS ?= $(shell nproc)
+export PYTHONPATH := $(CURDIR)/python$(if $(PYTHONPATH),:$(PYTHONPATH))
+TORCH_CMAKE = $(shell $(PYTHON) -c "import torch.utils; print(torch.utils.cmake_prefix_path)")
+
+.PHONY: all setup build test test-python test-cpp demo bench gpu-check clean
+
+all: build
+
+setup:
+	$(PYTHON) scripts/ensure_deps.py
+
+# Incremental (ninja) in-place build of fuseforge._C; `pip install --no-build-isolation -e .` also works.
+build: setup
+	MAX_JOBS=$(JOBS) $(PYTHON) setup.py -q build_ext --inplace
+
+test: build
+	$(PYTHON) -m pytest -q tests/python; status=$$?; [ $$status -eq 0 ] || exit $$status
+	$(MAKE) --no-print-directory test-cpp
+
+test-python: build
+	$(PYTHON) -m pytest -q tests/python
+
+test-cpp: setup
+	cmake -S . -B build/cpp -G Ninja -DCMAKE_PREFIX_PATH="$(TORCH_CMAKE)" -DCMAKE_BUILD_TYPE=Release > build/cpp-configure.log 2>&1 || (cat build/cpp-configure.log; exit 1)
+	cmake --build build/cpp -j $(JOBS)
+	ctest --test-dir build/cpp --output-on-failure
+
+demo: build
+	$(PYTHON) examples/demo.py
+
+bench: build
+	for b in benchmarks/bench_*.py; do $(PYTHON) $$b || exit 1; done
+
+# On a GPU machine: build, all tests, compute-sanitizer, benchmarks (see scripts/gpu_check.sh).
+gpu-check:
+	bash scripts/gpu_check.sh
+
+clean:
+	rm -rf build python/fuseforge/_C*.so

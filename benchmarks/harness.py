@@ -1,0 +1,259 @@
+"""The one benchmark harness: every bench_<op>.py describes its cases with `Bench` entries and calls
+`run()`, which times them (median of device-event timings after warm-up, every impl of a case in
+the same process), measures peak extra memory, measures the copy and GEMM ceilings in the same run,
+and writes benchmarks/results/<op>.json in the format of shared/BENCHMARKS.md, plus a markdown
+table (<op>.md) and a plot (<op>.png) generated from that JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+@dataclass
+class Bench:
+    """One (case, pass, impl) to time. `fn` runs the pass once and returns what it produced (kept
+    alive during the memory measurement, so outputs and gradients count). `bytes`/`flops`: the
+    minimum the pass must move or do (stated by the bench script) for GB/s and TFLOP/s."""
+    case: str
+    pass_: str
+    impl: str
+    fn: Callable[[], Any]
+    bytes: Optional[float] = None
+    flops: Optional[float] = None
+    rel_err: Optional[float] = None
+    extra: dict = field(default_factory=dict)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def git_commit() -> str:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        sha = subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=root, text=True,
+                                      stderr=subprocess.DEVNULL).strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "csrc", "python", "benchmarks/*.py"],
+                               cwd=root, stderr=subprocess.DEVNULL).returncode != 0
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("FUSEFORGE_COMMIT", "unknown")
+
+
+def time_ms(fn: Callable[[], Any], warmup_ms: float = 50, rep_ms: float = 300) -> float:
+    """Median milliseconds of fn over repeated runs, device events on CUDA."""
+    if torch.cuda.is_available():
+        import triton.testing
+        return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+    times = []
+    fn()
+    deadline = time.perf_counter() + rep_ms / 1000
+    while time.perf_counter() < deadline or len(times) < 3:
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1000)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def peak_extra_mib(fn: Callable[[], Any]) -> Optional[float]:
+    """torch.cuda.max_memory_allocated() during one run of fn minus what was allocated before it."""
+    if not torch.cuda.is_available():
+        return None
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    del out
+    return peak / 2**20
+
+
+def measure_ceilings() -> dict:
+    if not torch.cuda.is_available():
+        return {}
+    n = 1 << 30  # 1 GiB copy: counts bytes read + written
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    copy_ms = time_ms(lambda: dst.copy_(src))
+    del src, dst
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    gemm_ms = time_ms(lambda: a @ b)
+    del a, b
+    torch.cuda.empty_cache()
+    return {"copy_GBps": round(2 * n / copy_ms / 1e6, 1), "bf16_gemm_TFLOPs": round(2 * 8192**3 / gemm_ms / 1e9, 1)}
+
+
+def env_info() -> dict:
+    info = {"torch": torch.__version__, "cuda": torch.version.cuda, "commit": git_commit(),
+            "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+    info["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return info
+
+
+def _round(v: Optional[float], digits: int = 4) -> Optional[float]:
+    if v is None:
+        return None
+    return float(f"{v:.{digits}g}")
+
+
+def measure(bench: Bench, with_memory: bool = True) -> dict:
+    row = {"case": bench.case, "pass": bench.pass_, "impl": bench.impl}
+    try:
+        ms = time_ms(bench.fn)
+        row["ms"] = _round(ms)
+        if bench.bytes:
+            row["GBps"] = _round(bench.bytes / ms / 1e6)
+        if bench.flops:
+            row["TFLOPs"] = _round(bench.flops / ms / 1e9)
+        if with_memory:
+            mem = peak_extra_mib(bench.fn)
+            if mem is not None:
+                row["peak_extra_mib"] = round(mem, 1)
+    except torch.cuda.OutOfMemoryError:
+        row["error"] = "out of memory"
+        gc.collect()
+        torch.cuda.empty_cache()
+    if bench.rel_err is not None:
+        row["rel_err"] = _round(bench.rel_err, 3)
+    row.update(bench.extra)
+    return row
+
+
+def run(op: str, cases: Iterable[str], setup: Callable[[str], list[Bench]], argv: Optional[list] = None,
+        description: str = "") -> dict:
+    """Times every Bench that setup(case) returns, case by case, and writes the results."""
+    parser = argparse.ArgumentParser(description=description or f"benchmark {op}")
+    parser.add_argument("--cases", default="", help="comma-separated substrings: run only matching cases")
+    parser.add_argument("--out", default=RESULTS_DIR, help="folder for <op>.json/.md/.png")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
+    args = parser.parse_args(argv)
+    cases = list(cases)
+    if args.cases:
+        keys = [k for k in args.cases.split(",") if k]
+        cases = [c for c in cases if any(k in c for k in keys)]
+    result = {"op": op, **env_info(), "ceilings": measure_ceilings(), "rows": []}
+    log(f"{op}: {len(cases)} cases on {result['gpu']} (torch {result['torch']}, commit {result['commit']}), "
+        f"ceilings {result['ceilings']}")
+    for i, case in enumerate(cases):
+        log(f"[{i + 1}/{len(cases)}] {case}")
+        benches = setup(case)
+        for b in benches:
+            row = measure(b, with_memory=not args.no_memory)
+            result["rows"].append(row)
+            log("    " + "  ".join(f"{k}={v}" for k, v in row.items() if k != "case"))
+        del benches
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    write(result, args.out)
+    return result
+
+
+def write(result: dict, out_dir: str = RESULTS_DIR) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    base = os.path.join(out_dir, result["op"])
+    with open(base + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    with open(base + ".md", "w") as f:
+        f.write(markdown_table(result))
+    try:
+        plot(result, base + ".png")
+    except ImportError:
+        log("matplotlib missing: no plot")
+    log(f"wrote {base}.json/.md/.png")
+
+
+def markdown_table(result: dict) -> str:
+    """One row per (case, pass): each impl's ms, and fuseforge's speed-up over it (x > 1: faster)."""
+    rows = result["rows"]
+    impls = []
+    for r in rows:
+        if r["impl"] not in impls:
+            impls.append(r["impl"])
+    keys = []
+    for r in rows:
+        if (r["case"], r["pass"]) not in keys:
+            keys.append((r["case"], r["pass"]))
+    by = {(r["case"], r["pass"], r["impl"]): r for r in rows}
+    others = [i for i in impls if i != "fuseforge"]
+    head = ["case", "pass"] + [f"{i} ms" for i in impls] + [f"vs {i}" for i in others]
+    has_mem = any("peak_extra_mib" in r for r in rows)
+    if has_mem:
+        head += [f"{i} MiB" for i in impls]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for case, pass_ in keys:
+        cells = [case, pass_]
+        ff = by.get((case, pass_, "fuseforge"), {}).get("ms")
+        for i in impls:
+            r = by.get((case, pass_, i))
+            cells.append("-" if r is None else (r.get("error") or f"{r['ms']:.4g}"))
+        for i in others:
+            r = by.get((case, pass_, i))
+            cells.append(f"{r['ms'] / ff:.2f}x" if (r and ff and r.get("ms")) else "-")
+        if has_mem:
+            for i in impls:
+                r = by.get((case, pass_, i))
+                cells.append(f"{r['peak_extra_mib']:.0f}" if r and "peak_extra_mib" in r else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    meta = (f"\n{result['gpu']}, torch {result['torch']}, CUDA {result['cuda']}, commit `{result['commit'][:12]}`, "
+            f"{result['date']}; ceilings {result.get('ceilings', {})}. `vs X` = X's time / fuseforge's.\n")
+    return "\n".join(lines) + "\n" + meta
+
+
+def plot(result: dict, path: str) -> None:
+    """Speed-up of every impl over eager (or the slowest impl) per case, one panel per pass."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if r.get("ms")]
+    passes = list(dict.fromkeys(r["pass"] for r in rows))
+    fig, axes = plt.subplots(len(passes), 1, figsize=(max(8, 0.6 * len(rows) / max(1, len(passes))), 3.6 * len(passes)),
+                             squeeze=False)
+    for ax, pass_ in zip(axes[:, 0], passes):
+        prow = [r for r in rows if r["pass"] == pass_]
+        cases = list(dict.fromkeys(r["case"] for r in prow))
+        impls = list(dict.fromkeys(r["impl"] for r in prow))
+        width = 0.8 / max(1, len(impls))
+        for k, impl in enumerate(impls):
+            xs, ys = [], []
+            for ci, case in enumerate(cases):
+                by_impl = {r["impl"]: r["ms"] for r in prow if r["case"] == case}
+                base = by_impl.get("eager", max(by_impl.values()))
+                if impl in by_impl:
+                    xs.append(ci + k * width)
+                    ys.append(base / by_impl[impl])
+            ax.bar(xs, ys, width, label=impl)
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))])
+        ax.set_xticklabels(cases, rotation=30, ha="right", fontsize=7)
+        ax.set_ylabel("speed-up over eager")
+        ax.set_title(f"{result['op']} / {pass_}  ({result['gpu']}, torch {result['torch']})", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    # Regenerate the tables and plots of existing JSON files: python benchmarks/harness.py results/*.json
+    for p in sys.argv[1:]:
+        with open(p) as f:
+            write(json.load(f), os.path.dirname(os.path.abspath(p)))

@@ -1,0 +1,111 @@
+// The activations of add_mul_act, as host/device functors on the math type (float or double), so
+// the CPU and CUDA implementations compute the same function.
+#pragma once
+#include <c10/macros/Macros.h>
+#include <c10/util/Exception.h>
+#include <c10/util/string_view.h>
+
+#include <cmath>
+#include <string>
+
+namespace fuseforge::add_mul_act {
+
+enum class Activation { kIdentity, kRelu, kGelu, kGeluTanh, kSilu, kSigmoid };
+
+inline Activation parse_activation(c10::string_view name) {
+  if (name == "identity") return Activation::kIdentity;
+  if (name == "relu") return Activation::kRelu;
+  if (name == "gelu") return Activation::kGelu;
+  if (name == "gelu_tanh") return Activation::kGeluTanh;
+  if (name == "silu") return Activation::kSilu;
+  if (name == "sigmoid") return Activation::kSigmoid;
+  TORCH_CHECK(false, "activation must be one of identity, relu, gelu, gelu_tanh, silu, sigmoid; got '",
+              std::string(name.data(), name.size()), "'");
+}
+
+// relu saves a bit per element (its derivative is z > 0); the others save the pre-activation z.
+constexpr bool saves_mask(Activation a) { return a == Activation::kRelu; }
+
+C10_HOST_DEVICE inline float math_exp(float v) { return expf(v); }
+C10_HOST_DEVICE inline double math_exp(double v) { return exp(v); }
+C10_HOST_DEVICE inline float math_erf(float v) { return erff(v); }
+C10_HOST_DEVICE inline double math_erf(double v) { return erf(v); }
+C10_HOST_DEVICE inline float math_tanh(float v) { return tanhf(v); }
+C10_HOST_DEVICE inline double math_tanh(double v) { return tanh(v); }
+
+template <Activation A>
+struct Act;
+
+template <>
+struct Act<Activation::kIdentity> {
+  template <typename M> C10_HOST_DEVICE static M forward(M z) { return z; }
+  template <typename M> C10_HOST_DEVICE static M derivative(M) { return M(1); }
+};
+
+template <>
+struct Act<Activation::kRelu> {
+  template <typename M> C10_HOST_DEVICE static M forward(M z) { return z > M(0) ? z : M(0); }
+  template <typename M> C10_HOST_DEVICE static M derivative(M z) { return z > M(0) ? M(1) : M(0); }
+};
+
+// gelu(z) = z * Phi(z), Phi the standard normal CDF (erf form).
+template <>
+struct Act<Activation::kGelu> {
+  template <typename M> C10_HOST_DEVICE static M forward(M z) {
+    return M(0.5) * z * (M(1) + math_erf(z * M(0.70710678118654752440)));
+  }
+  template <typename M> C10_HOST_DEVICE static M derivative(M z) {
+    const M cdf = M(0.5) * (M(1) + math_erf(z * M(0.70710678118654752440)));
+    const M pdf = math_exp(M(-0.5) * z * z) * M(0.39894228040143267794);
+    return cdf + z * pdf;
+  }
+};
+
+// The tanh approximation: 0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3))).
+template <>
+struct Act<Activation::kGeluTanh> {
+  template <typename M> C10_HOST_DEVICE static M forward(M z) {
+    const M inner = M(0.79788456080286535588) * (z + M(0.044715) * z * z * z);
+    return M(0.5) * z * (M(1) + math_tanh(inner));
+  }
+  template <typename M> C10_HOST_DEVICE static M derivative(M z) {
+    const M inner = M(0.79788456080286535588) * (z + M(0.044715) * z * z * z);
+    const M t = math_tanh(inner);
+    const M dinner = M(0.79788456080286535588) * (M(1) + M(3 * 0.044715) * z * z);
+    return M(0.5) * (M(1) + t) + M(0.5) * z * (M(1) - t * t) * dinner;
+  }
+};
+
+template <>
+struct Act<Activation::kSigmoid> {
+  template <typename M> C10_HOST_DEVICE static M forward(M z) { return M(1) / (M(1) + math_exp(-z)); }
+  template <typename M> C10_HOST_DEVICE static M derivative(M z) {
+    const M s = forward(z);
+    return s * (M(1) - s);
+  }
+};
+
+template <>
+struct Act<Activation::kSilu> {
+  template <typename M> C10_HOST_DEVICE static M forward(M z) { return z / (M(1) + math_exp(-z)); }
+  template <typename M> C10_HOST_DEVICE static M derivative(M z) {
+    const M s = M(1) / (M(1) + math_exp(-z));
+    return s * (M(1) + z * (M(1) - s));
+  }
+};
+
+// Calls f.template operator()<A>() with A the compile-time activation.
+#define FUSEFORGE_ACTIVATION_SWITCH(ACT, CONST_NAME, ...)                                                      \
+  [&] {                                                                                                         \
+    using ::fuseforge::add_mul_act::Activation;                                                                 \
+    switch (ACT) {                                                                                              \
+      case Activation::kIdentity: { constexpr Activation CONST_NAME = Activation::kIdentity; return __VA_ARGS__(); } \
+      case Activation::kRelu: { constexpr Activation CONST_NAME = Activation::kRelu; return __VA_ARGS__(); }   \
+      case Activation::kGelu: { constexpr Activation CONST_NAME = Activation::kGelu; return __VA_ARGS__(); }   \
+      case Activation::kGeluTanh: { constexpr Activation CONST_NAME = Activation::kGeluTanh; return __VA_ARGS__(); } \
+      case Activation::kSilu: { constexpr Activation CONST_NAME = Activation::kSilu; return __VA_ARGS__(); }   \
+      default: { constexpr Activation CONST_NAME = Activation::kSigmoid; return __VA_ARGS__(); }               \
+    }                                                                                                           \
+  }()
+
+}  // namespace fuseforge::add_mul_act

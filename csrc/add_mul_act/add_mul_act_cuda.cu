@@ -1,0 +1,118 @@
+// add_mul_act CUDA implementation: checks, device guard, allocation, launches. No host sync.
+#include <torch/library.h>
+
+#include "add_mul_act/add_mul_act_kernel.cuh"
+#include "common/checks.h"
+#include "common/dispatch.h"
+
+namespace fuseforge::add_mul_act {
+namespace {
+
+bool aligned16(const void* p) { return p == nullptr || is_aligned(p, 16); }
+
+template <typename T>
+void forward_cuda(const ForwardArgs& a, double alpha, at::Tensor& out, at::Tensor* saved) {
+  ForwardParams<T> p{};
+  p.x = a.x.const_data_ptr<T>();
+  p.y = a.y.const_data_ptr<T>();
+  p.bias = a.bias.defined() ? a.bias.const_data_ptr<T>() : nullptr;
+  p.out = out.mutable_data_ptr<T>();
+  p.saved_z = (saved && !saves_mask(a.act)) ? saved->mutable_data_ptr<T>() : nullptr;
+  p.saved_mask = (saved && saves_mask(a.act)) ? saved->mutable_data_ptr<uint8_t>() : nullptr;
+  p.alpha = static_cast<float>(alpha);
+  p.rows = a.shape.rows;
+  p.cols = a.shape.cols;
+  p.groups_per_row = a.shape.mask_row_bytes();
+  const bool vec = a.shape.cols % kGroup == 0 && aligned16(p.x) && aligned16(p.y) && aligned16(p.bias) &&
+                   aligned16(p.out) && aligned16(p.saved_z);
+  launch_forward<T>(p, a.act, plan_launch(a.shape, /*reduce_bias=*/false), vec);
+}
+
+void forward_dispatch(const ForwardArgs& a, double alpha, at::Tensor& out, at::Tensor* saved) {
+  const c10::cuda::CUDAGuard guard(a.x.device());
+  FUSEFORGE_DISPATCH_HALF_FLOAT(a.x.scalar_type(), "add_mul_act_cuda",
+                                [&] { forward_cuda<scalar_t>(a, alpha, out, saved); });
+}
+
+at::Tensor add_mul_act_cuda(const at::Tensor& x, const at::Tensor& y, const std::optional<at::Tensor>& bias,
+                            double alpha, c10::string_view activation) {
+  const ForwardArgs a = prepare_forward(x, y, bias, activation, /*allow_double=*/false);
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  forward_dispatch(a, alpha, out, nullptr);
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> add_mul_act_fwd_cuda(const at::Tensor& x, const at::Tensor& y,
+                                                        const std::optional<at::Tensor>& bias, double alpha,
+                                                        c10::string_view activation) {
+  const ForwardArgs a = prepare_forward(x, y, bias, activation, /*allow_double=*/false);
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  at::Tensor saved = allocate_saved(x, a.shape, a.act);
+  forward_dispatch(a, alpha, out, &saved);
+  return {out, saved};
+}
+
+void add_mul_act_inplace_cuda(at::Tensor& x, const at::Tensor& y, const std::optional<at::Tensor>& bias,
+                              double alpha, c10::string_view activation) {
+  const ForwardArgs a = prepare_forward(x, y, bias, activation, /*allow_double=*/false);
+  at::Tensor out = a.x;  // x itself when contiguous, else a copy written back below
+  forward_dispatch(a, alpha, out, nullptr);
+  if (!out.is_same(x)) x.copy_(out);
+}
+
+template <typename T>
+void backward_cuda(const BackwardArgs& a, double alpha, Gradients& g) {
+  BackwardParams<T> p{};
+  p.grad_out = a.grad_out.const_data_ptr<T>();
+  p.saved_z = saves_mask(a.act) ? nullptr : a.saved.const_data_ptr<T>();
+  p.saved_mask = saves_mask(a.act) ? a.saved.const_data_ptr<uint8_t>() : nullptr;
+  p.grad_x = g.grad_x.mutable_data_ptr<T>();
+  p.grad_y = g.grad_y.numel() ? g.grad_y.mutable_data_ptr<T>() : nullptr;
+  p.alpha = static_cast<float>(alpha);
+  p.rows = a.shape.rows;
+  p.cols = a.shape.cols;
+  p.groups_per_row = a.shape.mask_row_bytes();
+  const bool reduce_bias = g.grad_bias.numel() > 0;
+  const LaunchPlan plan = plan_launch(a.shape, reduce_bias);
+  at::Tensor partials;
+  if (reduce_bias) {
+    partials = at::empty({static_cast<int64_t>(plan.grid.y), a.shape.cols}, a.grad_out.options().dtype(at::kFloat));
+    p.bias_partials = partials.mutable_data_ptr<float>();
+  }
+  const bool vec = a.shape.cols % kGroup == 0 && aligned16(p.grad_out) && aligned16(p.saved_z) &&
+                   aligned16(p.grad_x) && aligned16(p.grad_y);
+  launch_backward<T>(p, a.act, plan, vec);
+  if (reduce_bias) {
+    if (a.shape.rows == 0) {
+      g.grad_bias.zero_();
+    } else {
+      constexpr int kFinalizeThreads = 256;
+      launch_kernel(bias_grad_finalize_kernel<T>, dim3(ceil_div(a.shape.cols, kFinalizeThreads)),
+                    dim3(kFinalizeThreads), 0, partials.const_data_ptr<float>(),
+                    static_cast<int64_t>(plan.grid.y), a.shape.cols, g.grad_bias.mutable_data_ptr<T>());
+    }
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> add_mul_act_bwd_cuda(const at::Tensor& grad_out,
+                                                                    const at::Tensor& saved, double alpha,
+                                                                    c10::string_view activation, bool need_grad_y,
+                                                                    bool need_grad_bias) {
+  const BackwardArgs a = prepare_backward(grad_out, saved, activation, /*allow_double=*/false);
+  Gradients g = allocate_gradients(grad_out, a.shape, need_grad_y, need_grad_bias);
+  const c10::cuda::CUDAGuard guard(grad_out.device());
+  FUSEFORGE_DISPATCH_HALF_FLOAT(a.grad_out.scalar_type(), "add_mul_act_bwd_cuda",
+                                [&] { backward_cuda<scalar_t>(a, alpha, g); });
+  return {g.grad_x, g.grad_y, g.grad_bias};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fuseforge, CUDA, m) {
+  m.impl("add_mul_act", &add_mul_act_cuda);
+  m.impl("add_mul_act_fwd", &add_mul_act_fwd_cuda);
+  m.impl("add_mul_act_bwd", &add_mul_act_bwd_cuda);
+  m.impl("add_mul_act_", &add_mul_act_inplace_cuda);
+}
+
+}  // namespace fuseforge::add_mul_act

@@ -1,0 +1,233 @@
+// add_mul_act device code. Every tensor is a rows x cols matrix (cols = the bias dim); a thread
+// owns 8 consecutive columns (one byte of the relu mask) and walks rows, so the bias is read once
+// per thread and its gradient is summed in registers. kVec: the 8 columns are one or two 16-byte
+// accesses (pointers 16-byte aligned and cols % 8 == 0); otherwise scalar accesses, masked at the
+// row's end.
+#pragma once
+#include <ATen/ATen.h>
+
+#include "add_mul_act/activation.h"
+#include "add_mul_act/add_mul_act.h"
+#include "common/launch.cuh"
+#include "common/vec.cuh"
+
+namespace fuseforge::add_mul_act {
+
+constexpr int kGroup = 8;      // columns a thread owns = bits of one mask byte
+constexpr int kThreads = 256;  // threads a block
+constexpr int kRowUnroll = 4;  // rows a thread loads before it computes: loads in flight
+
+template <typename T>
+struct ForwardParams {
+  const T* x;
+  const T* y;
+  const T* bias;       // nullable
+  T* out;              // may equal x (in-place variant): each element is read before it is written
+  T* saved_z;          // nullable: pre-activation for the backward
+  uint8_t* saved_mask; // nullable: relu's bit mask, mask_row_bytes a row
+  float alpha;
+  int64_t rows, cols, groups_per_row, rows_per_block;
+};
+
+template <typename T>
+struct BackwardParams {
+  const T* grad_out;
+  const T* saved_z;          // for every activation but relu
+  const uint8_t* saved_mask; // for relu
+  T* grad_x;
+  T* grad_y;                 // nullable: alpha * grad_x
+  float* bias_partials;      // nullable: (gridDim.y, cols) partial column sums, fp32
+  float alpha;
+  int64_t rows, cols, groups_per_row, rows_per_block;
+};
+
+template <typename T, bool kVec>
+__device__ __forceinline__ void load_group(const T* p, int n, float (&v)[kGroup]) {
+  if constexpr (kVec) {
+    constexpr int kPerVec = 16 / sizeof(T);
+#pragma unroll
+    for (int k = 0; k < kGroup / kPerVec; ++k) {
+      const auto vec = load_vector<T, kPerVec>(p + k * kPerVec);
+#pragma unroll
+      for (int j = 0; j < kPerVec; ++j) v[k * kPerVec + j] = static_cast<float>(vec.val[j]);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kGroup; ++j) v[j] = j < n ? static_cast<float>(p[j]) : 0.f;
+  }
+}
+
+template <typename T, bool kVec>
+__device__ __forceinline__ void store_group(T* p, int n, const float (&v)[kGroup]) {
+  if constexpr (kVec) {
+    constexpr int kPerVec = 16 / sizeof(T);
+#pragma unroll
+    for (int k = 0; k < kGroup / kPerVec; ++k) {
+      AlignedVector<T, kPerVec> vec;
+#pragma unroll
+      for (int j = 0; j < kPerVec; ++j) vec.val[j] = static_cast<T>(v[k * kPerVec + j]);
+      store_vector<T, kPerVec>(p + k * kPerVec, vec);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kGroup; ++j)
+      if (j < n) p[j] = static_cast<T>(v[j]);
+  }
+}
+
+template <typename T, Activation A, bool kVec>
+__global__ void __launch_bounds__(kThreads) forward_kernel(const ForwardParams<T> p) {
+  const int64_t group = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (group >= p.groups_per_row) return;
+  const int64_t col0 = group * kGroup;
+  const int n = static_cast<int>(min(static_cast<int64_t>(kGroup), p.cols - col0));
+  float b[kGroup] = {};
+  if (p.bias) load_group<T, kVec>(p.bias + col0, n, b);
+  const int64_t row_begin = static_cast<int64_t>(blockIdx.y) * p.rows_per_block;
+  const int64_t row_end = min(p.rows, row_begin + p.rows_per_block);
+  for (int64_t r = row_begin + threadIdx.y; r < row_end; r += static_cast<int64_t>(blockDim.y) * kRowUnroll) {
+    float xv[kRowUnroll][kGroup], yv[kRowUnroll][kGroup];
+#pragma unroll
+    for (int u = 0; u < kRowUnroll; ++u) {
+      const int64_t row = r + static_cast<int64_t>(u) * blockDim.y;
+      if (row < row_end) {
+        load_group<T, kVec>(p.x + row * p.cols + col0, n, xv[u]);
+        load_group<T, kVec>(p.y + row * p.cols + col0, n, yv[u]);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kRowUnroll; ++u) {
+      const int64_t row = r + static_cast<int64_t>(u) * blockDim.y;
+      if (row >= row_end) break;
+      float z[kGroup], o[kGroup];
+      uint32_t bits = 0;
+#pragma unroll
+      for (int j = 0; j < kGroup; ++j) {
+        z[j] = fmaf(p.alpha, yv[u][j], xv[u][j]) + b[j];
+        o[j] = Act<A>::forward(z[j]);
+        bits |= static_cast<uint32_t>(z[j] > 0.f) << j;
+      }
+      const int64_t offset = row * p.cols + col0;
+      store_group<T, kVec>(p.out + offset, n, o);
+      if (p.saved_z) store_group<T, kVec>(p.saved_z + offset, n, z);
+      if (p.saved_mask) p.saved_mask[row * p.groups_per_row + group] = static_cast<uint8_t>(bits);
+    }
+  }
+}
+
+template <typename T, Activation A, bool kVec>
+__global__ void __launch_bounds__(kThreads) backward_kernel(const BackwardParams<T> p) {
+  // Partial bias sums laid out [column-in-group][threadIdx.y][threadIdx.x] so a warp's stores hit
+  // consecutive banks.
+  __shared__ float partial[kGroup * kThreads];
+  const int64_t group = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const bool active = group < p.groups_per_row;
+  const int64_t col0 = group * kGroup;
+  const int n = active ? static_cast<int>(min(static_cast<int64_t>(kGroup), p.cols - col0)) : 0;
+  float acc[kGroup] = {};
+  if (active) {
+    const int64_t row_begin = static_cast<int64_t>(blockIdx.y) * p.rows_per_block;
+    const int64_t row_end = min(p.rows, row_begin + p.rows_per_block);
+    for (int64_t r = row_begin + threadIdx.y; r < row_end; r += static_cast<int64_t>(blockDim.y) * kRowUnroll) {
+      float gv[kRowUnroll][kGroup], dv[kRowUnroll][kGroup];
+      uint32_t mask_bits[kRowUnroll];
+#pragma unroll
+      for (int u = 0; u < kRowUnroll; ++u) {
+        const int64_t row = r + static_cast<int64_t>(u) * blockDim.y;
+        if (row < row_end) {
+          load_group<T, kVec>(p.grad_out + row * p.cols + col0, n, gv[u]);
+          if constexpr (saves_mask(A)) {
+            mask_bits[u] = p.saved_mask[row * p.groups_per_row + group];
+          } else {
+            load_group<T, kVec>(p.saved_z + row * p.cols + col0, n, dv[u]);
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kRowUnroll; ++u) {
+        const int64_t row = r + static_cast<int64_t>(u) * blockDim.y;
+        if (row >= row_end) break;
+        float gx[kGroup];
+#pragma unroll
+        for (int j = 0; j < kGroup; ++j) {
+          float d;
+          if constexpr (saves_mask(A)) {
+            d = static_cast<float>((mask_bits[u] >> j) & 1u);
+          } else {
+            d = Act<A>::derivative(dv[u][j]);
+          }
+          gx[j] = gv[u][j] * d;
+          acc[j] += gx[j];
+        }
+        const int64_t offset = row * p.cols + col0;
+        store_group<T, kVec>(p.grad_x + offset, n, gx);
+        if (p.grad_y) {
+#pragma unroll
+          for (int j = 0; j < kGroup; ++j) gx[j] *= p.alpha;
+          store_group<T, kVec>(p.grad_y + offset, n, gx);
+        }
+      }
+    }
+  }
+  if (p.bias_partials == nullptr) return;  // uniform over the grid
+  const int tid = threadIdx.y * blockDim.x + threadIdx.x;
+#pragma unroll
+  for (int j = 0; j < kGroup; ++j) partial[j * kThreads + tid] = acc[j];
+  __syncthreads();
+  // One thread per (column-in-group, threadIdx.x) sums over threadIdx.y in order: deterministic.
+  if (tid < static_cast<int>(blockDim.x) * kGroup) {
+    const int tx = tid % blockDim.x;
+    const int j = tid / blockDim.x;
+    const int64_t col = (static_cast<int64_t>(blockIdx.x) * blockDim.x + tx) * kGroup + j;
+    float sum = 0.f;
+    for (int ty = 0; ty < static_cast<int>(blockDim.y); ++ty) sum += partial[j * kThreads + ty * blockDim.x + tx];
+    if (col < p.cols) p.bias_partials[static_cast<int64_t>(blockIdx.y) * p.cols + col] = sum;
+  }
+}
+
+// grad_bias[c] = sum over row blocks of the partials, in order (deterministic).
+template <typename T>
+__global__ void bias_grad_finalize_kernel(const float* partials, int64_t row_blocks, int64_t cols, T* grad_bias) {
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (col >= cols) return;
+  float sum = 0.f;
+  for (int64_t b = 0; b < row_blocks; ++b) sum += partials[b * cols + col];
+  grad_bias[col] = static_cast<T>(sum);
+}
+
+// The grid for a rows x cols problem. A block is tx column groups by ty rows; without a bias
+// reduction each thread handles kRowUnroll rows (many small blocks), with one the grid is about
+// two waves so the partial sums stay small.
+struct LaunchPlan {
+  dim3 grid, block;
+  int64_t rows_per_block = 0;
+};
+
+inline LaunchPlan plan_launch(const Shape2d& s, bool reduce_bias) {
+  LaunchPlan plan;
+  const int64_t groups = ceil_div(s.cols, kGroup);
+  int tx = 1;
+  while (tx < 32 && tx < groups) tx *= 2;
+  const int ty = kThreads / tx;
+  const int64_t grid_x = ceil_div(groups, tx);
+  const int64_t row_step = static_cast<int64_t>(ty) * kRowUnroll;
+  int64_t rows_per_block = row_step;
+  if (reduce_bias && grid_x > 0) {
+    const int64_t target_y = std::max<int64_t>(1, 2 * 8 * num_sms() / grid_x);
+    rows_per_block = std::max(rows_per_block, ceil_div(s.rows, target_y));
+  }
+  rows_per_block = std::max(rows_per_block, ceil_div(s.rows, 65535));  // gridDim.y limit
+  rows_per_block = ceil_div(rows_per_block, row_step) * row_step;
+  plan.block = dim3(tx, ty);
+  plan.grid = dim3(static_cast<unsigned>(grid_x), static_cast<unsigned>(ceil_div(s.rows, rows_per_block)));
+  plan.rows_per_block = rows_per_block;
+  return plan;
+}
+
+// Defined in add_mul_act_fwd.cu / add_mul_act_bwd.cu for float, at::Half, at::BFloat16.
+template <typename T>
+void launch_forward(ForwardParams<T> params, Activation act, const LaunchPlan& plan, bool vectorized);
+template <typename T>
+void launch_backward(BackwardParams<T> params, Activation act, const LaunchPlan& plan, bool vectorized);
+
+}  // namespace fuseforge::add_mul_act

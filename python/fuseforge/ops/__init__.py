@@ -1,0 +1,1 @@
+"""Functional API, fake kernels and autograd of each torch.ops.fuseforge op (one module an op)."""

@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: build, tests, compute-sanitizer, benchmarks. Logs and results go to
+# $OUT (the device tool brings back at most 8 files, so they are packed into two archives).
+#
+#   bash scripts/gpu_check.sh [--ops a,b] [--tests EXPR] [--no-tests] [--no-sanitizer]
+#                             [--bench a,b] [--bench-args "..."] [--no-cpp]
+#   --ops      op folders of csrc/ to build (FUSEFORGE_OPS; default all) and test files to run
+#   --tests    pytest -k expression (default: every test of the chosen ops)
+#   --bench    benchmarks/bench_<name>.py to run (default: none; "all" for every one)
+#   --bench-args extra arguments for every benchmark (e.g. "--cases D64")
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT" logs_tmp results_tmp
+OPS="" TESTS="" RUN_TESTS=1 SANITIZE=1 BENCH="" BENCH_ARGS="" CPP=1
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --ops) OPS=$2; shift 2 ;;
+    --tests) TESTS=$2; shift 2 ;;
+    --no-tests) RUN_TESTS=0; shift ;;
+    --no-sanitizer) SANITIZE=0; shift ;;
+    --bench) BENCH=$2; shift 2 ;;
+    --bench-args) BENCH_ARGS=$2; shift 2 ;;
+    --no-cpp) CPP=0; shift ;;
+    *) echo "unknown argument $1"; exit 2 ;;
+  esac
+done
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python FUSEFORGE_OPS=$OPS
+# Peers that are pure Python + Triton (liger-kernel, cut-cross-entropy) travel as wheels in .whl/
+# (git-ignored; name it in the device call's carry).
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+LOG=logs_tmp
+summary() { echo "$*" | tee -a "$LOG/summary.txt"; }
+pack() {
+  tar czf "$OUT/logs.tgz" -C logs_tmp . 2>/dev/null
+  [ -n "$(ls results_tmp 2>/dev/null)" ] && tar czf "$OUT/results.tgz" -C results_tmp .
+  cp "$LOG/summary.txt" "$OUT/summary.txt" 2>/dev/null
+}
+trap pack EXIT
+
+summary "== $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null)$(git diff --quiet HEAD -- csrc python 2>/dev/null || echo -dirty) ops=${OPS:-all}"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$LOG/summary.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$LOG/summary.txt"
+
+t0=$(date +%s)
+MAX_JOBS=${MAX_JOBS:-16} python3 setup.py -q build_ext --inplace > "$LOG/build.log" 2>&1
+rc=$?
+summary "build: rc=$rc in $(( $(date +%s) - t0 )) s"
+if [ $rc -ne 0 ]; then grep -E "error|Error" "$LOG/build.log" | head -40; exit 1; fi
+
+test_files=""
+if [ -n "$OPS" ]; then
+  for op in ${OPS//,/ }; do [ -f tests/python/test_$op.py ] && test_files="$test_files tests/python/test_$op.py"; done
+else
+  test_files="tests/python"
+fi
+
+if [ $RUN_TESTS -eq 1 ] && [ -n "$test_files" ]; then
+  t0=$(date +%s)
+  python3 -m pytest -q -rs -x --timeout=600 $test_files ${TESTS:+-k "$TESTS"} > "$LOG/pytest.log" 2>&1
+  rc=$?
+  summary "pytest: rc=$rc in $(( $(date +%s) - t0 )) s: $(tail -1 "$LOG/pytest.log")"
+  [ $rc -ne 0 ] && grep -E "^(FAILED|ERROR)|Error|assert" "$LOG/pytest.log" | head -30
+fi
+
+if [ $SANITIZE -eq 1 ] && [ -n "$test_files" ]; then
+  # No caching allocator: every allocation is exact, so memcheck sees out-of-bounds accesses.
+  for tool in memcheck racecheck; do
+    t0=$(date +%s)
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool $tool --error-exitcode 99 \
+      python3 -m pytest -q -x -m sanitize $test_files > "$LOG/sanitizer_$tool.log" 2>&1
+    rc=$?
+    summary "compute-sanitizer $tool: rc=$rc in $(( $(date +%s) - t0 )) s: $(grep -E 'ERROR SUMMARY|passed|failed' "$LOG/sanitizer_$tool.log" | tail -2 | tr '\n' ' ')"
+  done
+fi
+
+if [ $CPP -eq 1 ] && [ -z "$OPS" ]; then
+  t0=$(date +%s)
+  (cmake -S . -B build/cpp -G Ninja -DCMAKE_PREFIX_PATH="$(python3 -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')" \
+     -DCMAKE_BUILD_TYPE=Release && cmake --build build/cpp -j 16 && ctest --test-dir build/cpp --output-on-failure) > "$LOG/ctest.log" 2>&1
+  summary "googletest: rc=$? in $(( $(date +%s) - t0 )) s: $(grep -E 'tests passed|tests failed' "$LOG/ctest.log" | tail -1)"
+fi
+
+if [ -n "$BENCH" ]; then
+  if [ "$BENCH" = all ]; then BENCH=$(ls benchmarks/bench_*.py | sed 's#benchmarks/bench_##; s#\.py##' | tr '\n' ','); fi
+  for b in ${BENCH//,/ }; do
+    t0=$(date +%s)
+    python3 benchmarks/bench_$b.py --out results_tmp $BENCH_ARGS > "$LOG/bench_$b.log" 2>&1
+    rc=$?
+    summary "bench $b: rc=$rc in $(( $(date +%s) - t0 )) s"
+    [ -f results_tmp/$b.md ] && cat results_tmp/$b.md | tee -a "$LOG/summary.txt"
+    [ $rc -ne 0 ] && tail -20 "$LOG/bench_$b.log"
+  done
+fi
+summary "== done"

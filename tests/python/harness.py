@@ -1,0 +1,97 @@
+"""The one test harness every op's tests use.
+
+- devices(): "cpu" and, where a GPU and a CUDA build exist, "cuda" (otherwise that case is skipped
+  with the reason).
+- randn(): fresh random inputs every call (a moving seed, never zeros).
+- rel_err() / assert_rel_close(): ||out - ref|| / ||ref|| against a float64 reference, with
+  per-dtype tolerances in TOL.
+- poison_allocations(): fills the CUDA caching allocator's free blocks with NaN bytes, so an output
+  element a kernel forgot to write fails the comparison.
+- run_opcheck(), assert_compiles(): torch.library.opcheck and torch.compile(fullgraph=True).
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Callable, Iterable, Sequence
+
+import pytest
+import torch
+
+import fuseforge
+
+HAS_CUDA = torch.cuda.is_available() and fuseforge.cuda_built()
+CUDA_SKIP_REASON = ("no CUDA GPU on this machine" if not torch.cuda.is_available()
+                    else "fuseforge was built without CUDA")
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason=CUDA_SKIP_REASON)
+
+# Relative norm error a result may have against float64, by dtype.
+TOL = {torch.float64: 1e-12, torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 8e-3}
+
+_seed = itertools.count(1234)
+
+
+def devices() -> list:
+    return ["cpu", pytest.param("cuda", marks=requires_cuda)]
+
+
+def device_dtypes(cpu_dtypes: Sequence[torch.dtype] = (torch.float32, torch.float64, torch.bfloat16),
+                  cuda_dtypes: Sequence[torch.dtype] = (torch.float32, torch.float16, torch.bfloat16)) -> list:
+    """(device, dtype) pairs for parametrize, the CUDA ones skipped without a GPU."""
+    pairs = [pytest.param("cpu", d, id=f"cpu-{str(d)[6:]}") for d in cpu_dtypes]
+    pairs += [pytest.param("cuda", d, id=f"cuda-{str(d)[6:]}", marks=requires_cuda) for d in cuda_dtypes]
+    return pairs
+
+
+def generator(device) -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed(next(_seed))
+    return g
+
+
+def randn(*shape, dtype=torch.float32, device="cpu", scale: float = 1.0, requires_grad: bool = False):
+    t = torch.randn(*shape, generator=generator(device), device=device, dtype=torch.float32) * scale
+    return t.to(dtype).requires_grad_(requires_grad)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64; inf when out has a NaN/inf; absolute when ref is zero."""
+    assert out.shape == ref.shape, f"shape {tuple(out.shape)} != reference {tuple(ref.shape)}"
+    out64, ref64 = out.detach().to(torch.float64).cpu(), ref.detach().to(torch.float64).cpu()
+    if out64.numel() == 0:
+        return 0.0
+    if not torch.isfinite(out64).all():
+        return float("inf")
+    den = ref64.norm().item()
+    num = (out64 - ref64).norm().item()
+    return num / den if den > 0 else num
+
+
+def assert_rel_close(out: torch.Tensor, ref: torch.Tensor, tol: float, what: str = "output") -> float:
+    err = rel_err(out, ref)
+    assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e}"
+    return err
+
+
+def poison_allocations(*like: torch.Tensor | Iterable[int]) -> None:
+    """Hands the CUDA caching allocator blocks full of 0xFF bytes (NaN in every float type) of the
+    sizes of `like` (tensors, or shapes in bytes), so the next allocations of those sizes start
+    poisoned."""
+    if not torch.cuda.is_available():
+        return
+    blocks = []
+    for t in like:
+        nbytes = t.numel() * t.element_size() if isinstance(t, torch.Tensor) else int(t)
+        blocks.append(torch.full((max(nbytes, 1),), 0xFF, dtype=torch.uint8, device="cuda"))
+    del blocks
+
+
+def run_opcheck(op, args: tuple, kwargs: dict | None = None) -> None:
+    torch.library.opcheck(op, args, kwargs or {})
+
+
+def assert_compiles(fn: Callable, *args, device: str = "cpu"):
+    """torch.compile(fullgraph=True) of fn must trace with no graph break and match eager."""
+    torch._dynamo.reset()
+    backend = "inductor" if device == "cuda" else "aot_eager"
+    compiled = torch.compile(fn, fullgraph=True, backend=backend)
+    return compiled(*args)
