@@ -56,7 +56,9 @@ def op_dirs():
 def sources(with_cuda: bool):
     files = [os.path.join(CSRC, "ops.cpp")]
     for d in op_dirs():
-        files += sorted(glob.glob(os.path.join(CSRC, d, "**", "*.cpp"), recursive=True))
+        # *_cuda.cpp: the host side of CUDA implementations (compiled by the C++ compiler, not nvcc).
+        cpp = sorted(glob.glob(os.path.join(CSRC, d, "**", "*.cpp"), recursive=True))
+        files += [f for f in cpp if with_cuda or not f.endswith("_cuda.cpp")]
         if with_cuda:
             files += sorted(glob.glob(os.path.join(CSRC, d, "**", "*.cu"), recursive=True))
     return files
@@ -65,7 +67,7 @@ def sources(with_cuda: bool):
 def extension():
     with_cuda = want_cuda()
     debug = os.environ.get("FUSEFORGE_DEBUG", "0") == "1"
-    cxx = ["-O0" if debug else "-O3", "-std=c++20", "-DPy_LIMITED_API=0x03090000"]
+    cxx = ["-O0" if debug else "-O3", "-std=c++20"]  # torch adds -DPy_LIMITED_API for py_limited_api
     if debug:
         cxx.append("-g")
     if not with_cuda:
@@ -76,7 +78,7 @@ def extension():
         "-O3", "-std=c++20", "--expt-relaxed-constexpr",
         "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
         "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
-        "-DPy_LIMITED_API=0x03090000", "--threads=2",
+        "--threads=2",
     ]
     if debug:
         nvcc.append("-lineinfo")

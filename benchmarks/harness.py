@@ -42,6 +42,8 @@ def log(msg: str) -> None:
 
 
 def git_commit() -> str:
+    if os.environ.get("FUSEFORGE_COMMIT"):  # set by scripts/gpu_check.sh (no .git on the GPU machine)
+        return os.environ["FUSEFORGE_COMMIT"]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
         sha = subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=root, text=True,

@@ -1,21 +1,29 @@
-// Instantiates the add_mul_act backward kernels: 3 dtypes x 6 activations x {vector, scalar}.
+// Instantiates the add_mul_act backward kernels (3 dtypes x 6 activations x {vector, scalar}) and the
+// grad_bias reduction.
 #include "add_mul_act/add_mul_act_kernel.cuh"
 #include "common/dispatch.h"
 
 namespace fuseforge::add_mul_act {
 
 template <typename T>
-void launch_backward(BackwardParams<T> params, Activation act, const LaunchPlan& plan, bool vectorized) {
+void launch_backward(BackwardParams<T> params, Activation act, const LaunchPlan& plan, bool vectorized,
+                     T* grad_bias) {
   params.rows_per_block = plan.rows_per_block;
   FUSEFORGE_ACTIVATION_SWITCH(act, kAct, [&] {
     FUSEFORGE_BOOL_SWITCH(vectorized, kVec, [&] {
       launch_kernel(backward_kernel<T, kAct, kVec>, plan.grid, plan.block, 0, params);
     });
   });
+  if (params.bias_partials != nullptr && plan.grid.y > 0) {
+    constexpr int kFinalizeThreads = 256;
+    launch_kernel(bias_grad_finalize_kernel<T>, dim3(ceil_div(params.cols, kFinalizeThreads)), dim3(kFinalizeThreads),
+                  0, params.bias_partials, static_cast<int64_t>(plan.grid.y), params.cols, grad_bias);
+  }
 }
 
-template void launch_backward<float>(BackwardParams<float>, Activation, const LaunchPlan&, bool);
-template void launch_backward<at::Half>(BackwardParams<at::Half>, Activation, const LaunchPlan&, bool);
-template void launch_backward<at::BFloat16>(BackwardParams<at::BFloat16>, Activation, const LaunchPlan&, bool);
+template void launch_backward<float>(BackwardParams<float>, Activation, const LaunchPlan&, bool, float*);
+template void launch_backward<at::Half>(BackwardParams<at::Half>, Activation, const LaunchPlan&, bool, at::Half*);
+template void launch_backward<at::BFloat16>(BackwardParams<at::BFloat16>, Activation, const LaunchPlan&, bool,
+                                            at::BFloat16*);
 
 }  // namespace fuseforge::add_mul_act

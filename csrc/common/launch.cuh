@@ -1,4 +1,6 @@
-// The one way fuseforge launches a kernel: on the current stream of the current device (callers
+// The one way fuseforge launches a kernel (include only from .cu files; host logic that can throw,
+// like input checks and allocation, lives in g++-compiled <op>_cuda.cpp files, see
+// docs/DEVELOPING.md): on the current stream of the current device (callers
 // hold a c10::cuda::CUDAGuard for their tensors' device), raising the dynamic shared-memory limit
 // when a kernel needs more than the default 48 KB, checking the launch, never synchronizing.
 #pragma once
@@ -8,6 +10,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+
+#include "common/cuda_utils.h"
 
 namespace fuseforge {
 
@@ -22,9 +26,5 @@ inline void launch_kernel(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, 
   kernel<<<grid, block, smem_bytes, at::cuda::getCurrentCUDAStream()>>>(std::forward<Args>(args)...);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
-
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-inline int num_sms() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
 
 }  // namespace fuseforge

@@ -1,5 +1,8 @@
-// 16-byte vector loads and stores for the aligned paths of memory-bound kernels.
+// 16-byte vector loads and stores for the aligned paths of memory-bound kernels (host code may
+// include this for is_aligned).
 #pragma once
+#include <c10/macros/Macros.h>
+
 #include <cstdint>
 
 namespace fuseforge {
@@ -10,16 +13,16 @@ struct alignas(sizeof(T) * N) AlignedVector {
 };
 
 template <typename T, int N>
-__device__ __forceinline__ AlignedVector<T, N> load_vector(const T* ptr) {
+C10_DEVICE __forceinline__ AlignedVector<T, N> load_vector(const T* ptr) {
   return *reinterpret_cast<const AlignedVector<T, N>*>(ptr);
 }
 
 template <typename T, int N>
-__device__ __forceinline__ void store_vector(T* ptr, const AlignedVector<T, N>& v) {
+C10_DEVICE __forceinline__ void store_vector(T* ptr, const AlignedVector<T, N>& v) {
   *reinterpret_cast<AlignedVector<T, N>*>(ptr) = v;
 }
 
-__host__ __device__ __forceinline__ bool is_aligned(const void* ptr, int bytes) {
+C10_HOST_DEVICE inline bool is_aligned(const void* ptr, int bytes) {
   return reinterpret_cast<uintptr_t>(ptr) % bytes == 0;
 }
 

@@ -1,9 +1,13 @@
-// add_mul_act CUDA implementation: checks, device guard, allocation, launches. No host sync.
+// add_mul_act CUDA implementation, host side: checks, device guard, allocation, launches. No host
+// sync. Compiled by the C++ compiler, not nvcc (errors thrown from here unwind through C++ frames
+// only; see docs/DEVELOPING.md).
+#include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include "add_mul_act/add_mul_act_kernel.cuh"
+#include "add_mul_act/add_mul_act_launch.h"
 #include "common/checks.h"
 #include "common/dispatch.h"
+#include "common/vec.cuh"
 
 namespace fuseforge::add_mul_act {
 namespace {
@@ -81,17 +85,8 @@ void backward_cuda(const BackwardArgs& a, double alpha, Gradients& g) {
   }
   const bool vec = a.shape.cols % kGroup == 0 && aligned16(p.grad_out) && aligned16(p.saved_z) &&
                    aligned16(p.grad_x) && aligned16(p.grad_y);
-  launch_backward<T>(p, a.act, plan, vec);
-  if (reduce_bias) {
-    if (a.shape.rows == 0) {
-      g.grad_bias.zero_();
-    } else {
-      constexpr int kFinalizeThreads = 256;
-      launch_kernel(bias_grad_finalize_kernel<T>, dim3(ceil_div(a.shape.cols, kFinalizeThreads)),
-                    dim3(kFinalizeThreads), 0, partials.const_data_ptr<float>(),
-                    static_cast<int64_t>(plan.grid.y), a.shape.cols, g.grad_bias.mutable_data_ptr<T>());
-    }
-  }
+  launch_backward<T>(p, a.act, plan, vec, reduce_bias ? g.grad_bias.mutable_data_ptr<T>() : nullptr);
+  if (reduce_bias && a.shape.rows == 0) g.grad_bias.zero_();
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> add_mul_act_bwd_cuda(const at::Tensor& grad_out,
