@@ -15,9 +15,9 @@ void launch_backward(BackwardParams<T> params, Activation act, const LaunchPlan&
     });
   });
   if (params.bias_partials != nullptr && plan.grid.y > 0) {
-    constexpr int kFinalizeThreads = 256;
-    launch_kernel(bias_grad_finalize_kernel<T>, dim3(ceil_div(params.cols, kFinalizeThreads)), dim3(kFinalizeThreads),
-                  0, params.bias_partials, static_cast<int64_t>(plan.grid.y), params.cols, grad_bias);
+    launch_kernel(bias_grad_finalize_kernel<T>, dim3(ceil_div(params.cols, kFinalizeCols)),
+                  dim3(kFinalizeCols, kFinalizeSlices), 0, params.bias_partials, static_cast<int64_t>(plan.grid.y),
+                  params.cols, grad_bias);
   }
 }
 

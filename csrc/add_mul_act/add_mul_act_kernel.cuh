@@ -157,14 +157,28 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(const BackwardParams
   }
 }
 
-// grad_bias[c] = sum over row blocks of the partials, in order (deterministic).
+// grad_bias[c] = sum over row blocks b of partials[b][c]. A block is 32 columns x 8 slices: slice s
+// sums the row blocks b = s, s + 8, ... and the 8 slice sums are added in order: a fixed order, so
+// deterministic, with 8 loads in flight per column instead of one.
+constexpr int kFinalizeCols = 32;
+constexpr int kFinalizeSlices = 8;
+
 template <typename T>
-__global__ void bias_grad_finalize_kernel(const float* partials, int64_t row_blocks, int64_t cols, T* grad_bias) {
-  const int64_t col = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (col >= cols) return;
+__global__ void __launch_bounds__(kFinalizeCols * kFinalizeSlices)
+    bias_grad_finalize_kernel(const float* partials, int64_t row_blocks, int64_t cols, T* grad_bias) {
+  __shared__ float slice_sum[kFinalizeSlices][kFinalizeCols];
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * kFinalizeCols + threadIdx.x;
   float sum = 0.f;
-  for (int64_t b = 0; b < row_blocks; ++b) sum += partials[b * cols + col];
-  grad_bias[col] = static_cast<T>(sum);
+  if (col < cols)
+    for (int64_t b = threadIdx.y; b < row_blocks; b += kFinalizeSlices) sum += partials[b * cols + col];
+  slice_sum[threadIdx.y][threadIdx.x] = sum;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < cols) {
+    float total = 0.f;
+#pragma unroll
+    for (int s = 0; s < kFinalizeSlices; ++s) total += slice_sum[s][threadIdx.x];
+    grad_bias[col] = static_cast<T>(total);
+  }
 }
 
 }  // namespace fuseforge::add_mul_act

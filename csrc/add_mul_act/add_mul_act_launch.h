@@ -40,7 +40,7 @@ struct BackwardParams {
 // The grid for a rows x cols problem. A block is tx column groups by ty rows, as wide as the row
 // allows (up to 256 groups = 4 KB of a bf16 row), so a block reads long contiguous runs; without a
 // bias reduction each thread handles kRowUnroll rows (many small blocks), with one the grid is
-// about two waves so the partial sums stay small.
+// about one wave so the partial sums stay small.
 struct LaunchPlan {
   dim3 grid, block;
   int64_t rows_per_block = 0;
@@ -56,7 +56,8 @@ inline LaunchPlan plan_launch(const Shape2d& s, bool reduce_bias) {
   const int64_t row_step = static_cast<int64_t>(ty) * kRowUnroll;
   int64_t rows_per_block = row_step;
   if (reduce_bias && grid_x > 0) {
-    const int64_t target_y = std::max<int64_t>(1, 2 * 8 * num_sms() / grid_x);
+    // About one wave of resident blocks (8 of 256 threads an SM): few partial rows to reduce.
+    const int64_t target_y = std::max<int64_t>(1, 8 * num_sms() / grid_x);
     rows_per_block = std::max(rows_per_block, ceil_div(s.rows, target_y));
   }
   rows_per_block = std::max(rows_per_block, ceil_div(s.rows, 65535));  // gridDim.y limit
