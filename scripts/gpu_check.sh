@@ -26,6 +26,11 @@ while [ $# -gt 0 ]; do
   esac
 done
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python FUSEFORGE_OPS=$OPS
+# The GPU image sets CXX=/opt/gcc/bin/g++, a wrapper that links libstdc++ statically into the
+# extension; its stream code then formats into torch's stream objects and crashes on the first
+# error message (seen 2026-11-23: a segfault in std::ostream::_M_insert<long> inside _C.abi3.so).
+# Build with the system compiler, which links the shared libstdc++ torch uses.
+if [ "${CXX:-}" = /opt/gcc/bin/g++ ] && [ -x /usr/bin/g++ ]; then export CXX=/usr/bin/g++ CC=/usr/bin/gcc; fi
 # Peers that are pure Python + Triton (liger-kernel, cut-cross-entropy) travel as wheels in .whl/
 # (git-ignored; name it in the device call's carry).
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -68,7 +73,7 @@ if [ $RUN_TESTS -eq 1 ] && [ -n "$test_files" ]; then
   [ $rc -ne 0 ] && grep -E "^(FAILED|ERROR)|Error|assert" "$LOG/pytest.log" | head -30
   if [ $rc -eq 139 ] || grep -q "Segmentation fault" "$LOG/pytest.log"; then
     grep -A3 "Current thread" "$LOG/pytest.log" | head -8
-    summary "NOTE: a segfault in an error test is the known crash of C++ exceptions thrown from nvcc-compiled host code: move checks/allocation/registration to a g++-compiled <op>_cuda.cpp (docs/DEVELOPING.md)."
+    summary "NOTE: segfault. For a native stack: cuda-gdb -batch -ex run -ex bt --args python3 -c '<repro>'"
   fi
 fi
 

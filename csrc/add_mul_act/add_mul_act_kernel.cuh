@@ -13,69 +13,84 @@
 
 namespace fuseforge::add_mul_act {
 
+// Rows a thread loads before it computes: 128 bytes of each input in flight per thread (4 rows of
+// 16-bit types, 2 of float), held raw (not converted) so the kernel fits 64 registers and 4 blocks
+// an SM.
+template <typename T>
+constexpr int rows_unroll() { return sizeof(T) >= 4 ? 2 : 4; }
+
+// 8 consecutive elements of a row, as loaded.
+template <typename T>
+struct alignas(16) Group {
+  T v[kGroup];
+};
+
+// kVec: one or two 16-byte loads; otherwise scalar loads of the first n (the rest zero).
 template <typename T, bool kVec>
-__device__ __forceinline__ void load_group(const T* p, int n, float (&v)[kGroup]) {
+__device__ __forceinline__ void load_group(const T* p, int n, Group<T>& g) {
   if constexpr (kVec) {
     constexpr int kPerVec = 16 / sizeof(T);
 #pragma unroll
-    for (int k = 0; k < kGroup / kPerVec; ++k) {
-      const auto vec = load_vector<T, kPerVec>(p + k * kPerVec);
-#pragma unroll
-      for (int j = 0; j < kPerVec; ++j) v[k * kPerVec + j] = static_cast<float>(vec.val[j]);
-    }
+    for (int k = 0; k < kGroup / kPerVec; ++k)
+      *reinterpret_cast<AlignedVector<T, kPerVec>*>(&g.v[k * kPerVec]) = load_vector<T, kPerVec>(p + k * kPerVec);
   } else {
 #pragma unroll
-    for (int j = 0; j < kGroup; ++j) v[j] = j < n ? static_cast<float>(p[j]) : 0.f;
+    for (int j = 0; j < kGroup; ++j) g.v[j] = j < n ? p[j] : T(0);
   }
 }
 
 template <typename T, bool kVec>
 __device__ __forceinline__ void store_group(T* p, int n, const float (&v)[kGroup]) {
+  Group<T> g;
+#pragma unroll
+  for (int j = 0; j < kGroup; ++j) g.v[j] = static_cast<T>(v[j]);
   if constexpr (kVec) {
     constexpr int kPerVec = 16 / sizeof(T);
 #pragma unroll
-    for (int k = 0; k < kGroup / kPerVec; ++k) {
-      AlignedVector<T, kPerVec> vec;
-#pragma unroll
-      for (int j = 0; j < kPerVec; ++j) vec.val[j] = static_cast<T>(v[k * kPerVec + j]);
-      store_vector<T, kPerVec>(p + k * kPerVec, vec);
-    }
+    for (int k = 0; k < kGroup / kPerVec; ++k)
+      store_vector<T, kPerVec>(p + k * kPerVec, *reinterpret_cast<const AlignedVector<T, kPerVec>*>(&g.v[k * kPerVec]));
   } else {
 #pragma unroll
     for (int j = 0; j < kGroup; ++j)
-      if (j < n) p[j] = static_cast<T>(v[j]);
+      if (j < n) p[j] = g.v[j];
   }
 }
 
 template <typename T, Activation A, bool kVec>
-__global__ void __launch_bounds__(kThreads) forward_kernel(const ForwardParams<T> p) {
+__global__ void __launch_bounds__(kThreads, 4) forward_kernel(const ForwardParams<T> p) {
+  constexpr int kUnroll = rows_unroll<T>();
   const int64_t group = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (group >= p.groups_per_row) return;
   const int64_t col0 = group * kGroup;
   const int n = static_cast<int>(min(static_cast<int64_t>(kGroup), p.cols - col0));
+  Group<T> bias_raw;
   float b[kGroup] = {};
-  if (p.bias) load_group<T, kVec>(p.bias + col0, n, b);
+  if (p.bias) {
+    load_group<T, kVec>(p.bias + col0, n, bias_raw);
+#pragma unroll
+    for (int j = 0; j < kGroup; ++j) b[j] = static_cast<float>(bias_raw.v[j]);
+  }
   const int64_t row_begin = static_cast<int64_t>(blockIdx.y) * p.rows_per_block;
   const int64_t row_end = min(p.rows, row_begin + p.rows_per_block);
-  for (int64_t r = row_begin + threadIdx.y; r < row_end; r += static_cast<int64_t>(blockDim.y) * kRowUnroll) {
-    float xv[kRowUnroll][kGroup], yv[kRowUnroll][kGroup];
+  for (int64_t r = row_begin + threadIdx.y; r < row_end; r += static_cast<int64_t>(blockDim.y) * kUnroll) {
+    Group<T> xg[kUnroll], yg[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kRowUnroll; ++u) {
+    for (int u = 0; u < kUnroll; ++u) {
       const int64_t row = r + static_cast<int64_t>(u) * blockDim.y;
       if (row < row_end) {
-        load_group<T, kVec>(p.x + row * p.cols + col0, n, xv[u]);
-        load_group<T, kVec>(p.y + row * p.cols + col0, n, yv[u]);
+        load_group<T, kVec>(p.x + row * p.cols + col0, n, xg[u]);
+        load_group<T, kVec>(p.y + row * p.cols + col0, n, yg[u]);
       }
     }
 #pragma unroll
-    for (int u = 0; u < kRowUnroll; ++u) {
+    for (int u = 0; u < kUnroll; ++u) {
       const int64_t row = r + static_cast<int64_t>(u) * blockDim.y;
       if (row >= row_end) break;
       float z[kGroup], o[kGroup];
       uint32_t bits = 0;
 #pragma unroll
       for (int j = 0; j < kGroup; ++j) {
-        z[j] = fmaf(p.alpha, yv[u][j], xv[u][j]) + b[j];
+        z[j] = fmaf(p.alpha, static_cast<float>(yg[u].v[j]), static_cast<float>(xg[u].v[j])) + b[j];
         o[j] = Act<A>::forward(z[j]);
         bits |= static_cast<uint32_t>(z[j] > 0.f) << j;
       }
@@ -88,7 +103,8 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(const ForwardParams<T
 }
 
 template <typename T, Activation A, bool kVec>
-__global__ void __launch_bounds__(kThreads) backward_kernel(const BackwardParams<T> p) {
+__global__ void __launch_bounds__(kThreads, 4) backward_kernel(const BackwardParams<T> p) {
+  constexpr int kUnroll = rows_unroll<T>();
   // Partial bias sums laid out [column-in-group][threadIdx.y][threadIdx.x] so a warp's stores hit
   // consecutive banks.
   __shared__ float partial[kGroup * kThreads];
@@ -100,23 +116,23 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(const BackwardParams
   if (active) {
     const int64_t row_begin = static_cast<int64_t>(blockIdx.y) * p.rows_per_block;
     const int64_t row_end = min(p.rows, row_begin + p.rows_per_block);
-    for (int64_t r = row_begin + threadIdx.y; r < row_end; r += static_cast<int64_t>(blockDim.y) * kRowUnroll) {
-      float gv[kRowUnroll][kGroup], dv[kRowUnroll][kGroup];
-      uint32_t mask_bits[kRowUnroll];
+    for (int64_t r = row_begin + threadIdx.y; r < row_end; r += static_cast<int64_t>(blockDim.y) * kUnroll) {
+      Group<T> gg[kUnroll], zg[kUnroll];
+      uint32_t mask_bits[kUnroll];
 #pragma unroll
-      for (int u = 0; u < kRowUnroll; ++u) {
+      for (int u = 0; u < kUnroll; ++u) {
         const int64_t row = r + static_cast<int64_t>(u) * blockDim.y;
         if (row < row_end) {
-          load_group<T, kVec>(p.grad_out + row * p.cols + col0, n, gv[u]);
+          load_group<T, kVec>(p.grad_out + row * p.cols + col0, n, gg[u]);
           if constexpr (saves_mask(A)) {
             mask_bits[u] = p.saved_mask[row * p.groups_per_row + group];
           } else {
-            load_group<T, kVec>(p.saved_z + row * p.cols + col0, n, dv[u]);
+            load_group<T, kVec>(p.saved_z + row * p.cols + col0, n, zg[u]);
           }
         }
       }
 #pragma unroll
-      for (int u = 0; u < kRowUnroll; ++u) {
+      for (int u = 0; u < kUnroll; ++u) {
         const int64_t row = r + static_cast<int64_t>(u) * blockDim.y;
         if (row >= row_end) break;
         float gx[kGroup];
@@ -126,9 +142,9 @@ __global__ void __launch_bounds__(kThreads) backward_kernel(const BackwardParams
           if constexpr (saves_mask(A)) {
             d = static_cast<float>((mask_bits[u] >> j) & 1u);
           } else {
-            d = Act<A>::derivative(dv[u][j]);
+            d = Act<A>::derivative(static_cast<float>(zg[u].v[j]));
           }
-          gx[j] = gv[u][j] * d;
+          gx[j] = static_cast<float>(gg[u].v[j]) * d;
           acc[j] += gx[j];
         }
         const int64_t offset = row * p.cols + col0;
