@@ -6,6 +6,7 @@ Environment:
   FUSEFORGE_OPS=a,b         build only these op folders of csrc/ (development; default: all)
   MAX_JOBS                  parallel compile jobs (ninja)
   FUSEFORGE_DEBUG=1         -O0 -g host code, -lineinfo device code
+  FUSEFORGE_NVCC_FLAGS      extra nvcc flags (tuning experiments, e.g. "-DFUSEFORGE_AMA_ROWS_16BIT=8")
 """
 import glob
 import os
@@ -82,6 +83,7 @@ def extension():
     ]
     if debug:
         nvcc.append("-lineinfo")
+    nvcc += os.environ.get("FUSEFORGE_NVCC_FLAGS", "").split()
     return CUDAExtension("fuseforge._C", sources(True),
                          extra_compile_args={"cxx": cxx + ["-DFUSEFORGE_WITH_CUDA"],
                                              "nvcc": nvcc + ["-DFUSEFORGE_WITH_CUDA"]},

@@ -13,29 +13,42 @@
 
 namespace fuseforge::add_mul_act {
 
-// Rows a thread loads before it computes: 128 bytes of each input in flight per thread (4 rows of
-// 16-bit types, 2 of float), held raw (not converted) so the kernel fits 64 registers and 4 blocks
-// an SM.
+// Rows a thread loads before it computes (loads in flight), for 16-bit and 32-bit types, and the
+// blocks an SM the register allocation must allow (__launch_bounds__'s second argument; 0: no
+// cap). Compile-time knobs so scripts/add_mul_act_tuning.sh can build and time variants side by
+// side on the GPU (docs/notes_add_mul_act.md); the defaults are the measured best.
+#ifndef FUSEFORGE_AMA_ROWS_16BIT
+#define FUSEFORGE_AMA_ROWS_16BIT 4
+#endif
+#ifndef FUSEFORGE_AMA_ROWS_32BIT
+#define FUSEFORGE_AMA_ROWS_32BIT 4
+#endif
+#ifndef FUSEFORGE_AMA_MIN_BLOCKS
+#define FUSEFORGE_AMA_MIN_BLOCKS 0
+#endif
 template <typename T>
-constexpr int rows_unroll() { return sizeof(T) >= 4 ? 2 : 4; }
+constexpr int rows_unroll() { return sizeof(T) >= 4 ? FUSEFORGE_AMA_ROWS_32BIT : FUSEFORGE_AMA_ROWS_16BIT; }
 
-// 8 consecutive elements of a row, as loaded.
+// 8 consecutive elements of a row, as loaded: whole 16-byte vectors, indexed only with
+// compile-time constants so they stay in registers.
 template <typename T>
-struct alignas(16) Group {
-  T v[kGroup];
+struct Group {
+  static constexpr int kPerVec = 16 / sizeof(T);
+  AlignedVector<T, kPerVec> vec[kGroup / kPerVec];
+  __device__ __forceinline__ T& operator[](int j) { return vec[j / kPerVec].val[j % kPerVec]; }
+  __device__ __forceinline__ const T& operator[](int j) const { return vec[j / kPerVec].val[j % kPerVec]; }
 };
 
 // kVec: one or two 16-byte loads; otherwise scalar loads of the first n (the rest zero).
 template <typename T, bool kVec>
 __device__ __forceinline__ void load_group(const T* p, int n, Group<T>& g) {
   if constexpr (kVec) {
-    constexpr int kPerVec = 16 / sizeof(T);
 #pragma unroll
-    for (int k = 0; k < kGroup / kPerVec; ++k)
-      *reinterpret_cast<AlignedVector<T, kPerVec>*>(&g.v[k * kPerVec]) = load_vector<T, kPerVec>(p + k * kPerVec);
+    for (int k = 0; k < kGroup / Group<T>::kPerVec; ++k)
+      g.vec[k] = load_vector<T, Group<T>::kPerVec>(p + k * Group<T>::kPerVec);
   } else {
 #pragma unroll
-    for (int j = 0; j < kGroup; ++j) g.v[j] = j < n ? p[j] : T(0);
+    for (int j = 0; j < kGroup; ++j) g[j] = j < n ? p[j] : T(0);
   }
 }
 
@@ -43,21 +56,20 @@ template <typename T, bool kVec>
 __device__ __forceinline__ void store_group(T* p, int n, const float (&v)[kGroup]) {
   Group<T> g;
 #pragma unroll
-  for (int j = 0; j < kGroup; ++j) g.v[j] = static_cast<T>(v[j]);
+  for (int j = 0; j < kGroup; ++j) g[j] = static_cast<T>(v[j]);
   if constexpr (kVec) {
-    constexpr int kPerVec = 16 / sizeof(T);
 #pragma unroll
-    for (int k = 0; k < kGroup / kPerVec; ++k)
-      store_vector<T, kPerVec>(p + k * kPerVec, *reinterpret_cast<const AlignedVector<T, kPerVec>*>(&g.v[k * kPerVec]));
+    for (int k = 0; k < kGroup / Group<T>::kPerVec; ++k)
+      store_vector<T, Group<T>::kPerVec>(p + k * Group<T>::kPerVec, g.vec[k]);
   } else {
 #pragma unroll
     for (int j = 0; j < kGroup; ++j)
-      if (j < n) p[j] = g.v[j];
+      if (j < n) p[j] = g[j];
   }
 }
 
 template <typename T, Activation A, bool kVec>
-__global__ void __launch_bounds__(kThreads, 4) forward_kernel(const ForwardParams<T> p) {
+__global__ void __launch_bounds__(kThreads, FUSEFORGE_AMA_MIN_BLOCKS) forward_kernel(const ForwardParams<T> p) {
   constexpr int kUnroll = rows_unroll<T>();
   const int64_t group = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (group >= p.groups_per_row) return;
@@ -68,7 +80,7 @@ __global__ void __launch_bounds__(kThreads, 4) forward_kernel(const ForwardParam
   if (p.bias) {
     load_group<T, kVec>(p.bias + col0, n, bias_raw);
 #pragma unroll
-    for (int j = 0; j < kGroup; ++j) b[j] = static_cast<float>(bias_raw.v[j]);
+    for (int j = 0; j < kGroup; ++j) b[j] = static_cast<float>(bias_raw[j]);
   }
   const int64_t row_begin = static_cast<int64_t>(blockIdx.y) * p.rows_per_block;
   const int64_t row_end = min(p.rows, row_begin + p.rows_per_block);
@@ -90,7 +102,7 @@ __global__ void __launch_bounds__(kThreads, 4) forward_kernel(const ForwardParam
       uint32_t bits = 0;
 #pragma unroll
       for (int j = 0; j < kGroup; ++j) {
-        z[j] = fmaf(p.alpha, static_cast<float>(yg[u].v[j]), static_cast<float>(xg[u].v[j])) + b[j];
+        z[j] = fmaf(p.alpha, static_cast<float>(yg[u][j]), static_cast<float>(xg[u][j])) + b[j];
         o[j] = Act<A>::forward(z[j]);
         bits |= static_cast<uint32_t>(z[j] > 0.f) << j;
       }
@@ -103,7 +115,7 @@ __global__ void __launch_bounds__(kThreads, 4) forward_kernel(const ForwardParam
 }
 
 template <typename T, Activation A, bool kVec>
-__global__ void __launch_bounds__(kThreads, 4) backward_kernel(const BackwardParams<T> p) {
+__global__ void __launch_bounds__(kThreads, FUSEFORGE_AMA_MIN_BLOCKS) backward_kernel(const BackwardParams<T> p) {
   constexpr int kUnroll = rows_unroll<T>();
   // Partial bias sums laid out [column-in-group][threadIdx.y][threadIdx.x] so a warp's stores hit
   // consecutive banks.
@@ -142,9 +154,9 @@ __global__ void __launch_bounds__(kThreads, 4) backward_kernel(const BackwardPar
           if constexpr (saves_mask(A)) {
             d = static_cast<float>((mask_bits[u] >> j) & 1u);
           } else {
-            d = Act<A>::derivative(static_cast<float>(zg[u].v[j]));
+            d = Act<A>::derivative(static_cast<float>(zg[u][j]));
           }
-          gx[j] = static_cast<float>(gg[u].v[j]) * d;
+          gx[j] = static_cast<float>(gg[u][j]) * d;
           acc[j] += gx[j];
         }
         const int64_t offset = row * p.cols + col0;

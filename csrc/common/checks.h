@@ -13,8 +13,9 @@ inline void check_floating(const at::Tensor& t, const char* name) {
 inline void check_dtype_supported(const at::Tensor& t, const char* name, bool allow_double) {
   const auto st = t.scalar_type();
   const bool ok = st == at::kFloat || st == at::kHalf || st == at::kBFloat16 || (allow_double && st == at::kDouble);
-  TORCH_CHECK(ok, name, " must be float32, float16 or bfloat16", allow_double ? " (or float64 on the CPU)" : "",
-              ", got ", st, " on ", t.device());
+  TORCH_CHECK(ok, name, " must be float32, float16 or bfloat16",
+              allow_double ? " (or float64 on the CPU)" : " (float64 only on the CPU)", ", got ", st, " on ",
+              t.device());
 }
 
 inline void check_same_dtype(const at::Tensor& a, const char* a_name, const at::Tensor& b, const char* b_name) {
