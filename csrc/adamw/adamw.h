@@ -1,0 +1,121 @@
+// fused AdamW, host side: the per-device optimizer handle that keeps the parameter list, the
+// optimizer states and the packed metadata between steps, so one step costs one pass of C++ over
+// the parameters (reading each param.grad() itself) and one kernel launch, with no Python loop.
+//
+// A handle is created once per (optimizer, device) by python/fuseforge/optim.py and named by an
+// integer id in the ops (torch.ops.fuseforge.adamw_handle_*); its `steps` tensor (float32, one
+// count per parameter, on the device) is passed to every op so the dispatcher picks the backend.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "adamw/adamw_meta.h"
+
+namespace fuseforge::adamw {
+
+// Per-parameter option bits (adamw_handle_create's param_flags).
+enum : int64_t { kFlagAmsgrad = 1, kFlagMaster = 2 };
+// Values per group in adamw_handle_step's `hypers`: lr, beta1, beta2, eps, weight_decay, maximize.
+constexpr int64_t kHypersPerGroup = 6;
+
+// Backend-owned data kept across steps (device buffers, pinned staging); see adamw_cuda.cu.
+struct BackendCache {
+  virtual ~BackendCache() = default;
+};
+
+// What a backend needs for one step.
+struct StepWork {
+  const std::vector<TensorMeta>* table = nullptr;
+  const BlockPlan* plan = nullptr;
+  bool table_changed = false;            // table/plan differ from the last step's
+  const std::vector<GroupHyper>* groups = nullptr;
+  const std::vector<const void*>* grads = nullptr;  // per table entry; nullptr = no grad this step
+  const float* grad_scale = nullptr;      // device (or host, CPU backend) values
+  const float* found_inf = nullptr;
+  int64_t chunk_elems = kDefaultChunkElems;
+  at::Device device = at::kCPU;
+};
+
+using BackendStepFn = void (*)(std::shared_ptr<BackendCache>& cache, const StepWork& work);
+
+// CPU backend (adamw.cpp); the CUDA one lives in adamw_cuda.cu.
+void cpu_step(std::shared_ptr<BackendCache>& cache, const StepWork& work);
+
+struct SlotState {
+  bool initialized = false;
+  at::Tensor exp_avg, exp_avg_sq, max_exp_avg_sq, master;
+};
+
+class Handle {
+ public:
+  Handle(std::vector<at::Tensor> params, const std::vector<int64_t>& groups, const std::vector<int64_t>& flags,
+         at::Tensor steps, int64_t num_groups);
+
+  // One optimizer step; returns how many slots got their state created (lazily, at their first grad).
+  int64_t step(const std::vector<double>& hypers, const std::vector<std::optional<at::Tensor>>& lr_tensors,
+               const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf,
+               BackendStepFn backend);
+  std::vector<int64_t> take_new_slots();
+  std::vector<at::Tensor> slot_state(int64_t slot) const;
+  // Adopts loaded states (copied when dtype, device or strides differ); empty = no state. Returns the
+  // tensors the handle keeps.
+  std::vector<at::Tensor> set_slot_state(int64_t slot, const std::vector<at::Tensor>& states);
+  void zero_grad(bool set_to_none);
+  const at::Tensor& steps() const { return steps_; }
+  at::Device device() const { return device_; }
+
+ private:
+  void init_slot(int64_t slot);
+  void rebuild_table();
+  at::Tensor adopt_state(int64_t slot, const at::Tensor& value, at::ScalarType dtype, const char* what) const;
+
+  std::vector<at::Tensor> params_;
+  std::vector<int32_t> group_of_;
+  std::vector<int64_t> flags_;
+  at::Tensor steps_;
+  int64_t num_groups_;
+  at::Device device_;
+  std::vector<SlotState> slots_;
+  // Change detection (compared every step; a mismatch triggers a rebuild or a re-check).
+  std::vector<const void*> param_ptr_;
+  std::vector<at::ScalarType> param_dtype_;
+  std::vector<const c10::TensorImpl*> grad_impl_;
+  std::vector<const void*> grad_ptr_;
+  // The packed metadata.
+  std::vector<int32_t> table_index_;  // slot -> table entry, or -1 (no state yet)
+  std::vector<int32_t> table_slot_;   // table entry -> slot
+  std::vector<TensorMeta> table_;
+  BlockPlan plan_;
+  bool table_dirty_ = true;
+  std::vector<GroupHyper> groups_;
+  std::vector<const void*> grads_;
+  std::vector<int64_t> new_slots_;
+  std::vector<std::pair<at::Tensor, at::Tensor>> relaid_;  // (grad, copy in the param's layout), this step
+  std::shared_ptr<BackendCache> cache_;
+};
+
+// Handle registry (ids are what Python holds).
+int64_t register_handle(std::shared_ptr<Handle> handle);
+std::shared_ptr<Handle> get_handle(int64_t id, const at::Tensor& steps);
+void destroy_handle(int64_t id);
+
+// Checks shared by the handle and the tensor-list op.
+void check_param(const at::Tensor& p, const char* what, int64_t index);
+void check_grad(const at::Tensor& g, const at::Tensor& p, int64_t index);
+ParamDtype param_dtype_of(at::ScalarType t);
+GroupHyper make_group_hyper(double lr, double beta1, double beta2, double eps, double weight_decay, bool maximize,
+                            const std::optional<at::Tensor>& lr_tensor, at::Device device);
+void check_scale_tensor(const std::optional<at::Tensor>& t, const char* name, at::Device device);
+
+// The tensor-list op (torch._fused_adamw_-like, one group): used under torch.compile and by
+// functional callers. Builds its metadata on every call.
+void list_step(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+               at::TensorList max_exp_avg_sqs, at::TensorList master_params, at::TensorList state_steps, double lr,
+               double beta1, double beta2, double weight_decay, double eps, bool maximize,
+               const std::optional<at::Tensor>& lr_tensor, const std::optional<at::Tensor>& grad_scale,
+               const std::optional<at::Tensor>& found_inf, BackendStepFn backend);
+
+}  // namespace fuseforge::adamw

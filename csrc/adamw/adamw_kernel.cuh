@@ -1,0 +1,225 @@
+// fused AdamW device code: one kernel updates every tensor of the table. Block b takes work item
+// blocks[first_block + b] = (tensor, chunk) and updates that chunk with 16-byte vector accesses when
+// all of the tensor's arrays are 16-byte aligned (the masked scalar path otherwise, and for the
+// tail). The element math is adamw_math.h's, shared with the CPU backend.
+//
+// Step counts: every block of a tensor reads the tensor's count before it works; the block that
+// finishes last (a per-tensor arrival counter) writes count + 1 and resets the counter, so no
+// separate increment launch is needed and no block reads a count another block already advanced.
+#pragma once
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+
+#include "adamw/adamw_math.h"
+#include "adamw/adamw_meta.h"
+#include "common/vec.cuh"
+
+namespace fuseforge::adamw {
+
+constexpr int kThreads = 256;
+// 4 blocks of 256 threads a multiprocessor (<= 64 registers a thread): enough loads in flight to
+// saturate HBM with 64-112 bytes a thread per iteration.
+constexpr int kMinBlocksPerSm = 4;
+
+struct KernelArgs {
+  const TensorMeta* table;
+  const BlockWork* blocks;
+  const GroupHyper* groups;
+  const void* const* grads;  // per tensor; nullptr: no grad this step (skipped, step not advanced)
+  int32_t* done;             // per tensor arrival counters, zero between launches
+  const float* grad_scale;   // nullable
+  const float* found_inf;    // nullable: nonzero skips the whole step
+  int64_t chunk_elems;
+  int64_t first_block;
+};
+
+// 16-byte global accesses with the streaming (evict-first) hint: every element is read once and
+// written once. Explicit ld.global/st.global: the addresses come from the table, so the compiler
+// would otherwise emit generic accesses.
+template <typename T, int N>
+__device__ __forceinline__ AlignedVector<T, N> load_stream(const T* p) {
+  static_assert(sizeof(AlignedVector<T, N>) == 16, "16-byte vectors");
+  const uint4 raw = __ldcs(reinterpret_cast<const uint4*>(p));
+  AlignedVector<T, N> v;
+  memcpy(&v, &raw, 16);
+  return v;
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void store_stream(T* p, const AlignedVector<T, N>& v) {
+  static_assert(sizeof(AlignedVector<T, N>) == 16, "16-byte vectors");
+  uint4 raw;
+  memcpy(&raw, &v, 16);
+  __stcs(reinterpret_cast<uint4*>(p), raw);
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void load_floats(const T* p, float (&out)[N]) {
+  constexpr int kPer = 16 / static_cast<int>(sizeof(T));
+  static_assert(N % kPer == 0, "whole 16-byte vectors");
+#pragma unroll
+  for (int k = 0; k < N / kPer; ++k) {
+    const auto v = load_stream<T, kPer>(p + k * kPer);
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) out[k * kPer + j] = static_cast<float>(v.val[j]);
+  }
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void store_floats(T* p, const float (&in)[N]) {
+  constexpr int kPer = 16 / static_cast<int>(sizeof(T));
+#pragma unroll
+  for (int k = 0; k < N / kPer; ++k) {
+    AlignedVector<T, kPer> v;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) v.val[j] = static_cast<T>(in[k * kPer + j]);
+    store_stream<T, kPer>(p + k * kPer, v);
+  }
+}
+
+template <typename T, bool kMaster, bool kAmsgrad, bool kVec>
+__device__ __forceinline__ void update_chunk(const TensorMeta& t, T* grad, int64_t begin, int64_t n,
+                                             const StepScalars<float>& s) {
+  T* p = static_cast<T*>(t.param) + begin;
+  T* g = grad + begin;
+  float* m = static_cast<float*>(t.exp_avg) + begin;
+  float* v = static_cast<float*>(t.exp_avg_sq) + begin;
+  float* vmax = kAmsgrad ? static_cast<float*>(t.max_exp_avg_sq) + begin : nullptr;
+  float* master = kMaster ? static_cast<float*>(t.master) + begin : nullptr;
+  int64_t vec_end = 0;
+  if constexpr (kVec) {
+    // One 16-byte vector of the param and of the grad (4 float32 or 8 float16/bfloat16 elements),
+    // processed in quarters of 4 elements whose float32 states are one 16-byte vector each: few
+    // registers live at once (64 registers at 4 blocks a multiprocessor; ptxas: 32 B of spills).
+    constexpr int V = 16 / static_cast<int>(sizeof(T));
+    vec_end = n / V * V;
+    for (int64_t e = static_cast<int64_t>(threadIdx.x) * V; e < vec_end; e += static_cast<int64_t>(kThreads) * V) {
+      AlignedVector<T, V> praw, graw;
+      if constexpr (!kMaster) praw = load_stream<T, V>(p + e);
+      graw = load_stream<T, V>(g + e);
+#pragma unroll
+      for (int q = 0; q < V / 4; ++q) {
+        const int64_t eq = e + 4 * q;
+        float pf[4], gf[4], mf[4], vf[4], xf[4] = {0.f, 0.f, 0.f, 0.f};
+        if constexpr (kMaster) {
+          load_floats<float, 4>(master + eq, pf);
+        } else {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) pf[j] = static_cast<float>(praw.val[4 * q + j]);
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) gf[j] = static_cast<float>(graw.val[4 * q + j]);
+        load_floats<float, 4>(m + eq, mf);
+        load_floats<float, 4>(v + eq, vf);
+        if constexpr (kAmsgrad) load_floats<float, 4>(vmax + eq, xf);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) adamw_element<float, kAmsgrad>(pf[j], gf[j], mf[j], vf[j], xf[j], s);
+        if constexpr (kMaster) store_floats<float, 4>(master + eq, pf);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          praw.val[4 * q + j] = static_cast<T>(pf[j]);
+          graw.val[4 * q + j] = static_cast<T>(gf[j]);
+        }
+        store_floats<float, 4>(m + eq, mf);
+        store_floats<float, 4>(v + eq, vf);
+        if constexpr (kAmsgrad) store_floats<float, 4>(vmax + eq, xf);
+      }
+      store_stream<T, V>(p + e, praw);
+      if (s.unscale) store_stream<T, V>(g + e, graw);
+    }
+  }
+  for (int64_t e = vec_end + threadIdx.x; e < n; e += kThreads) {
+    float pv = kMaster ? master[e] : static_cast<float>(p[e]);
+    float gv = static_cast<float>(g[e]);
+    float mv = m[e], vv = v[e];
+    float xv = kAmsgrad ? vmax[e] : 0.f;
+    adamw_element<float, kAmsgrad>(pv, gv, mv, vv, xv, s);
+    if constexpr (kMaster) master[e] = pv;
+    p[e] = static_cast<T>(pv);
+    if (s.unscale) g[e] = static_cast<T>(gv);
+    m[e] = mv;
+    v[e] = vv;
+    if constexpr (kAmsgrad) vmax[e] = xv;
+  }
+}
+
+template <typename T, bool kMaster>
+__device__ __forceinline__ void update_typed(const TensorMeta& t, const void* grad, int64_t begin, int64_t n,
+                                             const StepScalars<float>& s) {
+  T* g = static_cast<T*>(const_cast<void*>(grad));
+  const bool amsgrad = t.max_exp_avg_sq != nullptr;
+  // Chunks start at multiples of chunk_elems (a multiple of 8), so base alignment decides.
+  const uintptr_t bits = reinterpret_cast<uintptr_t>(t.param) | reinterpret_cast<uintptr_t>(grad) |
+                         reinterpret_cast<uintptr_t>(t.exp_avg) | reinterpret_cast<uintptr_t>(t.exp_avg_sq) |
+                         reinterpret_cast<uintptr_t>(t.max_exp_avg_sq) | reinterpret_cast<uintptr_t>(t.master);
+  const bool vec = (bits & 15u) == 0;
+  if (vec) {
+    if (amsgrad) update_chunk<T, kMaster, true, true>(t, g, begin, n, s);
+    else update_chunk<T, kMaster, false, true>(t, g, begin, n, s);
+  } else {
+    if (amsgrad) update_chunk<T, kMaster, true, false>(t, g, begin, n, s);
+    else update_chunk<T, kMaster, false, false>(t, g, begin, n, s);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) adamw_multi_tensor_kernel(const KernelArgs a) {
+  const BlockWork w = a.blocks[a.first_block + blockIdx.x];
+  const void* grad = a.grads[w.tensor];
+  if (grad == nullptr) return;                                   // no grad: untouched, like torch
+  if (a.found_inf != nullptr && *a.found_inf != 0.f) return;     // GradScaler saw inf/nan: skip the step
+  const TensorMeta& t = a.table[w.tensor];
+  const GroupHyper& h = a.groups[t.group];
+  double lr = h.lr;
+  if (h.lr_ptr != nullptr)
+    lr = h.lr_is_double ? *static_cast<const double*>(h.lr_ptr) : static_cast<double>(*static_cast<const float*>(h.lr_ptr));
+  float* step_ptr = t.step;
+  const float step = *step_ptr + 1.0f;
+  const StepScalars<float> s = make_step_scalars<float>(lr, h.beta1, h.beta2, h.eps, h.weight_decay, h.maximize != 0,
+                                                        static_cast<double>(step), a.grad_scale);
+  const int64_t begin = static_cast<int64_t>(w.chunk) * a.chunk_elems;
+  const int64_t n = max(int64_t{0}, min(a.chunk_elems, t.numel - begin));
+  if (n > 0) {
+    switch (static_cast<ParamDtype>(t.dtype)) {
+      case ParamDtype::kFloat: update_typed<float, false>(t, grad, begin, n, s); break;
+      case ParamDtype::kHalf:
+        if (t.master) update_typed<c10::Half, true>(t, grad, begin, n, s);
+        else update_typed<c10::Half, false>(t, grad, begin, n, s);
+        break;
+      case ParamDtype::kBFloat16:
+        if (t.master) update_typed<c10::BFloat16, true>(t, grad, begin, n, s);
+        else update_typed<c10::BFloat16, false>(t, grad, begin, n, s);
+        break;
+      default: break;  // float64 is CPU-only (rejected on the host)
+    }
+  }
+  // Every thread has read *step_ptr above; the last block of the tensor advances it.
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const int32_t arrived = atomicAdd(a.done + w.tensor, 1);
+    if (arrived == t.num_chunks - 1) {
+      *step_ptr = step;
+      a.done[w.tensor] = 0;
+    }
+  }
+}
+
+// Writes `count` 8-byte words carried in the kernel's parameters to dst: the per-step upload of
+// grad addresses and group hyperparameters. The data travels inside the launch, so the upload
+// needs no pinned host buffer and is safe to record in a CUDA graph (replays rewrite the captured
+// values).
+template <int kWords>
+struct PatchArgs {
+  uint64_t* dst;
+  int64_t count;
+  uint64_t words[kWords];
+};
+
+template <int kWords>
+__global__ void __launch_bounds__(kThreads) patch_words_kernel(const PatchArgs<kWords> a) {
+  for (int64_t i = threadIdx.x; i < a.count; i += kThreads) a.dst[i] = a.words[i];
+}
+
+}  // namespace fuseforge::adamw

@@ -1,0 +1,316 @@
+"""fuseforge optimizers: drop-in replacements for torch.optim ones.
+
+AdamW: torch.optim.AdamW's math (decoupled weight decay, bias correction, amsgrad, maximize) with
+one kernel launch per step and device for every parameter of every group, whatever their number,
+sizes and dtypes (float32, float16, bfloat16; float64 on the CPU). The parameter list lives in a
+C++ handle that reads each ``param.grad`` itself, so a step costs no Python loop over parameters;
+the tensor table, block map and grad addresses live in device memory and are re-uploaded only when
+they change. No host synchronization in ``step()``.
+"""
+from __future__ import annotations
+
+import weakref
+from itertools import chain
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+import fuseforge.ops.adamw  # noqa: F401  (fake kernels)
+
+__all__ = ["AdamW"]
+
+_ops = torch.ops.fuseforge
+_AMSGRAD, _MASTER = 1, 2
+_STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")
+_SUPPORTED = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def _as_float(x) -> float:
+    return float(x.item()) if isinstance(x, Tensor) else float(x)
+
+
+def _check_hypers(lr, betas, eps, weight_decay) -> None:
+    if isinstance(lr, Tensor):
+        if lr.numel() != 1:
+            raise ValueError(f"Tensor lr must be 1-element, got shape {tuple(lr.shape)}")
+    elif not lr >= 0.0:
+        raise ValueError(f"Invalid learning rate: {lr} (must be >= 0)")
+    if not eps >= 0.0:
+        raise ValueError(f"Invalid epsilon value: {eps} (must be >= 0)")
+    if len(betas) != 2:
+        raise ValueError(f"betas must be a pair, got {betas}")
+    for i, b in enumerate(betas):
+        if not 0.0 <= _as_float(b) < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {i}: {_as_float(b)} (must be in [0, 1))")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay} (must be >= 0)")
+
+
+class _DeviceHandle:
+    """The C++ handle of one device: its parameters (in group order), the groups it serves and the
+    float32 step counts (state["step"] of each parameter is a view of one element)."""
+
+    def __init__(self, device, group_ids, params, flags, steps, handle):
+        self.device = device
+        self.group_ids = group_ids
+        self.params = params
+        self.flags = flags
+        self.steps = steps
+        self.handle = handle
+        self.finalizer = weakref.finalize(self, _ops.adamw_handle_destroy, handle, steps)
+
+
+class AdamW(Optimizer):
+    r"""AdamW with a multi-tensor-apply fused kernel: one launch per step for all parameters.
+
+    Args:
+        params: parameters or parameter groups (every group's parameters on one device).
+        lr (float or Tensor): learning rate. A 0-dim CUDA tensor is read by the kernel at run time,
+            so schedulers that ``fill_`` it reach CUDA-graph replays; a float change takes effect on
+            the next ``step()`` (no recompile, no sync).
+        betas, eps, weight_decay, amsgrad, maximize: as in torch.optim.AdamW.
+        master_weights (bool): keep a float32 master copy of float16/bfloat16 parameters
+            (``state["master_param"]``); the update runs on it and is rounded into the parameter.
+        capturable (bool): allow ``step()`` inside CUDA-graph capture. Every step is capture-safe
+            (step counts, lr tensors, ``grad_scale`` and ``found_inf`` are read on the device);
+            state is created at a parameter's first grad, so run one step before capturing.
+
+    Optimizer states are float32 whatever the parameter dtype (float64 for float64 CPU params).
+    ``state_dict()`` / ``load_state_dict()`` use torch.optim.AdamW's format (keys ``step``,
+    ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``; plus ``master_param`` with master weights), so
+    checkpoints move both ways. GradScaler: ``grad_scale``/``found_inf`` are handled in the kernel
+    (``_step_supports_amp_scaling``); a step with ``found_inf`` set changes nothing.
+
+    Replacing a state tensor object in ``optimizer.state`` by hand is not seen (in-place edits are);
+    use ``load_state_dict``.
+    """
+
+    _step_supports_amp_scaling = True
+
+    def __init__(self, params, lr: float | Tensor = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, amsgrad: bool = False, maximize: bool = False, *,
+                 master_weights: bool = False, capturable: bool = False):
+        _check_hypers(lr, betas, eps, weight_decay)
+        self._handles: Optional[list[_DeviceHandle]] = None
+        self._state_count = 0  # len(self.state) as the handles know it
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                        maximize=maximize, master_weights=master_weights, capturable=capturable)
+        super().__init__(params, defaults)
+
+    # ---- groups and state ---------------------------------------------------------------------
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        params = param_group["params"]
+        params = [params] if isinstance(params, Tensor) else list(params)
+        devices = {p.device for p in params if isinstance(p, Tensor)}
+        if len(devices) > 1:
+            raise ValueError("AdamW: all parameters of a param group must be on one device, got "
+                             f"{sorted(str(d) for d in devices)}; put each device's parameters in its own group")
+        for i, p in enumerate(params):
+            if isinstance(p, Tensor):
+                if p.is_complex():
+                    raise ValueError(f"AdamW: parameter {i} of the group is complex ({p.dtype}); "
+                                     "view complex parameters as real (torch.view_as_real)")
+                if p.dtype not in _SUPPORTED or (p.dtype == torch.float64 and p.device.type != "cpu"):
+                    raise ValueError(f"AdamW: parameter {i} of the group has dtype {p.dtype} on {p.device}; "
+                                     "expected float32, float16 or bfloat16 (float64 on the CPU)")
+                if p.device.type not in ("cpu", "cuda"):
+                    raise ValueError(f"AdamW: parameter {i} is on {p.device}; expected the CPU or a CUDA device")
+        for key in ("lr", "betas", "eps", "weight_decay"):
+            if key in param_group:
+                _check_hypers(param_group.get("lr", 0.0), param_group.get("betas", (0.0, 0.0)),
+                              param_group.get("eps", 0.0), param_group.get("weight_decay", 0.0))
+                break
+        super().add_param_group(param_group)
+        self._invalidate()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("amsgrad", False)
+            group.setdefault("maximize", False)
+            group.setdefault("master_weights", False)
+            group.setdefault("capturable", False)
+        self._invalidate()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"defaults": self.defaults, "state": self.state, "param_groups": self.param_groups}
+
+    def _invalidate(self) -> None:
+        handles = getattr(self, "_handles", None)
+        if handles:
+            for h in handles:
+                h.finalizer()
+        self._handles = None
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # The base class casts every floating state to the parameter's dtype; keep the saved
+        # precision instead (float32 moments of bfloat16 params stay float32).
+        saved_state = state_dict["state"]
+        saved_ids = list(chain.from_iterable(g["params"] for g in state_dict["param_groups"]))
+        super().load_state_dict(state_dict)
+        params = list(chain.from_iterable(g["params"] for g in self.param_groups))
+        for sid, p in zip(saved_ids, params):
+            saved = saved_state.get(sid)
+            if not saved:
+                continue
+            st = self.state[p]
+            for key in _STATE_KEYS:
+                v = saved.get(key)
+                if isinstance(v, Tensor):
+                    st[key] = v.to(device=p.device)
+        self._invalidate()
+
+    def _build_handles(self) -> None:
+        by_device: dict[torch.device, list[int]] = {}
+        for gi, group in enumerate(self.param_groups):
+            if group["params"]:
+                by_device.setdefault(group["params"][0].device, []).append(gi)
+        handles = []
+        for device, group_ids in by_device.items():
+            params, groups, flags = [], [], []
+            for local, gi in enumerate(group_ids):
+                group = self.param_groups[gi]
+                f = (_AMSGRAD if group["amsgrad"] else 0) | (_MASTER if group["master_weights"] else 0)
+                for p in group["params"]:
+                    params.append(p)
+                    groups.append(local)
+                    flags.append(f)
+            steps = torch.zeros(len(params), dtype=torch.float32, device=device)
+            handle = _ops.adamw_handle_create(params, groups, flags, steps, len(group_ids))
+            h = _DeviceHandle(device, group_ids, params, flags, steps, handle)
+            # Adopt existing state (loaded, or created before a rebuild).
+            slots, values = [], []
+            for slot, p in enumerate(params):
+                st = self.state.get(p)
+                if not st:
+                    continue
+                absent = torch.empty(0, dtype=torch.uint8)  # the ops' marker for a missing state
+                given = [st[k] if isinstance(st.get(k), Tensor) else absent for k in _STATE_KEYS]
+                kept = _ops.adamw_handle_set_state(handle, steps, slot, given)
+                self._store_state(st, h, slot, kept)
+                slots.append(slot)
+                values.append(torch.as_tensor(st.get("step", 0.0), dtype=torch.float32).reshape(()).to(device))
+            if slots:
+                steps[torch.tensor(slots, device=device)] = torch.stack(values)
+            for slot in slots:
+                self.state[params[slot]]["step"] = steps[slot]
+            handles.append(h)
+        self._handles = handles
+        self._state_count = len(self.state)
+
+    @staticmethod
+    def _store_state(st: dict, h: _DeviceHandle, slot: int, kept: list[Tensor]) -> None:
+        p = h.params[slot]
+        st["exp_avg"], st["exp_avg_sq"] = kept[0], kept[1]
+        if h.flags[slot] & _AMSGRAD:
+            st["max_exp_avg_sq"] = kept[2]
+        else:
+            st.pop("max_exp_avg_sq", None)
+        if h.flags[slot] & _MASTER and p.dtype in (torch.float16, torch.bfloat16):
+            st["master_param"] = kept[3]
+        else:
+            st.pop("master_param", None)
+
+    def _adopt_new_states(self, h: _DeviceHandle) -> None:
+        for slot in _ops.adamw_handle_new_slots(h.handle, h.steps):
+            st = self.state[h.params[slot]]
+            st["step"] = h.steps[slot]
+            self._store_state(st, h, slot, _ops.adamw_handle_state(h.handle, h.steps, slot))
+        self._state_count = len(self.state)
+
+    # ---- step ---------------------------------------------------------------------------------
+    def _capture_check(self) -> None:
+        if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
+            if not all(g["capturable"] for g in self.param_groups):
+                raise RuntimeError("AdamW: step() is being captured in a CUDA graph but capturable=False; "
+                                   "construct the optimizer with capturable=True")
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if torch.compiler.is_compiling():
+            self._step_lists()
+            return loss
+        self._capture_check()
+        if self._handles is None or len(self.state) != self._state_count:
+            # New entries in self.state that the handles did not create (a compiled step's): adopt them.
+            self._invalidate()
+            self._build_handles()
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        groups = self.param_groups
+        for h in self._handles:
+            hypers: list[float] = []
+            lr_tensors: list[Optional[Tensor]] = []
+            any_tensor_lr = False
+            for gi in h.group_ids:
+                g = groups[gi]
+                lr = g["lr"]
+                beta1, beta2 = g["betas"]
+                if isinstance(lr, Tensor):
+                    any_tensor_lr = True
+                    lr_tensors.append(lr)
+                    lr = 0.0
+                else:
+                    lr_tensors.append(None)
+                hypers += (lr, _as_float(beta1), _as_float(beta2), g["eps"], g["weight_decay"],
+                           1.0 if g["maximize"] else 0.0)
+            gs = grad_scale if grad_scale is None or grad_scale.device == h.device else \
+                grad_scale.to(h.device, non_blocking=True)
+            fi = found_inf if found_inf is None or found_inf.device == h.device else \
+                found_inf.to(h.device, non_blocking=True)
+            created = _ops.adamw_handle_step(h.handle, h.steps, hypers, lr_tensors if any_tensor_lr else [], gs, fi)
+            if created:
+                self._adopt_new_states(h)
+        return loss
+
+    def _step_lists(self) -> None:
+        """The traceable step (torch.compile): one adamw_fused_ call per group over tensor lists."""
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        for group in self.param_groups:
+            params, grads, exp_avgs, exp_avg_sqs, maxs, masters, steps = [], [], [], [], [], [], []
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if len(st) == 0:
+                    sdt = torch.float64 if p.dtype == torch.float64 else torch.float32
+                    st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                    st["exp_avg"] = torch.zeros_like(p, dtype=sdt, memory_format=torch.preserve_format)
+                    st["exp_avg_sq"] = torch.zeros_like(p, dtype=sdt, memory_format=torch.preserve_format)
+                    if group["amsgrad"]:
+                        st["max_exp_avg_sq"] = torch.zeros_like(p, dtype=sdt, memory_format=torch.preserve_format)
+                    if group["master_weights"] and p.dtype in (torch.float16, torch.bfloat16):
+                        st["master_param"] = p.detach().to(torch.float32, memory_format=torch.preserve_format)
+                params.append(p)
+                grads.append(p.grad)
+                exp_avgs.append(st["exp_avg"])
+                exp_avg_sqs.append(st["exp_avg_sq"])
+                if group["amsgrad"]:
+                    maxs.append(st["max_exp_avg_sq"])
+                if group["master_weights"]:
+                    masters.append(st.get("master_param", st["exp_avg"]))
+                steps.append(st["step"])
+            if not params:
+                continue
+            lr = group["lr"]
+            beta1, beta2 = group["betas"]
+            _ops.adamw_fused_(params, grads, exp_avgs, exp_avg_sqs, maxs, masters, steps,
+                              lr=0.0 if isinstance(lr, Tensor) else lr, beta1=beta1, beta2=beta2,
+                              weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
+                              lr_tensor=lr if isinstance(lr, Tensor) else None, grad_scale=grad_scale,
+                              found_inf=found_inf)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Resets every parameter's grad in one C++ pass (set_to_none, the default) or one
+        multi-tensor zero_ (set_to_none=False)."""
+        if self._handles is None or len(self.state) != self._state_count:
+            return super().zero_grad(set_to_none)
+        for h in self._handles:
+            _ops.adamw_handle_zero_grad(h.handle, h.steps, set_to_none)
