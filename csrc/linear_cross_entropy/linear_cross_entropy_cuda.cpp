@@ -1,0 +1,388 @@
+// linear_cross_entropy CUDA implementation, host side: the chunk plans, the cuBLAS matrix products
+// (through at::mm / at::addmm, float32 accumulation; logits written in float32) and the launches of
+// the row-softmax kernels. No host sync anywhere: the mean's divisor stays a device scalar. Compiled
+// by the C++ compiler, not nvcc (errors thrown here unwind through C++ frames only).
+//
+// Default strategy (row chunks), per super-chunk of S rows:
+//   for each sub-chunk of c rows:  logits(c x V, fp32) = x_c @ W^T           (cuBLAS)
+//                                  loss, lse, dz(c x V, input dtype)          (cluster row-softmax)
+//   grad_x[S rows] = dz_S @ W ;  grad_W (+)= dz_S^T @ x_S ;  grad_b += sum(dz_S)   (cuBLAS)
+// Workspace 4cV + sizeof(T) S V bytes <= kWorkspaceBudget. grad_W accumulates in cuBLAS
+// (float32 inside, one rounding to T a super-chunk): at most kMaxRoundedPasses passes, else a
+// float32 V x H accumulator.
+//
+// Low-memory strategy (vocabulary tiles, recomputation): pass 1 over (row, vocab) tiles merges
+// running per-row statistics into lse; pass 2, vocabulary-outer, recomputes each tile's logits and
+// accumulates grad_W's rows of that vocabulary chunk over all rows in float32 (Cv x H) and grad_x in
+// a float32 N x H accumulator.
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/mm.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdlib>
+
+#include "common/checks.h"
+#include "common/cuda_utils.h"
+#include "common/dispatch.h"
+#include "linear_cross_entropy/linear_cross_entropy.h"
+#include "linear_cross_entropy/linear_cross_entropy_launch.h"
+
+namespace fuseforge::linear_cross_entropy {
+namespace {
+
+constexpr int64_t kWorkspaceBudget = int64_t{768} << 20;  // bytes, default strategy
+constexpr int64_t kMaxRoundedPasses = 4;                  // low-precision roundings of grad_W per element
+constexpr int64_t kMaxSuperRows = 8192;
+constexpr int64_t kLowMemRows = 2048;                     // low-memory tile: rows x vocab columns
+constexpr int64_t kLowMemCols = 512;
+
+struct Plan {
+  int64_t sub_rows = 0, super_rows = 0;
+  bool fp32_weight_acc = false;
+};
+
+// Development knobs (benchmarking the chunk plan): FUSEFORGE_LCE_SUB_ROWS, FUSEFORGE_LCE_WORKSPACE_MIB.
+int64_t env_or(const char* name, int64_t fallback) {
+  const char* v = std::getenv(name);
+  return v && *v ? std::max<int64_t>(1, std::atoll(v)) : fallback;
+}
+
+Plan plan_rows(const Problem& p, bool want_weight_grad) {
+  Plan plan;
+  const int64_t esize = p.x2d.element_size();
+  const int64_t budget = env_or("FUSEFORGE_LCE_WORKSPACE_MIB", kWorkspaceBudget >> 20) << 20;
+  plan.sub_rows = std::min<int64_t>(env_or("FUSEFORGE_LCE_SUB_ROWS", p.vocab > 196608 ? 256 : 512),
+                                    std::max<int64_t>(p.rows, 1));
+  const int64_t staging = 4 * plan.sub_rows * p.vocab;
+  int64_t s = (budget - staging) / (esize * p.vocab);
+  s = std::clamp<int64_t>(s / plan.sub_rows * plan.sub_rows, plan.sub_rows, kMaxSuperRows);
+  plan.super_rows = std::min<int64_t>(s, ceil_div(std::max<int64_t>(p.rows, 1), plan.sub_rows) * plan.sub_rows);
+  const int64_t passes = ceil_div(p.rows, plan.super_rows);
+  plan.fp32_weight_acc = want_weight_grad && p.x2d.scalar_type() != at::kFloat && passes > kMaxRoundedPasses;
+  return plan;
+}
+
+// Logits of rows x (vocab columns [v0, v0 + cols)) in float32 into `out` (contiguous rows x cols).
+void logits_gemm(at::Tensor& out, const at::Tensor& x_rows, const at::Tensor& w_rows) {
+  if (x_rows.scalar_type() == at::kFloat) {
+    at::mm_out(out, x_rows, w_rows.t());
+  } else {
+    at::mm_out(out, x_rows, w_rows.t(), at::kFloat);  // bf16/fp16 inputs, float32 accumulate and output
+  }
+}
+
+// acc (+)= a @ b with acc float32 and a, b in the input dtype.
+void gemm_accumulate_fp32(at::Tensor& acc, const at::Tensor& a, const at::Tensor& b, bool first) {
+  if (a.scalar_type() == at::kFloat) {
+    if (first) at::mm_out(acc, a, b);
+    else acc.addmm_(a, b);
+  } else {
+    if (first) at::mm_out(acc, a, b, at::kFloat);
+    else at::addmm_out(acc, acc, a, b, at::kFloat, 1, 1);
+  }
+}
+
+template <typename T>
+RowParams<T> base_params(const Problem& p, const std::optional<at::Tensor>& row_scale,
+                         const std::optional<at::Tensor>& scalar_scale) {
+  RowParams<T> rp;
+  rp.bias = p.bias.defined() ? p.bias.const_data_ptr<T>() : nullptr;
+  rp.vocab = p.vocab;
+  rp.ignore_index = p.cfg.ignore_index;
+  rp.label_smoothing = static_cast<float>(p.cfg.label_smoothing);
+  rp.z_loss = static_cast<float>(p.cfg.z_loss);
+  rp.softcap = static_cast<float>(p.cfg.softcap);
+  rp.row_scale = row_scale.has_value() ? row_scale->const_data_ptr<float>() : nullptr;
+  rp.scalar_scale = scalar_scale.has_value() ? scalar_scale->const_data_ptr<float>() : nullptr;
+  return rp;
+}
+
+struct Outputs {
+  at::Tensor row_losses, stats, grad_x, grad_weight, grad_bias;  // stats (2, N): lse, nll
+};
+
+// Gradient weights: row_scale (per row) and/or scalar_scale (device scalar) multiply dz.
+struct GradSpec {
+  bool enabled = false;
+  GradRequest want;
+  std::optional<at::Tensor> row_scale, scalar_scale;
+  std::optional<at::Tensor> stats_in;  // known (lse, nll) rows (recomputing backward)
+};
+
+void allocate_grads(const Problem& p, const GradSpec& g, Outputs& o) {
+  if (!g.enabled) return;
+  const auto opts = p.x2d.options();
+  if (g.want.x) o.grad_x = at::empty({p.rows, p.hidden}, opts);
+  if (g.want.weight) o.grad_weight = at::empty({p.vocab, p.hidden}, opts);
+  if (g.want.bias) o.grad_bias = at::empty({p.vocab}, opts);
+}
+
+template <typename T>
+void run_default(const Problem& p, const GradSpec& g, Outputs& o) {
+  const Plan plan = plan_rows(p, g.enabled && g.want.weight);
+  const auto f32 = p.x2d.options().dtype(at::kFloat);
+  at::Tensor staging = at::empty({plan.sub_rows * p.vocab}, f32);
+  at::Tensor dz_buf, w_acc, b_acc;
+  if (g.enabled) {
+    dz_buf = at::empty({plan.super_rows, p.vocab}, p.x2d.options());
+    if (g.want.weight && plan.fp32_weight_acc) w_acc = at::empty({p.vocab, p.hidden}, f32);
+    if (g.want.bias) b_acc = at::zeros({p.vocab}, f32);
+  }
+  at::Tensor& w_out = plan.fp32_weight_acc ? w_acc : o.grad_weight;
+  const bool cluster = p.vocab % 4 == 0 && p.vocab <= kClusterMaxVocab && !g.stats_in.has_value();
+  RowParams<T> rp = base_params<T>(p, g.row_scale, g.scalar_scale);
+  rp.cols = p.vocab;
+  rp.ld_logits = p.vocab;
+  rp.ld_dz = p.vocab;
+  if (g.stats_in.has_value()) {
+    rp.lse_in = (*g.stats_in)[0].const_data_ptr<float>();
+    rp.nll_in = (*g.stats_in)[1].const_data_ptr<float>();
+  }
+  bool first_pass = true;
+  for (int64_t s0 = 0; s0 < p.rows; s0 += plan.super_rows) {
+    const int64_t s_rows = std::min(plan.super_rows, p.rows - s0);
+    for (int64_t c0 = s0; c0 < s0 + s_rows; c0 += plan.sub_rows) {
+      const int64_t c_rows = std::min(plan.sub_rows, s0 + s_rows - c0);
+      at::Tensor logits = staging.narrow(0, 0, c_rows * p.vocab).view({c_rows, p.vocab});
+      logits_gemm(logits, p.x2d.narrow(0, c0, c_rows), p.weight);
+      RowParams<T> q = rp;
+      q.logits = logits.const_data_ptr<float>();
+      q.rows = c_rows;
+      q.target = p.target.const_data_ptr<int64_t>() + c0;
+      if (q.row_scale) q.row_scale += c0;
+      if (q.lse_in) {
+        q.lse_in += c0;
+        q.nll_in += c0;
+      } else {
+        q.lse_out = o.stats[0].mutable_data_ptr<float>() + c0;
+        q.nll_out = o.stats[1].mutable_data_ptr<float>() + c0;
+        q.loss_out = o.row_losses.mutable_data_ptr<float>() + c0;
+      }
+      q.dz = g.enabled ? dz_buf.mutable_data_ptr<T>() + (c0 - s0) * p.vocab : nullptr;
+      if (cluster && q.dz) {
+        launch_row_softmax_cluster<T>(q);
+      } else {
+        launch_row_softmax_stream<T>(q);
+      }
+    }
+    if (!g.enabled) continue;
+    const at::Tensor dz = dz_buf.narrow(0, 0, s_rows);
+    const at::Tensor x_rows = p.x2d.narrow(0, s0, s_rows);
+    if (g.want.x) {
+      at::Tensor gx_rows = o.grad_x.narrow(0, s0, s_rows);
+      at::mm_out(gx_rows, dz, p.weight);
+    }
+    if (g.want.weight) {
+      if (plan.fp32_weight_acc) {
+        gemm_accumulate_fp32(w_out, dz.t(), x_rows, first_pass);
+      } else if (first_pass) {
+        at::mm_out(w_out, dz.t(), x_rows);
+      } else {
+        w_out.addmm_(dz.t(), x_rows);  // cuBLAS beta = 1: float32 inside, one rounding to T
+      }
+    }
+    if (g.want.bias) b_acc.add_(at::sum(dz, {0}, false, at::kFloat));
+    first_pass = false;
+  }
+  if (!g.enabled) return;
+  if (g.want.weight) {
+    if (p.rows == 0) o.grad_weight.zero_();
+    else if (plan.fp32_weight_acc) o.grad_weight.copy_(w_acc);
+  }
+  if (g.want.bias) o.grad_bias.copy_(b_acc);
+}
+
+template <typename T>
+void run_low_memory(const Problem& p, const GradSpec& g, Outputs& o) {
+  const auto f32 = p.x2d.options().dtype(at::kFloat);
+  const int64_t tile_rows = std::min<int64_t>(kLowMemRows, std::max<int64_t>(p.rows, 1));
+  const int64_t tile_cols = std::min<int64_t>(kLowMemCols, p.vocab);
+  at::Tensor tile = at::empty({tile_rows * tile_cols}, f32);
+  RowParams<T> rp = base_params<T>(p, g.row_scale, g.scalar_scale);
+  const int64_t* target = p.target.const_data_ptr<int64_t>();
+
+  if (!g.stats_in.has_value()) {  // pass 1: lse and loss from running per-row statistics
+    at::Tensor run = at::empty({4, p.rows}, f32);
+    for (int64_t n0 = 0; n0 < p.rows; n0 += tile_rows) {
+      const int64_t rn = std::min(tile_rows, p.rows - n0);
+      for (int64_t v0 = 0; v0 < p.vocab; v0 += tile_cols) {
+        const int64_t vc = std::min(tile_cols, p.vocab - v0);
+        at::Tensor logits = tile.narrow(0, 0, rn * vc).view({rn, vc});
+        logits_gemm(logits, p.x2d.narrow(0, n0, rn), p.weight.narrow(0, v0, vc));
+        RowParams<T> q = rp;
+        q.logits = logits.const_data_ptr<float>();
+        q.ld_logits = vc;
+        q.rows = rn;
+        q.cols = vc;
+        q.col_begin = v0;
+        q.target = target + n0;
+        q.run_max = run[0].mutable_data_ptr<float>() + n0;
+        q.run_sum = run[1].mutable_data_ptr<float>() + n0;
+        q.run_sumz = run[2].mutable_data_ptr<float>() + n0;
+        q.run_zt = run[3].mutable_data_ptr<float>() + n0;
+        q.first_tile = v0 == 0;
+        q.last_tile = v0 + vc == p.vocab;
+        q.lse_out = o.stats[0].mutable_data_ptr<float>() + n0;
+        q.nll_out = o.stats[1].mutable_data_ptr<float>() + n0;
+        q.loss_out = o.row_losses.mutable_data_ptr<float>() + n0;
+        launch_row_softmax_stream<T>(q);
+      }
+    }
+  }
+  if (!g.enabled) return;
+  const at::Tensor& stats = g.stats_in.has_value() ? *g.stats_in : o.stats;
+  const float* lse = stats[0].const_data_ptr<float>();
+  const float* nll = stats[1].const_data_ptr<float>();
+  const bool fp32_in = p.x2d.scalar_type() == at::kFloat;
+  at::Tensor dz_tile = at::empty({tile_rows * tile_cols}, p.x2d.options());
+  at::Tensor gx_acc, gw_acc, b_acc;
+  if (g.want.x) gx_acc = fp32_in ? o.grad_x : at::empty({p.rows, p.hidden}, f32);
+  if (g.want.weight) gw_acc = at::empty({tile_cols, p.hidden}, f32);
+  if (g.want.bias) b_acc = at::empty({p.vocab}, f32);
+  for (int64_t v0 = 0; v0 < p.vocab; v0 += tile_cols) {  // pass 2: vocabulary-outer
+    const int64_t vc = std::min(tile_cols, p.vocab - v0);
+    const at::Tensor w_rows = p.weight.narrow(0, v0, vc);
+    at::Tensor gw_rows = g.want.weight ? gw_acc.narrow(0, 0, vc) : at::Tensor();
+    for (int64_t n0 = 0; n0 < p.rows; n0 += tile_rows) {
+      const int64_t rn = std::min(tile_rows, p.rows - n0);
+      const at::Tensor x_rows = p.x2d.narrow(0, n0, rn);
+      at::Tensor logits = tile.narrow(0, 0, rn * vc).view({rn, vc});
+      logits_gemm(logits, x_rows, w_rows);
+      at::Tensor dz = dz_tile.narrow(0, 0, rn * vc).view({rn, vc});
+      RowParams<T> q = rp;
+      q.logits = logits.const_data_ptr<float>();
+      q.ld_logits = vc;
+      q.dz = dz.mutable_data_ptr<T>();
+      q.ld_dz = vc;
+      q.rows = rn;
+      q.cols = vc;
+      q.col_begin = v0;
+      q.target = target + n0;
+      q.lse_in = lse + n0;
+      q.nll_in = nll + n0;
+      if (q.row_scale) q.row_scale += n0;
+      launch_row_softmax_stream<T>(q);
+      if (g.want.weight) gemm_accumulate_fp32(gw_rows, dz.t(), x_rows, n0 == 0);
+      if (g.want.x) {
+        at::Tensor gx_rows = gx_acc.narrow(0, n0, rn);
+        gemm_accumulate_fp32(gx_rows, dz, w_rows, v0 == 0);
+      }
+      if (g.want.bias) {
+        at::Tensor b_rows = b_acc.narrow(0, v0, vc);
+        if (n0 == 0) at::sum_out(b_rows, dz, {0}, false, at::kFloat);
+        else b_rows.add_(at::sum(dz, {0}, false, at::kFloat));
+      }
+    }
+    if (g.want.weight) {
+      if (p.rows == 0) o.grad_weight.narrow(0, v0, vc).zero_();
+      else o.grad_weight.narrow(0, v0, vc).copy_(gw_rows);
+    }
+    if (g.want.bias && p.rows == 0) b_acc.narrow(0, v0, vc).zero_();
+  }
+  if (g.want.x && !fp32_in) o.grad_x.copy_(gx_acc);
+  if (g.want.bias) o.grad_bias.copy_(b_acc);
+}
+
+Outputs run(const Problem& p, const GradSpec& g, bool low_memory) {
+  Outputs o;
+  const auto f32 = p.x2d.options().dtype(at::kFloat);
+  o.row_losses = at::empty({p.rows}, f32);
+  o.stats = g.stats_in.has_value() ? *g.stats_in : at::empty({2, p.rows}, f32);
+  allocate_grads(p, g, o);
+  FUSEFORGE_DISPATCH_HALF_FLOAT(p.x2d.scalar_type(), "linear_cross_entropy_cuda", [&] {
+    if (low_memory) run_low_memory<scalar_t>(p, g, o);
+    else run_default<scalar_t>(p, g, o);
+  });
+  return o;
+}
+
+at::Tensor or_empty(const at::Tensor& t, const at::Tensor& like) {
+  return t.defined() ? t : at::empty({0}, like.options());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
+    const at::Tensor& x, const at::Tensor& weight, const at::Tensor& target, const std::optional<at::Tensor>& bias,
+    int64_t ignore_index, c10::string_view reduction, double label_smoothing, double z_loss, double softcap,
+    bool low_memory, bool grad_x, bool grad_weight, bool grad_bias) {
+  const Problem p = prepare(x, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss, softcap,
+                            /*allow_double=*/false);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor inv_count = inverse_valid_count(p);
+  GradSpec g;
+  g.want = GradRequest{grad_x, grad_weight, grad_bias && p.bias.defined()};
+  g.enabled = g.want.any() && p.cfg.reduction != Reduction::kNone;
+  // float16 gradients of probabilities ~1/V times 1/count would underflow: for float16 the mean's
+  // 1/count is applied by the backward instead (grad_scale).
+  const bool fold_mean = p.cfg.reduction == Reduction::kMean && x.scalar_type() != at::kHalf;
+  if (g.enabled && fold_mean) g.scalar_scale = inv_count;
+  Outputs o = run(p, g, low_memory);
+  const at::Tensor loss = shape_loss(o.row_losses, inv_count, p);
+  const at::Tensor grad_scale = (g.enabled && p.cfg.reduction == Reduction::kMean && !fold_mean)
+                                    ? inv_count.reshape({})
+                                    : at::ones({}, x.options().dtype(at::kFloat));
+  at::Tensor gx = o.grad_x.defined() ? o.grad_x.view(x.sizes()) : o.grad_x;
+  return {loss, o.stats, or_empty(gx, x), or_empty(o.grad_weight, x), or_empty(o.grad_bias, x), grad_scale};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
+    const at::Tensor& grad_loss, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& target,
+    const std::optional<at::Tensor>& bias, const at::Tensor& lse, int64_t ignore_index, c10::string_view reduction,
+    double label_smoothing, double z_loss, double softcap, bool low_memory, bool grad_x, bool grad_weight,
+    bool grad_bias) {
+  const Problem p = prepare(x, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss, softcap,
+                            /*allow_double=*/false);
+  const c10::cuda::CUDAGuard guard(x.device());
+  TORCH_CHECK(lse.dim() == 2 && lse.size(0) == 2 && lse.size(1) == p.rows && lse.scalar_type() == at::kFloat,
+              "lse must be the (2, ", p.rows, ") float32 row statistics linear_cross_entropy_fwd returned, got ",
+              lse.scalar_type(), " of shape ", lse.sizes());
+  check_same_device(x, "x", grad_loss, "grad_loss");
+  check_same_device(x, "x", lse, "lse");
+  GradSpec g;
+  g.want = GradRequest{grad_x, grad_weight, grad_bias && p.bias.defined()};
+  g.enabled = g.want.any();
+  g.stats_in = lse.contiguous();
+  if (p.cfg.reduction == Reduction::kNone) {
+    TORCH_CHECK(grad_loss.sizes() == p.batch_shape, "grad_loss must have the loss's shape ", p.batch_shape,
+                ", got ", grad_loss.sizes());
+    g.row_scale = grad_loss.reshape({-1}).to(at::kFloat).contiguous();
+  } else {
+    TORCH_CHECK(grad_loss.numel() == 1, "grad_loss must be a scalar for reduction '", std::string(reduction),
+                "', got shape ", grad_loss.sizes());
+    at::Tensor s = grad_loss.reshape({1}).to(at::kFloat);
+    if (p.cfg.reduction == Reduction::kMean) s = s * inverse_valid_count(p);
+    g.scalar_scale = s.contiguous();
+  }
+  Outputs o = run(p, g, low_memory);
+  at::Tensor gx = o.grad_x.defined() ? o.grad_x.view(x.sizes()) : o.grad_x;
+  return {or_empty(gx, x), or_empty(o.grad_weight, x), or_empty(o.grad_bias, x)};
+}
+
+void scale_grads_cuda(at::Tensor& grad_x, at::Tensor& grad_weight, at::Tensor& grad_bias, const at::Tensor& grad_loss,
+                      const at::Tensor& grad_scale) {
+  TORCH_CHECK(grad_loss.numel() == 1, "grad_loss must be a scalar, got shape ", grad_loss.sizes());
+  TORCH_CHECK(grad_scale.numel() == 1, "grad_scale must be a scalar, got shape ", grad_scale.sizes());
+  const c10::cuda::CUDAGuard guard(grad_loss.device());
+  const at::Tensor a = grad_loss.reshape({1}).to(at::kFloat);
+  const at::Tensor b = grad_scale.reshape({1}).to(at::kFloat);
+  for (at::Tensor* g : {&grad_x, &grad_weight, &grad_bias}) {
+    if (g->numel() == 0) continue;
+    TORCH_CHECK(g->is_contiguous() && g->is_cuda(), "the gradients to scale must be contiguous CUDA tensors");
+    check_same_device(grad_loss, "grad_loss", *g, "gradient");
+    FUSEFORGE_DISPATCH_HALF_FLOAT(g->scalar_type(), "linear_cross_entropy_scale_grads", [&] {
+      launch_scale<scalar_t>(g->mutable_data_ptr<scalar_t>(), g->numel(), a.const_data_ptr<float>(),
+                             b.const_data_ptr<float>());
+    });
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fuseforge, CUDA, m) {
+  m.impl("linear_cross_entropy_fwd", &fwd_cuda);
+  m.impl("linear_cross_entropy_bwd", &bwd_cuda);
+  m.impl("linear_cross_entropy_scale_grads_", &scale_grads_cuda);
+}
+
+}  // namespace fuseforge::linear_cross_entropy

@@ -1,0 +1,377 @@
+// linear_cross_entropy device code: the row softmax over float32 logits that cuBLAS wrote. It
+// produces per-row log-sum-exp and loss and, when asked, the logit gradients (dz) in the input dtype
+// for the two gradient matrix products.
+//
+// Two kernels:
+//  - row_softmax_cluster_kernel: a cluster of 8 CTAs holds one whole row in registers (up to
+//    8 * 512 * 64 = 262144 logits), so the logits are read once: statistics, cluster exchange of
+//    (max, sum, sum of logits) through distributed shared memory, then dz. 6 bytes per logit for
+//    bf16 (4 read, 2 written).
+//  - row_softmax_stream_kernel: one CTA streams a row (or a tile of one): statistics (optionally
+//    merged with running per-row statistics of earlier vocabulary tiles), and/or dz given a known
+//    lse. Serves the loss-only forward, the recomputing backward, the low-memory strategy and
+//    vocabularies too large for the cluster kernel.
+#pragma once
+#include <cooperative_groups.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/launch.cuh"
+#include "linear_cross_entropy/linear_cross_entropy_launch.h"
+
+namespace fuseforge::linear_cross_entropy {
+
+// ---------------------------------------------------------------------------------------------
+// Per-element math shared by both kernels.
+struct LossMath {
+  float label_smoothing, z_loss, softcap, inv_softcap, smooth_per_class;
+
+  template <typename T>
+  __host__ __device__ static LossMath from(const RowParams<T>& p) {
+    LossMath m;
+    m.label_smoothing = p.label_smoothing;
+    m.z_loss = p.z_loss;
+    m.softcap = p.softcap;
+    m.inv_softcap = p.softcap > 0.f ? 1.f / p.softcap : 0.f;
+    m.smooth_per_class = p.label_smoothing / static_cast<float>(p.vocab);
+    return m;
+  }
+  __device__ float cap(float z) const { return softcap > 0.f ? softcap * tanhf(z * inv_softcap) : z; }
+  // d loss / d (raw logit), times the row's gradient weight. The target's p - 1 is expm1(-nll):
+  // exact where p is close to 1 (a confident model), unlike exp(z - lse) - 1.
+  __device__ float grad(float zc, float lse, float nll, bool is_target, float scale) const {
+    const float p = __expf(zc - lse);
+    float g;
+    if (is_target) {
+      g = expm1f(-nll) + p * 2.f * z_loss * lse + label_smoothing - smooth_per_class;
+    } else {
+      g = p * (1.f + 2.f * z_loss * lse) - smooth_per_class;
+    }
+    if (softcap > 0.f) {
+      const float t = zc * inv_softcap;
+      g *= 1.f - t * t;
+    }
+    return g * scale;
+  }
+  // lse - (1 - ls) z_t - (ls / V) sum(z) + z_loss lse^2, with lse - z_t = nll formed without cancellation.
+  __device__ float loss(float lse, float nll, float sumz) const {
+    return (1.f - label_smoothing) * nll + label_smoothing * lse - smooth_per_class * sumz + z_loss * lse * lse;
+  }
+};
+
+template <typename T>
+__device__ __forceinline__ float row_grad_scale(const RowParams<T>& p, int64_t row) {
+  float s = p.row_scale ? p.row_scale[row] : 1.f;
+  if (p.scalar_scale) s *= *p.scalar_scale;
+  return s;
+}
+
+template <typename T>
+__device__ __forceinline__ float load_logit(const RowParams<T>& p, const float* zrow, int64_t col,
+                                            const LossMath& m) {
+  float z = zrow[col];
+  if (p.bias) z += static_cast<float>(p.bias[p.col_begin + col]);
+  return m.cap(z);
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Block-wide max / sum; every thread gets the result. scratch: kWarps floats.
+template <int kThreads>
+__device__ float block_max(float v, float* scratch) {
+  constexpr int kWarps = kThreads / 32;
+  v = warp_max(v);
+  __syncthreads();  // scratch may still be read by a previous reduction
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
+  __syncthreads();
+  float r = scratch[0];
+#pragma unroll
+  for (int w = 1; w < kWarps; ++w) r = fmaxf(r, scratch[w]);
+  return r;
+}
+template <int kThreads>
+__device__ float block_sum(float v, float* scratch) {
+  constexpr int kWarps = kThreads / 32;
+  v = warp_sum(v);
+  __syncthreads();
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
+  __syncthreads();
+  float r = 0.f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) r += scratch[w];
+  return r;
+}
+
+// Four gradients to T at dst (8-byte aligned for 16-bit T, 16-byte for float).
+template <typename T>
+__device__ __forceinline__ void store4(T* dst, float a, float b, float c, float d) {
+  struct alignas(4 * sizeof(T)) Pack {
+    T v[4];
+  } pk;
+  pk.v[0] = static_cast<T>(a);
+  pk.v[1] = static_cast<T>(b);
+  pk.v[2] = static_cast<T>(c);
+  pk.v[3] = static_cast<T>(d);
+  *reinterpret_cast<Pack*>(dst) = pk;
+}
+
+template <typename T>
+__device__ void zero_tile_row(const RowParams<T>& p, int64_t row, int64_t c0, int64_t c1, int tid, int nthreads) {
+  T* out = p.dz + row * p.ld_dz;
+  for (int64_t c = c0 + tid; c < c1; c += nthreads) out[c] = static_cast<T>(0.f);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cluster kernel: grid (8, rows); CTA `rank` owns columns [rank * span, min(cols, (rank + 1) * span)),
+// span a multiple of 4 <= 512 * 4 * kVec4. Needs ld_logits % 4 == 0, ld_dz % 4 == 0, cols % 4 == 0,
+// col_begin == 0, cols == vocab.
+template <typename T, int kVec4>
+__device__ void row_softmax_cluster_body(const RowParams<T>& p, int64_t span) {
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  __shared__ float scratch[kClusterThreads / 32];
+  __shared__ float stats[3];  // this CTA's max, sum of exp(z - max), sum of z
+
+  const int tid = threadIdx.x;
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int64_t row = blockIdx.y;
+  const int64_t c0 = static_cast<int64_t>(rank) * span;
+  const int64_t c1 = c0 + span < p.cols ? c0 + span : p.cols;
+  const int64_t t = p.target[row];
+  const LossMath m = LossMath::from(p);
+
+  if (t == p.ignore_index) {  // the whole cluster takes this branch: no cluster barrier is skipped by half
+    if (p.dz) zero_tile_row(p, row, c0, c1, tid, kClusterThreads);
+    if (rank == 0 && tid == 0) {
+      if (p.loss_out) p.loss_out[row] = 0.f;
+      if (p.lse_out) p.lse_out[row] = 0.f;
+      if (p.nll_out) p.nll_out[row] = 0.f;
+    }
+    return;
+  }
+  const bool bad_target = t < 0 || t >= p.vocab;
+  const float* zrow = p.logits + row * p.ld_logits;
+
+  float v[kVec4][4];
+  float local_max = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < kVec4; ++i) {
+    const int64_t col = c0 + (static_cast<int64_t>(i) * kClusterThreads + tid) * 4;
+    if (col < c1) {  // cols % 4 == 0 and span % 4 == 0: the four are all in range
+      const float4 q = *reinterpret_cast<const float4*>(zrow + col);
+      v[i][0] = q.x;
+      v[i][1] = q.y;
+      v[i][2] = q.z;
+      v[i][3] = q.w;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        if (p.bias) v[i][k] += static_cast<float>(p.bias[col + k]);
+        v[i][k] = m.cap(v[i][k]);
+        local_max = fmaxf(local_max, v[i][k]);
+      }
+    }
+  }
+  const float cta_max = block_max<kClusterThreads>(local_max, scratch);
+  float local_sum = 0.f, local_sumz = 0.f;
+#pragma unroll
+  for (int i = 0; i < kVec4; ++i) {
+    const int64_t col = c0 + (static_cast<int64_t>(i) * kClusterThreads + tid) * 4;
+    if (col < c1) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        local_sum += __expf(v[i][k] - cta_max);
+        local_sumz += v[i][k];
+      }
+    }
+  }
+  const float cta_sum = block_sum<kClusterThreads>(local_sum, scratch);
+  const float cta_sumz = block_sum<kClusterThreads>(local_sumz, scratch);
+  if (tid == 0) {
+    stats[0] = cta_max;
+    stats[1] = cta_sum;
+    stats[2] = cta_sumz;
+  }
+  cluster.sync();  // every CTA's stats are written
+  // Two sweeps over the peers' three floats (distributed shared memory) rather than arrays that
+  // would cost registers next to the row.
+  float row_max = -INFINITY;
+  float row_sumz = 0.f;
+#pragma unroll
+  for (int r = 0; r < kClusterSize; ++r) {
+    const float* peer = cluster.map_shared_rank(stats, r);
+    row_max = fmaxf(row_max, peer[0]);
+    row_sumz += peer[2];
+  }
+  float row_sum = 0.f;
+#pragma unroll
+  for (int r = 0; r < kClusterSize; ++r) {
+    const float* peer = cluster.map_shared_rank(stats, r);
+    const float peer_sum = peer[1];
+    if (peer_sum > 0.f) row_sum += peer_sum * __expf(peer[0] - row_max);
+  }
+  cluster.sync();  // no CTA leaves (freeing its shared memory) before every peer has read it
+  const float log_sum = logf(row_sum);
+  const float lse = row_max + log_sum;
+  const float nll = bad_target ? NAN : (row_max - load_logit(p, zrow, t, m)) + log_sum;
+
+  if (rank == 0 && tid == 0) {
+    if (p.loss_out) p.loss_out[row] = m.loss(lse, nll, row_sumz);
+    if (p.lse_out) p.lse_out[row] = lse;
+    if (p.nll_out) p.nll_out[row] = nll;
+  }
+  if (!p.dz) return;
+  const float scale = bad_target ? NAN : row_grad_scale(p, row);
+  T* out = p.dz + row * p.ld_dz;
+#pragma unroll
+  for (int i = 0; i < kVec4; ++i) {
+    const int64_t col = c0 + (static_cast<int64_t>(i) * kClusterThreads + tid) * 4;
+    if (col < c1) {
+      store4(out + col, m.grad(v[i][0], lse, nll, col == t, scale), m.grad(v[i][1], lse, nll, col + 1 == t, scale),
+             m.grad(v[i][2], lse, nll, col + 2 == t, scale), m.grad(v[i][3], lse, nll, col + 3 == t, scale));
+    }
+  }
+}
+
+template <typename T, int kVec4>
+__global__ void __cluster_dims__(kClusterSize, 1, 1) __launch_bounds__(kClusterThreads, kVec4 >= 16 ? 1 : 2)
+    row_softmax_cluster_kernel(RowParams<T> p, int64_t span) {
+  row_softmax_cluster_body<T, kVec4>(p, span);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Stream kernel: grid (rows); one CTA a row of the tile. kVec: ld_logits, cols and ld_dz are
+// multiples of 4 (float4 loads, 4-wide stores).
+template <typename T, bool kVec>
+__device__ void row_softmax_stream_body(const RowParams<T>& p) {
+  __shared__ float scratch[kStreamThreads / 32];
+  const int tid = threadIdx.x;
+  const int64_t row = blockIdx.x;
+  const int64_t t = p.target[row];
+  const LossMath m = LossMath::from(p);
+  const int64_t t_local = t - p.col_begin;
+  const bool target_in_tile = t_local >= 0 && t_local < p.cols;
+
+  if (t == p.ignore_index) {
+    if (p.dz) zero_tile_row(p, row, 0, p.cols, tid, kStreamThreads);
+    if (tid == 0 && p.last_tile && !p.lse_in) {
+      if (p.loss_out) p.loss_out[row] = 0.f;
+      if (p.lse_out) p.lse_out[row] = 0.f;
+      if (p.nll_out) p.nll_out[row] = 0.f;
+    }
+    return;
+  }
+  const bool bad_target = t < 0 || t >= p.vocab;
+  const float* zrow = p.logits + row * p.ld_logits;
+  constexpr int kStep = kVec ? 4 : 1;
+
+  float lse, nll;
+  if (p.lse_in) {
+    lse = p.lse_in[row];
+    nll = p.nll_in[row];
+  } else {
+    // Online max / sum over this thread's columns, then across the block.
+    float run_m = -INFINITY, run_s = 0.f, run_z = 0.f;
+    for (int64_t col = static_cast<int64_t>(tid) * kStep; col < p.cols; col += kStreamThreads * kStep) {
+      float z[kStep];
+      if constexpr (kVec) {
+        const float4 q = *reinterpret_cast<const float4*>(zrow + col);
+        z[0] = q.x;
+        z[1] = q.y;
+        z[2] = q.z;
+        z[3] = q.w;
+      } else {
+        z[0] = zrow[col];
+      }
+      float mx = -INFINITY;
+#pragma unroll
+      for (int k = 0; k < kStep; ++k) {
+        if (p.bias) z[k] += static_cast<float>(p.bias[p.col_begin + col + k]);
+        z[k] = m.cap(z[k]);
+        mx = fmaxf(mx, z[k]);
+        run_z += z[k];
+      }
+      const float new_m = fmaxf(run_m, mx);
+      float s = run_s * __expf(run_m - new_m);  // run_m = -inf at first: exp(-inf) = 0
+#pragma unroll
+      for (int k = 0; k < kStep; ++k) s += __expf(z[k] - new_m);
+      run_s = s;
+      run_m = new_m;
+    }
+    float tile_max = block_max<kStreamThreads>(run_m, scratch);
+    float tile_sum = block_sum<kStreamThreads>(run_s > 0.f ? run_s * __expf(run_m - tile_max) : 0.f, scratch);
+    float tile_sumz = block_sum<kStreamThreads>(run_z, scratch);
+    float zt = target_in_tile ? load_logit(p, zrow, t_local, m) : 0.f;
+    if (p.run_max && !p.first_tile) {  // merge with the earlier tiles of this row
+      const float prev_m = p.run_max[row], prev_s = p.run_sum[row];
+      const float new_m = fmaxf(prev_m, tile_max);
+      tile_sum = tile_sum * __expf(tile_max - new_m) + prev_s * __expf(prev_m - new_m);
+      tile_max = new_m;
+      tile_sumz += p.run_sumz[row];
+      if (!target_in_tile) zt = p.run_zt[row];
+    }
+    if (!p.last_tile) {
+      if (tid == 0) {
+        p.run_max[row] = tile_max;
+        p.run_sum[row] = tile_sum;
+        p.run_sumz[row] = tile_sumz;
+        if (target_in_tile) p.run_zt[row] = zt;
+      }
+      return;  // gradients need the whole row's lse
+    }
+    const float log_sum = logf(tile_sum);
+    lse = tile_max + log_sum;
+    nll = bad_target ? NAN : (tile_max - zt) + log_sum;
+    if (tid == 0) {
+      if (p.loss_out) p.loss_out[row] = m.loss(lse, nll, tile_sumz);
+      if (p.lse_out) p.lse_out[row] = lse;
+      if (p.nll_out) p.nll_out[row] = nll;
+    }
+  }
+  if (!p.dz) return;
+  const float scale = bad_target ? NAN : row_grad_scale(p, row);
+  T* out = p.dz + row * p.ld_dz;
+  for (int64_t col = static_cast<int64_t>(tid) * kStep; col < p.cols; col += kStreamThreads * kStep) {
+    if constexpr (kVec) {
+      const float4 q = *reinterpret_cast<const float4*>(zrow + col);
+      const float z[4] = {q.x, q.y, q.z, q.w};
+      float g[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        float zk = z[k];
+        if (p.bias) zk += static_cast<float>(p.bias[p.col_begin + col + k]);
+        g[k] = m.grad(m.cap(zk), lse, nll, col + k == t_local, scale);
+      }
+      store4(out + col, g[0], g[1], g[2], g[3]);
+    } else {
+      out[col] = static_cast<T>(m.grad(load_logit(p, zrow, col, m), lse, nll, col == t_local, scale));
+    }
+  }
+}
+
+template <typename T, bool kVec>
+__global__ void __launch_bounds__(kStreamThreads) row_softmax_stream_kernel(RowParams<T> p) {
+  row_softmax_stream_body<T, kVec>(p);
+}
+
+// data *= (*a) * (*b), skipped entirely when that product is exactly 1 (then no memory is touched).
+template <typename T>
+__global__ void __launch_bounds__(256) scale_kernel(T* data, int64_t n, const float* a, const float* b) {
+  const float s = *a * *b;
+  if (s == 1.f) return;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    data[i] = static_cast<T>(static_cast<float>(data[i]) * s);
+  }
+}
+
+}  // namespace fuseforge::linear_cross_entropy

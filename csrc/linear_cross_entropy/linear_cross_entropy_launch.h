@@ -1,0 +1,55 @@
+// linear_cross_entropy's launch interface, shared by the host code (linear_cross_entropy_cuda.cpp,
+// compiled by the C++ compiler) and the kernels (*.cu): kernel parameters and launchers.
+#pragma once
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+
+namespace fuseforge::linear_cross_entropy {
+
+// Logits tile [rows) x [cols) of a float32 buffer (row stride ld_logits); tile column 0 is vocabulary
+// index col_begin.
+template <typename T>
+struct RowParams {
+  const float* logits = nullptr;
+  int64_t ld_logits = 0;
+  T* dz = nullptr;  // gradient tile (row stride ld_dz) or nullptr: no gradient
+  int64_t ld_dz = 0;
+  const T* bias = nullptr;  // (vocab,) or nullptr
+  const int64_t* target = nullptr;
+  int64_t rows = 0, cols = 0, col_begin = 0, vocab = 0;
+  int64_t ignore_index = -100;
+  float label_smoothing = 0.f, z_loss = 0.f, softcap = 0.f;
+  const float* row_scale = nullptr;     // per-row gradient weight, or nullptr
+  const float* scalar_scale = nullptr;  // one device float (1/count, grad_output), or nullptr
+  // Running statistics across vocabulary tiles (stream kernel, low-memory strategy), or nullptr.
+  float* run_max = nullptr;
+  float* run_sum = nullptr;
+  float* run_sumz = nullptr;
+  float* run_zt = nullptr;
+  bool first_tile = true, last_tile = true;
+  // Per-row statistics: lse and nll = -log p(target) (kept apart from lse - z_target, which cancels
+  // when the target dominates). Known statistics (stats_in): gradient only.
+  const float* lse_in = nullptr;
+  const float* nll_in = nullptr;
+  float* lse_out = nullptr;
+  float* nll_out = nullptr;
+  float* loss_out = nullptr;
+};
+
+constexpr int kClusterSize = 8;
+constexpr int kClusterThreads = 512;
+constexpr int kStreamThreads = 256;
+
+// Launchers (linear_cross_entropy_cluster.cu, linear_cross_entropy_stream.cu).
+template <typename T>
+void launch_row_softmax_cluster(const RowParams<T>& p);
+template <typename T>
+void launch_row_softmax_stream(const RowParams<T>& p);
+template <typename T>
+void launch_scale(T* data, int64_t n, const float* a, const float* b);
+// Largest vocabulary the cluster kernel holds in registers.
+constexpr int64_t kClusterMaxVocab = int64_t{kClusterSize} * kClusterThreads * 4 * 16;
+
+}  // namespace fuseforge::linear_cross_entropy

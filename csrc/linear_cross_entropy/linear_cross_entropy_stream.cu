@@ -1,0 +1,34 @@
+// Instantiations of the streaming row-softmax kernel and the gradient scaling kernel.
+#include "linear_cross_entropy/linear_cross_entropy_kernel.cuh"
+
+namespace fuseforge::linear_cross_entropy {
+
+template <typename T>
+void launch_row_softmax_stream(const RowParams<T>& p) {
+  const auto aligned16 = [](const void* ptr) { return ptr == nullptr || reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+  const bool vec = p.cols % 4 == 0 && p.ld_logits % 4 == 0 && aligned16(p.logits) &&
+                   (!p.dz || (p.ld_dz % 4 == 0 && reinterpret_cast<uintptr_t>(p.dz) % (4 * sizeof(T)) == 0));
+  const dim3 grid(static_cast<unsigned>(p.rows));
+  if (vec) {
+    launch_kernel(row_softmax_stream_kernel<T, true>, grid, dim3(kStreamThreads), 0, p);
+  } else {
+    launch_kernel(row_softmax_stream_kernel<T, false>, grid, dim3(kStreamThreads), 0, p);
+  }
+}
+
+template <typename T>
+void launch_scale(T* data, int64_t n, const float* a, const float* b) {
+  if (n == 0) return;
+  constexpr int kThreads = 256;
+  const int64_t blocks = std::min<int64_t>(ceil_div(n, kThreads), int64_t{num_sms()} * 8);
+  launch_kernel(scale_kernel<T>, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), 0, data, n, a, b);
+}
+
+template void launch_row_softmax_stream<float>(const RowParams<float>&);
+template void launch_row_softmax_stream<at::Half>(const RowParams<at::Half>&);
+template void launch_row_softmax_stream<at::BFloat16>(const RowParams<at::BFloat16>&);
+template void launch_scale<float>(float*, int64_t, const float*, const float*);
+template void launch_scale<at::Half>(at::Half*, int64_t, const float*, const float*);
+template void launch_scale<at::BFloat16>(at::BFloat16*, int64_t, const float*, const float*);
+
+}  // namespace fuseforge::linear_cross_entropy

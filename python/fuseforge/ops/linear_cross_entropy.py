@@ -1,0 +1,157 @@
+"""linear_cross_entropy: cross_entropy(x @ weight.T + bias, target) without the N x V logits."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+_ops = torch.ops.fuseforge
+
+REDUCTIONS = ("mean", "sum", "none")
+
+
+def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] = None, *,
+                         ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+                         z_loss: float = 0.0, softcap: Optional[float] = None, low_memory: bool = False) -> Tensor:
+    """Cross-entropy of the linear head ``x @ weight.T + bias`` against ``target``, fused.
+
+    Same result as ``F.cross_entropy(F.linear(x, weight, bias).flatten(0, -2).float(), target.flatten(),
+    ignore_index=..., reduction=..., label_smoothing=...)`` plus ``z_loss * lse**2`` per token (PaLM's
+    z-loss) and, with ``softcap``, logits ``softcap * tanh(logits / softcap)`` (Gemma 2).
+
+    Args:
+        x: (..., H) float32, float16 or bfloat16 (float64 on the CPU); any strides.
+        weight: (V, H), x's dtype.  bias: (V,) or None.
+        target: (...) int64 or int32 class indices in [0, V), or ``ignore_index`` (no loss, no gradient).
+        reduction: "mean" (over targets that are not ignored; 0 when all are ignored), "sum" or "none"
+            (shape of target).  label_smoothing: in [0, 1).
+        low_memory: the vocabulary-chunked strategy that recomputes the logits (4 matrix products
+            instead of 3) and keeps only small tiles: peak memory is the gradients plus a float32
+            copy of grad_x (bf16/fp16 inputs; 4 N H bytes), a float32 512 x H slice of grad_weight
+            and 6 MiB of (2048 x 512) logit tiles.
+
+    Returns the loss in float32 (float64 for float64 inputs): a 0-dim tensor, or target's shape for
+    reduction="none".
+
+    Memory: the logits never exist whole. The default strategy works on row chunks; its workspace is
+    at most max(768 MiB, 1536 V bytes) (a 512-row float32 logits chunk, 256 rows for V > 196608, plus
+    the logit gradients of a super-chunk of rows in x's dtype, 2048 rows at V = 128256) and does not
+    grow with the number of tokens. The weight gradient accumulates across super-chunks inside cuBLAS
+    (float32 arithmetic, one rounding to bf16/fp16 a super-chunk), at most 4 roundings per element;
+    beyond 4 super-chunks a float32 V x H accumulator (4 V H bytes, constant in N) is used instead. Logits are formed in float32 (cuBLAS accumulates in float32 and writes float32), so the
+    loss and the softmax are as accurate as an fp32 computation from the same bf16 inputs.
+
+    Gradients: with reduction "mean"/"sum" and a gradient required, the forward computes the gradients
+    too (one pass over the logits); the backward only multiplies them by grad_output (skipped when it
+    is 1). With reduction "none" (or a repeated backward through the same graph) the backward
+    recomputes the logits and weights every token by its own grad_output. Not twice differentiable.
+
+    Out-of-range targets: the CPU raises; on CUDA (no host sync) that token's loss and its gradient
+    row are NaN, so a mean or sum loss is NaN.
+    """
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if not 0.0 <= float(label_smoothing) < 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+    if softcap is not None and not float(softcap) > 0.0:
+        raise ValueError(f"softcap must be a positive number or None, got {softcap}")
+    needs_grad = torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
+    return _ops.linear_cross_entropy_fwd(
+        x, weight, target, bias, int(ignore_index), reduction, float(label_smoothing), float(z_loss),
+        float(softcap) if softcap is not None else 0.0, bool(low_memory),
+        needs_grad and x.requires_grad, needs_grad and weight.requires_grad,
+        needs_grad and bias is not None and bias.requires_grad)[0]
+
+
+def _stats_dtype(x: Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+@torch.library.register_fake("fuseforge::linear_cross_entropy_fwd")
+def _fwd_fake(x, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss, softcap, low_memory,
+              grad_x, grad_weight, grad_bias):
+    sd = _stats_dtype(x)
+    loss = x.new_empty(target.shape if reduction == "none" else (), dtype=sd)
+    rows = target.numel()
+    lse = x.new_empty((2, rows), dtype=sd)  # per-row lse and nll
+    pre = reduction != "none" and (grad_x or grad_weight or (grad_bias and bias is not None))
+    gx = x.new_empty(x.shape if pre and grad_x else (0,))
+    gw = x.new_empty(weight.shape if pre and grad_weight else (0,))
+    gb = x.new_empty(bias.shape if pre and grad_bias and bias is not None else (0,))
+    return loss, lse, gx, gw, gb, x.new_empty((), dtype=torch.float32)
+
+
+@torch.library.register_fake("fuseforge::linear_cross_entropy_bwd")
+def _bwd_fake(grad_loss, x, weight, target, bias, lse, ignore_index, reduction, label_smoothing, z_loss, softcap,
+              low_memory, grad_x, grad_weight, grad_bias):
+    return (x.new_empty(x.shape if grad_x else (0,)),
+            x.new_empty(weight.shape if grad_weight else (0,)),
+            x.new_empty(bias.shape if grad_bias and bias is not None else (0,)))
+
+
+@torch.library.register_fake("fuseforge::linear_cross_entropy_scale_grads_")
+def _scale_fake(grad_x, grad_weight, grad_bias, grad_loss, grad_scale):
+    return None
+
+
+def _is_eager(*tensors) -> bool:
+    """Plain tensors: not traced (torch.compile, functionalization, fake tensors)."""
+    return all(type(t) is torch.Tensor for t in tensors)
+
+
+def _setup_context(ctx, inputs, output):
+    (x, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss, softcap, low_memory,
+     grad_x, grad_weight, grad_bias) = inputs
+    _, lse, gx, gw, gb, grad_scale = output
+    ctx.mark_non_differentiable(lse, gx, gw, gb, grad_scale)
+    # No zero-filled gradients for the non-differentiable outputs (a V x H one would double the peak).
+    ctx.set_materialize_grads(False)
+    ctx.has_bias = bias is not None
+    ctx.requested = (grad_x, grad_weight, grad_bias and bias is not None)
+    ctx.precomputed = reduction != "none" and any(ctx.requested)
+    ctx.settings = (ignore_index, reduction, label_smoothing, z_loss, softcap, low_memory)
+    ctx.stash = None
+    if ctx.precomputed and _is_eager(gx, gw, gb):
+        # Eager: the first backward hands these gradients over (scaled in place) and drops them, so
+        # autograd can take them as .grad without a copy; a repeated backward (retain_graph,
+        # gradcheck) recomputes from the saved inputs.
+        ctx.stash = (gx, gw, gb, grad_scale)
+        ctx.save_for_backward(x, weight, target, bias, lse)
+    elif ctx.precomputed:
+        ctx.save_for_backward(x, weight, target, bias, lse, gx, gw, gb, grad_scale)
+    else:
+        ctx.save_for_backward(x, weight, target, bias, lse)
+
+
+def _backward(ctx, grad_loss, *_unused):
+    if grad_loss is None:  # the loss got no gradient
+        return (None,) * 13
+    want_x, want_w, want_b = ctx.requested
+    need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    need_b = ctx.has_bias and ctx.needs_input_grad[3]
+    saved = ctx.saved_tensors
+    x, weight, target, bias, lse = saved[:5]
+    if ctx.stash is not None and _is_eager(grad_loss):
+        gx, gw, gb, grad_scale = ctx.stash
+        ctx.stash = None
+        # In place, and not at all when grad_loss * grad_scale == 1 (decided on the device: no sync,
+        # no pass over the weight gradient).
+        _ops.linear_cross_entropy_scale_grads_(gx, gw, gb, grad_loss, grad_scale)
+    elif ctx.precomputed and len(saved) == 9:
+        # Traced: a plain product, which the compiler fuses (a forward output mutated in the
+        # backward would not partition).
+        gx, gw, gb, grad_scale = saved[5:]
+        s = grad_loss.reshape(()).float() * grad_scale.float()
+        gx, gw, gb = gx * s, gw * s, gb * s
+    else:
+        ignore_index, reduction, label_smoothing, z_loss, softcap, low_memory = ctx.settings
+        gx, gw, gb = _ops.linear_cross_entropy_bwd(
+            grad_loss, x, weight, target, bias, lse, ignore_index, reduction, label_smoothing, z_loss, softcap,
+            low_memory, need_x and want_x, need_w and want_w, need_b and want_b)
+    return (gx if need_x and want_x else None, gw if need_w and want_w else None, None,
+            gb if need_b and want_b else None) + (None,) * 9
+
+
+torch.library.register_autograd("fuseforge::linear_cross_entropy_fwd", _backward, setup_context=_setup_context)

@@ -1,0 +1,92 @@
+"""Kernel-time breakdown of one fuseforge linear_cross_entropy fwd+bwd at the issue's case (and the
+low-memory strategy), from torch.profiler: where the time goes around the matrix products."""
+import os
+import sys
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
+import fuseforge  # noqa: E402,F401
+from fuseforge.ops.linear_cross_entropy import linear_cross_entropy  # noqa: E402
+
+
+def profile(n, h, v, low_memory):
+    x = (torch.randn(n, h, device="cuda") * 0.5).bfloat16().requires_grad_()
+    w = (torch.randn(v, h, device="cuda") * 0.02).bfloat16().requires_grad_()
+    t = torch.randint(0, v, (n,), device="cuda")
+    t[::7] = -100
+
+    def step():
+        loss = linear_cross_entropy(x, w, t, low_memory=low_memory)
+        return torch.autograd.grad(loss, (x, w))
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    wall = start.elapsed_time(end) / 5
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    by_name = defaultdict(lambda: [0.0, 0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            by_name[e.name[:90]][0] += e.device_time_total / 1000 if hasattr(e, "device_time_total") else e.cuda_time_total / 1000
+            by_name[e.name[:90]][1] += 1
+    # Idle gaps between consecutive kernels on the device timeline: where the step loses time.
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name[:60]) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA)
+    gaps = [(b[0] - a[1], a[2], b[2]) for a, b in zip(kernels, kernels[1:])]
+    idle = sum(g for g, _, _ in gaps if g > 0) / 1000
+    print(f"   idle between kernels: {idle:.2f} ms over {len(gaps)} boundaries; largest:")
+    for g, a, b in sorted(gaps, reverse=True)[:6]:
+        print(f"     {g / 1000:7.3f} ms  after {a}  before {b}")
+    total = sum(v[0] for v in by_name.values())
+    print(f"== {n}x{h}x{v} low_memory={low_memory}: {wall:.2f} ms a step (events), kernels {total:.2f} ms")
+    for name, (ms, cnt) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:12]:
+        print(f"  {ms:8.2f} ms  {cnt:5d}x  {name}")
+
+
+def variants(n, h, v):
+    """Step time and peak memory of chunk plans (sub-chunk rows, workspace MiB)."""
+    x = (torch.randn(n, h, device="cuda") * 0.5).bfloat16().requires_grad_()
+    w = (torch.randn(v, h, device="cuda") * 0.02).bfloat16().requires_grad_()
+    t = torch.randint(0, v, (n,), device="cuda")
+    t[::7] = -100
+    for sub, mib in ((512, 768), (640, 960), (1024, 1024)):
+        os.environ["FUSEFORGE_LCE_SUB_ROWS"] = str(sub)
+        os.environ["FUSEFORGE_LCE_WORKSPACE_MIB"] = str(mib)
+
+        def step():
+            loss = linear_cross_entropy(x, w, t)
+            return torch.autograd.grad(loss, (x, w))
+
+        step()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        out = step()
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - before) / 2**20
+        del out
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(5):
+            step()
+        end.record()
+        torch.cuda.synchronize()
+        print(f"  plan sub_rows={sub} workspace={mib} MiB: {start.elapsed_time(end) / 5:.2f} ms, peak extra {peak:.0f} MiB")
+    os.environ.pop("FUSEFORGE_LCE_SUB_ROWS")
+    os.environ.pop("FUSEFORGE_LCE_WORKSPACE_MIB")
+
+
+if __name__ == "__main__":
+    profile(8192, 4096, 128256, False)
+    variants(8192, 4096, 128256)
+    profile(8192, 4096, 128256, True)

@@ -1,0 +1,345 @@
+"""linear_cross_entropy: loss and gradients against a float64 reference (logits materialised in
+float64 from the same low-precision inputs), every reduction, options, strategies, errors, opcheck,
+gradcheck and torch.compile."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fuseforge  # noqa: F401  (loads the extension)
+from fuseforge.nn.linear_cross_entropy import LinearCrossEntropyLoss
+from fuseforge.ops.linear_cross_entropy import linear_cross_entropy
+from harness import (assert_compiles, assert_rel_close, generator, poison_allocations, randn, rel_err,
+                     run_opcheck)
+
+# This op's own CUDA check (a build of some ops only has no add_mul_act, which harness.HAS_CUDA probes).
+HAS_CUDA = torch.cuda.is_available() and torch._C._dispatch_has_kernel_for_dispatch_key(
+    "fuseforge::linear_cross_entropy_fwd", "CUDA")
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA GPU, or fuseforge built without CUDA")
+
+
+def devices():
+    return ["cpu", pytest.param("cuda", marks=requires_cuda)]
+
+
+def device_dtypes(cpu_dtypes=(torch.float32, torch.float64, torch.bfloat16),
+                  cuda_dtypes=(torch.float32, torch.float16, torch.bfloat16)):
+    pairs = [pytest.param("cpu", d, id=f"cpu-{str(d)[6:]}") for d in cpu_dtypes]
+    return pairs + [pytest.param("cuda", d, id=f"cuda-{str(d)[6:]}", marks=requires_cuda) for d in cuda_dtypes]
+
+
+ops = torch.ops.fuseforge
+IGNORE = -100
+# The loss is a float32 reduction of float32 logits: tight even for bf16/fp16 inputs.
+LOSS_TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 1e-5, torch.bfloat16: 1e-5}
+# Gradients go through one rounding of the logit gradients to the input dtype and bf16/fp16 outputs.
+GRAD_TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 8e-3}
+
+
+def make_inputs(n_shape, hidden, vocab, dtype, device, *, bias=False, ignore_every=7, x_scale=0.5,
+                w_scale=0.02, peaky=False, target_dtype=torch.int64):
+    n = math.prod(n_shape)
+    w = randn(vocab, hidden, dtype=torch.float32, device=device, scale=w_scale)
+    target = torch.randint(0, vocab, (n,), generator=generator(device), device=device)
+    x = randn(n, hidden, dtype=torch.float32, device=device, scale=x_scale)
+    if peaky:  # x leans towards its target's row: the model predicts the target with high probability
+        wt = w[target]
+        x = 0.1 * x + 14.0 * wt / wt.square().sum(1, keepdim=True)
+    if ignore_every:
+        target[::ignore_every] = IGNORE
+    b = randn(vocab, dtype=torch.float32, device=device, scale=0.1) if bias else None
+    x = x.reshape(*n_shape, hidden).to(dtype).requires_grad_()
+    w = w.to(dtype).requires_grad_()
+    if b is not None:
+        b = b.to(dtype).requires_grad_()
+    return x, w, target.reshape(n_shape).to(target_dtype), b
+
+
+def reference(x, w, target, b=None, *, reduction="mean", label_smoothing=0.0, z_loss=0.0, softcap=None,
+              ignore_index=IGNORE):
+    """float64 loss of the (already rounded) inputs; differentiable in x, w, b (float64 leaves)."""
+    logits = x.flatten(0, -2) @ w.T
+    if b is not None:
+        logits = logits + b
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    t = target.flatten().long()
+    valid = t != ignore_index
+    tc = torch.where(valid, t, torch.zeros_like(t))
+    lse = torch.logsumexp(logits, 1)
+    loss = lse - (1 - label_smoothing) * logits.gather(1, tc[:, None])[:, 0]
+    if label_smoothing:
+        loss = loss - label_smoothing / logits.shape[1] * logits.sum(1)
+    loss = (loss + z_loss * lse * lse) * valid
+    if reduction == "none":
+        return loss.reshape(target.shape)
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / valid.sum().clamp_min(1)
+
+
+def leaves64(*ts):
+    return [None if t is None else t.detach().cpu().double().requires_grad_() for t in ts]
+
+
+def check_against_reference(x, w, t, b, *, grad_out=None, loss_tol=None, grad_tol=None, **kw):
+    dtype = x.dtype
+    poison_allocations(x, w)
+    loss = linear_cross_entropy(x, w, t, b, **{k: v for k, v in kw.items()})
+    kw.pop("low_memory", None)
+    x64, w64, b64 = leaves64(x, w, b)
+    ref = reference(x64, w64, t.cpu(), b64, **kw)
+    assert loss.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert_rel_close(loss, ref, loss_tol or LOSS_TOL[dtype], "loss")
+    g = grad_out if grad_out is not None else torch.ones_like(loss)
+    params = [p for p in (x, w, b) if p is not None]
+    grads = torch.autograd.grad(loss, params, g)
+    refs = torch.autograd.grad(ref, [p for p in (x64, w64, b64) if p is not None], g.cpu().double())
+    errs = []
+    for name, got, want in zip(("grad_x", "grad_weight", "grad_bias"), grads, refs):
+        assert got.dtype == dtype and got.shape == want.shape
+        errs.append(assert_rel_close(got, want, grad_tol or GRAD_TOL[dtype], name))
+    return errs
+
+
+SHAPES = [((4, 37), 64, 1000), ((53,), 48, 999)]  # V % 4 == 0 (cluster kernel) and odd V (stream kernel)
+
+
+@pytest.mark.parametrize("device,dtype", device_dtypes(cpu_dtypes=(torch.float32, torch.float64, torch.bfloat16)))
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("shape", SHAPES, ids=["v1000", "v999"])
+def test_matches_reference(device, dtype, reduction, shape):
+    n_shape, hidden, vocab = shape
+    x, w, t, b = make_inputs(n_shape, hidden, vocab, dtype, device)
+    grad_out = None
+    if reduction == "none":  # non-uniform per-token gradients
+        grad_out = randn(*n_shape, device=device)
+    check_against_reference(x, w, t, b, reduction=reduction, grad_out=grad_out)
+
+
+@pytest.mark.parametrize("device,dtype", device_dtypes(cpu_dtypes=(torch.float32,),
+                                                       cuda_dtypes=(torch.float32, torch.bfloat16)))
+@pytest.mark.parametrize("options", [dict(label_smoothing=0.1), dict(z_loss=1e-3), dict(softcap=2.0),
+                                     dict(label_smoothing=0.2, z_loss=1e-2, softcap=3.0, bias=True)],
+                         ids=["smoothing", "zloss", "softcap", "all+bias"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_options(device, dtype, options, reduction):
+    options = dict(options)
+    bias = options.pop("bias", False)
+    x, w, t, b = make_inputs((3, 29), 32, 500, dtype, device, bias=bias, x_scale=2.0, w_scale=0.2)
+    grad_out = randn(3, 29, device=device) if reduction == "none" else None
+    check_against_reference(x, w, t, b, reduction=reduction, grad_out=grad_out, **options)
+
+
+@pytest.mark.parametrize("device,dtype", device_dtypes(cpu_dtypes=(torch.float32,),
+                                                       cuda_dtypes=(torch.float32, torch.bfloat16)))
+@pytest.mark.parametrize("low_memory", [False, True])
+def test_peaky_distribution(device, dtype, low_memory):
+    """Targets predicted with probability ~0.99: the loss is small and bf16-rounded logits would lose
+    it; fuseforge's float32 logits keep the loss within 1e-5 and the gradients within the dtype's
+    tolerance of float64."""
+    x, w, t, b = make_inputs((257,), 128, 3000, dtype, device, peaky=True)
+    with torch.no_grad():
+        loss_rows = reference(*leaves64(x, w), t.cpu(), reduction="none")
+        valid = t.cpu() != IGNORE
+        p_target = torch.exp(-loss_rows[valid]).median().item()
+    assert p_target > 0.9, f"inputs are not peaky: median target probability {p_target}"
+    # Logits of magnitude ~14 carry ~5e-6 absolute float32 GEMM error: fp32 gradients land near 3e-5.
+    errs = check_against_reference(x, w, t, b, low_memory=low_memory, loss_tol=1e-4,
+                                   grad_tol=max(GRAD_TOL[dtype], 1e-4))
+    if dtype == torch.bfloat16:  # what materialised bf16 logits (eager) lose, for the record
+        eager = F.cross_entropy((x.detach() @ w.detach().T).float(), t, ignore_index=IGNORE)
+        print(f"peaky {dtype}: fuseforge grad errs {errs}; eager bf16-logits loss err "
+              f"{rel_err(eager, reference(*leaves64(x, w), t.cpu())):.2e}")
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("low_memory", [False, True])
+def test_all_ignored(device, reduction, low_memory):
+    x, w, t, b = make_inputs((2, 9), 16, 64, torch.float32, device, bias=True)
+    t.fill_(IGNORE)
+    loss = linear_cross_entropy(x, w, t, b, reduction=reduction, low_memory=low_memory)
+    assert torch.isfinite(loss).all() and (loss == 0).all()
+    grads = torch.autograd.grad(loss.sum(), (x, w, b))
+    for g in grads:
+        assert torch.isfinite(g).all() and (g == 0).all()
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_empty(device, reduction):
+    x, w, t, _ = make_inputs((0,), 16, 40, torch.float32, device)
+    loss = linear_cross_entropy(x, w, t, reduction=reduction)
+    assert loss.shape == ((0,) if reduction == "none" else ())
+    gx, gw = torch.autograd.grad(loss.sum(), (x, w), allow_unused=True)
+    assert gw is not None and (gw == 0).all() and gx.shape == x.shape
+
+
+@pytest.mark.parametrize("device", devices())
+def test_noncontiguous_int32_and_module(device):
+    x, w, t, b = make_inputs((6, 11), 24, 130, torch.float32, device, bias=True, target_dtype=torch.int32)
+    xt = x.detach().transpose(0, 1).contiguous().transpose(0, 1).requires_grad_()  # non-contiguous view
+    assert not xt.is_contiguous()
+    wt = w.detach().t().contiguous().t().requires_grad_()  # non-contiguous weight
+    check_against_reference(xt, wt, t, b)
+    loss_fn = LinearCrossEntropyLoss(label_smoothing=0.1)
+    ref = F.cross_entropy(F.linear(x, w, b).flatten(0, 1), t.flatten().long(), label_smoothing=0.1)
+    assert_rel_close(loss_fn(x, w, t, b), ref, 1e-5, "module loss")
+
+
+@pytest.mark.parametrize("device", devices())
+def test_grad_output_scaling(device):
+    """The forward precomputes the gradients of the loss; the backward scales them by grad_output."""
+    x, w, t, _ = make_inputs((40,), 32, 300, torch.float32, device)
+    for g in (1.0, 2.5, 0.0):
+        check_against_reference(x, w, t, None, grad_out=torch.tensor(g, device=device))
+    # only one input requires grad
+    x2 = x.detach().requires_grad_(False)
+    loss = linear_cross_entropy(x2, w, t)
+    (gw,) = torch.autograd.grad(loss, (w,))
+    x64, w64 = leaves64(x2, w)
+    (gw_ref,) = torch.autograd.grad(reference(x64, w64, t.cpu()), (w64,))
+    assert_rel_close(gw, gw_ref, 1e-5, "grad_weight only")
+
+
+@pytest.mark.parametrize("device", devices())
+def test_repeated_backward(device):
+    """retain_graph: the first backward hands over the forward's gradients, later ones recompute."""
+    x, w, t, _ = make_inputs((30,), 16, 70, torch.float32, device)
+    loss = linear_cross_entropy(x, w, t)
+    g1 = torch.autograd.grad(loss, (x, w), torch.tensor(2.0, device=device), retain_graph=True)
+    g2 = torch.autograd.grad(loss, (x, w), torch.tensor(2.0, device=device))
+    for a, b in zip(g1, g2):
+        assert_rel_close(a, b, 1e-5, "repeated backward")
+
+
+def test_errors():
+    x, w, t, b = make_inputs((4,), 8, 10, torch.float32, "cpu", bias=True)
+    with pytest.raises(RuntimeError, match="target must have shape"):
+        linear_cross_entropy(x, w, t[:3])
+    with pytest.raises(RuntimeError, match="weight must have shape"):
+        linear_cross_entropy(x, w[:, :5], t)
+    with pytest.raises(RuntimeError, match="weight must have the dtype of x"):
+        linear_cross_entropy(x, w.double(), t)
+    with pytest.raises(RuntimeError, match="bias must have shape"):
+        linear_cross_entropy(x, w, t, b[:3])
+    with pytest.raises(RuntimeError, match="target must be an int64 or int32"):
+        linear_cross_entropy(x, w, t.float())
+    with pytest.raises(RuntimeError, match="x must be float32"):
+        linear_cross_entropy(x.int(), w, t)
+    with pytest.raises(ValueError, match="label_smoothing"):
+        linear_cross_entropy(x, w, t, label_smoothing=1.0)
+    with pytest.raises(ValueError, match="reduction"):
+        linear_cross_entropy(x, w, t, reduction="avg")
+    with pytest.raises(ValueError, match="softcap"):
+        linear_cross_entropy(x, w, t, softcap=-1.0)
+    # the op itself checks too (the Python layer is not the only guard)
+    with pytest.raises(RuntimeError, match="label_smoothing must be in"):
+        ops.linear_cross_entropy_fwd(x, w, t, None, IGNORE, "mean", -0.1, 0.0, 0.0, False, False, False, False)
+    with pytest.raises(RuntimeError, match="reduction must be"):
+        ops.linear_cross_entropy_fwd(x, w, t, None, IGNORE, "avg", 0.0, 0.0, 0.0, False, False, False, False)
+    bad = t.clone()
+    bad[1] = 10
+    with pytest.raises(RuntimeError, match=r"target must hold class indices in \[0, 10\)"):
+        linear_cross_entropy(x, w, bad)
+
+
+@requires_cuda
+def test_out_of_range_target_cuda_is_nan():
+    """No host sync on CUDA: an out-of-range target makes that token's loss (and so the mean) NaN."""
+    x, w, t, _ = make_inputs((16,), 8, 12, torch.float32, "cuda")
+    t[3] = 12
+    loss = linear_cross_entropy(x, w, t, reduction="none")
+    assert torch.isnan(loss[3]) and torch.isfinite(loss[torch.arange(16, device="cuda") != 3]).all()
+    assert torch.isnan(linear_cross_entropy(x, w, t))
+
+
+@requires_cuda
+def test_device_mismatch_cuda():
+    x, w, t, _ = make_inputs((4,), 8, 10, torch.float32, "cuda")
+    with pytest.raises(RuntimeError, match="target must be on the device of x"):
+        linear_cross_entropy(x, w, t.cpu())
+
+
+@pytest.mark.parametrize("device", devices())
+def test_opcheck(device):
+    x, w, t, b = make_inputs((3, 5), 16, 40, torch.float32, device, bias=True)
+    for red in ("mean", "none"):
+        args = (x, w, t, b, IGNORE, red, 0.1, 1e-3, 0.0, False, True, True, True)
+        run_opcheck(ops.linear_cross_entropy_fwd, args)
+    lse = ops.linear_cross_entropy_fwd(x, w, t, b, IGNORE, "none", 0.0, 0.0, 0.0, False, False, False, False)[1]
+    run_opcheck(ops.linear_cross_entropy_bwd,
+                (randn(3, 5, device=device), x.detach(), w.detach(), t, b.detach(), lse, IGNORE, "none", 0.0, 0.0,
+                 0.0, False, True, True, True))
+    gx, gw, gb = (randn(3, 5, 16, device=device), randn(40, 16, device=device), randn(40, device=device))
+    run_opcheck(ops.linear_cross_entropy_scale_grads_,
+                (gx, gw, gb, torch.tensor(2.0, device=device), torch.tensor(0.5, device=device)))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_gradcheck_float64_cpu(reduction):
+    x, w, t, b = make_inputs((2, 3), 5, 7, torch.float64, "cpu", bias=True, ignore_every=4, x_scale=1.0,
+                             w_scale=1.0)
+
+    def fn(x_, w_, b_):
+        return linear_cross_entropy(x_, w_, t, b_, reduction=reduction, label_smoothing=0.1, z_loss=0.01,
+                                    softcap=3.0)
+
+    assert torch.autograd.gradcheck(fn, (x, w, b))
+
+
+@pytest.mark.parametrize("device", devices())
+def test_compile_fullgraph(device):
+    x, w, t, b = make_inputs((2, 13), 16, 96, torch.float32, device, bias=True)
+
+    def fn(x_, w_, b_):
+        a = linear_cross_entropy(x_, w_, t, b_, label_smoothing=0.1)
+        c = linear_cross_entropy(x_, w_, t, b_, reduction="none", z_loss=1e-3)
+        return a + (c * torch.linspace(0, 1, c.numel(), device=c.device).view_as(c)).sum()
+
+    out = assert_compiles(fn, x, w, b, device=device)
+    grads = torch.autograd.grad(out, (x, w, b))
+    eager = fn(x, w, b)
+    eager_grads = torch.autograd.grad(eager, (x, w, b))
+    assert_rel_close(out, eager, 1e-5, "compiled loss")
+    for g, e in zip(grads, eager_grads):
+        assert_rel_close(g, e, 1e-5, "compiled grad")
+
+
+# ---- CUDA: chunk plans that small shapes do not reach -------------------------------------------
+@requires_cuda
+@pytest.mark.parametrize("rows,vocab,low_memory", [
+    (20000, 256, False),   # 3 super-chunks: grad_W accumulated in bf16 by cuBLAS (3 roundings)
+    (41000, 256, False),   # 6 super-chunks > 4: float32 V x H accumulator
+    (4500, 2600, True),    # low-memory: 3 x 3 tiles, last ones ragged
+], ids=["bf16-passes", "fp32-acc", "lowmem-tiles"])
+def test_chunk_plans_cuda(rows, vocab, low_memory):
+    x, w, t, b = make_inputs((rows,), 64, vocab, torch.bfloat16, "cuda", bias=True, w_scale=0.1)
+    check_against_reference(x, w, t, b, low_memory=low_memory, label_smoothing=0.05)
+    check_against_reference(x, w, t, b, low_memory=low_memory, reduction="none",
+                            grad_out=randn(rows, device="cuda"))
+
+
+@requires_cuda
+@pytest.mark.parametrize("vocab", [32000, 128256, 256000])
+def test_large_vocab_cluster_sizes_cuda(vocab):
+    """Each register-tile size of the cluster kernel (and the streaming kernel's tiles at 256000)."""
+    x, w, t, _ = make_inputs((67,), 64, vocab, torch.bfloat16, "cuda")
+    check_against_reference(x, w, t, None)
+    check_against_reference(x, w, t, None, low_memory=True)
+
+
+# ---- small tests every kernel runs in, for compute-sanitizer (memcheck, racecheck) --------------
+@requires_cuda
+@pytest.mark.sanitize
+@pytest.mark.parametrize("vocab,low_memory", [(200, False), (203, False), (1100, True)],
+                         ids=["cluster", "stream", "lowmem"])
+def test_sanitize_kernels(vocab, low_memory):
+    x, w, t, b = make_inputs((2, 9), 32, vocab, torch.bfloat16, "cuda", bias=True)
+    check_against_reference(x, w, t, b, low_memory=low_memory, label_smoothing=0.1, softcap=5.0,
+                            grad_out=torch.tensor(1.5, device="cuda"))
+    check_against_reference(x, w, t, b, low_memory=low_memory, reduction="none", grad_out=randn(2, 9, device="cuda"))
