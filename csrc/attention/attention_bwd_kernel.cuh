@@ -1,0 +1,401 @@
+// Attention backward (FlashAttention-2 algorithm): scores are recomputed tile by tile from the
+// forward's LSE, never stored.
+//   1. row_dot kernel: D_i = sum_d dO * O (fp32), one warp a row.
+//   2. dk/dv kernel: a block owns kBlockN keys of one (batch, kv head) and loops over the query tiles
+//      of every query head of the group: S^T = K Q^T, P^T = exp(S^T - lse), dV += P^T dO,
+//      dP^T = V dO^T, dS^T = P^T (dP^T - D), dK += dS^T Q; the GQA sum stays in registers. On the
+//      atomic path it also computes dQ += dS K for the tile and adds it to an fp32 buffer.
+//   3a. atomic path: a kernel converts that buffer to dq (times scale) in q's dtype and strides.
+//   3b. deterministic path: a dq kernel owns kBlockM queries and loops over key tiles (no atomics).
+#pragma once
+#include "attention/attention_fwd_kernel.cuh"
+
+namespace fuseforge::attention {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// LSE (natural log) -> the base-2 value the kernels subtract; rows that saw no key (-inf) and rows
+// past Sq become +inf, so their P is exactly 0.
+__device__ __forceinline__ float lse_to_log2(float lse) { return lse == -INFINITY ? INFINITY : lse * kLog2e; }
+
+template <typename T, int kD>
+__global__ void attention_row_dot_kernel(const __grid_constant__ BwdParams p) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  const int64_t rows = static_cast<int64_t>(p.batch) * p.heads_q * p.seqlen_q;
+  if (row >= rows) return;
+  const int lane = threadIdx.x & 31;
+  const int i = static_cast<int>(row % p.seqlen_q);
+  const int64_t bh = row / p.seqlen_q;
+  const int h = static_cast<int>(bh % p.heads_q), b = static_cast<int>(bh / p.heads_q);
+  const T* dout = static_cast<const T*>(p.grad_out) + b * p.do_batch_stride + h * p.do_head_stride + i * p.do_row_stride;
+  const T* out = static_cast<const T*>(p.out) + b * p.out_batch_stride + h * p.out_head_stride + i * p.out_row_stride;
+  float sum = 0.f;
+#pragma unroll
+  for (int d = lane * 2; d < kD; d += 64) {
+    sum += static_cast<float>(dout[d]) * static_cast<float>(out[d]) +
+           static_cast<float>(dout[d + 1]) * static_cast<float>(out[d + 1]);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, o);
+  if (lane == 0) p.row_dot[row] = sum;
+}
+
+// dq = scale * dq_accum in q's dtype and strides, 8 elements a thread.
+template <typename T, int kD>
+__global__ void attention_dq_convert_kernel(const __grid_constant__ BwdParams p) {
+  constexpr int kChunks = kD / 8;
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t total = static_cast<int64_t>(p.batch) * p.heads_q * p.seqlen_q * kChunks;
+  if (idx >= total) return;
+  const int64_t row = idx / kChunks;
+  const int c = static_cast<int>(idx % kChunks);
+  const int i = static_cast<int>(row % p.seqlen_q);
+  const int64_t bh = row / p.seqlen_q;
+  const int h = static_cast<int>(bh % p.heads_q), b = static_cast<int>(bh / p.heads_q);
+  const float4* src = reinterpret_cast<const float4*>(p.dq_accum + row * kD + c * 8);
+  const float4 lo = src[0], hi = src[1];
+  uint4 v;
+  v.x = pack2<T>(lo.x * p.scale, lo.y * p.scale);
+  v.y = pack2<T>(lo.z * p.scale, lo.w * p.scale);
+  v.z = pack2<T>(hi.x * p.scale, hi.y * p.scale);
+  v.w = pack2<T>(hi.z * p.scale, hi.w * p.scale);
+  T* dst = static_cast<T*>(p.grad_q) + b * p.dq_batch_stride + h * p.dq_head_stride + i * p.dq_row_stride + c * 8;
+  *reinterpret_cast<uint4*>(dst) = v;
+}
+
+template <class Tr, bool kCausal, bool kAtomicDq>
+__device__ __forceinline__ void attention_bwd_dkdv_body(const BwdParams& p) {
+  using T = typename Tr::T;
+  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kNT = Tr::kNTiles, kD = Tr::kHeadDim;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+  const int n0 = n_block * kBlockN;
+  const int rows_k = min(kBlockN, p.seqlen_k - n0);
+  const int causal_offset = p.seqlen_k - p.seqlen_q;
+  // Query rows i see key n0 when i >= n0 - (Sk - Sq): earlier query tiles are skipped.
+  const int m_first = kCausal ? max(0, n0 - causal_offset) / kBlockM : 0;
+  const int m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
+  const int m_count = max(0, m_blocks - m_first);
+  const int iterations = p.group * m_count;
+
+  unsigned char* smem = attention_smem;
+  const uint32_t sK = smem_addr(smem);
+  const uint32_t sV = sK + Tr::kTileKVBytes;
+  const uint32_t sStage0 = sV + Tr::kTileKVBytes;
+  constexpr int kStageBytes = 2 * Tr::kTileQBytes + 2 * kBlockM * 4;
+  const uint32_t sDs = sStage0 + Tr::kStages * kStageBytes;
+  float* stage_floats0 = reinterpret_cast<float*>(smem + 2 * Tr::kTileKVBytes + 2 * Tr::kTileQBytes);
+
+  const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride + n0 * p.k_row_stride;
+  const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride + n0 * p.v_row_stride;
+  load_tile_async<kBlockN, kD, Tr::kThreads>(sK, k, p.k_row_stride, rows_k, tid);
+  load_tile_async<kBlockN, kD, Tr::kThreads>(sV, v, p.v_row_stride, rows_k, tid);
+
+  // Q, dO, lse and D of iteration `it` into stage `it % 2`.
+  auto prefetch = [&](int it) {
+    const int h = hk * p.group + it / m_count;
+    const int m0 = (m_first + it % m_count) * kBlockM;
+    const uint32_t stage = sStage0 + (it & 1) * kStageBytes;
+    const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + m0 * p.q_row_stride;
+    const T* dout =
+        static_cast<const T*>(p.grad_out) + b * p.do_batch_stride + h * p.do_head_stride + m0 * p.do_row_stride;
+    load_tile_async<kBlockM, kD, Tr::kThreads>(stage, q, p.q_row_stride, p.seqlen_q - m0, tid);
+    load_tile_async<kBlockM, kD, Tr::kThreads>(stage + Tr::kTileQBytes, dout, p.do_row_stride, p.seqlen_q - m0, tid);
+    float* floats = stage_floats0 + (it & 1) * (kStageBytes / 4);
+    const int64_t row_base = (static_cast<int64_t>(b) * p.heads_q + h) * p.seqlen_q;
+    for (int r = tid; r < kBlockM; r += Tr::kThreads) {
+      const bool valid = m0 + r < p.seqlen_q;
+      floats[r] = valid ? lse_to_log2(p.lse[row_base + m0 + r]) : INFINITY;
+      floats[kBlockM + r] = valid ? p.row_dot[row_base + m0 + r] : 0.f;
+    }
+  };
+
+  float dk[kNT][kD / 8][4], dv[kNT][kD / 8][4];
+#pragma unroll
+  for (int mt = 0; mt < kNT; ++mt)
+#pragma unroll
+    for (int dt = 0; dt < kD / 8; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dk[mt][dt][e] = dv[mt][dt][e] = 0.f;
+
+  if (iterations > 0) prefetch(0);
+  cp_async_commit();
+  const int warp_row0 = warp * kNT * 16;  // this warp's keys within the block
+  const float scale_log2 = p.scale_log2;
+
+  for (int it = 0; it < iterations; ++it) {
+    cp_async_wait<0>();
+    __syncthreads();  // stage it % 2 landed; every warp is done with iteration it - 1
+    if (it + 1 < iterations) prefetch(it + 1);
+    cp_async_commit();
+    const int h = hk * p.group + it / m_count;
+    const int m0 = (m_first + it % m_count) * kBlockM;
+    const uint32_t sQ = sStage0 + (it & 1) * kStageBytes;
+    const uint32_t sdO = sQ + Tr::kTileQBytes;
+    const float* s_lse = stage_floats0 + (it & 1) * (kStageBytes / 4);
+    const float* s_row_dot = s_lse + kBlockM;
+
+    // P^T = exp2(S^T * scale_log2 - lse_log2[query]) for this warp's keys x kBlockM queries.
+    float pt[kNT][kBlockM / 8][4];
+#pragma unroll
+    for (int mt = 0; mt < kNT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < kBlockM / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) pt[mt][nt][e] = 0.f;
+    warp_gemm_abt<T, kD, kNT, kBlockM>(pt, sK, warp_row0, sQ, lane);
+    const bool needs_mask = n0 + kBlockN > p.seqlen_k || (kCausal && n0 + kBlockN - 1 > m0 + causal_offset);
+#pragma unroll
+    for (int mt = 0; mt < kNT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < kBlockM / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = nt * 8 + (lane & 3) * 2 + (e & 1);  // query, block-relative
+          float val = fast_exp2(fmaf(pt[mt][nt][e], scale_log2, -s_lse[col]));
+          if (needs_mask) {
+            const int key = n0 + warp_row0 + mt * 16 + (lane >> 2) + (e >> 1) * 8;
+            if (key >= p.seqlen_k || (kCausal && key > m0 + col + causal_offset)) val = 0.f;
+          }
+          pt[mt][nt][e] = val;
+        }
+    warp_gemm_pb<T, kD, kNT, kBlockM>(dv, pt, sdO, lane);
+
+    // dS^T = P^T (dP^T - D[query]), dP^T = V dO^T.
+    float ds[kNT][kBlockM / 8][4];
+#pragma unroll
+    for (int mt = 0; mt < kNT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < kBlockM / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) ds[mt][nt][e] = 0.f;
+    warp_gemm_abt<T, kD, kNT, kBlockM>(ds, sV, warp_row0, sdO, lane);
+#pragma unroll
+    for (int mt = 0; mt < kNT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < kBlockM / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = nt * 8 + (lane & 3) * 2 + (e & 1);
+          ds[mt][nt][e] = pt[mt][nt][e] * (ds[mt][nt][e] - s_row_dot[col]);
+        }
+    warp_gemm_pb<T, kD, kNT, kBlockM>(dk, ds, sQ, lane);
+
+    if constexpr (kAtomicDq) {
+      // dS^T to shared memory as [key][query], then dQ (kBlockM x kD) += dS K split over the warps.
+      using DsTile = SwizzledTile<kBlockM>;
+      unsigned char* ds_bytes = smem + (sDs - sK);
+#pragma unroll
+      for (int mt = 0; mt < kNT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < kBlockM / 8; ++nt)
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            const int row = warp_row0 + mt * 16 + (lane >> 2) + hh * 8;
+            const int col = nt * 8 + (lane & 3) * 2;
+            *reinterpret_cast<uint32_t*>(ds_bytes + DsTile::offset(row, col) + (col & 7) * 2) =
+                pack2<T>(ds[mt][nt][2 * hh], ds[mt][nt][2 * hh + 1]);
+          }
+      __syncthreads();
+      constexpr int kRT = Tr::kDqRowTiles, kCols = Tr::kDqCols;
+      const int wm = warp % Tr::kDqWarpsM, wn = warp / Tr::kDqWarpsM;
+      const int q_row0 = wm * kRT * 16, d_col0 = wn * kCols;
+      float dq[kRT][kCols / 8][4];
+#pragma unroll
+      for (int rt = 0; rt < kRT; ++rt)
+#pragma unroll
+        for (int dt = 0; dt < kCols / 8; ++dt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) dq[rt][dt][e] = 0.f;
+      using KTile = SwizzledTile<kD>;
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        uint32_t a[kRT][4];
+#pragma unroll
+        for (int rt = 0; rt < kRT; ++rt)
+          ldmatrix_x4_trans(a[rt], sDs + DsTile::offset(kk * 16 + (lane >> 4) * 8 + (lane & 7),
+                                                        q_row0 + rt * 16 + ((lane >> 3) & 1) * 8));
+#pragma unroll
+        for (int dp = 0; dp < kCols / 16; ++dp) {
+          uint32_t bb[4];
+          ldmatrix_x4_trans(bb, sK + KTile::offset(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
+                                                   d_col0 + dp * 16 + (lane >> 4) * 8));
+#pragma unroll
+          for (int rt = 0; rt < kRT; ++rt) {
+            mma_16816<T>(dq[rt][2 * dp], a[rt], bb[0], bb[1]);
+            mma_16816<T>(dq[rt][2 * dp + 1], a[rt], bb[2], bb[3]);
+          }
+        }
+      }
+      float* dq_rows = p.dq_accum + ((static_cast<int64_t>(b) * p.heads_q + h) * p.seqlen_q) * kD;
+#pragma unroll
+      for (int rt = 0; rt < kRT; ++rt)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int row = m0 + q_row0 + rt * 16 + (lane >> 2) + hh * 8;
+          if (row < p.seqlen_q) {
+#pragma unroll
+            for (int dt = 0; dt < kCols / 8; ++dt) {
+              float* dst = dq_rows + static_cast<int64_t>(row) * kD + d_col0 + dt * 8 + (lane & 3) * 2;
+              atomicAdd(dst, dq[rt][dt][2 * hh]);
+              atomicAdd(dst + 1, dq[rt][dt][2 * hh + 1]);
+            }
+          }
+        }
+    }
+  }
+
+  // dK = scale * sum dS^T Q, dV = sum P^T dO: staged through this warp's own rows of sK / sV.
+  cp_async_wait<0>();
+  __syncthreads();  // every warp is done reading sK / sV (the dq product reads all of sK)
+  float ones[kNT][2], scales[kNT][2];
+#pragma unroll
+  for (int mt = 0; mt < kNT; ++mt) ones[mt][0] = ones[mt][1] = 1.f, scales[mt][0] = scales[mt][1] = p.scale;
+  T* gk = static_cast<T*>(p.grad_k) + b * p.dk_batch_stride + hk * p.dk_head_stride + n0 * p.dk_row_stride;
+  T* gv = static_cast<T*>(p.grad_v) + b * p.dv_batch_stride + hk * p.dv_head_stride + n0 * p.dv_row_stride;
+  store_rows<T, kD, kNT>(dk, scales, smem, warp_row0, gk, p.dk_row_stride, rows_k, lane);
+  store_rows<T, kD, kNT>(dv, ones, smem + Tr::kTileKVBytes, warp_row0, gv, p.dv_row_stride, rows_k, lane);
+}
+
+// Deterministic dq: a block owns kBlockM queries of one (batch, head) and loops over key tiles;
+// K/V tiles are double-buffered (K is read twice per tile: S = Q K^T and dQ += dS K).
+template <class Tr, bool kCausal>
+__device__ __forceinline__ void attention_bwd_dq_body(const BwdParams& p) {
+  using T = typename Tr::T;
+  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kMT = Tr::kMTiles, kD = Tr::kHeadDim;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int m_block = gridDim.x - 1 - blockIdx.x;
+  const int h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
+  const int m0 = m_block * kBlockM;
+  const int rows_q = min(kBlockM, p.seqlen_q - m0);
+  const int causal_offset = p.seqlen_k - p.seqlen_q;
+  const int key_end = kCausal ? causal_key_end(m0, kBlockM, p.seqlen_q, p.seqlen_k) : p.seqlen_k;
+  const int n_blocks = (key_end + kBlockN - 1) / kBlockN;
+
+  unsigned char* smem = attention_smem;
+  const uint32_t sQ = smem_addr(smem);
+  const uint32_t sdO = sQ + Tr::kTileQBytes;
+  const uint32_t sKV0 = sdO + Tr::kTileQBytes;  // stage s: K at sKV0 + s * 2 * tile, V after it
+
+  const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + m0 * p.q_row_stride;
+  const T* dout = static_cast<const T*>(p.grad_out) + b * p.do_batch_stride + h * p.do_head_stride + m0 * p.do_row_stride;
+  const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
+  const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
+  load_tile_async<kBlockM, kD, Tr::kThreads>(sQ, q, p.q_row_stride, rows_q, tid);
+  load_tile_async<kBlockM, kD, Tr::kThreads>(sdO, dout, p.do_row_stride, rows_q, tid);
+  auto prefetch = [&](int nb) {
+    const int n0 = nb * kBlockN;
+    const uint32_t sK = sKV0 + (nb & 1) * 2 * Tr::kTileKVBytes;
+    load_tile_async<kBlockN, kD, Tr::kThreads>(sK, k + n0 * p.k_row_stride, p.k_row_stride, p.seqlen_k - n0, tid);
+    load_tile_async<kBlockN, kD, Tr::kThreads>(sK + Tr::kTileKVBytes, v + n0 * p.v_row_stride, p.v_row_stride,
+                                               p.seqlen_k - n0, tid);
+  };
+  if (n_blocks > 0) prefetch(0);
+  cp_async_commit();
+
+  const int warp_row0 = warp * Tr::kRowsPerWarp;
+  float lse_log2[kMT][2], row_dot[kMT][2];
+  const int64_t row_base = (static_cast<int64_t>(b) * p.heads_q + h) * p.seqlen_q;
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int row = m0 + warp_row0 + mt * 16 + (lane >> 2) + hh * 8;
+      lse_log2[mt][hh] = row < p.seqlen_q ? lse_to_log2(p.lse[row_base + row]) : INFINITY;
+      row_dot[mt][hh] = row < p.seqlen_q ? p.row_dot[row_base + row] : 0.f;
+    }
+  float dq[kMT][kD / 8][4];
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int dt = 0; dt < kD / 8; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dq[mt][dt][e] = 0.f;
+  const float scale_log2 = p.scale_log2;
+
+  for (int nb = 0; nb < n_blocks; ++nb) {
+    const int n0 = nb * kBlockN;
+    cp_async_wait<0>();
+    __syncthreads();  // K/V[nb] landed; every warp is done with stage (nb + 1) % 2
+    if (nb + 1 < n_blocks) prefetch(nb + 1);
+    cp_async_commit();
+    const uint32_t sK = sKV0 + (nb & 1) * 2 * Tr::kTileKVBytes;
+    const uint32_t sV = sK + Tr::kTileKVBytes;
+
+    float s[kMT][kBlockN / 8][4], dp[kMT][kBlockN / 8][4];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < kBlockN / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mt][nt][e] = dp[mt][nt][e] = 0.f;
+    warp_gemm_abt<T, kD, kMT, kBlockN>(s, sQ, warp_row0, sK, lane);
+    const bool needs_mask = n0 + kBlockN > p.seqlen_k || (kCausal && n0 + kBlockN - 1 > m0 + causal_offset);
+    if (needs_mask) apply_mask<kCausal, kMT, kBlockN>(s, m0 + warp_row0, n0, p.seqlen_k, causal_offset, lane);
+    warp_gemm_abt<T, kD, kMT, kBlockN>(dp, sdO, warp_row0, sV, lane);
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < kBlockN / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int hh = e >> 1;
+          const float pr = fast_exp2(fmaf(s[mt][nt][e], scale_log2, -lse_log2[mt][hh]));
+          s[mt][nt][e] = pr * (dp[mt][nt][e] - row_dot[mt][hh]);
+        }
+    warp_gemm_pb<T, kD, kMT, kBlockN>(dq, s, sK, lane);
+  }
+
+  cp_async_wait<0>();
+  __syncthreads();
+  float scales[kMT][2];
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt) scales[mt][0] = scales[mt][1] = p.scale;
+  T* gq = static_cast<T*>(p.grad_q) + b * p.dq_batch_stride + h * p.dq_head_stride + m0 * p.dq_row_stride;
+  store_rows<T, kD, kMT>(dq, scales, smem, warp_row0, gq, p.dq_row_stride, rows_q, lane);
+}
+
+template <class Tr, bool kCausal, bool kAtomicDq>
+__global__ void __launch_bounds__(Tr::kThreads) attention_bwd_dkdv_kernel(const __grid_constant__ BwdParams params) {
+  attention_bwd_dkdv_body<Tr, kCausal, kAtomicDq>(params);
+}
+
+template <class Tr, bool kCausal>
+__global__ void __launch_bounds__(Tr::kThreads) attention_bwd_dq_kernel(const __grid_constant__ BwdParams params) {
+  attention_bwd_dq_body<Tr, kCausal>(params);
+}
+
+// The dq kernel's tiles: Q and dO resident, two stages of K and V.
+template <class Tr>
+constexpr int dq_smem_bytes() {
+  return 2 * Tr::kTileQBytes + 4 * Tr::kTileKVBytes;
+}
+
+template <class DkdvTr, class DqTr>
+void launch_attention_bwd(const BwdParams& params, bool causal, bool deterministic) {
+  using T = typename DkdvTr::T;
+  constexpr int kD = DkdvTr::kHeadDim;
+  static_assert(dq_smem_bytes<DqTr>() <= 227 * 1024, "fits an H100 SM's shared memory");
+  const int64_t rows = static_cast<int64_t>(params.batch) * params.heads_q * params.seqlen_q;
+  launch_kernel(attention_row_dot_kernel<T, kD>, dim3(static_cast<unsigned>(ceil_div(rows, 8))), dim3(256), 0,
+                params);
+  const dim3 grid_kv(static_cast<unsigned>(ceil_div(params.seqlen_k, DkdvTr::kBlockN)),
+                     static_cast<unsigned>(params.heads_kv), static_cast<unsigned>(params.batch));
+  FUSEFORGE_BOOL_SWITCH(causal, kCausal, [&] {
+    if (deterministic) {
+      launch_kernel(attention_bwd_dkdv_kernel<DkdvTr, kCausal, false>, grid_kv, dim3(DkdvTr::kThreads),
+                    DkdvTr::kSmemBytes, params);
+      const dim3 grid_q(static_cast<unsigned>(ceil_div(params.seqlen_q, DqTr::kBlockM)),
+                        static_cast<unsigned>(params.heads_q), static_cast<unsigned>(params.batch));
+      launch_kernel(attention_bwd_dq_kernel<DqTr, kCausal>, grid_q, dim3(DqTr::kThreads), dq_smem_bytes<DqTr>(),
+                    params);
+    } else {
+      launch_kernel(attention_bwd_dkdv_kernel<DkdvTr, kCausal, true>, grid_kv, dim3(DkdvTr::kThreads),
+                    DkdvTr::kSmemBytes, params);
+      launch_kernel(attention_dq_convert_kernel<T, kD>, dim3(static_cast<unsigned>(ceil_div(rows * (kD / 8), 256))),
+                    dim3(256), 0, params);
+    }
+  });
+}
+
+}  // namespace fuseforge::attention

@@ -1,0 +1,263 @@
+// Attention forward (FlashAttention-2 algorithm): device body, thin __global__ shell, launcher.
+// A block owns kBlockM query rows of one (batch, head): Q stays in shared memory, K/V tiles of
+// kBlockN keys stream through it with cp.async, S = Q K^T and O += P V run on mma.sync m16n8k16, and
+// the softmax is online in fp32 (running max m and sum l per row), so no S x S matrix exists.
+#pragma once
+#include <cmath>
+
+#include "attention/attention_kernel_traits.h"
+#include "attention/attention_mma.cuh"
+#include "attention/attention_params.h"
+#include "common/dispatch.h"
+#include "common/launch.cuh"
+
+namespace fuseforge::attention {
+
+extern __shared__ __align__(128) unsigned char attention_smem[];
+
+// Last key (exclusive) query rows [m0, m0 + rows) may see: causal masks are bottom-right aligned,
+// query i sees key j when j <= i + Sk - Sq.
+__device__ __forceinline__ int causal_key_end(int m0, int rows, int seqlen_q, int seqlen_k) {
+  const int end = m0 + rows + seqlen_k - seqlen_q;
+  return end < 0 ? 0 : (end < seqlen_k ? end : seqlen_k);
+}
+
+// S (kMTiles x 16 rows of this warp) x kBlockN = A (rows of sA, kHeadDim wide) * B^T (kBlockN rows of sB):
+// used for S = Q K^T and dP = dO V^T.
+template <typename T, int kD, int kMT, int kNCols>
+__device__ __forceinline__ void warp_gemm_abt(float (&acc)[kMT][kNCols / 8][4], uint32_t sA, int a_row0, uint32_t sB,
+                                              int lane) {
+  const SwizzledBases<kD> a_addr(sA, a_row0 + (lane & 15), lane >> 4);
+  const SwizzledBases<kD> b_addr(sB, (lane >> 4) * 8 + (lane & 7), (lane >> 3) & 1);
+#pragma unroll
+  for (int ks = 0; ks < kD / 16; ++ks) {
+    uint32_t a[kMT][4];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) ldmatrix_x4(a[mt], a_addr.at(mt * 16, ks));
+#pragma unroll
+    for (int np = 0; np < kNCols / 16; ++np) {
+      uint32_t b[4];
+      ldmatrix_x4(b, b_addr.at(np * 16, ks));
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        mma_16816<T>(acc[mt][2 * np], a[mt], b[0], b[1]);
+        mma_16816<T>(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
+      }
+    }
+  }
+}
+
+// acc (kMTiles x 16 rows) x kHeadDim += P (registers, the S accumulator layout, kNCols keys) * sB
+// (kNCols rows of kHeadDim): used for O += P V and dQ += dS K.
+template <typename T, int kD, int kMT, int kNCols>
+__device__ __forceinline__ void warp_gemm_pb(float (&acc)[kMT][kD / 8][4], const float (&p)[kMT][kNCols / 8][4],
+                                             uint32_t sB, int lane) {
+  const SwizzledBases<kD> b_addr(sB, (lane & 7) + ((lane >> 3) & 1) * 8, lane >> 4);
+#pragma unroll
+  for (int kk = 0; kk < kNCols / 16; ++kk) {
+    uint32_t a[kMT][4];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+      a[mt][0] = pack2<T>(p[mt][2 * kk][0], p[mt][2 * kk][1]);
+      a[mt][1] = pack2<T>(p[mt][2 * kk][2], p[mt][2 * kk][3]);
+      a[mt][2] = pack2<T>(p[mt][2 * kk + 1][0], p[mt][2 * kk + 1][1]);
+      a[mt][3] = pack2<T>(p[mt][2 * kk + 1][2], p[mt][2 * kk + 1][3]);
+    }
+#pragma unroll
+    for (int dp = 0; dp < kD / 16; ++dp) {
+      uint32_t b[4];
+      ldmatrix_x4_trans(b, b_addr.at(kk * 16, dp));
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        mma_16816<T>(acc[mt][2 * dp], a[mt], b[0], b[1]);
+        mma_16816<T>(acc[mt][2 * dp + 1], a[mt], b[2], b[3]);
+      }
+    }
+  }
+}
+
+// -inf where key col (n0-relative) is past Sk or, with kCausal, past the row's diagonal.
+template <bool kCausal, int kMT, int kNCols>
+__device__ __forceinline__ void apply_mask(float (&s)[kMT][kNCols / 8][4], int row0, int n0, int seqlen_k,
+                                           int causal_offset, int lane) {
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < kNCols / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = row0 + mt * 16 + (lane >> 2) + (e >> 1) * 8;
+        const int col = n0 + nt * 8 + (lane & 3) * 2 + (e & 1);
+        const bool masked = col >= seqlen_k || (kCausal && col > row + causal_offset);
+        if (masked) s[mt][nt][e] = -INFINITY;
+      }
+}
+
+// Writes a warp's kMTiles x 16 rows x kHeadDim fp32 accumulator, times row_scale[mt][half], as T
+// rows of a strided global matrix: staged through the warp's own rows of the swizzled smem tile
+// sStage (so the global stores are 16-byte and coalesced). Rows at or past rows_valid are skipped.
+template <typename T, int kD, int kMT>
+__device__ __forceinline__ void store_rows(const float (&acc)[kMT][kD / 8][4], const float (&row_scale)[kMT][2],
+                                           unsigned char* sStage, int warp_row0, T* gmem, int64_t row_stride,
+                                           int rows_valid, int lane) {
+  using Tile = SwizzledTile<kD>;
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int dt = 0; dt < kD / 8; ++dt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = warp_row0 + mt * 16 + (lane >> 2) + h * 8;
+        const int col = dt * 8 + (lane & 3) * 2;
+        const uint32_t v = pack2<T>(acc[mt][dt][2 * h] * row_scale[mt][h], acc[mt][dt][2 * h + 1] * row_scale[mt][h]);
+        *reinterpret_cast<uint32_t*>(sStage + Tile::offset(row, col) + (col & 7) * 2) = v;
+      }
+  __syncwarp();
+  constexpr int kChunks = kD / 8;
+#pragma unroll
+  for (int i = 0; i < kMT * 16 * kChunks / 32; ++i) {
+    const int idx = i * 32 + lane;
+    const int r = idx / kChunks, c = idx % kChunks;
+    const int row = warp_row0 + r;
+    if (row < rows_valid) {
+      const uint4 v = *reinterpret_cast<const uint4*>(sStage + Tile::offset(row, c * 8));
+      *reinterpret_cast<uint4*>(gmem + row * row_stride + c * 8) = v;
+    }
+  }
+}
+
+template <class Tr, bool kCausal>
+__device__ __forceinline__ void attention_fwd_body(const FwdParams& p) {
+  using T = typename Tr::T;
+  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kMT = Tr::kMTiles, kD = Tr::kHeadDim;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  // Heaviest blocks first: with a causal mask the last query rows see the most keys.
+  const int m_block = gridDim.x - 1 - blockIdx.x;
+  const int h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
+  const int m0 = m_block * kBlockM;
+  const int rows_q = min(kBlockM, p.seqlen_q - m0);
+  const int causal_offset = p.seqlen_k - p.seqlen_q;
+  const int key_end = kCausal ? causal_key_end(m0, kBlockM, p.seqlen_q, p.seqlen_k) : p.seqlen_k;
+  const int n_blocks = (key_end + kBlockN - 1) / kBlockN;
+
+  const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + m0 * p.q_row_stride;
+  const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
+  const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
+
+  unsigned char* smem = attention_smem;
+  const uint32_t sQ = smem_addr(smem);
+  const uint32_t sK = sQ + Tr::kTileQBytes;
+  const uint32_t sV = sK + Tr::kTileKVBytes;
+
+  load_tile_async<kBlockM, kD, Tr::kThreads>(sQ, q, p.q_row_stride, rows_q, tid);
+  if (n_blocks > 0) load_tile_async<kBlockN, kD, Tr::kThreads>(sK, k, p.k_row_stride, p.seqlen_k, tid);
+  cp_async_commit();
+
+  float o[kMT][kD / 8][4];
+  float row_max[kMT][2], row_sum[kMT][2];
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+    for (int dt = 0; dt < kD / 8; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[mt][dt][e] = 0.f;
+    row_max[mt][0] = row_max[mt][1] = -INFINITY;
+    row_sum[mt][0] = row_sum[mt][1] = 0.f;
+  }
+  const int warp_row0 = warp * Tr::kRowsPerWarp;
+  const float scale_log2 = p.scale_log2;
+
+  for (int nb = 0; nb < n_blocks; ++nb) {
+    const int n0 = nb * kBlockN;
+    cp_async_wait<0>();
+    __syncthreads();  // K[nb] (and Q) landed; every warp is done with V[nb - 1]
+    load_tile_async<kBlockN, kD, Tr::kThreads>(sV, v + n0 * p.v_row_stride, p.v_row_stride, p.seqlen_k - n0, tid);
+    cp_async_commit();
+
+    float s[kMT][kBlockN / 8][4];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < kBlockN / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
+    warp_gemm_abt<T, kD, kMT, kBlockN>(s, sQ, warp_row0, sK, lane);
+
+    const bool needs_mask = n0 + kBlockN > p.seqlen_k || (kCausal && n0 + kBlockN - 1 > m0 + causal_offset);
+    if (needs_mask) apply_mask<kCausal, kMT, kBlockN>(s, m0 + warp_row0, n0, p.seqlen_k, causal_offset, lane);
+
+    // Online softmax: new running max, rescale O and the running sum, P = exp2(S * scale_log2 - max).
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        float mx = row_max[mt][hh];
+#pragma unroll
+        for (int nt = 0; nt < kBlockN / 8; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * hh], s[mt][nt][2 * hh + 1]));
+        mx = warp_max4(mx);
+        // A row with every key masked so far keeps max -inf: subtract 0 instead (no inf - inf).
+        const float max_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
+        const float correction = fast_exp2(row_max[mt][hh] * scale_log2 - max_scaled);
+        row_max[mt][hh] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < kBlockN / 8; ++nt)
+#pragma unroll
+          for (int e = 2 * hh; e < 2 * hh + 2; ++e) {
+            s[mt][nt][e] = fast_exp2(fmaf(s[mt][nt][e], scale_log2, -max_scaled));
+            sum += s[mt][nt][e];
+          }
+        row_sum[mt][hh] = row_sum[mt][hh] * correction + sum;  // per-thread partial; reduced at the end
+#pragma unroll
+        for (int dt = 0; dt < kD / 8; ++dt) {
+          o[mt][dt][2 * hh] *= correction;
+          o[mt][dt][2 * hh + 1] *= correction;
+        }
+      }
+
+    cp_async_wait<0>();
+    __syncthreads();  // V[nb] landed; every warp is done with K[nb]
+    if (nb + 1 < n_blocks) {
+      load_tile_async<kBlockN, kD, Tr::kThreads>(sK, k + (n0 + kBlockN) * p.k_row_stride, p.k_row_stride,
+                                                 p.seqlen_k - n0 - kBlockN, tid);
+    }
+    cp_async_commit();
+    warp_gemm_pb<T, kD, kMT, kBlockN>(o, s, sV, lane);
+  }
+
+  // Epilogue: O / l, and lse = max * scale + ln(l) (-inf and a zero row where no key was seen).
+  float inv_sum[kMT][2];
+  float* lse = p.lse + (static_cast<int64_t>(b) * p.heads_q + h) * p.seqlen_q;
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const float l = warp_sum4(row_sum[mt][hh]);
+      inv_sum[mt][hh] = l > 0.f ? 1.f / l : 0.f;
+      const int row = m0 + warp_row0 + mt * 16 + (lane >> 2) + hh * 8;
+      if ((lane & 3) == 0 && row < p.seqlen_q) {
+        lse[row] = l > 0.f ? row_max[mt][hh] * p.scale + logf(l) : -INFINITY;
+      }
+    }
+  cp_async_wait<0>();
+  __syncthreads();  // every thread's Q copies landed (when no key tile ran, nothing else waited for them)
+  // Each warp reads only its own rows of sQ, so it may reuse them to stage its output.
+  T* out = static_cast<T*>(p.out) + b * p.out_batch_stride + h * p.out_head_stride + m0 * p.out_row_stride;
+  store_rows<T, kD, kMT>(o, inv_sum, smem, warp_row0, out, p.out_row_stride, rows_q, lane);
+}
+
+template <class Tr, bool kCausal>
+__global__ void __launch_bounds__(Tr::kThreads) attention_fwd_kernel(const __grid_constant__ FwdParams params) {
+  attention_fwd_body<Tr, kCausal>(params);
+}
+
+template <class Tr>
+void launch_attention_fwd(const FwdParams& params, bool causal) {
+  const dim3 grid(static_cast<unsigned>((params.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM),
+                  static_cast<unsigned>(params.heads_q), static_cast<unsigned>(params.batch));
+  FUSEFORGE_BOOL_SWITCH(causal, kCausal, [&] {
+    launch_kernel(attention_fwd_kernel<Tr, kCausal>, grid, dim3(Tr::kThreads), Tr::kSmemBytes, params);
+  });
+}
+
+}  // namespace fuseforge::attention

@@ -1,0 +1,65 @@
+// Tile shapes of the attention kernels: one traits struct per shape, deriving thread count and
+// shared-memory size, with the constraints the kernels rely on as static_asserts.
+#pragma once
+#include <cstdint>
+
+namespace fuseforge::attention {
+
+// Forward (and the deterministic dq kernel, same shape of work): a block owns kBlockM query rows of
+// one (batch, head); each of kNWarps warps owns kBlockM / kNWarps rows (kMTiles m16 tiles, so each
+// K/V fragment read from shared memory feeds kMTiles mma's) and loops over kBlockN-key tiles.
+template <typename T_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_>
+struct FwdTraits {
+  using T = T_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kNWarps = kNWarps_;
+  static constexpr int kThreads = kNWarps * 32;
+  static constexpr int kRowsPerWarp = kBlockM / kNWarps;
+  static constexpr int kMTiles = kRowsPerWarp / 16;
+  static_assert(kBlockM % (16 * kNWarps) == 0, "each warp owns whole m16 tiles");
+  static_assert(kBlockN % 16 == 0, "key tiles are whole k16 steps of the P V product");
+  static_assert(kHeadDim % 64 == 0, "rows of at least 8 16-byte chunks (the smem swizzle)");
+  static constexpr int kTileQBytes = kBlockM * kHeadDim * 2;
+  static constexpr int kTileKVBytes = kBlockN * kHeadDim * 2;
+  // Q, one K and one V tile: the K load of the next tile overlaps P V, the V load overlaps Q K^T.
+  static constexpr int kSmemBytes = kTileQBytes + 2 * kTileKVBytes;
+  static_assert(kSmemBytes <= 227 * 1024, "fits an H100 SM's shared memory");
+};
+
+// Backward dk/dv: a block owns kBlockN keys of one (batch, kv head); each warp owns kBlockN / kNWarps
+// keys and loops over the kBlockM-query tiles of every query head of the group (the GQA reduction
+// happens in registers). Q and dO tiles are double-buffered; dS goes through shared memory for the
+// dq = dS K product (atomic path).
+template <typename T_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_>
+struct BwdTraits {
+  using T = T_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kNWarps = kNWarps_;
+  static constexpr int kThreads = kNWarps * 32;
+  static constexpr int kNTiles = kBlockN / (16 * kNWarps);  // key m16 tiles per warp
+  static_assert(kBlockN % (16 * kNWarps) == 0, "each warp owns whole m16 tiles of keys");
+  static_assert(kBlockM % 64 == 0, "dS rows (kBlockM queries) span 8 16-byte chunks (the smem swizzle)");
+  static_assert(kHeadDim % 64 == 0, "rows of at least 8 16-byte chunks (the smem swizzle)");
+  // dq = dS K on the atomic path: warps tile kBlockM x kHeadDim as kDqWarpsM x kDqWarpsN.
+  static constexpr int kDqWarpsM = kBlockM / 16 < kNWarps ? kBlockM / 16 : kNWarps;
+  static constexpr int kDqWarpsN = kNWarps / kDqWarpsM;
+  static_assert(kDqWarpsM * kDqWarpsN == kNWarps && kHeadDim % (16 * kDqWarpsN) == 0 &&
+                    kBlockM % (16 * kDqWarpsM) == 0,
+                "dq tile splits evenly over the warps");
+  static constexpr int kDqRowTiles = kBlockM / (16 * kDqWarpsM);
+  static constexpr int kDqCols = kHeadDim / kDqWarpsN;
+  static constexpr int kTileKVBytes = kBlockN * kHeadDim * 2;
+  static constexpr int kTileQBytes = kBlockM * kHeadDim * 2;
+  static constexpr int kTileDsBytes = kBlockN * kBlockM * 2;
+  static constexpr int kStages = 2;
+  // K, V; 2 stages of (Q, dO, lse, row_dot); dS.
+  static constexpr int kSmemBytes =
+      2 * kTileKVBytes + kStages * (2 * kTileQBytes + 2 * kBlockM * 4) + kTileDsBytes;
+  static_assert(kSmemBytes <= 227 * 1024, "fits an H100 SM's shared memory");
+};
+
+}  // namespace fuseforge::attention

@@ -1,0 +1,37 @@
+// The tile shape each (element type, head dim) runs with, and the launcher templates the generated
+// files in instantiations/ instantiate (one file per dtype x head dim x pass, so they compile in
+// parallel).
+#pragma once
+#include "attention/attention_bwd_kernel.cuh"
+#include "attention/attention_fwd_kernel.cuh"
+
+namespace fuseforge::attention {
+
+// Forward: 128 query rows a block, 4 warps of 32 rows (two m16 tiles share every K/V fragment),
+// key tiles of 64. Measured on the H100 (docs/notes_attention.md): for D128, 128 x 64 (112-120 bytes
+// of register spill) beats the spill-free 128 x 32 by 3-9%; for D64, 128 x 64 beats 128 x 128.
+template <typename T, int kHeadDim>
+struct FwdConfig {
+  using Traits = FwdTraits<T, kHeadDim, 128, 64, 4>;
+};
+
+// Backward dk/dv: 128 keys a block, 8 warps of 16 keys, query tiles of 64 (measured 1.3-1.4x faster
+// than 64 keys with 4 warps). Deterministic dq: 64 query rows a block, 4 warps of 16 rows, key tiles of 64.
+template <typename T, int kHeadDim>
+struct BwdConfig {
+  using DkdvTraits = BwdTraits<T, kHeadDim, 64, 128, 8>;
+  using DqTraits = FwdTraits<T, kHeadDim, 64, 64, 4>;
+};
+
+template <typename T, int kHeadDim>
+void run_attention_fwd(const FwdParams& params, bool causal) {
+  launch_attention_fwd<typename FwdConfig<T, kHeadDim>::Traits>(params, causal);
+}
+
+template <typename T, int kHeadDim>
+void run_attention_bwd(const BwdParams& params, bool causal, bool deterministic) {
+  using C = BwdConfig<T, kHeadDim>;
+  launch_attention_bwd<typename C::DkdvTraits, typename C::DqTraits>(params, causal, deterministic);
+}
+
+}  // namespace fuseforge::attention

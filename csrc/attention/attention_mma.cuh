@@ -1,0 +1,153 @@
+// Warp-level building blocks of the attention kernels, in raw PTX: cp.async 16-byte copies,
+// ldmatrix, mma.sync m16n8k16 (fp16/bf16 in, fp32 accumulate), and the XOR swizzle of the shared
+// memory tiles. Fragment layouts are PTX's (m16n8k16, .row.col):
+//   A (16x16): a0 = (row g, k 2t..2t+1), a1 = (row g+8, same k), a2 = (row g, k 8+2t..), a3 = (row g+8, k 8+2t..)
+//   B (16x8):  b0 = (k 2t..2t+1, col g), b1 = (k 8+2t.., col g)
+//   C (16x8):  c0,c1 = (row g, cols 2t, 2t+1), c2,c3 = (row g+8, cols 2t, 2t+1)
+// with g = lane / 4, t = lane % 4.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+namespace fuseforge::attention {
+
+template <typename T>
+struct MmaType;
+template <>
+struct MmaType<__half> {
+  static constexpr bool kIsBf16 = false;
+};
+template <>
+struct MmaType<__nv_bfloat16> {
+  static constexpr bool kIsBf16 = true;
+};
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes global -> shared, bypassing L1; zero-fills the destination when !valid.
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// c += a * b, m16n8k16, fp32 accumulators.
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (MmaType<T>::kIsBf16) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+// Two floats -> one register of two fp16/bf16 (lo = first).
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (MmaType<T>::kIsBf16) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  } else {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+}
+
+// Shared-memory tiles are rows of kCols 16-bit elements stored as 16-byte chunks; chunk c of row r
+// lives at chunk c ^ (r % 8), so the 8 rows an ldmatrix phase reads hit 8 different bank groups
+// (no conflicts), for both ldmatrix and ldmatrix.trans, and cp.async writes whole chunks.
+template <int kCols>
+struct SwizzledTile {
+  static_assert(kCols % 64 == 0, "rows must span at least 8 chunks of 16 bytes for the swizzle");
+  static constexpr int kChunks = kCols / 8;
+  // Byte offset of element (row, col), col a multiple of 8.
+  __device__ __forceinline__ static uint32_t offset(int row, int col) {
+    const int chunk = (col >> 3) ^ (row & 7);
+    return static_cast<uint32_t>((row * kChunks + chunk) * 16);
+  }
+};
+
+// A thread's ldmatrix addresses into a SwizzledTile<kCols>, as 4 registers + compile-time offsets:
+// the thread reads row `row` (+ multiples of 8) at chunk 2 * ks + x (16-column step ks). Since
+// (2ks + x) ^ (row % 8) = 8 (ks / 4) + ((2 (ks % 4)) ^ c) with c = x ^ (row % 8), only ks % 4 needs
+// a register; row steps and ks / 4 fold into the instruction's immediate offset (no per-address
+// registers hoisted out of the key loop).
+template <int kCols>
+struct SwizzledBases {
+  static constexpr int kRowBytes = kCols * 2;
+  uint32_t base[4];
+  __device__ __forceinline__ SwizzledBases(uint32_t tile, int row, int x) {
+    const int c = x ^ (row & 7);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) base[j] = tile + row * kRowBytes + (((2 * j) ^ c) * 16);
+  }
+  // Address for row + row_off (row_off a multiple of 8) at 16-column step ks.
+  __device__ __forceinline__ uint32_t at(int row_off, int ks) const {
+    return base[ks & 3] + row_off * kRowBytes + (ks >> 2) * 128;
+  }
+};
+
+// Rows [row0, row0 + kRows) x kCols of a global matrix (row stride in elements) into a swizzled
+// shared tile with cp.async, zero-filling rows at or past `rows_valid`. All kThreads threads take part.
+template <int kRows, int kCols, int kThreads, typename T>
+__device__ __forceinline__ void load_tile_async(uint32_t smem_base, const T* gmem, int64_t row_stride,
+                                                int rows_valid, int tid) {
+  constexpr int kChunks = kCols / 8;
+  constexpr int kTotal = kRows * kChunks;
+  static_assert(kTotal % kThreads == 0, "every thread copies the same number of chunks");
+#pragma unroll
+  for (int i = 0; i < kTotal / kThreads; ++i) {
+    const int idx = i * kThreads + tid;
+    const int row = idx / kChunks, chunk = idx % kChunks;
+    const bool valid = row < rows_valid;
+    // Invalid rows point at the tile's first row (always mapped), with a zero-byte read.
+    const T* src = gmem + (valid ? row : 0) * row_stride + chunk * 8;
+    cp_async_16(smem_base + SwizzledTile<kCols>::offset(row, chunk * 8), src, valid);
+  }
+}
+
+// 2^x with the SFU's ex2.approx (relative error ~2^-22; -inf -> +0): what exp2f becomes under
+// --use_fast_math, without that flag's effect on the rest of the build.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float warp_max4(float x) {  // over the 4 threads (t) sharing a row
+  x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
+}
+__device__ __forceinline__ float warp_sum4(float x) {
+  x += __shfl_xor_sync(0xffffffff, x, 1);
+  return x + __shfl_xor_sync(0xffffffff, x, 2);
+}
+
+}  // namespace fuseforge::attention
