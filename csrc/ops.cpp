@@ -29,11 +29,57 @@ TORCH_LIBRARY(fuseforge, m) {
 
   // ---- adamw: multi-tensor-apply fused AdamW -------------------------------------------------
   // (schemas owned by the AdamW work; keep them inside this marked block)
+  // The optimizer's fast path: a per-device C++ handle (an integer id) that holds the parameters, reads
+  // their .grad itself, creates states lazily and keeps the packed metadata between steps. `steps` (the
+  // handle's float32 step counts, one per parameter) picks the backend.
+  m.def("adamw_handle_create(Tensor[] params, int[] param_groups, int[] param_flags, Tensor steps,"
+        " int num_groups) -> int");
+  // hypers: (lr, beta1, beta2, eps, weight_decay, maximize) per group; lr_tensors: [] or one per group.
+  // Returns how many parameters got their state created in this step.
+  m.def("adamw_handle_step(int handle, Tensor(a!) steps, float[] hypers, Tensor?[] lr_tensors,"
+        " Tensor? grad_scale, Tensor? found_inf) -> int");
+  m.def("adamw_handle_new_slots(int handle, Tensor steps) -> int[]");
+  // [exp_avg, exp_avg_sq, max_exp_avg_sq, master_param] (absent ones as empty tensors), or [] (no state).
+  m.def("adamw_handle_state(int handle, Tensor steps, int slot) -> Tensor[]");
+  m.def("adamw_handle_set_state(int handle, Tensor steps, int slot, Tensor[] states) -> Tensor[]");
+  m.def("adamw_handle_zero_grad(int handle, Tensor steps, bool set_to_none) -> ()");
+  m.def("adamw_handle_destroy(int handle, Tensor steps) -> ()");
+  // One group's step over tensor lists (torch._fused_adamw_-like; it also advances state_steps):
+  // the path under torch.compile and for functional use.
+  m.def("adamw_fused_(Tensor(a!)[] params, Tensor(b!)[] grads, Tensor(c!)[] exp_avgs, Tensor(d!)[] exp_avg_sqs,"
+        " Tensor(e!)[] max_exp_avg_sqs, Tensor(f!)[] master_params, Tensor(g!)[] state_steps, *, float lr,"
+        " float beta1, float beta2, float weight_decay, float eps, bool maximize, Tensor? lr_tensor=None,"
+        " Tensor? grad_scale=None, Tensor? found_inf=None) -> ()");
   // ---- end adamw ------------------------------------------------------------------------------
 
   // ---- linear_cross_entropy -------------------------------------------------------------------
+  // loss of cross_entropy(x @ weight.T + bias, target) without materialising the logits. When a
+  // gradient is requested and reduction is 'mean' or 'sum', the forward also returns the gradients
+  // (of the loss itself; the backward multiplies them by grad_loss * grad_scale). lse: (2, N) per-row
+  // log-sum-exp and -log p(target) (float32; float64 for float64 inputs) for the recomputing
+  // backward. softcap 0: none. Unrequested gradients come back as empty tensors.
+  m.def("linear_cross_entropy_fwd(Tensor x, Tensor weight, Tensor target, Tensor? bias, int ignore_index,"
+        " str reduction, float label_smoothing, float z_loss, float softcap, bool low_memory, bool grad_x,"
+        " bool grad_weight, bool grad_bias)"
+        " -> (Tensor loss, Tensor lse, Tensor grad_x, Tensor grad_weight, Tensor grad_bias, Tensor grad_scale)");
+  // Recomputing backward: gradients of sum(grad_loss * loss) for any grad_loss (per token for 'none').
+  m.def("linear_cross_entropy_bwd(Tensor grad_loss, Tensor x, Tensor weight, Tensor target, Tensor? bias,"
+        " Tensor lse, int ignore_index, str reduction, float label_smoothing, float z_loss, float softcap,"
+        " bool low_memory, bool grad_x, bool grad_weight, bool grad_bias)"
+        " -> (Tensor grad_x, Tensor grad_weight, Tensor grad_bias)");
+  // Multiplies the forward's gradients by grad_loss * grad_scale in place (skipped on the device
+  // when that product is 1, the usual case: no pass over the weight gradient).
+  m.def("linear_cross_entropy_scale_grads_(Tensor(a!) grad_x, Tensor(b!) grad_weight, Tensor(c!) grad_bias,"
+        " Tensor grad_loss, Tensor grad_scale) -> ()");
   // ---- end linear_cross_entropy ---------------------------------------------------------------
 
   // ---- attention ------------------------------------------------------------------------------
+  // softmax(scale * q k^T [+ causal mask, aligned bottom-right]) v with SDPA's layout: q (B, Hq, Sq, D),
+  // k and v (B, Hk, Sk, D), Hk dividing Hq. Returns the output (strides of q) and the fp32 (fp64 for
+  // fp64 inputs) log-sum-exp (B, Hq, Sq) of each row (-inf where a row attends to nothing; its output is zero).
+  m.def("attention_fwd(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> (Tensor out, Tensor lse)");
+  // Gradients from the forward's out and lse; deterministic=True avoids floating-point atomics.
+  m.def("attention_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal,"
+        " float scale, bool deterministic) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
   // ---- end attention --------------------------------------------------------------------------
 }
