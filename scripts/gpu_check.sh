@@ -67,7 +67,7 @@ fi
 
 if [ $RUN_TESTS -eq 1 ] && [ -n "$test_files" ]; then
   t0=$(date +%s)
-  python3 -m pytest -q -rs -x --timeout=600 $test_files ${TESTS:+-k "$TESTS"} > "$LOG/pytest.log" 2>&1
+  python3 -m pytest -q -rs --timeout=600 $test_files ${TESTS:+-k "$TESTS"} > "$LOG/pytest.log" 2>&1
   rc=$?
   summary "pytest: rc=$rc in $(( $(date +%s) - t0 )) s: $(tail -1 "$LOG/pytest.log")"
   [ $rc -ne 0 ] && grep -E "^(FAILED|ERROR)|Error|assert" "$LOG/pytest.log" | head -30

@@ -1,14 +1,20 @@
 """fuseforge: fused CUDA kernels for training PyTorch models.
 
 Ops live under torch.ops.fuseforge.*; this package adds their fake kernels, autograd, the
-functional API below, modules (fuseforge.nn) and optimizers (fuseforge.optim).
+functional API below, modules (fuseforge.nn), the optimizer (fuseforge.optim.AdamW) and
+fuseforge.patch(model) for Hugging Face Llama-family models.
 """
 from fuseforge._library import cuda_built, load as _load
 
 _load()
 
 from fuseforge.ops.add_mul_act import ACTIVATIONS, add_mul_act, add_mul_act_  # noqa: E402
-from fuseforge import nn  # noqa: E402
+from fuseforge.ops.attention import attention  # noqa: E402
+from fuseforge.ops.linear_cross_entropy import linear_cross_entropy  # noqa: E402
+from fuseforge import nn, optim  # noqa: E402
+from fuseforge.optim import AdamW  # noqa: E402
+from fuseforge.patch import patch, unpatch  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["ACTIVATIONS", "add_mul_act", "add_mul_act_", "cuda_built", "nn"]
+__all__ = ["ACTIVATIONS", "AdamW", "add_mul_act", "add_mul_act_", "attention", "cuda_built", "linear_cross_entropy",
+           "nn", "optim", "patch", "unpatch"]
