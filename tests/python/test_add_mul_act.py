@@ -196,7 +196,7 @@ def test_mixed_devices_raise():
         add_mul_act(x, y.cpu(), b)
     with pytest.raises(RuntimeError, match=r"bias must be on the device of x"):
         add_mul_act(x, y, b.cpu())
-    with pytest.raises(RuntimeError, match=r"float64 on the CPU"):
+    with pytest.raises(RuntimeError, match=r"float64 only on the CPU"):
         add_mul_act(x.double(), y.double(), None)
 
 
