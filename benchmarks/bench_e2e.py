@@ -11,7 +11,9 @@ impls
 - fuseforge: the same model (same seed, same init) patched with fuseforge.patch (fuseforge attention,
   the loss by linear_cross_entropy), bf16 weights with fuseforge.optim.AdamW(master_weights=True):
   fp32 master weights and fp32 moments, the recipe fuseforge recommends.
-- compile: torch.compile of the eager model (same recipe as eager).
+- compile: torch.compile of the eager model (same recipe as eager); last, because its first step
+  (the compilation) takes minutes: results are written after every impl, so a caller's timeout
+  keeps eager's and fuseforge's rows. FUSEFORGE_E2E_IMPLS=eager,fuseforge (or --impls) skips it.
 
 Measured: the loss of every step (the curves go in the JSON and in e2e_loss.png), the step time
 (median of device-event times of steps 6..50: the first five include allocation and autotuning),

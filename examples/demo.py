@@ -228,7 +228,8 @@ def plot(results: list[dict], path: str, title: str) -> None:
         ax.plot(steps, r["losses"], label=f"{r['name']} (train)", alpha=0.9, **styles[r["name"]])
         if r["val"]:
             vs, vl = zip(*r["val"])
-            ax.plot(vs, vl, "o", color=styles[r["name"]]["color"], label=f"{r['name']} (held-out)")
+            marker = dict(marker="o", ms=9, mfc="none", mew=1.6) if r["name"] == "fuseforge" else dict(marker="x", ms=6)
+            ax.plot(vs, vl, ls="none", color=styles[r["name"]]["color"], label=f"{r['name']} (held-out)", **marker)
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats / byte)")
     ax.set_title(title, fontsize=9)
