@@ -81,9 +81,10 @@ def test_training_steps_track_pytorch():
     on_gpu = next(pt.parameters()).is_cuda
     # On the GPU fuseforge's AdamW follows torch's fused CUDA kernel (float 1 - beta): compare with it.
     opt_pt = torch.optim.AdamW(pt.parameters(), lr=3e-3, weight_decay=0.1, fused=on_gpu or None)
-    # Adam divides by sqrt(v): a parameter whose gradients are tiny (a bias) turns the GPU's other
-    # reduction orders into relative differences of ~1e-4 in five steps (seen 1.5e-4 on the H100).
-    weight_tol = 1e-3 if on_gpu else 1e-4
+    # Adam divides by sqrt(v): a parameter whose gradients are tiny (a bias) turns other reduction
+    # orders (another machine's CPU threading, the GPU) into relative differences of ~1e-4 in five
+    # steps (seen 1.5e-4 on the GPU machine's 16-core CPU); the losses above are held to 1e-4.
+    weight_tol = 1e-3
     losses_ff, losses_pt = [], []
     x, y = tokens(4, 24), tokens(4, 24)  # one batch, memorised: the loss must fall
     for step in range(5):
