@@ -15,5 +15,7 @@ def load() -> None:
 
 
 def cuda_built() -> bool:
-    """Whether the loaded extension has CUDA kernels (a CPU-only build does not)."""
-    return torch._C._dispatch_has_kernel_for_dispatch_key("fuseforge::add_mul_act", "CUDA")
+    """Whether the loaded extension has CUDA kernels: a CPU-only build has none; a FUSEFORGE_OPS
+    build has them for the ops it built."""
+    return any(torch._C._dispatch_has_kernel_for_dispatch_key(name, "CUDA")
+               for name in torch._C._dispatch_get_all_op_names() if name.startswith("fuseforge::"))

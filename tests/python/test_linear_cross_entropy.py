@@ -12,23 +12,8 @@ import torch.nn.functional as F
 import fuseforge  # noqa: F401  (loads the extension)
 from fuseforge.nn.linear_cross_entropy import LinearCrossEntropyLoss
 from fuseforge.ops.linear_cross_entropy import linear_cross_entropy
-from harness import (assert_compiles, assert_rel_close, generator, poison_allocations, randn, rel_err,
-                     run_opcheck)
-
-# This op's own CUDA check (a build of some ops only has no add_mul_act, which harness.HAS_CUDA probes).
-HAS_CUDA = torch.cuda.is_available() and torch._C._dispatch_has_kernel_for_dispatch_key(
-    "fuseforge::linear_cross_entropy_fwd", "CUDA")
-requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA GPU, or fuseforge built without CUDA")
-
-
-def devices():
-    return ["cpu", pytest.param("cuda", marks=requires_cuda)]
-
-
-def device_dtypes(cpu_dtypes=(torch.float32, torch.float64, torch.bfloat16),
-                  cuda_dtypes=(torch.float32, torch.float16, torch.bfloat16)):
-    pairs = [pytest.param("cpu", d, id=f"cpu-{str(d)[6:]}") for d in cpu_dtypes]
-    return pairs + [pytest.param("cuda", d, id=f"cuda-{str(d)[6:]}", marks=requires_cuda) for d in cuda_dtypes]
+from harness import (assert_compiles, assert_rel_close, device_dtypes, devices, generator, poison_allocations, randn,
+                     rel_err, requires_cuda, run_opcheck)
 
 
 ops = torch.ops.fuseforge
