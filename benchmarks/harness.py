@@ -220,7 +220,8 @@ def markdown_table(result: dict) -> str:
 
 
 def plot(result: dict, path: str) -> None:
-    """Speed-up of every impl over eager (or the slowest impl) per case, one panel per pass."""
+    """Speed-up of every impl over a baseline per case, one panel per pass. The baseline is eager
+    where the op has one, else the first peer the benchmark lists (e.g. sdpa_flash, torch_fused)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -233,20 +234,21 @@ def plot(result: dict, path: str) -> None:
         prow = [r for r in rows if r["pass"] == pass_]
         cases = list(dict.fromkeys(r["case"] for r in prow))
         impls = list(dict.fromkeys(r["impl"] for r in prow))
+        peers = [i for i in impls if i != "fuseforge"] or impls
+        baseline = "eager" if "eager" in impls else peers[0]
         width = 0.8 / max(1, len(impls))
         for k, impl in enumerate(impls):
             xs, ys = [], []
             for ci, case in enumerate(cases):
                 by_impl = {r["impl"]: r["ms"] for r in prow if r["case"] == case}
-                base = by_impl.get("eager", max(by_impl.values()))
-                if impl in by_impl:
+                if impl in by_impl and baseline in by_impl:
                     xs.append(ci + k * width)
-                    ys.append(base / by_impl[impl])
+                    ys.append(by_impl[baseline] / by_impl[impl])
             ax.bar(xs, ys, width, label=impl)
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))])
         ax.set_xticklabels(cases, rotation=30, ha="right", fontsize=7)
-        ax.set_ylabel("speed-up over eager")
+        ax.set_ylabel(f"speed-up over {baseline}")
         ax.set_title(f"{result['op']} / {pass_}  ({result['gpu']}, torch {result['torch']})", fontsize=9)
         ax.legend(fontsize=7)
     fig.tight_layout()
