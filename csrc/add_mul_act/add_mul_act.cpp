@@ -1,6 +1,7 @@
 // add_mul_act: input checks and the CPU implementation (the reference the CUDA kernels must match;
 // float64 serves gradcheck).
 #include "add_mul_act/add_mul_act.h"
+#include "add_mul_act/add_mul_act_ops.h"
 
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -152,52 +153,20 @@ void forward_cpu_dispatch(const ForwardArgs& a, double alpha, at::Tensor& out, a
   });
 }
 
-at::Tensor add_mul_act_cpu(const at::Tensor& x, const at::Tensor& y, const std::optional<at::Tensor>& bias,
-                           double alpha, c10::string_view activation) {
-  const ForwardArgs a = prepare_forward(x, y, bias, activation, /*allow_double=*/true);
-  at::Tensor out = at::empty(x.sizes(), x.options());
-  forward_cpu_dispatch(a, alpha, out, nullptr);
-  return out;
-}
-
-std::tuple<at::Tensor, at::Tensor> add_mul_act_fwd_cpu(const at::Tensor& x, const at::Tensor& y,
-                                                       const std::optional<at::Tensor>& bias, double alpha,
-                                                       c10::string_view activation) {
-  const ForwardArgs a = prepare_forward(x, y, bias, activation, /*allow_double=*/true);
-  at::Tensor out = at::empty(x.sizes(), x.options());
-  at::Tensor saved = allocate_saved(x, a.shape, a.act);
-  forward_cpu_dispatch(a, alpha, out, &saved);
-  return {out, saved};
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> add_mul_act_bwd_cpu(const at::Tensor& grad_out,
-                                                                   const at::Tensor& saved, double alpha,
-                                                                   c10::string_view activation, bool need_grad_y,
-                                                                   bool need_grad_bias) {
-  const BackwardArgs a = prepare_backward(grad_out, saved, activation, /*allow_double=*/true);
-  Gradients g = allocate_gradients(grad_out, a.shape, need_grad_y, need_grad_bias);
+void backward_cpu_dispatch(const BackwardArgs& a, double alpha, Gradients& g) {
   FUSEFORGE_DISPATCH_FLOATING(a.grad_out.scalar_type(), "add_mul_act_bwd_cpu", [&] {
     FUSEFORGE_ACTIVATION_SWITCH(a.act, kAct, [&] { backward_cpu_kernel<scalar_t, kAct>(a, alpha, g); });
   });
-  return {g.grad_x, g.grad_y, g.grad_bias};
-}
-
-void add_mul_act_inplace_cpu(at::Tensor& x, const at::Tensor& y, const std::optional<at::Tensor>& bias, double alpha,
-                             c10::string_view activation) {
-  const ForwardArgs a = prepare_forward(x, y, bias, activation, /*allow_double=*/true);
-  // a.x is x itself when x is contiguous; otherwise compute into a.x's copy and copy back.
-  at::Tensor out = a.x;
-  forward_cpu_dispatch(a, alpha, out, nullptr);
-  if (!out.is_same(x)) x.copy_(out);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fuseforge, CPU, m) {
-  m.impl("add_mul_act", &add_mul_act_cpu);
-  m.impl("add_mul_act_fwd", &add_mul_act_fwd_cpu);
-  m.impl("add_mul_act_bwd", &add_mul_act_bwd_cpu);
-  m.impl("add_mul_act_", &add_mul_act_inplace_cpu);
+  // float64 is allowed on the CPU (gradcheck).
+  m.impl("add_mul_act", &add_mul_act_op<forward_cpu_dispatch, true>);
+  m.impl("add_mul_act_fwd", &add_mul_act_fwd_op<forward_cpu_dispatch, true>);
+  m.impl("add_mul_act_bwd", &add_mul_act_bwd_op<backward_cpu_dispatch, true>);
+  m.impl("add_mul_act_", &add_mul_act_inplace_op<forward_cpu_dispatch, true>);
 }
 
 }  // namespace fuseforge::add_mul_act

@@ -5,6 +5,7 @@
 #include <torch/library.h>
 
 #include "add_mul_act/add_mul_act_launch.h"
+#include "add_mul_act/add_mul_act_ops.h"
 #include "common/checks.h"
 #include "common/dispatch.h"
 #include "common/vec.cuh"
@@ -38,32 +39,6 @@ void forward_dispatch(const ForwardArgs& a, double alpha, at::Tensor& out, at::T
                                 [&] { forward_cuda<scalar_t>(a, alpha, out, saved); });
 }
 
-at::Tensor add_mul_act_cuda(const at::Tensor& x, const at::Tensor& y, const std::optional<at::Tensor>& bias,
-                            double alpha, c10::string_view activation) {
-  const ForwardArgs a = prepare_forward(x, y, bias, activation, /*allow_double=*/false);
-  at::Tensor out = at::empty(x.sizes(), x.options());
-  forward_dispatch(a, alpha, out, nullptr);
-  return out;
-}
-
-std::tuple<at::Tensor, at::Tensor> add_mul_act_fwd_cuda(const at::Tensor& x, const at::Tensor& y,
-                                                        const std::optional<at::Tensor>& bias, double alpha,
-                                                        c10::string_view activation) {
-  const ForwardArgs a = prepare_forward(x, y, bias, activation, /*allow_double=*/false);
-  at::Tensor out = at::empty(x.sizes(), x.options());
-  at::Tensor saved = allocate_saved(x, a.shape, a.act);
-  forward_dispatch(a, alpha, out, &saved);
-  return {out, saved};
-}
-
-void add_mul_act_inplace_cuda(at::Tensor& x, const at::Tensor& y, const std::optional<at::Tensor>& bias,
-                              double alpha, c10::string_view activation) {
-  const ForwardArgs a = prepare_forward(x, y, bias, activation, /*allow_double=*/false);
-  at::Tensor out = a.x;  // x itself when contiguous, else a copy written back below
-  forward_dispatch(a, alpha, out, nullptr);
-  if (!out.is_same(x)) x.copy_(out);
-}
-
 template <typename T>
 void backward_cuda(const BackwardArgs& a, double alpha, Gradients& g) {
   BackwardParams<T> p{};
@@ -89,25 +64,20 @@ void backward_cuda(const BackwardArgs& a, double alpha, Gradients& g) {
   if (reduce_bias && a.shape.rows == 0) g.grad_bias.zero_();
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> add_mul_act_bwd_cuda(const at::Tensor& grad_out,
-                                                                    const at::Tensor& saved, double alpha,
-                                                                    c10::string_view activation, bool need_grad_y,
-                                                                    bool need_grad_bias) {
-  const BackwardArgs a = prepare_backward(grad_out, saved, activation, /*allow_double=*/false);
-  Gradients g = allocate_gradients(grad_out, a.shape, need_grad_y, need_grad_bias);
-  const c10::cuda::CUDAGuard guard(grad_out.device());
+void backward_dispatch(const BackwardArgs& a, double alpha, Gradients& g) {
+  const c10::cuda::CUDAGuard guard(a.grad_out.device());
   FUSEFORGE_DISPATCH_HALF_FLOAT(a.grad_out.scalar_type(), "add_mul_act_bwd_cuda",
                                 [&] { backward_cuda<scalar_t>(a, alpha, g); });
-  return {g.grad_x, g.grad_y, g.grad_bias};
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fuseforge, CUDA, m) {
-  m.impl("add_mul_act", &add_mul_act_cuda);
-  m.impl("add_mul_act_fwd", &add_mul_act_fwd_cuda);
-  m.impl("add_mul_act_bwd", &add_mul_act_bwd_cuda);
-  m.impl("add_mul_act_", &add_mul_act_inplace_cuda);
+  // No float64 kernels on the GPU (the error says it is CPU-only).
+  m.impl("add_mul_act", &add_mul_act_op<forward_dispatch, false>);
+  m.impl("add_mul_act_fwd", &add_mul_act_fwd_op<forward_dispatch, false>);
+  m.impl("add_mul_act_bwd", &add_mul_act_bwd_op<backward_dispatch, false>);
+  m.impl("add_mul_act_", &add_mul_act_inplace_op<forward_dispatch, false>);
 }
 
 }  // namespace fuseforge::add_mul_act
