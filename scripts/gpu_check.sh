@@ -26,11 +26,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python FUSEFORGE_OPS=$OPS
-# The GPU image sets CXX=/opt/gcc/bin/g++, a wrapper that links libstdc++ statically into the
-# extension; its stream code then formats into torch's stream objects and crashes on the first
-# error message (seen 2026-11-23: a segfault in std::ostream::_M_insert<long> inside _C.abi3.so).
-# Build with the system compiler, which links the shared libstdc++ torch uses.
-if [ "${CXX:-}" = /opt/gcc/bin/g++ ] && [ -x /usr/bin/g++ ]; then export CXX=/usr/bin/g++ CC=/usr/bin/gcc; fi
+source scripts/device_env.sh  # system g++ instead of the image's static-libstdc++ wrapper
 # Peers that are pure Python + Triton (liger-kernel, cut-cross-entropy) travel as wheels in .whl/
 # (git-ignored; name it in the device call's carry).
 if ls .whl/*.whl >/dev/null 2>&1; then
