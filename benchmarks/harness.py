@@ -145,7 +145,9 @@ def run(op: str, cases: Iterable[str], setup: Callable[[str], list[Bench]], argv
     parser.add_argument("--cases", default="", help="comma-separated substrings: run only matching cases")
     parser.add_argument("--out", default=RESULTS_DIR, help="folder for <op>.json/.md/.png")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
+    parser.add_argument("--impls", default="", help="comma-separated impl names: time only these")
     args = parser.parse_args(argv)
+    impls = [i for i in args.impls.split(",") if i]
     cases = list(cases)
     if args.cases:
         keys = [k for k in args.cases.split(",") if k]
@@ -155,7 +157,7 @@ def run(op: str, cases: Iterable[str], setup: Callable[[str], list[Bench]], argv
         f"ceilings {result['ceilings']}")
     for i, case in enumerate(cases):
         log(f"[{i + 1}/{len(cases)}] {case}")
-        benches = setup(case)
+        benches = [b for b in setup(case) if not impls or b.impl in impls]
         for b in benches:
             row = measure(b, with_memory=not args.no_memory)
             result["rows"].append(row)

@@ -1,4 +1,4 @@
-# Sourced by the GPU-machine scripts (gpu_check.sh, add_mul_act_tuning.sh).
+# Sourced by the GPU-machine scripts (gpu_check.sh, tune_variants.sh).
 # The GPU image sets CXX=/opt/gcc/bin/g++, a wrapper that links libstdc++ statically into the
 # extension; its stream code then formats into torch's stream objects and crashes on the first
 # error message (seen 2026-11-23: a segfault in std::ostream::_M_insert<long> inside _C.abi3.so).

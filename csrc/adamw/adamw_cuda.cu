@@ -4,7 +4,9 @@
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <torch/library.h>
 
+#include <cstdlib>
 #include <cstring>
+#include <string>
 
 #include "adamw/adamw.h"
 #include "adamw/adamw_kernel.cuh"
@@ -48,6 +50,31 @@ void upload_words(void* dst, const std::vector<uint8_t>& bytes) {
       at += count;
     }
   }
+}
+
+using UpdateKernel = void (*)(KernelArgs);
+
+// The update kernel's shape (adamw_kernel.cuh). A tuning build (-DFUSEFORGE_ADAMW_TUNING) carries
+// several, picked by FUSEFORGE_ADAMW_VARIANT=u<unroll>b<min blocks per SM> (u0b4: the default), for side-by-side timing
+// in one process; a normal build compiles the default only.
+UpdateKernel update_kernel() {
+#ifdef FUSEFORGE_ADAMW_TUNING
+  static const UpdateKernel chosen = [] {
+    const char* env = std::getenv("FUSEFORGE_ADAMW_VARIANT");
+    const std::string v = env ? env : "";
+    if (v == "u1b4") return &adamw_multi_tensor_kernel<1, 4>;
+    if (v == "u2b4") return &adamw_multi_tensor_kernel<2, 4>;
+    if (v == "u2b3") return &adamw_multi_tensor_kernel<2, 3>;
+    if (v == "u4b2") return &adamw_multi_tensor_kernel<4, 2>;
+    if (v == "u2b2") return &adamw_multi_tensor_kernel<2, 2>;
+    TORCH_CHECK(v.empty() || v == "u0b4", "FUSEFORGE_ADAMW_VARIANT: unknown variant '", v,
+                "' (u0b4, u1b4, u2b4, u2b3, u4b2, u2b2)");
+    return &adamw_multi_tensor_kernel<kDefaultShape.unroll, kDefaultShape.min_blocks_per_sm>;
+  }();
+  return chosen;
+#else
+  return &adamw_multi_tensor_kernel<kDefaultShape.unroll, kDefaultShape.min_blocks_per_sm>;
+#endif
 }
 
 }  // namespace
@@ -100,7 +127,7 @@ void cuda_step(std::shared_ptr<BackendCache>& cache_ptr, const StepWork& work) {
   args.chunk_elems = work.chunk_elems;
   for (const LaunchRange& r : plan.launches) {
     args.first_block = r.first_block;
-    launch_kernel(adamw_multi_tensor_kernel, dim3(static_cast<unsigned>(r.num_blocks)), dim3(kThreads), 0, args);
+    launch_kernel(update_kernel(), dim3(static_cast<unsigned>(r.num_blocks)), dim3(kThreads), 0, args);
   }
 }
 

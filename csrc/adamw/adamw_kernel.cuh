@@ -1,7 +1,7 @@
 // fused AdamW device code: one kernel updates every tensor of the table. Block b takes work item
-// blocks[first_block + b] = (tensor, chunk) and updates that chunk with 16-byte vector accesses when
-// all of the tensor's arrays are 16-byte aligned (the masked scalar path otherwise, and for the
-// tail). The element math is adamw_math.h's, shared with the CPU backend.
+// blocks[first_block + b] = (tensor, chunk) and updates that chunk in quads of 4 elements with
+// vector accesses when all of the tensor's arrays are aligned for them (the masked scalar path
+// otherwise, and for the tail). The element math is adamw_math.h's, shared with the CPU backend.
 //
 // Step counts: every block of a tensor reads the tensor's count before it works; the block that
 // finishes last (a per-tensor arrival counter) writes count + 1 and resets the counter, so no
@@ -19,9 +19,20 @@
 namespace fuseforge::adamw {
 
 constexpr int kThreads = 256;
-// 4 blocks of 256 threads a multiprocessor (<= 64 registers a thread): enough loads in flight to
-// saturate HBM with 64-112 bytes a thread per iteration.
-constexpr int kMinBlocksPerSm = 4;
+
+// Kernel shape. unroll = 0: the measured path (one 16-byte param/grad vector a thread a trip: 4
+// float32 or 8 16-bit elements, the 16-bit ones in two sequential quarters). unroll = k > 0
+// (candidates, not yet measured on the GPU, docs/notes_adamw.md): k quads of 4 elements a trip with
+// every load of the trip issued before any math or store. The addresses come from the table, so
+// the compiler cannot prove the arrays do not alias and keeps a quarter's loads behind the previous
+// quarter's stores: one memory round trip per quarter instead of one per trip.
+// min_blocks_per_sm bounds the registers (65536 / (256 * min_blocks_per_sm) per thread).
+// FUSEFORGE_ADAMW_TUNING builds several shapes side by side, chosen at run time by
+// FUSEFORGE_ADAMW_VARIANT (scripts/tune_variants.sh); a normal build has the default only.
+struct KernelShape {
+  int unroll, min_blocks_per_sm;
+};
+constexpr KernelShape kDefaultShape{0, 4};
 
 struct KernelArgs {
   const TensorMeta* table;
@@ -79,7 +90,39 @@ __device__ __forceinline__ void store_floats(T* p, const float (&in)[N]) {
   }
 }
 
-template <typename T, bool kMaster, bool kAmsgrad, bool kVec>
+// Streaming (evict-first) global accesses of one quad: every element is read once and written
+// once. Explicit ld.global/st.global: the addresses come from the table, so the compiler would
+// otherwise emit generic accesses. 16 bytes for float32 arrays, 8 for float16/bfloat16.
+template <typename T>
+__device__ __forceinline__ void load_quad(const T* p, float (&out)[4]) {
+  if constexpr (sizeof(T) == 4) {
+    const float4 r = __ldcs(reinterpret_cast<const float4*>(p));
+    out[0] = r.x, out[1] = r.y, out[2] = r.z, out[3] = r.w;
+  } else {
+    static_assert(sizeof(T) == 2, "float32, float16 or bfloat16");
+    const uint2 raw = __ldcs(reinterpret_cast<const uint2*>(p));
+    AlignedVector<T, 4> v;
+    memcpy(&v, &raw, 8);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) out[j] = static_cast<float>(v.val[j]);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void store_quad(T* p, const float (&in)[4]) {
+  if constexpr (sizeof(T) == 4) {
+    __stcs(reinterpret_cast<float4*>(p), make_float4(in[0], in[1], in[2], in[3]));
+  } else {
+    AlignedVector<T, 4> v;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v.val[j] = static_cast<T>(in[j]);
+    uint2 raw;
+    memcpy(&raw, &v, 8);
+    __stcs(reinterpret_cast<uint2*>(p), raw);
+  }
+}
+
+template <int kUnroll, typename T, bool kMaster, bool kAmsgrad, bool kVec>
 __device__ __forceinline__ void update_chunk(const TensorMeta& t, T* grad, int64_t begin, int64_t n,
                                              const StepScalars<float>& s) {
   T* p = static_cast<T*>(t.param) + begin;
@@ -89,7 +132,7 @@ __device__ __forceinline__ void update_chunk(const TensorMeta& t, T* grad, int64
   float* vmax = kAmsgrad ? static_cast<float*>(t.max_exp_avg_sq) + begin : nullptr;
   float* master = kMaster ? static_cast<float*>(t.master) + begin : nullptr;
   int64_t vec_end = 0;
-  if constexpr (kVec) {
+  if constexpr (kVec && kUnroll == 0) {
     // One 16-byte vector of the param and of the grad (4 float32 or 8 float16/bfloat16 elements),
     // processed in quarters of 4 elements whose float32 states are one 16-byte vector each: few
     // registers live at once (64 registers at 4 blocks a multiprocessor; ptxas: 32 B of spills).
@@ -130,6 +173,38 @@ __device__ __forceinline__ void update_chunk(const TensorMeta& t, T* grad, int64
       if (s.unscale) store_stream<T, V>(g + e, graw);
     }
   }
+  if constexpr (kVec && kUnroll > 0) {
+    constexpr int64_t kTrip = int64_t{kThreads} * 4 * kUnroll;
+    vec_end = n / 4 * 4;
+    for (int64_t e0 = static_cast<int64_t>(threadIdx.x) * 4; e0 < vec_end; e0 += kTrip) {
+      float pf[kUnroll][4], gf[kUnroll][4], mf[kUnroll][4], vf[kUnroll][4], xf[kUnroll][4];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t e = e0 + int64_t{u} * kThreads * 4;
+        if (e >= vec_end) continue;
+        if constexpr (kMaster) load_quad(master + e, pf[u]);
+        else load_quad(p + e, pf[u]);
+        load_quad(g + e, gf[u]);
+        load_quad(m + e, mf[u]);
+        load_quad(v + e, vf[u]);
+        if constexpr (kAmsgrad) load_quad(vmax + e, xf[u]);
+        else xf[u][0] = xf[u][1] = xf[u][2] = xf[u][3] = 0.f;
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t e = e0 + int64_t{u} * kThreads * 4;
+        if (e >= vec_end) continue;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) adamw_element<float, kAmsgrad>(pf[u][j], gf[u][j], mf[u][j], vf[u][j], xf[u][j], s);
+        if constexpr (kMaster) store_quad(master + e, pf[u]);
+        store_quad(p + e, pf[u]);
+        if (s.unscale) store_quad(g + e, gf[u]);
+        store_quad(m + e, mf[u]);
+        store_quad(v + e, vf[u]);
+        if constexpr (kAmsgrad) store_quad(vmax + e, xf[u]);
+      }
+    }
+  }
   for (int64_t e = vec_end + threadIdx.x; e < n; e += kThreads) {
     float pv = kMaster ? master[e] : static_cast<float>(p[e]);
     float gv = static_cast<float>(g[e]);
@@ -145,25 +220,28 @@ __device__ __forceinline__ void update_chunk(const TensorMeta& t, T* grad, int64
   }
 }
 
-template <typename T, bool kMaster>
+template <int kUnroll, typename T, bool kMaster>
 __device__ __forceinline__ void update_typed(const TensorMeta& t, const void* grad, int64_t begin, int64_t n,
                                              const StepScalars<float>& s) {
   T* g = static_cast<T*>(const_cast<void*>(grad));
   const bool amsgrad = t.max_exp_avg_sq != nullptr;
-  // Chunks start at multiples of chunk_elems (a multiple of 8), so base alignment decides.
-  const uintptr_t bits = reinterpret_cast<uintptr_t>(t.param) | reinterpret_cast<uintptr_t>(grad) |
-                         reinterpret_cast<uintptr_t>(t.exp_avg) | reinterpret_cast<uintptr_t>(t.exp_avg_sq) |
-                         reinterpret_cast<uintptr_t>(t.max_exp_avg_sq) | reinterpret_cast<uintptr_t>(t.master);
-  const bool vec = (bits & 15u) == 0;
+  // The param/grad need 16 bytes of alignment (quads: 4 * sizeof(T)), the float32 arrays 16. Chunks
+  // start at multiples of chunk_elems (a multiple of 8), so the base addresses decide.
+  const uintptr_t narrow_bits = reinterpret_cast<uintptr_t>(t.param) | reinterpret_cast<uintptr_t>(grad);
+  const uintptr_t float_bits = reinterpret_cast<uintptr_t>(t.exp_avg) | reinterpret_cast<uintptr_t>(t.exp_avg_sq) |
+                               reinterpret_cast<uintptr_t>(t.max_exp_avg_sq) | reinterpret_cast<uintptr_t>(t.master);
+  const uintptr_t narrow_align = kUnroll == 0 ? 16 : 4 * sizeof(T);
+  const bool vec = (narrow_bits & (narrow_align - 1)) == 0 && (float_bits & 15u) == 0;
   if (vec) {
-    if (amsgrad) update_chunk<T, kMaster, true, true>(t, g, begin, n, s);
-    else update_chunk<T, kMaster, false, true>(t, g, begin, n, s);
+    if (amsgrad) update_chunk<kUnroll, T, kMaster, true, true>(t, g, begin, n, s);
+    else update_chunk<kUnroll, T, kMaster, false, true>(t, g, begin, n, s);
   } else {
-    if (amsgrad) update_chunk<T, kMaster, true, false>(t, g, begin, n, s);
-    else update_chunk<T, kMaster, false, false>(t, g, begin, n, s);
+    if (amsgrad) update_chunk<kUnroll, T, kMaster, true, false>(t, g, begin, n, s);
+    else update_chunk<kUnroll, T, kMaster, false, false>(t, g, begin, n, s);
   }
 }
 
+template <int kUnroll, int kMinBlocksPerSm>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) adamw_multi_tensor_kernel(const KernelArgs a) {
   const BlockWork w = a.blocks[a.first_block + blockIdx.x];
   const void* grad = a.grads[w.tensor];
@@ -182,14 +260,14 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) adamw_multi_tensor_
   const int64_t n = max(int64_t{0}, min(a.chunk_elems, t.numel - begin));
   if (n > 0) {
     switch (static_cast<ParamDtype>(t.dtype)) {
-      case ParamDtype::kFloat: update_typed<float, false>(t, grad, begin, n, s); break;
+      case ParamDtype::kFloat: update_typed<kUnroll, float, false>(t, grad, begin, n, s); break;
       case ParamDtype::kHalf:
-        if (t.master) update_typed<c10::Half, true>(t, grad, begin, n, s);
-        else update_typed<c10::Half, false>(t, grad, begin, n, s);
+        if (t.master) update_typed<kUnroll, c10::Half, true>(t, grad, begin, n, s);
+        else update_typed<kUnroll, c10::Half, false>(t, grad, begin, n, s);
         break;
       case ParamDtype::kBFloat16:
-        if (t.master) update_typed<c10::BFloat16, true>(t, grad, begin, n, s);
-        else update_typed<c10::BFloat16, false>(t, grad, begin, n, s);
+        if (t.master) update_typed<kUnroll, c10::BFloat16, true>(t, grad, begin, n, s);
+        else update_typed<kUnroll, c10::BFloat16, false>(t, grad, begin, n, s);
         break;
       default: break;  // float64 is CPU-only (rejected on the host)
     }

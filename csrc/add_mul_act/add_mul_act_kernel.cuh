@@ -15,7 +15,7 @@ namespace fuseforge::add_mul_act {
 
 // Rows a thread loads before it computes (loads in flight), for 16-bit and 32-bit types, and the
 // blocks an SM the register allocation must allow (__launch_bounds__'s second argument; 0: no
-// cap). Compile-time knobs so scripts/add_mul_act_tuning.sh can build and time variants side by
+// cap). Compile-time knobs so scripts/tune_variants.sh can build and time variants side by
 // side on the GPU (docs/notes_add_mul_act.md); the defaults are the measured best.
 #ifndef FUSEFORGE_AMA_ROWS_16BIT
 #define FUSEFORGE_AMA_ROWS_16BIT 4

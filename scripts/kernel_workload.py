@@ -1,0 +1,42 @@
+"""A few calls of one op at one case, for profilers that wrap a process (ncu, compute-sanitizer).
+   python3 scripts/kernel_workload.py add_mul_act 16384x8192 fp32 gelu
+   python3 scripts/kernel_workload.py adamw llama1b fp32|bf16-master
+   ncu --kernel-name regex:backward_kernel --launch-skip 2 --launch-count 1 python3 scripts/kernel_workload.py ...
+"""
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "python"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import fuseforge  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+CALLS = 3
+
+
+def add_mul_act(shape, dtype, act):
+    rows, cols = (int(v) for v in shape.split("x"))
+    x, y = (torch.randn(rows, cols, device="cuda", dtype=DTYPES[dtype], requires_grad=True) for _ in range(2))
+    b = torch.randn(cols, device="cuda", dtype=DTYPES[dtype], requires_grad=True)
+    g = torch.randn(rows, cols, device="cuda", dtype=DTYPES[dtype])
+    for _ in range(CALLS):
+        out = fuseforge.add_mul_act(x, y, b, alpha=0.5, activation=act)
+        torch.autograd.grad(out, (x, y, b), g)
+
+
+def adamw(case, kind):
+    from bench_adamw import llama1b_shapes, make_params
+    shapes = llama1b_shapes() if case == "llama1b" else [(4096,)] * 5000
+    params = make_params(shapes, torch.float32 if kind == "fp32" else torch.bfloat16)
+    opt = fuseforge.optim.AdamW(params, lr=1e-3, master_weights=kind != "fp32")
+    for _ in range(CALLS):
+        opt.step()
+
+
+if __name__ == "__main__":
+    op, *args = sys.argv[1:]
+    {"add_mul_act": add_mul_act, "adamw": adamw}[op](*args)
+    torch.cuda.synchronize()
