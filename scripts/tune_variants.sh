@@ -4,8 +4,10 @@
 #   spec "-DKNOB=value ..."  compile-time knobs: a private build of OP with these nvcc flags
 #   spec "VAR=value ..."     run-time knobs: environment for a run of the shared build of OP
 #                            (built once, with $BASE_FLAGS, e.g. -DFUSEFORGE_ADAMW_TUNING)
-# Env: CASES (the benchmark's --cases), IMPLS (its --impls; default fuseforge), BASE_FLAGS.
-# Prints each variant's rows of benchmarks/bench_OP.py's table; logs in $OUT.
+#   spec "" (name:)          the shared build as it is
+# Env: CASES (the benchmark's --cases), IMPLS (its --impls; default fuseforge), BASE_FLAGS,
+# BUILD_ONLY=1 (build every variant's library, in parallel, and time nothing; a later call reuses
+# the builds under /tmp/tune/OP). Prints each variant's rows of benchmarks/bench_OP.py's table.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
@@ -13,24 +15,37 @@ source scripts/device_env.sh
 OP=$1; shift
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python FUSEFORGE_OPS=$OP ADAMW_BENCH_COMPILE=${ADAMW_BENCH_COMPILE:-0}
 IMPLS=${IMPLS:-fuseforge}
-build() {  # build NAME FLAGS -> prints the library's path
+lib_of() { ls /tmp/tune/$OP/$1/lib/fuseforge/_C*.so 2>/dev/null; }
+build() {  # build NAME FLAGS
+  [ -n "$(lib_of "$1")" ] && return 0
   local t0; t0=$(date +%s)
-  FUSEFORGE_NVCC_FLAGS="$2" MAX_JOBS=16 python3 setup.py -q build_ext -b /tmp/tune_$1/lib -t /tmp/tune_$1/tmp \
-    > "$OUT/build_$1.log" 2>&1 || { echo "$1: build failed" >&2; tail -5 "$OUT/build_$1.log" >&2; return 1; }
-  echo "== $1 built in $(( $(date +%s) - t0 )) s" >&2
-  ls /tmp/tune_$1/lib/fuseforge/_C*.so
+  FUSEFORGE_NVCC_FLAGS="$2" MAX_JOBS=${MAX_JOBS:-16} python3 setup.py -q build_ext -b /tmp/tune/$OP/$1/lib \
+    -t /tmp/tune/$OP/$1/tmp > "$OUT/build_${OP}_$1.log" 2>&1 \
+    || { echo "$OP/$1: build failed"; tail -5 "$OUT/build_${OP}_$1.log"; return 1; }
+  echo "== $OP/$1 built in $(( $(date +%s) - t0 )) s"
 }
-shared=""
+is_flags() { [ "${1#-}" != "$1" ]; }
+if [ "${BUILD_ONLY:-0}" = 1 ]; then
+  need_shared=0
+  for variant in "$@"; do
+    spec=${variant#*:}
+    if is_flags "$spec"; then build "${variant%%:*}" "$spec" & else need_shared=1; fi
+  done
+  [ $need_shared = 1 ] && build shared "${BASE_FLAGS:-}" &
+  wait
+  exit 0
+fi
 for variant in "$@"; do
-  name=${variant%%:*}; spec=${variant#*:}
-  if [ "${spec#-}" != "$spec" ]; then
-    lib=$(build "$name" "$spec") || continue; envs=""
+  name=${variant%%:*}; spec=${variant#*:}; envs=""
+  if is_flags "$spec"; then
+    build "$name" "$spec" || continue; lib=$(lib_of "$name")
   else
-    [ -n "$shared" ] || shared=$(build shared "${BASE_FLAGS:-}") || exit 1
-    lib=$shared; envs=$spec
+    build shared "${BASE_FLAGS:-}" || exit 1; lib=$(lib_of shared); envs=$spec
   fi
-  echo "== $name ($spec)"
-  env $envs FUSEFORGE_EXTENSION="$lib" python3 benchmarks/bench_$OP.py --cases "${CASES:-}" --impls "$IMPLS" \
-    --no-memory --out /tmp/tune_res_$name > "$OUT/bench_$name.log" 2>&1 || { tail -5 "$OUT/bench_$name.log"; continue; }
-  grep -E "^\| [^c-]" /tmp/tune_res_$name/$OP.md | awk -F'|' '{print $2,$3,$4,$5}'
+  echo "== $OP $name (${spec:-as built})"
+  cases=(); [ -n "${CASES:-}" ] && cases=(--cases "$CASES")
+  env $envs FUSEFORGE_EXTENSION="$lib" python3 benchmarks/bench_$OP.py "${cases[@]}" --impls "$IMPLS" \
+    --no-memory --out /tmp/tune/$OP/res_$name > "$OUT/bench_${OP}_$name.log" 2>&1 \
+    || { tail -5 "$OUT/bench_${OP}_$name.log"; continue; }
+  grep -E "^\| [^c-]" /tmp/tune/$OP/res_$name/$OP.md | awk -F'|' '{print $2,$3,$4,$5,$6}'
 done

@@ -11,6 +11,7 @@
 namespace fuseforge::add_mul_act {
 
 enum class Activation { kIdentity, kRelu, kGelu, kGeluTanh, kSilu, kSigmoid };
+constexpr int kNumActivations = 6;
 
 inline Activation parse_activation(c10::string_view name) {
   if (name == "identity") return Activation::kIdentity;

@@ -4,6 +4,9 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <cstdlib>
+#include <string>
+
 #include "add_mul_act/add_mul_act_launch.h"
 #include "add_mul_act/add_mul_act_ops.h"
 #include "common/checks.h"
@@ -14,6 +17,16 @@ namespace fuseforge::add_mul_act {
 namespace {
 
 bool aligned16(const void* p) { return p == nullptr || is_aligned(p, 16); }
+
+// Development knob (add_mul_act_launch.h): FUSEFORGE_AMA_BWD_GRID=occupancy plans the backward's
+// grid from the kernel's measured occupancy instead of kAssumedResidentBlocks.
+bool backward_grid_from_occupancy() {
+  static const bool on = [] {
+    const char* v = std::getenv("FUSEFORGE_AMA_BWD_GRID");
+    return v != nullptr && std::string(v) == "occupancy";
+  }();
+  return on;
+}
 
 template <typename T>
 void forward_cuda(const ForwardArgs& a, double alpha, at::Tensor& out, at::Tensor* saved) {
@@ -51,15 +64,17 @@ void backward_cuda(const BackwardArgs& a, double alpha, Gradients& g) {
   p.rows = a.shape.rows;
   p.cols = a.shape.cols;
   p.groups_per_row = a.shape.mask_row_bytes();
+  const bool vec = a.shape.cols % kGroup == 0 && aligned16(p.grad_out) && aligned16(p.saved_z) &&
+                   aligned16(p.grad_x) && aligned16(p.grad_y);
   const bool reduce_bias = g.grad_bias.numel() > 0;
-  const LaunchPlan plan = plan_launch(a.shape, reduce_bias);
+  const int resident =
+      backward_grid_from_occupancy() ? backward_resident_blocks<T>(a.act, vec) : kAssumedResidentBlocks;
+  const LaunchPlan plan = plan_launch(a.shape, reduce_bias, resident);
   at::Tensor partials;
   if (reduce_bias) {
     partials = at::empty({static_cast<int64_t>(plan.grid.y), a.shape.cols}, a.grad_out.options().dtype(at::kFloat));
     p.bias_partials = partials.mutable_data_ptr<float>();
   }
-  const bool vec = a.shape.cols % kGroup == 0 && aligned16(p.grad_out) && aligned16(p.saved_z) &&
-                   aligned16(p.grad_x) && aligned16(p.grad_y);
   launch_backward<T>(p, a.act, plan, vec, reduce_bias ? g.grad_bias.mutable_data_ptr<T>() : nullptr);
   if (reduce_bias && a.shape.rows == 0) g.grad_bias.zero_();
 }

@@ -40,13 +40,18 @@ struct BackwardParams {
 // The grid for a rows x cols problem. A block is tx column groups by ty rows, as wide as the row
 // allows (up to 256 groups = 4 KB of a bf16 row), so a block reads long contiguous runs; without a
 // bias reduction each thread handles kRowUnroll rows (many small blocks), with one the grid is
-// about one wave so the partial sums stay small.
+// about one wave of `resident_blocks_per_sm` blocks an SM so the partial sums stay small.
+// kAssumedResidentBlocks is the measured default; the backward kernels hold 2-3 blocks an SM
+// (64-128 registers), so it gives 2.6-3.9 waves whose last one is partly idle. The candidate
+// (FUSEFORGE_AMA_BWD_GRID=occupancy, not yet measured on the GPU) asks the runtime for the kernel's
+// occupancy and plans exactly one full wave.
 struct LaunchPlan {
   dim3 grid, block;
   int64_t rows_per_block = 0;
 };
+constexpr int kAssumedResidentBlocks = 8;
 
-inline LaunchPlan plan_launch(const Shape2d& s, bool reduce_bias) {
+inline LaunchPlan plan_launch(const Shape2d& s, bool reduce_bias, int resident_blocks_per_sm = kAssumedResidentBlocks) {
   LaunchPlan plan;
   const int64_t groups = ceil_div(s.cols, kGroup);
   int tx = 1;
@@ -56,8 +61,8 @@ inline LaunchPlan plan_launch(const Shape2d& s, bool reduce_bias) {
   const int64_t row_step = static_cast<int64_t>(ty) * kRowUnroll;
   int64_t rows_per_block = row_step;
   if (reduce_bias && grid_x > 0) {
-    // About one wave of resident blocks (8 of 256 threads an SM): few partial rows to reduce.
-    const int64_t target_y = std::max<int64_t>(1, 8 * num_sms() / grid_x);
+    // About one wave of resident blocks: few partial rows to reduce.
+    const int64_t target_y = std::max<int64_t>(1, int64_t{resident_blocks_per_sm} * num_sms() / grid_x);
     rows_per_block = std::max(rows_per_block, ceil_div(s.rows, target_y));
   }
   rows_per_block = std::max(rows_per_block, ceil_div(s.rows, 65535));  // gridDim.y limit
@@ -76,5 +81,9 @@ void launch_forward(ForwardParams<T> params, Activation act, const LaunchPlan& p
 template <typename T>
 void launch_backward(BackwardParams<T> params, Activation act, const LaunchPlan& plan, bool vectorized,
                      T* grad_bias);
+// Blocks of the backward kernel (act, vectorized) an SM holds at once (the runtime's occupancy
+// calculator for the current device; cached).
+template <typename T>
+int backward_resident_blocks(Activation act, bool vectorized);
 
 }  // namespace fuseforge::add_mul_act
