@@ -49,6 +49,24 @@ int64_t env_or(const char* name, int64_t fallback) {
   return v && *v ? std::max<int64_t>(1, std::atoll(v)) : fallback;
 }
 
+// Candidate, not yet measured on the GPU (docs/notes_linear_cross_entropy.md):
+// FUSEFORGE_LCE_EXACT_TARGET=1 computes every row's target logit as an exact float32 dot product
+// (one small kernel, N x H reads) and the row kernels use it in place of cuBLAS's for the target.
+bool exact_target_logits() {
+  static const bool on = env_or("FUSEFORGE_LCE_EXACT_TARGET", 0) == 1;
+  return on;
+}
+
+// (rows,) float32 target logits x . W[t], or an undefined tensor when the knob is off.
+template <typename T>
+at::Tensor target_logits(const Problem& p) {
+  if (!exact_target_logits() || p.rows == 0) return at::Tensor();
+  at::Tensor out = at::empty({p.rows}, p.x2d.options().dtype(at::kFloat));
+  launch_target_logits<T>(p.x2d.const_data_ptr<T>(), p.weight.const_data_ptr<T>(), p.target.const_data_ptr<int64_t>(),
+                          p.rows, p.hidden, p.vocab, p.cfg.ignore_index, out.mutable_data_ptr<float>());
+  return out;
+}
+
 Plan plan_rows(const Problem& p, bool want_weight_grad) {
   Plan plan;
   const int64_t esize = p.x2d.element_size();
@@ -86,8 +104,9 @@ void gemm_accumulate_fp32(at::Tensor& acc, const at::Tensor& a, const at::Tensor
 
 template <typename T>
 RowParams<T> base_params(const Problem& p, const std::optional<at::Tensor>& row_scale,
-                         const std::optional<at::Tensor>& scalar_scale) {
+                         const std::optional<at::Tensor>& scalar_scale, const at::Tensor& target_logit) {
   RowParams<T> rp;
+  rp.target_logit = target_logit.defined() ? target_logit.const_data_ptr<float>() : nullptr;
   rp.bias = p.bias.defined() ? p.bias.const_data_ptr<T>() : nullptr;
   rp.vocab = p.vocab;
   rp.ignore_index = p.cfg.ignore_index;
@@ -132,7 +151,8 @@ void run_default(const Problem& p, const GradSpec& g, Outputs& o) {
   }
   at::Tensor& w_out = plan.fp32_weight_acc ? w_acc : o.grad_weight;
   const bool cluster = p.vocab % 4 == 0 && p.vocab <= kClusterMaxVocab && !g.stats_in.has_value();
-  RowParams<T> rp = base_params<T>(p, g.row_scale, g.scalar_scale);
+  const at::Tensor exact_zt = target_logits<T>(p);
+  RowParams<T> rp = base_params<T>(p, g.row_scale, g.scalar_scale, exact_zt);
   rp.cols = p.vocab;
   rp.ld_logits = p.vocab;
   rp.ld_dz = p.vocab;
@@ -152,6 +172,7 @@ void run_default(const Problem& p, const GradSpec& g, Outputs& o) {
       q.rows = c_rows;
       q.target = p.target.const_data_ptr<int64_t>() + c0;
       if (q.row_scale) q.row_scale += c0;
+      if (q.target_logit) q.target_logit += c0;
       if (q.lse_in) {
         q.lse_in += c0;
         q.nll_in += c0;
@@ -200,7 +221,8 @@ void run_low_memory(const Problem& p, const GradSpec& g, Outputs& o) {
   const int64_t tile_rows = std::min<int64_t>(kLowMemRows, std::max<int64_t>(p.rows, 1));
   const int64_t tile_cols = std::min<int64_t>(kLowMemCols, p.vocab);
   at::Tensor tile = at::empty({tile_rows * tile_cols}, f32);
-  RowParams<T> rp = base_params<T>(p, g.row_scale, g.scalar_scale);
+  const at::Tensor exact_zt = target_logits<T>(p);
+  RowParams<T> rp = base_params<T>(p, g.row_scale, g.scalar_scale, exact_zt);
   const int64_t* target = p.target.const_data_ptr<int64_t>();
 
   if (!g.stats_in.has_value()) {  // pass 1: lse and loss from running per-row statistics
@@ -218,6 +240,7 @@ void run_low_memory(const Problem& p, const GradSpec& g, Outputs& o) {
         q.cols = vc;
         q.col_begin = v0;
         q.target = target + n0;
+        if (q.target_logit) q.target_logit += n0;
         q.run_max = run[0].mutable_data_ptr<float>() + n0;
         q.run_sum = run[1].mutable_data_ptr<float>() + n0;
         q.run_sumz = run[2].mutable_data_ptr<float>() + n0;
@@ -260,6 +283,7 @@ void run_low_memory(const Problem& p, const GradSpec& g, Outputs& o) {
       q.cols = vc;
       q.col_begin = v0;
       q.target = target + n0;
+      if (q.target_logit) q.target_logit += n0;
       q.lse_in = lse + n0;
       q.nll_in = nll + n0;
       if (q.row_scale) q.row_scale += n0;

@@ -67,10 +67,20 @@ __device__ __forceinline__ float row_grad_scale(const RowParams<T>& p, int64_t r
   return s;
 }
 
+// The raw (bias-free) logit of tile column col of launch row `row`: cuBLAS's, or, for the row's
+// target column when p.target_logit is given, the exact float32 dot product x . W[t] (cuBLAS's
+// tensor-core float32 accumulation leaves a large target logit ~1e-4 low, which a confident
+// model's loss sees whole).
 template <typename T>
-__device__ __forceinline__ float load_logit(const RowParams<T>& p, const float* zrow, int64_t col,
-                                            const LossMath& m) {
-  float z = zrow[col];
+__device__ __forceinline__ float raw_logit(const RowParams<T>& p, float from_gemm, int64_t row, int64_t col,
+                                           int64_t t_local) {
+  return (p.target_logit != nullptr && col == t_local) ? p.target_logit[row] : from_gemm;
+}
+
+template <typename T>
+__device__ __forceinline__ float load_logit(const RowParams<T>& p, const float* zrow, int64_t row, int64_t col,
+                                            int64_t t_local, const LossMath& m) {
+  float z = raw_logit(p, zrow[col], row, col, t_local);
   if (p.bias) z += static_cast<float>(p.bias[p.col_begin + col]);
   return m.cap(z);
 }
@@ -112,6 +122,14 @@ __device__ float block_sum(float v, float* scratch) {
   return r;
 }
 
+// (m, s) <- the merge of two partial (max, sum of exp(z - max)) pairs; an empty part has sum 0
+// (and max -inf, whose exp factor is never formed).
+__device__ __forceinline__ void merge_exp_sum(float& m, float& s, float other_m, float other_s) {
+  const float nm = fmaxf(m, other_m);
+  s = (s > 0.f ? s * __expf(m - nm) : 0.f) + (other_s > 0.f ? other_s * __expf(other_m - nm) : 0.f);
+  m = nm;
+}
+
 // Four gradients to T at dst (8-byte aligned for 16-bit T, 16-byte for float).
 template <typename T>
 __device__ __forceinline__ void store4(T* dst, float a, float b, float c, float d) {
@@ -139,7 +157,9 @@ template <typename T, int kVec4>
 __device__ void row_softmax_cluster_body(const RowParams<T>& p, int64_t span) {
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
+#ifndef FUSEFORGE_LCE_MERGED_STATS
   __shared__ float scratch[kClusterThreads / 32];
+#endif
   __shared__ float stats[3];  // this CTA's max, sum of exp(z - max), sum of z
 
   const int tid = threadIdx.x;
@@ -175,13 +195,23 @@ __device__ void row_softmax_cluster_body(const RowParams<T>& p, int64_t span) {
       v[i][3] = q.w;
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
+        v[i][k] = raw_logit(p, v[i][k], row, col + k, t);
         if (p.bias) v[i][k] += static_cast<float>(p.bias[col + k]);
         v[i][k] = m.cap(v[i][k]);
         local_max = fmaxf(local_max, v[i][k]);
       }
     }
   }
+  // Sums of exp(z - reference) and of z over this thread's columns. The reference is the CTA's max
+  // (measured default) or, in the merged-statistics candidate (-DFUSEFORGE_LCE_MERGED_STATS, not
+  // yet measured on the GPU), the thread's own max, so (max, sum, sum z) merge through the warp and
+  // then across warps in one pass: 1 block barrier instead of 6 before the cluster exchange.
+#ifdef FUSEFORGE_LCE_MERGED_STATS
+  const float reference = local_max;
+#else
   const float cta_max = block_max<kClusterThreads>(local_max, scratch);
+  const float reference = cta_max;
+#endif
   float local_sum = 0.f, local_sumz = 0.f;
 #pragma unroll
   for (int i = 0; i < kVec4; ++i) {
@@ -189,11 +219,38 @@ __device__ void row_softmax_cluster_body(const RowParams<T>& p, int64_t span) {
     if (col < c1) {
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        local_sum += __expf(v[i][k] - cta_max);
+        local_sum += __expf(v[i][k] - reference);
         local_sumz += v[i][k];
       }
     }
   }
+#ifdef FUSEFORGE_LCE_MERGED_STATS
+  __shared__ float warp_stats[kClusterThreads / 32][3];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float other_max = __shfl_xor_sync(0xffffffffu, local_max, o);
+    const float other_sum = __shfl_xor_sync(0xffffffffu, local_sum, o);
+    local_sumz += __shfl_xor_sync(0xffffffffu, local_sumz, o);
+    merge_exp_sum(local_max, local_sum, other_max, other_sum);
+  }
+  if (tid % 32 == 0) {
+    warp_stats[tid / 32][0] = local_max;
+    warp_stats[tid / 32][1] = local_sum;
+    warp_stats[tid / 32][2] = local_sumz;
+  }
+  __syncthreads();
+  if (tid == 0) {
+    float cta_max = -INFINITY, cta_sum = 0.f, cta_sumz = 0.f;
+#pragma unroll
+    for (int w = 0; w < kClusterThreads / 32; ++w) {
+      merge_exp_sum(cta_max, cta_sum, warp_stats[w][0], warp_stats[w][1]);
+      cta_sumz += warp_stats[w][2];
+    }
+    stats[0] = cta_max;
+    stats[1] = cta_sum;
+    stats[2] = cta_sumz;
+  }
+#else
   const float cta_sum = block_sum<kClusterThreads>(local_sum, scratch);
   const float cta_sumz = block_sum<kClusterThreads>(local_sumz, scratch);
   if (tid == 0) {
@@ -201,6 +258,7 @@ __device__ void row_softmax_cluster_body(const RowParams<T>& p, int64_t span) {
     stats[1] = cta_sum;
     stats[2] = cta_sumz;
   }
+#endif
   cluster.sync();  // every CTA's stats are written
   // Two sweeps over the peers' three floats (distributed shared memory) rather than arrays that
   // would cost registers next to the row.
@@ -222,7 +280,7 @@ __device__ void row_softmax_cluster_body(const RowParams<T>& p, int64_t span) {
   cluster.sync();  // no CTA leaves (freeing its shared memory) before every peer has read it
   const float log_sum = logf(row_sum);
   const float lse = row_max + log_sum;
-  const float nll = bad_target ? NAN : (row_max - load_logit(p, zrow, t, m)) + log_sum;
+  const float nll = bad_target ? NAN : (row_max - load_logit(p, zrow, row, t, t, m)) + log_sum;
 
   if (rank == 0 && tid == 0) {
     if (p.loss_out) p.loss_out[row] = m.loss(lse, nll, row_sumz);
@@ -295,6 +353,7 @@ __device__ void row_softmax_stream_body(const RowParams<T>& p) {
       float mx = -INFINITY;
 #pragma unroll
       for (int k = 0; k < kStep; ++k) {
+        z[k] = raw_logit(p, z[k], row, col + k, t_local);
         if (p.bias) z[k] += static_cast<float>(p.bias[p.col_begin + col + k]);
         z[k] = m.cap(z[k]);
         mx = fmaxf(mx, z[k]);
@@ -310,7 +369,7 @@ __device__ void row_softmax_stream_body(const RowParams<T>& p) {
     float tile_max = block_max<kStreamThreads>(run_m, scratch);
     float tile_sum = block_sum<kStreamThreads>(run_s > 0.f ? run_s * __expf(run_m - tile_max) : 0.f, scratch);
     float tile_sumz = block_sum<kStreamThreads>(run_z, scratch);
-    float zt = target_in_tile ? load_logit(p, zrow, t_local, m) : 0.f;
+    float zt = target_in_tile ? load_logit(p, zrow, row, t_local, t_local, m) : 0.f;
     if (p.run_max && !p.first_tile) {  // merge with the earlier tiles of this row
       const float prev_m = p.run_max[row], prev_s = p.run_sum[row];
       const float new_m = fmaxf(prev_m, tile_max);
@@ -347,13 +406,13 @@ __device__ void row_softmax_stream_body(const RowParams<T>& p) {
       float g[4];
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        float zk = z[k];
+        float zk = raw_logit(p, z[k], row, col + k, t_local);
         if (p.bias) zk += static_cast<float>(p.bias[p.col_begin + col + k]);
         g[k] = m.grad(m.cap(zk), lse, nll, col + k == t_local, scale);
       }
       store4(out + col, g[0], g[1], g[2], g[3]);
     } else {
-      out[col] = static_cast<T>(m.grad(load_logit(p, zrow, col, m), lse, nll, col == t_local, scale));
+      out[col] = static_cast<T>(m.grad(load_logit(p, zrow, row, col, t_local, m), lse, nll, col == t_local, scale));
     }
   }
 }
@@ -361,6 +420,27 @@ __device__ void row_softmax_stream_body(const RowParams<T>& p) {
 template <typename T, bool kVec>
 __global__ void __launch_bounds__(kStreamThreads) row_softmax_stream_kernel(RowParams<T> p) {
   row_softmax_stream_body<T, kVec>(p);
+}
+
+// out[r] = x[r] . weight[target[r]] in float32 (0 for ignored or out-of-range targets): one warp a
+// row, each lane a strided slice of the hidden dim, then a warp sum. x and weight row-major.
+constexpr int kTargetLogitThreads = 256;
+template <typename T>
+__global__ void __launch_bounds__(kTargetLogitThreads)
+    target_logit_kernel(const T* x, const T* weight, const int64_t* target, int64_t rows, int64_t hidden,
+                        int64_t vocab, int64_t ignore_index, float* out) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (kTargetLogitThreads / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= rows) return;
+  const int64_t t = target[row];
+  float acc = 0.f;
+  if (t != ignore_index && t >= 0 && t < vocab) {
+    const T* xr = x + row * hidden;
+    const T* wr = weight + t * hidden;
+    for (int64_t h = lane; h < hidden; h += 32) acc = fmaf(static_cast<float>(xr[h]), static_cast<float>(wr[h]), acc);
+  }
+  acc = warp_sum(acc);
+  if (lane == 0) out[row] = acc;
 }
 
 // data *= (*a) * (*b), skipped entirely when that product is exactly 1 (then no memory is touched).

@@ -31,6 +31,9 @@ struct RowParams {
   bool first_tile = true, last_tile = true;
   // Per-row statistics: lse and nll = -log p(target) (kept apart from lse - z_target, which cancels
   // when the target dominates). Known statistics (stats_in): gradient only.
+  // Exact float32 target logits x . W[t] of the launch's rows (launch_target_logits), or nullptr:
+  // cuBLAS's logit is used for the target too.
+  const float* target_logit = nullptr;
   const float* lse_in = nullptr;
   const float* nll_in = nullptr;
   float* lse_out = nullptr;
@@ -49,6 +52,11 @@ template <typename T>
 void launch_row_softmax_stream(const RowParams<T>& p);
 template <typename T>
 void launch_scale(T* data, int64_t n, const float* a, const float* b);
+// out[r] = x[r] . weight[target[r]] in float32 for r < rows (x rows x hidden, weight vocab x hidden,
+// both contiguous); 0 where the target is ignore_index or out of range.
+template <typename T>
+void launch_target_logits(const T* x, const T* weight, const int64_t* target, int64_t rows, int64_t hidden,
+                          int64_t vocab, int64_t ignore_index, float* out);
 // Largest vocabulary the cluster kernel holds in registers.
 constexpr int64_t kClusterMaxVocab = int64_t{kClusterSize} * kClusterThreads * 4 * 16;
 

@@ -24,9 +24,23 @@ void launch_scale(T* data, int64_t n, const float* a, const float* b) {
   launch_kernel(scale_kernel<T>, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), 0, data, n, a, b);
 }
 
+template <typename T>
+void launch_target_logits(const T* x, const T* weight, const int64_t* target, int64_t rows, int64_t hidden,
+                          int64_t vocab, int64_t ignore_index, float* out) {
+  constexpr int64_t kRowsPerBlock = kTargetLogitThreads / 32;
+  launch_kernel(target_logit_kernel<T>, dim3(static_cast<unsigned>(ceil_div(rows, kRowsPerBlock))),
+                dim3(kTargetLogitThreads), 0, x, weight, target, rows, hidden, vocab, ignore_index, out);
+}
+
 template void launch_row_softmax_stream<float>(const RowParams<float>&);
 template void launch_row_softmax_stream<at::Half>(const RowParams<at::Half>&);
 template void launch_row_softmax_stream<at::BFloat16>(const RowParams<at::BFloat16>&);
+template void launch_target_logits<float>(const float*, const float*, const int64_t*, int64_t, int64_t, int64_t,
+                                          int64_t, float*);
+template void launch_target_logits<at::Half>(const at::Half*, const at::Half*, const int64_t*, int64_t, int64_t,
+                                             int64_t, int64_t, float*);
+template void launch_target_logits<at::BFloat16>(const at::BFloat16*, const at::BFloat16*, const int64_t*, int64_t,
+                                                 int64_t, int64_t, int64_t, float*);
 template void launch_scale<float>(float*, int64_t, const float*, const float*);
 template void launch_scale<at::Half>(at::Half*, int64_t, const float*, const float*);
 template void launch_scale<at::BFloat16>(at::BFloat16*, int64_t, const float*, const float*);

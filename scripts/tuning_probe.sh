@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# GPU machine, one call (~8-9 min): measures the kernel candidates that are in the tree but off by
+# default, and the profiles that say where the remaining time goes. Written on 2026-11-23 when no
+# device could be had; the candidates' notes are in docs/notes_<op>.md ("Candidates").
+#   FUSEFORGE_COMMIT=<sha> bash scripts/tuning_probe.sh      (output in $OUT/probe.log)
+# 1. builds (in parallel): AdamW with every kernel shape (-DFUSEFORGE_ADAMW_TUNING), add_mul_act,
+#    linear_cross_entropy, and linear_cross_entropy with -DFUSEFORGE_LCE_MERGED_STATS
+# 2. the candidates' GPU tests (correctness first: a candidate that fails is not timed further)
+# 3. A/B timings with tune_variants.sh, the default beside each candidate, same process order
+# 4. lce_profile.py --quick (idle gaps between kernels, host time a step) and ncu of the
+#    add_mul_act backward and the AdamW kernel (stall reasons, achieved bandwidth, occupancy)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
+exec > >(tee -a "$OUT/probe.log") 2>&1
+source scripts/device_env.sh
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+T=scripts/tune_variants.sh
+ADAMW=(u0b4: u1b4:FUSEFORGE_ADAMW_VARIANT=u1b4 u2b4:FUSEFORGE_ADAMW_VARIANT=u2b4 u2b3:FUSEFORGE_ADAMW_VARIANT=u2b3
+       u4b2:FUSEFORGE_ADAMW_VARIANT=u4b2 u2b2:FUSEFORGE_ADAMW_VARIANT=u2b2)
+AMA=(default: occupancy:FUSEFORGE_AMA_BWD_GRID=occupancy)
+LCE=(default: exact_target:FUSEFORGE_LCE_EXACT_TARGET=1 merged:-DFUSEFORGE_LCE_MERGED_STATS)
+t0=$(date +%s)
+MAX_JOBS=6 BUILD_ONLY=1 BASE_FLAGS=-DFUSEFORGE_ADAMW_TUNING bash $T adamw "${ADAMW[@]}" &
+MAX_JOBS=6 BUILD_ONLY=1 bash $T add_mul_act "${AMA[@]}" &
+MAX_JOBS=4 BUILD_ONLY=1 bash $T linear_cross_entropy "${LCE[@]}" &
+wait
+echo "== builds: $(( $(date +%s) - t0 )) s"
+lib() { ls /tmp/tune/$1/$2/lib/fuseforge/_C*.so; }
+pt() { timeout 300 python3 -m pytest -q -x -p no:cacheprovider "$@" 2>&1 | tail -2; }
+echo "== tests: adamw u2b4 / u4b2"
+FUSEFORGE_ADAMW_VARIANT=u2b4 FUSEFORGE_EXTENSION=$(lib adamw shared) pt tests/python/test_adamw.py
+FUSEFORGE_ADAMW_VARIANT=u4b2 FUSEFORGE_EXTENSION=$(lib adamw shared) pt tests/python/test_adamw.py
+echo "== tests: add_mul_act occupancy grid"
+FUSEFORGE_AMA_BWD_GRID=occupancy FUSEFORGE_EXTENSION=$(lib add_mul_act shared) pt tests/python/test_add_mul_act.py
+echo "== tests: linear_cross_entropy exact target / merged stats"
+FUSEFORGE_LCE_EXACT_TARGET=1 FUSEFORGE_EXTENSION=$(lib linear_cross_entropy shared) pt tests/python/test_linear_cross_entropy.py
+FUSEFORGE_EXTENSION=$(lib linear_cross_entropy merged) pt tests/python/test_linear_cross_entropy.py
+echo "== timings"
+CASES=llama1b IMPLS=fuseforge,torch_fused bash $T adamw "${ADAMW[@]}"
+CASES=16384x8192 IMPLS=fuseforge,compile bash $T add_mul_act "${AMA[@]}"
+CASES=8192x4096x128256/bf16 IMPLS=fuseforge,compile bash $T linear_cross_entropy "${LCE[@]}"
+echo "== lce profile (default build)"
+FUSEFORGE_EXTENSION=$(lib linear_cross_entropy shared) timeout 120 python3 scripts/lce_profile.py --quick 2>&1 | tail -32
+NCU="ncu --launch-skip 2 --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section LaunchStats --section Occupancy"
+keep() { grep -vE "^==PROF==|^\s*$|^\s*-+\s*$" | tail -"$1"; }
+for a in "fp32 relu" "fp32 gelu" "bf16 relu"; do
+  echo "== ncu add_mul_act backward $a"
+  FUSEFORGE_EXTENSION=$(lib add_mul_act shared) timeout 90 $NCU --kernel-name regex:backward_kernel \
+    python3 scripts/kernel_workload.py add_mul_act 16384x8192 $a 2>&1 | keep 70
+done
+echo "== ncu adamw llama1b bf16-master (default shape)"
+FUSEFORGE_EXTENSION=$(lib adamw shared) timeout 150 $NCU --kernel-name regex:adamw_multi \
+  python3 scripts/kernel_workload.py adamw llama1b bf16-master 2>&1 | keep 70
+echo "== probe done in $(( $(date +%s) - t0 )) s"
