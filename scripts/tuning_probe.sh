@@ -3,6 +3,9 @@
 # default, and the profiles that say where the remaining time goes. Written on 2026-11-23 when no
 # device could be had; the candidates' notes are in docs/notes_<op>.md ("Candidates").
 #   FUSEFORGE_COMMIT=<sha> bash scripts/tuning_probe.sh      (output in $OUT/probe.log)
+#   PARTS="tests time" bash scripts/tuning_probe.sh         (a subset: build tests time profile;
+#                                                           every part builds what it lacks first)
+# All four parts take about 12 minutes: run "tests time" in one call and "profile" in another.
 # 1. builds (in parallel): AdamW with every kernel shape (-DFUSEFORGE_ADAMW_TUNING), add_mul_act,
 #    linear_cross_entropy, and linear_cross_entropy with -DFUSEFORGE_LCE_MERGED_STATS
 # 2. the candidates' GPU tests (correctness first: a candidate that fails is not timed further)
@@ -21,6 +24,8 @@ ADAMW=(u0b4: u1b4:FUSEFORGE_ADAMW_VARIANT=u1b4 u2b4:FUSEFORGE_ADAMW_VARIANT=u2b4
        u4b2:FUSEFORGE_ADAMW_VARIANT=u4b2 u2b2:FUSEFORGE_ADAMW_VARIANT=u2b2)
 AMA=(default: occupancy:FUSEFORGE_AMA_BWD_GRID=occupancy)
 LCE=(default: exact_target:FUSEFORGE_LCE_EXACT_TARGET=1 merged:-DFUSEFORGE_LCE_MERGED_STATS)
+PARTS=${PARTS:-build tests time profile}
+has() { [[ " $PARTS " == *" $1 "* ]]; }
 t0=$(date +%s)
 MAX_JOBS=6 BUILD_ONLY=1 BASE_FLAGS=-DFUSEFORGE_ADAMW_TUNING bash $T adamw "${ADAMW[@]}" &
 MAX_JOBS=6 BUILD_ONLY=1 bash $T add_mul_act "${AMA[@]}" &
@@ -29,6 +34,7 @@ wait
 echo "== builds: $(( $(date +%s) - t0 )) s"
 lib() { ls /tmp/tune/$1/$2/lib/fuseforge/_C*.so; }
 pt() { timeout 300 python3 -m pytest -q -x -p no:cacheprovider "$@" 2>&1 | tail -2; }
+if has tests; then
 echo "== tests: adamw u2b4 / u4b2"
 FUSEFORGE_ADAMW_VARIANT=u2b4 FUSEFORGE_EXTENSION=$(lib adamw shared) pt tests/python/test_adamw.py
 FUSEFORGE_ADAMW_VARIANT=u4b2 FUSEFORGE_EXTENSION=$(lib adamw shared) pt tests/python/test_adamw.py
@@ -37,13 +43,18 @@ FUSEFORGE_AMA_BWD_GRID=occupancy FUSEFORGE_EXTENSION=$(lib add_mul_act shared) p
 echo "== tests: linear_cross_entropy exact target / merged stats"
 FUSEFORGE_LCE_EXACT_TARGET=1 FUSEFORGE_EXTENSION=$(lib linear_cross_entropy shared) pt tests/python/test_linear_cross_entropy.py
 FUSEFORGE_EXTENSION=$(lib linear_cross_entropy merged) pt tests/python/test_linear_cross_entropy.py
-echo "== timings"
+fi
+if has time; then
+echo "== timings ($(( $(date +%s) - t0 )) s)"
 CASES=llama1b IMPLS=fuseforge,torch_fused bash $T adamw "${ADAMW[@]}"
-CASES=16384x8192 IMPLS=fuseforge,compile bash $T add_mul_act "${AMA[@]}"
-CASES=8192x4096x128256/bf16 IMPLS=fuseforge,compile bash $T linear_cross_entropy "${LCE[@]}"
-echo "== lce profile (default build)"
+# fuseforge only: the compile baselines are in benchmarks/results/<op>.json (same GPU)
+CASES=16384x8192 bash $T add_mul_act "${AMA[@]}"
+CASES=8192x4096x128256/bf16 bash $T linear_cross_entropy "${LCE[@]}"
+fi
+if has profile; then
+echo "== lce profile (default build) ($(( $(date +%s) - t0 )) s)"
 FUSEFORGE_EXTENSION=$(lib linear_cross_entropy shared) timeout 120 python3 scripts/lce_profile.py --quick 2>&1 | tail -32
-NCU="ncu --launch-skip 2 --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section LaunchStats --section Occupancy"
+NCU="ncu --launch-skip 2 --launch-count 1 --section SpeedOfLight --section WarpStateStats --section LaunchStats --section Occupancy"
 keep() { grep -vE "^==PROF==|^\s*$|^\s*-+\s*$" | tail -"$1"; }
 for a in "fp32 relu" "fp32 gelu" "bf16 relu"; do
   echo "== ncu add_mul_act backward $a"
@@ -53,4 +64,5 @@ done
 echo "== ncu adamw llama1b bf16-master (default shape)"
 FUSEFORGE_EXTENSION=$(lib adamw shared) timeout 150 $NCU --kernel-name regex:adamw_multi \
   python3 scripts/kernel_workload.py adamw llama1b bf16-master 2>&1 | keep 70
+fi
 echo "== probe done in $(( $(date +%s) - t0 )) s"
