@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # GPU machine: times variants of one op's kernels side by side in one call (docs/DEVELOPING.md).
 #   bash scripts/tune_variants.sh OP "name:spec" ...
-#   spec "-DKNOB=value ..."  compile-time knobs: a private build of OP with these nvcc flags
-#   spec "VAR=value ..."     run-time knobs: environment for a run of the shared build of OP
-#                            (built once, with $BASE_FLAGS, e.g. -DFUSEFORGE_ADAMW_TUNING)
-#   spec "" (name:)          the shared build as it is
+#   spec words "-DKNOB=value" compile-time knobs: a private build of OP with these nvcc flags
+#   spec words "VAR=value"    run-time knobs: environment for the run (of the shared build of OP,
+#                             built once with $BASE_FLAGS, e.g. -DFUSEFORGE_ADAMW_TUNING, when
+#                             the spec has no nvcc flags)
+#   spec "" (name:)           the shared build as it is
 # Env: CASES (the benchmark's --cases), IMPLS (its --impls; default fuseforge), BASE_FLAGS,
 # BUILD_ONLY=1 (build every variant's library, in parallel, and time nothing; a later call reuses
 # the builds under /tmp/tune/OP). Prints each variant's rows of benchmarks/bench_OP.py's table.
@@ -24,23 +25,24 @@ build() {  # build NAME FLAGS
     || { echo "$OP/$1: build failed"; tail -5 "$OUT/build_${OP}_$1.log"; return 1; }
   echo "== $OP/$1 built in $(( $(date +%s) - t0 )) s"
 }
-is_flags() { [ "${1#-}" != "$1" ]; }
+flags_of() { local w out=""; for w in $1; do [ "${w#-}" != "$w" ] && out="$out $w"; done; echo "${out# }"; }
+envs_of() { local w out=""; for w in $1; do [ "${w#-}" = "$w" ] && out="$out $w"; done; echo "${out# }"; }
 if [ "${BUILD_ONLY:-0}" = 1 ]; then
   need_shared=0
   for variant in "$@"; do
-    spec=${variant#*:}
-    if is_flags "$spec"; then build "${variant%%:*}" "$spec" & else need_shared=1; fi
+    flags=$(flags_of "${variant#*:}")
+    if [ -n "$flags" ]; then build "${variant%%:*}" "$flags" & else need_shared=1; fi
   done
   [ $need_shared = 1 ] && build shared "${BASE_FLAGS:-}" &
   wait
   exit 0
 fi
 for variant in "$@"; do
-  name=${variant%%:*}; spec=${variant#*:}; envs=""
-  if is_flags "$spec"; then
-    build "$name" "$spec" || continue; lib=$(lib_of "$name")
+  name=${variant%%:*}; spec=${variant#*:}; flags=$(flags_of "$spec"); envs=$(envs_of "$spec")
+  if [ -n "$flags" ]; then
+    build "$name" "$flags" || continue; lib=$(lib_of "$name")
   else
-    build shared "${BASE_FLAGS:-}" || exit 1; lib=$(lib_of shared); envs=$spec
+    build shared "${BASE_FLAGS:-}" || exit 1; lib=$(lib_of shared)
   fi
   echo "== $OP $name (${spec:-as built})"
   cases=(); [ -n "${CASES:-}" ] && cases=(--cases "$CASES")

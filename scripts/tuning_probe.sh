@@ -6,8 +6,8 @@
 #   PARTS="tests time" bash scripts/tuning_probe.sh         (a subset: build tests time profile;
 #                                                           every part builds what it lacks first)
 # All four parts take about 12 minutes: run "tests time" in one call and "profile" in another.
-# 1. builds (in parallel): AdamW with every kernel shape (-DFUSEFORGE_ADAMW_TUNING), add_mul_act,
-#    linear_cross_entropy, and linear_cross_entropy with -DFUSEFORGE_LCE_MERGED_STATS
+# 1. builds (in parallel): AdamW with every kernel shape (-DFUSEFORGE_ADAMW_TUNING), add_mul_act
+#    (and two backward shapes), linear_cross_entropy (and -DFUSEFORGE_LCE_MERGED_STATS)
 # 2. the candidates' GPU tests (correctness first: a candidate that fails is not timed further)
 # 3. A/B timings with tune_variants.sh, the default beside each candidate, same process order
 # 4. lce_profile.py --quick (idle gaps between kernels, host time a step) and ncu of the
@@ -22,7 +22,10 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 T=scripts/tune_variants.sh
 ADAMW=(u0b4: u1b4:FUSEFORGE_ADAMW_VARIANT=u1b4 u2b4:FUSEFORGE_ADAMW_VARIANT=u2b4 u2b3:FUSEFORGE_ADAMW_VARIANT=u2b3
        u4b2:FUSEFORGE_ADAMW_VARIANT=u4b2 u2b2:FUSEFORGE_ADAMW_VARIANT=u2b2)
-AMA=(default: occupancy:FUSEFORGE_AMA_BWD_GRID=occupancy)
+R2="-DFUSEFORGE_AMA_BWD_ROWS_32BIT=2 -DFUSEFORGE_AMA_BWD_ROWS_16BIT=2"
+AMA=(default: occupancy:FUSEFORGE_AMA_BWD_GRID=occupancy
+     "r2b3:$R2 -DFUSEFORGE_AMA_BWD_MIN_BLOCKS=3 FUSEFORGE_AMA_BWD_GRID=occupancy"
+     "r2b4:$R2 -DFUSEFORGE_AMA_BWD_MIN_BLOCKS=4 FUSEFORGE_AMA_BWD_GRID=occupancy")
 LCE=(default: exact_target:FUSEFORGE_LCE_EXACT_TARGET=1 merged:-DFUSEFORGE_LCE_MERGED_STATS)
 PARTS=${PARTS:-build tests time profile}
 has() { [[ " $PARTS " == *" $1 "* ]]; }
@@ -38,8 +41,9 @@ if has tests; then
 echo "== tests: adamw u2b4 / u4b2"
 FUSEFORGE_ADAMW_VARIANT=u2b4 FUSEFORGE_EXTENSION=$(lib adamw shared) pt tests/python/test_adamw.py
 FUSEFORGE_ADAMW_VARIANT=u4b2 FUSEFORGE_EXTENSION=$(lib adamw shared) pt tests/python/test_adamw.py
-echo "== tests: add_mul_act occupancy grid"
+echo "== tests: add_mul_act occupancy grid, and with 2 rows a trip / 3 blocks an SM"
 FUSEFORGE_AMA_BWD_GRID=occupancy FUSEFORGE_EXTENSION=$(lib add_mul_act shared) pt tests/python/test_add_mul_act.py
+FUSEFORGE_AMA_BWD_GRID=occupancy FUSEFORGE_EXTENSION=$(lib add_mul_act r2b3) pt tests/python/test_add_mul_act.py
 echo "== tests: linear_cross_entropy exact target / merged stats"
 FUSEFORGE_LCE_EXACT_TARGET=1 FUSEFORGE_EXTENSION=$(lib linear_cross_entropy shared) pt tests/python/test_linear_cross_entropy.py
 FUSEFORGE_EXTENSION=$(lib linear_cross_entropy merged) pt tests/python/test_linear_cross_entropy.py

@@ -26,8 +26,24 @@ namespace fuseforge::add_mul_act {
 #ifndef FUSEFORGE_AMA_MIN_BLOCKS
 #define FUSEFORGE_AMA_MIN_BLOCKS 0
 #endif
+// The backward's own knobs (default: the same as the forward's). Its gelu/silu/sigmoid kernels hold
+// 124-128 registers (2 blocks an SM) with a long math phase between a trip's loads and stores:
+// fewer rows a trip and a register cap are candidates (docs/notes_add_mul_act.md).
+#ifndef FUSEFORGE_AMA_BWD_ROWS_16BIT
+#define FUSEFORGE_AMA_BWD_ROWS_16BIT FUSEFORGE_AMA_ROWS_16BIT
+#endif
+#ifndef FUSEFORGE_AMA_BWD_ROWS_32BIT
+#define FUSEFORGE_AMA_BWD_ROWS_32BIT FUSEFORGE_AMA_ROWS_32BIT
+#endif
+#ifndef FUSEFORGE_AMA_BWD_MIN_BLOCKS
+#define FUSEFORGE_AMA_BWD_MIN_BLOCKS FUSEFORGE_AMA_MIN_BLOCKS
+#endif
 template <typename T>
 constexpr int rows_unroll() { return sizeof(T) >= 4 ? FUSEFORGE_AMA_ROWS_32BIT : FUSEFORGE_AMA_ROWS_16BIT; }
+template <typename T>
+constexpr int backward_rows_unroll() {
+  return sizeof(T) >= 4 ? FUSEFORGE_AMA_BWD_ROWS_32BIT : FUSEFORGE_AMA_BWD_ROWS_16BIT;
+}
 
 // 8 consecutive elements of a row, as loaded: whole 16-byte vectors, indexed only with
 // compile-time constants so they stay in registers.
@@ -115,8 +131,8 @@ __global__ void __launch_bounds__(kThreads, FUSEFORGE_AMA_MIN_BLOCKS) forward_ke
 }
 
 template <typename T, Activation A, bool kVec>
-__global__ void __launch_bounds__(kThreads, FUSEFORGE_AMA_MIN_BLOCKS) backward_kernel(const BackwardParams<T> p) {
-  constexpr int kUnroll = rows_unroll<T>();
+__global__ void __launch_bounds__(kThreads, FUSEFORGE_AMA_BWD_MIN_BLOCKS) backward_kernel(const BackwardParams<T> p) {
+  constexpr int kUnroll = backward_rows_unroll<T>();
   // Partial bias sums laid out [column-in-group][threadIdx.y][threadIdx.x] so a warp's stores hit
   // consecutive banks.
   __shared__ float partial[kGroup * kThreads];
