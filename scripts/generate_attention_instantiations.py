@@ -8,7 +8,7 @@ import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "csrc", "attention", "instantiations")
-DTYPES = {"fp16": "__half", "bf16": "__nv_bfloat16"}
+DTYPES = {"fp16": "at::Half", "bf16": "at::BFloat16"}  # the host's names (attention_params.h)
 HEAD_DIMS = (64, 128)
 PASSES = {
     "fwd": "template void run_attention_fwd<{t}, {d}>(const FwdParams&, bool);",

@@ -562,14 +562,6 @@ int64_t handle_create(at::TensorList params, at::IntArrayRef groups, at::IntArra
   return register_handle(std::move(h));
 }
 
-int64_t handle_step_cpu(int64_t id, at::Tensor& steps, at::ArrayRef<double> hypers,
-                        const c10::List<std::optional<at::Tensor>>& lr_tensors,
-                        const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
-  auto h = get_handle(id, steps);
-  std::vector<std::optional<at::Tensor>> lrs(lr_tensors.begin(), lr_tensors.end());
-  return h->step(hypers.vec(), lrs, grad_scale, found_inf, &cpu_step);
-}
-
 std::vector<int64_t> handle_new_slots(int64_t id, const at::Tensor& steps) { return get_handle(id, steps)->take_new_slots(); }
 
 std::vector<at::Tensor> handle_state(int64_t id, const at::Tensor& steps, int64_t slot) {
@@ -594,15 +586,6 @@ void handle_zero_grad(int64_t id, const at::Tensor& steps, bool set_to_none) {
 
 void handle_destroy(int64_t id, const at::Tensor& /*steps*/) { destroy_handle(id); }
 
-void fused_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-               at::TensorList max_exp_avg_sqs, at::TensorList master_params, at::TensorList state_steps, double lr,
-               double beta1, double beta2, double weight_decay, double eps, bool maximize,
-               const std::optional<at::Tensor>& lr_tensor, const std::optional<at::Tensor>& grad_scale,
-               const std::optional<at::Tensor>& found_inf) {
-  list_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, state_steps, lr, beta1, beta2,
-            weight_decay, eps, maximize, lr_tensor, grad_scale, found_inf, &cpu_step);
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fuseforge, CompositeExplicitAutograd, m) {
@@ -615,8 +598,8 @@ TORCH_LIBRARY_IMPL(fuseforge, CompositeExplicitAutograd, m) {
 }
 
 TORCH_LIBRARY_IMPL(fuseforge, CPU, m) {
-  m.impl("adamw_handle_step", &handle_step_cpu);
-  m.impl("adamw_fused_", &fused_cpu);
+  m.impl("adamw_handle_step", &handle_step_op<cpu_step>);
+  m.impl("adamw_fused_", &fused_op<cpu_step>);
 }
 
 }  // namespace fuseforge::adamw

@@ -21,7 +21,7 @@ enum : int64_t { kFlagAmsgrad = 1, kFlagMaster = 2 };
 // Values per group in adamw_handle_step's `hypers`: lr, beta1, beta2, eps, weight_decay, maximize.
 constexpr int64_t kHypersPerGroup = 6;
 
-// Backend-owned data kept across steps (device buffers, pinned staging); see adamw_cuda.cu.
+// Backend-owned data kept across steps (device buffers, pinned staging); see adamw_cuda.cpp.
 struct BackendCache {
   virtual ~BackendCache() = default;
 };
@@ -41,7 +41,7 @@ struct StepWork {
 
 using BackendStepFn = void (*)(std::shared_ptr<BackendCache>& cache, const StepWork& work);
 
-// CPU backend (adamw.cpp); the CUDA one lives in adamw_cuda.cu.
+// CPU backend (adamw.cpp); the CUDA one lives in adamw_cuda.cpp.
 void cpu_step(std::shared_ptr<BackendCache>& cache, const StepWork& work);
 
 struct SlotState {
@@ -117,5 +117,26 @@ void list_step(at::TensorList params, at::TensorList grads, at::TensorList exp_a
                double beta1, double beta2, double weight_decay, double eps, bool maximize,
                const std::optional<at::Tensor>& lr_tensor, const std::optional<at::Tensor>& grad_scale,
                const std::optional<at::Tensor>& found_inf, BackendStepFn backend);
+
+// The two ops whose implementation depends on the device, written once over the backend's step
+// function: adamw.cpp registers them for the CPU with cpu_step, adamw_cuda.cpp for CUDA.
+template <BackendStepFn kStep>
+int64_t handle_step_op(int64_t id, at::Tensor& steps, at::ArrayRef<double> hypers,
+                       const c10::List<std::optional<at::Tensor>>& lr_tensors,
+                       const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
+  auto h = get_handle(id, steps);
+  std::vector<std::optional<at::Tensor>> lrs(lr_tensors.begin(), lr_tensors.end());
+  return h->step(hypers.vec(), lrs, grad_scale, found_inf, kStep);
+}
+
+template <BackendStepFn kStep>
+void fused_op(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+              at::TensorList max_exp_avg_sqs, at::TensorList master_params, at::TensorList state_steps, double lr,
+              double beta1, double beta2, double weight_decay, double eps, bool maximize,
+              const std::optional<at::Tensor>& lr_tensor, const std::optional<at::Tensor>& grad_scale,
+              const std::optional<at::Tensor>& found_inf) {
+  list_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, state_steps, lr, beta1, beta2,
+            weight_decay, eps, maximize, lr_tensor, grad_scale, found_inf, kStep);
+}
 
 }  // namespace fuseforge::adamw

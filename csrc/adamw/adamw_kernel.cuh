@@ -12,6 +12,7 @@
 
 #include <cstdint>
 
+#include "adamw/adamw_launch.h"  // KernelArgs
 #include "adamw/adamw_math.h"
 #include "adamw/adamw_meta.h"
 #include "common/vec.cuh"
@@ -33,18 +34,6 @@ struct KernelShape {
   int unroll, min_blocks_per_sm;
 };
 constexpr KernelShape kDefaultShape{0, 4};
-
-struct KernelArgs {
-  const TensorMeta* table;
-  const BlockWork* blocks;
-  const GroupHyper* groups;
-  const void* const* grads;  // per tensor; nullptr: no grad this step (skipped, step not advanced)
-  int32_t* done;             // per tensor arrival counters, zero between launches
-  const float* grad_scale;   // nullable
-  const float* found_inf;    // nullable: nonzero skips the whole step
-  int64_t chunk_elems;
-  int64_t first_block;
-};
 
 // 16-byte global accesses with the streaming (evict-first) hint: every element is read once and
 // written once. Explicit ld.global/st.global: the addresses come from the table, so the compiler

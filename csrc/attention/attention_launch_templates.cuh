@@ -2,10 +2,26 @@
 // files in instantiations/ instantiate (one file per dtype x head dim x pass, so they compile in
 // parallel).
 #pragma once
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
 #include "attention/attention_bwd_kernel.cuh"
 #include "attention/attention_fwd_kernel.cuh"
 
 namespace fuseforge::attention {
+
+// The launchers take c10's element types (attention_params.h); the kernels compute on CUDA's, which
+// have the same 2-byte layout.
+template <typename T>
+struct CudaElement;
+template <>
+struct CudaElement<at::Half> {
+  using type = __half;
+};
+template <>
+struct CudaElement<at::BFloat16> {
+  using type = __nv_bfloat16;
+};
 
 // Forward: 128 query rows a block, 4 warps of 32 rows (two m16 tiles share every K/V fragment),
 // key tiles of 64. Measured on the H100 (docs/notes_attention.md): for D128, 128 x 64 (112-120 bytes
@@ -25,12 +41,12 @@ struct BwdConfig {
 
 template <typename T, int kHeadDim>
 void run_attention_fwd(const FwdParams& params, bool causal) {
-  launch_attention_fwd<typename FwdConfig<T, kHeadDim>::Traits>(params, causal);
+  launch_attention_fwd<typename FwdConfig<typename CudaElement<T>::type, kHeadDim>::Traits>(params, causal);
 }
 
 template <typename T, int kHeadDim>
 void run_attention_bwd(const BwdParams& params, bool causal, bool deterministic) {
-  using C = BwdConfig<T, kHeadDim>;
+  using C = BwdConfig<typename CudaElement<T>::type, kHeadDim>;
   launch_attention_bwd<typename C::DkdvTraits, typename C::DqTraits>(params, causal, deterministic);
 }
 

@@ -36,8 +36,10 @@ struct BwdParams : FwdParams {
   float* dq_accum = nullptr;  // (B, Hq, Sq, D) fp32, zeroed, for the atomic dq path; null when deterministic
 };
 
-// Launchers, one explicit instantiation per (element type, head dim) in instantiations/*.cu.
-// T is __half or __nv_bfloat16.
+// Launchers, one explicit instantiation per (element type, head dim) in instantiations/*.cu; they
+// launch on the current stream of the current device (the caller holds the device guard) and never
+// synchronize. T is at::Half or at::BFloat16: c10's names, so this header and the host code that
+// calls it (attention_cuda.cpp, compiled by the C++ compiler) need no CUDA headers.
 template <typename T, int kHeadDim>
 void run_attention_fwd(const FwdParams& params, bool causal);
 template <typename T, int kHeadDim>

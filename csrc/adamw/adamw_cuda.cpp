@@ -1,16 +1,17 @@
-// fused AdamW CUDA backend: keeps the packed metadata in device memory (uploaded only when it
-// changes), launches the one update kernel, and registers the CUDA ops. No host synchronization.
-#include <ATen/cuda/CUDAContext.h>
+// fused AdamW CUDA backend, host side: keeps the packed metadata in device memory (uploaded only when
+// it changes), launches the update kernel over the block map, and registers the CUDA ops. No host
+// synchronization. Compiled by the C++ compiler, not nvcc (see docs/DEVELOPING.md); the launchers
+// are in adamw_launch.cu.
+#include <ATen/ATen.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include <cstdlib>
+#include <algorithm>
 #include <cstring>
-#include <string>
 
 #include "adamw/adamw.h"
-#include "adamw/adamw_kernel.cuh"
-#include "common/launch.cuh"
+#include "adamw/adamw_launch.h"
 
 namespace fuseforge::adamw {
 namespace {
@@ -23,61 +24,16 @@ struct CudaCache : BackendCache {
   bool step_on_device_known = false;
 };
 
-constexpr int kSmallPatchWords = 256;   // 2 KB of parameters
-constexpr int kLargePatchWords = 4000;  // just under the 32 KB kernel-parameter limit
-
-template <int kWords>
-void patch_launch(uint64_t* dst, const uint64_t* words, int64_t count) {
-  PatchArgs<kWords> args;
-  args.dst = dst;
-  args.count = count;
-  std::memcpy(args.words, words, static_cast<size_t>(count) * sizeof(uint64_t));
-  launch_kernel(patch_words_kernel<kWords>, dim3(1), dim3(kThreads), 0, args);
-}
-
 void upload_words(void* dst, const std::vector<uint8_t>& bytes) {
   const auto* words = reinterpret_cast<const uint64_t*>(bytes.data());
   const int64_t total = static_cast<int64_t>(bytes.size() / sizeof(uint64_t));
   auto* out = static_cast<uint64_t*>(dst);
   for (int64_t at = 0; at < total;) {
-    const int64_t left = total - at;
-    if (left <= kSmallPatchWords) {
-      patch_launch<kSmallPatchWords>(out + at, words + at, left);
-      at += left;
-    } else {
-      const int64_t count = std::min<int64_t>(left, kLargePatchWords);
-      patch_launch<kLargePatchWords>(out + at, words + at, count);
-      at += count;
-    }
+    const int64_t count = std::min<int64_t>(total - at, kMaxPatchWords);
+    launch_patch_words(out + at, words + at, count);
+    at += count;
   }
 }
-
-using UpdateKernel = void (*)(KernelArgs);
-
-// The update kernel's shape (adamw_kernel.cuh). A tuning build (-DFUSEFORGE_ADAMW_TUNING) carries
-// several, picked by FUSEFORGE_ADAMW_VARIANT=u<unroll>b<min blocks per SM> (u0b4: the default), for side-by-side timing
-// in one process; a normal build compiles the default only.
-UpdateKernel update_kernel() {
-#ifdef FUSEFORGE_ADAMW_TUNING
-  static const UpdateKernel chosen = [] {
-    const char* env = std::getenv("FUSEFORGE_ADAMW_VARIANT");
-    const std::string v = env ? env : "";
-    if (v == "u1b4") return &adamw_multi_tensor_kernel<1, 4>;
-    if (v == "u2b4") return &adamw_multi_tensor_kernel<2, 4>;
-    if (v == "u2b3") return &adamw_multi_tensor_kernel<2, 3>;
-    if (v == "u4b2") return &adamw_multi_tensor_kernel<4, 2>;
-    if (v == "u2b2") return &adamw_multi_tensor_kernel<2, 2>;
-    TORCH_CHECK(v.empty() || v == "u0b4", "FUSEFORGE_ADAMW_VARIANT: unknown variant '", v,
-                "' (u0b4, u1b4, u2b4, u2b3, u4b2, u2b2)");
-    return &adamw_multi_tensor_kernel<kDefaultShape.unroll, kDefaultShape.min_blocks_per_sm>;
-  }();
-  return chosen;
-#else
-  return &adamw_multi_tensor_kernel<kDefaultShape.unroll, kDefaultShape.min_blocks_per_sm>;
-#endif
-}
-
-}  // namespace
 
 void cuda_step(std::shared_ptr<BackendCache>& cache_ptr, const StepWork& work) {
   const auto& table = *work.table;
@@ -127,34 +83,15 @@ void cuda_step(std::shared_ptr<BackendCache>& cache_ptr, const StepWork& work) {
   args.chunk_elems = work.chunk_elems;
   for (const LaunchRange& r : plan.launches) {
     args.first_block = r.first_block;
-    launch_kernel(update_kernel(), dim3(static_cast<unsigned>(r.num_blocks)), dim3(kThreads), 0, args);
+    launch_update(args, r.num_blocks);
   }
-}
-
-namespace {
-
-int64_t handle_step_cuda(int64_t id, at::Tensor& steps, at::ArrayRef<double> hypers,
-                         const c10::List<std::optional<at::Tensor>>& lr_tensors,
-                         const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
-  auto h = get_handle(id, steps);
-  std::vector<std::optional<at::Tensor>> lrs(lr_tensors.begin(), lr_tensors.end());
-  return h->step(hypers.vec(), lrs, grad_scale, found_inf, &cuda_step);
-}
-
-void fused_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-                at::TensorList max_exp_avg_sqs, at::TensorList master_params, at::TensorList state_steps, double lr,
-                double beta1, double beta2, double weight_decay, double eps, bool maximize,
-                const std::optional<at::Tensor>& lr_tensor, const std::optional<at::Tensor>& grad_scale,
-                const std::optional<at::Tensor>& found_inf) {
-  list_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, state_steps, lr, beta1, beta2,
-            weight_decay, eps, maximize, lr_tensor, grad_scale, found_inf, &cuda_step);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fuseforge, CUDA, m) {
-  m.impl("adamw_handle_step", &handle_step_cuda);
-  m.impl("adamw_fused_", &fused_cuda);
+  m.impl("adamw_handle_step", &handle_step_op<cuda_step>);
+  m.impl("adamw_fused_", &fused_op<cuda_step>);
 }
 
 }  // namespace fuseforge::adamw

@@ -1,15 +1,13 @@
-// attention CUDA implementation: checks, device guard, allocation, params, launches. No host sync.
+// attention CUDA implementation, host side: checks, device guard, allocation, params, the dtype and
+// head-dim dispatch to the launchers (instantiations/*.cu). No host sync. Compiled by the C++
+// compiler, not nvcc (see docs/DEVELOPING.md).
 #include <c10/cuda/CUDAGuard.h>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <torch/library.h>
 
-#include <cmath>
-#include <limits>
+#include <cstdint>
 
 #include "attention/attention.h"
 #include "attention/attention_params.h"
-#include "common/checks.h"
 
 namespace fuseforge::attention {
 namespace {
@@ -69,9 +67,9 @@ void dispatch_dtype_head_dim(at::ScalarType dtype, int64_t head_dim, F&& f) {
     }
   };
   if (dtype == at::kHalf) {
-    by_dim(__half{});
+    by_dim(at::Half{});
   } else {
-    by_dim(__nv_bfloat16{});
+    by_dim(at::BFloat16{});
   }
 }
 
