@@ -69,4 +69,6 @@ echo "== ncu adamw llama1b bf16-master (default shape)"
 FUSEFORGE_EXTENSION=$(lib adamw shared) timeout 150 $NCU --kernel-name regex:adamw_multi \
   python3 scripts/kernel_workload.py adamw llama1b bf16-master 2>&1 | keep 70
 fi
+# the timed variants' JSON/markdown (each records GPU, torch and FUSEFORGE_COMMIT)
+(cd /tmp/tune && ls -d */res_* >/dev/null 2>&1 && tar czf "$OUT/tune_results.tgz" */res_*)
 echo "== probe done in $(( $(date +%s) - t0 )) s"
