@@ -102,10 +102,21 @@ void gemm_accumulate_fp32(at::Tensor& acc, const at::Tensor& a, const at::Tensor
   }
 }
 
+// A launch starting at row r0: the per-row inputs (targets, exact target logits, gradient weights)
+// advanced to it.
+template <typename T>
+RowParams<T> at_row(RowParams<T> q, int64_t r0) {
+  q.target += r0;
+  if (q.target_logit) q.target_logit += r0;
+  if (q.row_scale) q.row_scale += r0;
+  return q;
+}
+
 template <typename T>
 RowParams<T> base_params(const Problem& p, const std::optional<at::Tensor>& row_scale,
                          const std::optional<at::Tensor>& scalar_scale, const at::Tensor& target_logit) {
   RowParams<T> rp;
+  rp.target = p.target.const_data_ptr<int64_t>();
   rp.target_logit = target_logit.defined() ? target_logit.const_data_ptr<float>() : nullptr;
   rp.bias = p.bias.defined() ? p.bias.const_data_ptr<T>() : nullptr;
   rp.vocab = p.vocab;
@@ -167,12 +178,9 @@ void run_default(const Problem& p, const GradSpec& g, Outputs& o) {
       const int64_t c_rows = std::min(plan.sub_rows, s0 + s_rows - c0);
       at::Tensor logits = staging.narrow(0, 0, c_rows * p.vocab).view({c_rows, p.vocab});
       logits_gemm(logits, p.x2d.narrow(0, c0, c_rows), p.weight);
-      RowParams<T> q = rp;
+      RowParams<T> q = at_row(rp, c0);
       q.logits = logits.const_data_ptr<float>();
       q.rows = c_rows;
-      q.target = p.target.const_data_ptr<int64_t>() + c0;
-      if (q.row_scale) q.row_scale += c0;
-      if (q.target_logit) q.target_logit += c0;
       if (q.lse_in) {
         q.lse_in += c0;
         q.nll_in += c0;
@@ -223,7 +231,6 @@ void run_low_memory(const Problem& p, const GradSpec& g, Outputs& o) {
   at::Tensor tile = at::empty({tile_rows * tile_cols}, f32);
   const at::Tensor exact_zt = target_logits<T>(p);
   RowParams<T> rp = base_params<T>(p, g.row_scale, g.scalar_scale, exact_zt);
-  const int64_t* target = p.target.const_data_ptr<int64_t>();
 
   if (!g.stats_in.has_value()) {  // pass 1: lse and loss from running per-row statistics
     at::Tensor run = at::empty({4, p.rows}, f32);
@@ -233,14 +240,12 @@ void run_low_memory(const Problem& p, const GradSpec& g, Outputs& o) {
         const int64_t vc = std::min(tile_cols, p.vocab - v0);
         at::Tensor logits = tile.narrow(0, 0, rn * vc).view({rn, vc});
         logits_gemm(logits, p.x2d.narrow(0, n0, rn), p.weight.narrow(0, v0, vc));
-        RowParams<T> q = rp;
+        RowParams<T> q = at_row(rp, n0);  // (no gradient in this pass: the weights go unread)
         q.logits = logits.const_data_ptr<float>();
         q.ld_logits = vc;
         q.rows = rn;
         q.cols = vc;
         q.col_begin = v0;
-        q.target = target + n0;
-        if (q.target_logit) q.target_logit += n0;
         q.run_max = run[0].mutable_data_ptr<float>() + n0;
         q.run_sum = run[1].mutable_data_ptr<float>() + n0;
         q.run_sumz = run[2].mutable_data_ptr<float>() + n0;
@@ -274,7 +279,7 @@ void run_low_memory(const Problem& p, const GradSpec& g, Outputs& o) {
       at::Tensor logits = tile.narrow(0, 0, rn * vc).view({rn, vc});
       logits_gemm(logits, x_rows, w_rows);
       at::Tensor dz = dz_tile.narrow(0, 0, rn * vc).view({rn, vc});
-      RowParams<T> q = rp;
+      RowParams<T> q = at_row(rp, n0);
       q.logits = logits.const_data_ptr<float>();
       q.ld_logits = vc;
       q.dz = dz.mutable_data_ptr<T>();
@@ -282,11 +287,8 @@ void run_low_memory(const Problem& p, const GradSpec& g, Outputs& o) {
       q.rows = rn;
       q.cols = vc;
       q.col_begin = v0;
-      q.target = target + n0;
-      if (q.target_logit) q.target_logit += n0;
       q.lse_in = lse + n0;
       q.nll_in = nll + n0;
-      if (q.row_scale) q.row_scale += n0;
       launch_row_softmax_stream<T>(q);
       if (g.want.weight) gemm_accumulate_fp32(gw_rows, dz.t(), x_rows, n0 == 0);
       if (g.want.x) {
