@@ -2,6 +2,7 @@
 low-memory strategy), from torch.profiler: where the time goes around the matrix products."""
 import os
 import sys
+import time
 from collections import defaultdict
 
 import torch
@@ -33,7 +34,6 @@ def profile(n, h, v, low_memory):
     wall = start.elapsed_time(end) / 5
     # Host time of one call without a sync: close to the device time means the CPU, not the GPU,
     # paces the step (gaps between kernels while the next launch is being prepared).
-    import time
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(5):

@@ -1,7 +1,7 @@
 // fused AdamW device code: one kernel updates every tensor of the table. Block b takes work item
-// blocks[first_block + b] = (tensor, chunk) and updates that chunk in quads of 4 elements with
-// vector accesses when all of the tensor's arrays are aligned for them (the masked scalar path
-// otherwise, and for the tail). The element math is adamw_math.h's, shared with the CPU backend.
+// blocks[first_block + b] = (tensor, chunk) and updates that chunk with vector accesses (16-byte
+// param/grad vectors; quads of 4 elements in the candidate shapes) when all of the tensor's arrays
+// are aligned for them (the masked scalar path otherwise, and for the tail). The element math is adamw_math.h's, shared with the CPU backend.
 //
 // Step counts: every block of a tensor reads the tensor's count before it works; the block that
 // finishes last (a per-tensor arrival counter) writes count + 1 and resets the counter, so no
@@ -79,14 +79,12 @@ __device__ __forceinline__ void store_floats(T* p, const float (&in)[N]) {
   }
 }
 
-// Streaming (evict-first) global accesses of one quad: every element is read once and written
-// once. Explicit ld.global/st.global: the addresses come from the table, so the compiler would
-// otherwise emit generic accesses. 16 bytes for float32 arrays, 8 for float16/bfloat16.
+// One quad through the same streaming accesses: a 16-byte vector for float32 arrays
+// (load_floats / store_floats), an 8-byte one for float16/bfloat16.
 template <typename T>
 __device__ __forceinline__ void load_quad(const T* p, float (&out)[4]) {
   if constexpr (sizeof(T) == 4) {
-    const float4 r = __ldcs(reinterpret_cast<const float4*>(p));
-    out[0] = r.x, out[1] = r.y, out[2] = r.z, out[3] = r.w;
+    load_floats<T, 4>(p, out);
   } else {
     static_assert(sizeof(T) == 2, "float32, float16 or bfloat16");
     const uint2 raw = __ldcs(reinterpret_cast<const uint2*>(p));
@@ -100,7 +98,7 @@ __device__ __forceinline__ void load_quad(const T* p, float (&out)[4]) {
 template <typename T>
 __device__ __forceinline__ void store_quad(T* p, const float (&in)[4]) {
   if constexpr (sizeof(T) == 4) {
-    __stcs(reinterpret_cast<float4*>(p), make_float4(in[0], in[1], in[2], in[3]));
+    store_floats<T, 4>(p, in);
   } else {
     AlignedVector<T, 4> v;
 #pragma unroll
