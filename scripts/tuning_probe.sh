@@ -8,8 +8,9 @@
 # All four parts take about 12 minutes: run "tests time" in one call and "profile" in another.
 # 1. builds (in parallel): AdamW with every kernel shape (-DFUSEFORGE_ADAMW_TUNING), add_mul_act
 #    (and two backward shapes), linear_cross_entropy (and -DFUSEFORGE_LCE_MERGED_STATS)
-# 2. the candidates' GPU tests (correctness first: a candidate that fails is not timed further)
-# 3. A/B timings with tune_variants.sh, the default beside each candidate, same process order
+# 2. A/B timings with tune_variants.sh, the default beside each candidate, same process order
+# 3. the candidates' GPU tests (TEST_K: a pytest -k filter; TEST_TIMEOUT per file); timings come
+#    first so that a call cut short still brings them back
 # 4. lce_profile.py --quick (idle gaps between kernels, host time a step) and ncu of the
 #    add_mul_act backward and the AdamW kernel (stall reasons, achieved bandwidth, occupancy)
 set -uo pipefail
@@ -30,13 +31,22 @@ LCE=(default: exact_target:FUSEFORGE_LCE_EXACT_TARGET=1 merged:-DFUSEFORGE_LCE_M
 PARTS=${PARTS:-build tests time profile}
 has() { [[ " $PARTS " == *" $1 "* ]]; }
 t0=$(date +%s)
-MAX_JOBS=6 BUILD_ONLY=1 BASE_FLAGS=-DFUSEFORGE_ADAMW_TUNING bash $T adamw "${ADAMW[@]}" &
-MAX_JOBS=6 BUILD_ONLY=1 bash $T add_mul_act "${AMA[@]}" &
-MAX_JOBS=4 BUILD_ONLY=1 bash $T linear_cross_entropy "${LCE[@]}" &
-wait
+# Wait on these pids by name: a bare `wait` would also wait for the tee above, which never ends.
+pids=()
+MAX_JOBS=6 BUILD_ONLY=1 BASE_FLAGS=-DFUSEFORGE_ADAMW_TUNING bash $T adamw "${ADAMW[@]}" & pids+=($!)
+MAX_JOBS=6 BUILD_ONLY=1 bash $T add_mul_act "${AMA[@]}" & pids+=($!)
+MAX_JOBS=4 BUILD_ONLY=1 bash $T linear_cross_entropy "${LCE[@]}" & pids+=($!)
+wait "${pids[@]}"
 echo "== builds: $(( $(date +%s) - t0 )) s"
 lib() { ls /tmp/tune/$1/$2/lib/fuseforge/_C*.so; }
-pt() { timeout 300 python3 -m pytest -q -x -p no:cacheprovider "$@" 2>&1 | tail -2; }
+pt() { timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -x -p no:cacheprovider ${TEST_K:+-k "$TEST_K"} "$@" 2>&1 | tail -2; }
+if has time; then
+echo "== timings ($(( $(date +%s) - t0 )) s)"
+CASES=llama1b IMPLS=fuseforge,torch_fused bash $T adamw "${ADAMW[@]}"
+# fuseforge only: the compile baselines are in benchmarks/results/<op>.json (same GPU)
+CASES=16384x8192 bash $T add_mul_act "${AMA[@]}"
+CASES=8192x4096x128256/bf16 bash $T linear_cross_entropy "${LCE[@]}"
+fi
 if has tests; then
 echo "== tests: adamw u2b4 / u4b2"
 FUSEFORGE_ADAMW_VARIANT=u2b4 FUSEFORGE_EXTENSION=$(lib adamw shared) pt tests/python/test_adamw.py
@@ -47,13 +57,6 @@ FUSEFORGE_AMA_BWD_GRID=occupancy FUSEFORGE_EXTENSION=$(lib add_mul_act r2b3) pt 
 echo "== tests: linear_cross_entropy exact target / merged stats"
 FUSEFORGE_LCE_EXACT_TARGET=1 FUSEFORGE_EXTENSION=$(lib linear_cross_entropy shared) pt tests/python/test_linear_cross_entropy.py
 FUSEFORGE_EXTENSION=$(lib linear_cross_entropy merged) pt tests/python/test_linear_cross_entropy.py
-fi
-if has time; then
-echo "== timings ($(( $(date +%s) - t0 )) s)"
-CASES=llama1b IMPLS=fuseforge,torch_fused bash $T adamw "${ADAMW[@]}"
-# fuseforge only: the compile baselines are in benchmarks/results/<op>.json (same GPU)
-CASES=16384x8192 bash $T add_mul_act "${AMA[@]}"
-CASES=8192x4096x128256/bf16 bash $T linear_cross_entropy "${LCE[@]}"
 fi
 if has profile; then
 echo "== lce profile (default build) ($(( $(date +%s) - t0 )) s)"
