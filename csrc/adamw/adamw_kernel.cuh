@@ -1,7 +1,7 @@
 // fused AdamW device code: one kernel updates every tensor of the table. Block b takes work item
-// blocks[first_block + b] = (tensor, chunk) and updates that chunk with vector accesses (16-byte
-// param/grad vectors; quads of 4 elements in the candidate shapes) when all of the tensor's arrays
-// are aligned for them (the masked scalar path otherwise, and for the tail). The element math is adamw_math.h's, shared with the CPU backend.
+// blocks[first_block + b] = (tensor, chunk) and updates that chunk in quads of 4 elements (16-byte
+// float32 vectors, 8-byte float16/bfloat16 ones) when all of the tensor's arrays are aligned for
+// them (the scalar path otherwise, and for the tail). The element math is adamw_math.h's, shared with the CPU backend.
 //
 // Step counts: every block of a tensor reads the tensor's count before it works; the block that
 // finishes last (a per-tensor arrival counter) writes count + 1 and resets the counter, so no
@@ -21,19 +21,14 @@ namespace fuseforge::adamw {
 
 constexpr int kThreads = 256;
 
-// Kernel shape. unroll = 0: the measured path (one 16-byte param/grad vector a thread a trip: 4
-// float32 or 8 16-bit elements, the 16-bit ones in two sequential quarters). unroll = k > 0
-// (candidates, not yet measured on the GPU, docs/notes_adamw.md): k quads of 4 elements a trip with
-// every load of the trip issued before any math or store. The addresses come from the table, so
-// the compiler cannot prove the arrays do not alias and keeps a quarter's loads behind the previous
-// quarter's stores: one memory round trip per quarter instead of one per trip.
-// min_blocks_per_sm bounds the registers (65536 / (256 * min_blocks_per_sm) per thread).
-// FUSEFORGE_ADAMW_TUNING builds several shapes side by side, chosen at run time by
-// FUSEFORGE_ADAMW_VARIANT (scripts/tune_variants.sh); a normal build has the default only.
-struct KernelShape {
-  int unroll, min_blocks_per_sm;
-};
-constexpr KernelShape kDefaultShape{0, 4};
+// Kernel shape, chosen by timing six on the H100 (docs/notes_adamw.md): kUnroll quads of 4 elements
+// a thread a trip, every load of the trip issued before any math or store. The addresses come from
+// the table, so the compiler cannot prove the arrays do not alias; without this order it kept each
+// quad's loads behind the previous quad's stores (one memory round trip per quad), which held the
+// 16-bit master path at 1.7 TB/s. kMinBlocksPerSm = 2 leaves 128 registers, enough for two quads of
+// five arrays without spills.
+constexpr int kUnroll = 2;
+constexpr int kMinBlocksPerSm = 2;
 
 // 16-byte global accesses with the streaming (evict-first) hint: every element is read once and
 // written once. Explicit ld.global/st.global: the addresses come from the table, so the compiler
@@ -109,7 +104,7 @@ __device__ __forceinline__ void store_quad(T* p, const float (&in)[4]) {
   }
 }
 
-template <int kUnroll, typename T, bool kMaster, bool kAmsgrad, bool kVec>
+template <typename T, bool kMaster, bool kAmsgrad, bool kVec>
 __device__ __forceinline__ void update_chunk(const TensorMeta& t, T* grad, int64_t begin, int64_t n,
                                              const StepScalars<float>& s) {
   T* p = static_cast<T*>(t.param) + begin;
@@ -119,48 +114,7 @@ __device__ __forceinline__ void update_chunk(const TensorMeta& t, T* grad, int64
   float* vmax = kAmsgrad ? static_cast<float*>(t.max_exp_avg_sq) + begin : nullptr;
   float* master = kMaster ? static_cast<float*>(t.master) + begin : nullptr;
   int64_t vec_end = 0;
-  if constexpr (kVec && kUnroll == 0) {
-    // One 16-byte vector of the param and of the grad (4 float32 or 8 float16/bfloat16 elements),
-    // processed in quarters of 4 elements whose float32 states are one 16-byte vector each: few
-    // registers live at once (64 registers at 4 blocks a multiprocessor; ptxas: 32 B of spills).
-    constexpr int V = 16 / static_cast<int>(sizeof(T));
-    vec_end = n / V * V;
-    for (int64_t e = static_cast<int64_t>(threadIdx.x) * V; e < vec_end; e += static_cast<int64_t>(kThreads) * V) {
-      AlignedVector<T, V> praw, graw;
-      if constexpr (!kMaster) praw = load_stream<T, V>(p + e);
-      graw = load_stream<T, V>(g + e);
-#pragma unroll
-      for (int q = 0; q < V / 4; ++q) {
-        const int64_t eq = e + 4 * q;
-        float pf[4], gf[4], mf[4], vf[4], xf[4] = {0.f, 0.f, 0.f, 0.f};
-        if constexpr (kMaster) {
-          load_floats<float, 4>(master + eq, pf);
-        } else {
-#pragma unroll
-          for (int j = 0; j < 4; ++j) pf[j] = static_cast<float>(praw.val[4 * q + j]);
-        }
-#pragma unroll
-        for (int j = 0; j < 4; ++j) gf[j] = static_cast<float>(graw.val[4 * q + j]);
-        load_floats<float, 4>(m + eq, mf);
-        load_floats<float, 4>(v + eq, vf);
-        if constexpr (kAmsgrad) load_floats<float, 4>(vmax + eq, xf);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) adamw_element<float, kAmsgrad>(pf[j], gf[j], mf[j], vf[j], xf[j], s);
-        if constexpr (kMaster) store_floats<float, 4>(master + eq, pf);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          praw.val[4 * q + j] = static_cast<T>(pf[j]);
-          graw.val[4 * q + j] = static_cast<T>(gf[j]);
-        }
-        store_floats<float, 4>(m + eq, mf);
-        store_floats<float, 4>(v + eq, vf);
-        if constexpr (kAmsgrad) store_floats<float, 4>(vmax + eq, xf);
-      }
-      store_stream<T, V>(p + e, praw);
-      if (s.unscale) store_stream<T, V>(g + e, graw);
-    }
-  }
-  if constexpr (kVec && kUnroll > 0) {
+  if constexpr (kVec) {
     constexpr int64_t kTrip = int64_t{kThreads} * 4 * kUnroll;
     vec_end = n / 4 * 4;
     for (int64_t e0 = static_cast<int64_t>(threadIdx.x) * 4; e0 < vec_end; e0 += kTrip) {
@@ -207,28 +161,27 @@ __device__ __forceinline__ void update_chunk(const TensorMeta& t, T* grad, int64
   }
 }
 
-template <int kUnroll, typename T, bool kMaster>
+template <typename T, bool kMaster>
 __device__ __forceinline__ void update_typed(const TensorMeta& t, const void* grad, int64_t begin, int64_t n,
                                              const StepScalars<float>& s) {
   T* g = static_cast<T*>(const_cast<void*>(grad));
   const bool amsgrad = t.max_exp_avg_sq != nullptr;
-  // The param/grad need 16 bytes of alignment (quads: 4 * sizeof(T)), the float32 arrays 16. Chunks
+  // The param/grad quads need 4 * sizeof(T) bytes of alignment, the float32 arrays 16. Chunks
   // start at multiples of chunk_elems (a multiple of 8), so the base addresses decide.
   const uintptr_t narrow_bits = reinterpret_cast<uintptr_t>(t.param) | reinterpret_cast<uintptr_t>(grad);
   const uintptr_t float_bits = reinterpret_cast<uintptr_t>(t.exp_avg) | reinterpret_cast<uintptr_t>(t.exp_avg_sq) |
                                reinterpret_cast<uintptr_t>(t.max_exp_avg_sq) | reinterpret_cast<uintptr_t>(t.master);
-  const uintptr_t narrow_align = kUnroll == 0 ? 16 : 4 * sizeof(T);
+  constexpr uintptr_t narrow_align = 4 * sizeof(T);
   const bool vec = (narrow_bits & (narrow_align - 1)) == 0 && (float_bits & 15u) == 0;
   if (vec) {
-    if (amsgrad) update_chunk<kUnroll, T, kMaster, true, true>(t, g, begin, n, s);
-    else update_chunk<kUnroll, T, kMaster, false, true>(t, g, begin, n, s);
+    if (amsgrad) update_chunk<T, kMaster, true, true>(t, g, begin, n, s);
+    else update_chunk<T, kMaster, false, true>(t, g, begin, n, s);
   } else {
-    if (amsgrad) update_chunk<kUnroll, T, kMaster, true, false>(t, g, begin, n, s);
-    else update_chunk<kUnroll, T, kMaster, false, false>(t, g, begin, n, s);
+    if (amsgrad) update_chunk<T, kMaster, true, false>(t, g, begin, n, s);
+    else update_chunk<T, kMaster, false, false>(t, g, begin, n, s);
   }
 }
 
-template <int kUnroll, int kMinBlocksPerSm>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) adamw_multi_tensor_kernel(const KernelArgs a) {
   const BlockWork w = a.blocks[a.first_block + blockIdx.x];
   const void* grad = a.grads[w.tensor];
@@ -247,14 +200,14 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) adamw_multi_tensor_
   const int64_t n = max(int64_t{0}, min(a.chunk_elems, t.numel - begin));
   if (n > 0) {
     switch (static_cast<ParamDtype>(t.dtype)) {
-      case ParamDtype::kFloat: update_typed<kUnroll, float, false>(t, grad, begin, n, s); break;
+      case ParamDtype::kFloat: update_typed<float, false>(t, grad, begin, n, s); break;
       case ParamDtype::kHalf:
-        if (t.master) update_typed<kUnroll, c10::Half, true>(t, grad, begin, n, s);
-        else update_typed<kUnroll, c10::Half, false>(t, grad, begin, n, s);
+        if (t.master) update_typed<c10::Half, true>(t, grad, begin, n, s);
+        else update_typed<c10::Half, false>(t, grad, begin, n, s);
         break;
       case ParamDtype::kBFloat16:
-        if (t.master) update_typed<kUnroll, c10::BFloat16, true>(t, grad, begin, n, s);
-        else update_typed<kUnroll, c10::BFloat16, false>(t, grad, begin, n, s);
+        if (t.master) update_typed<c10::BFloat16, true>(t, grad, begin, n, s);
+        else update_typed<c10::BFloat16, false>(t, grad, begin, n, s);
         break;
       default: break;  // float64 is CPU-only (rejected on the host)
     }

@@ -26,8 +26,7 @@ constexpr int64_t kMaxPatchWords = 4000;
 
 // Launchers (adamw_launch.cu), on the current stream of the current device; they never synchronize.
 // launch_update runs blocks [args.first_block, args.first_block + num_blocks) of the block map with
-// the update kernel's shape (the build's default, or FUSEFORGE_ADAMW_VARIANT in a
-// -DFUSEFORGE_ADAMW_TUNING build). launch_patch_words writes count <= kMaxPatchWords words to dst.
+// the update kernel. launch_patch_words writes count <= kMaxPatchWords words to dst.
 void launch_update(const KernelArgs& args, int64_t num_blocks);
 void launch_patch_words(uint64_t* dst, const uint64_t* words, int64_t count);
 
