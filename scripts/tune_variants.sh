@@ -3,7 +3,7 @@
 #   bash scripts/tune_variants.sh OP "name:spec" ...
 #   spec words "-DKNOB=value" compile-time knobs: a private build of OP with these nvcc flags
 #   spec words "VAR=value"    run-time knobs: environment for the run (of the shared build of OP,
-#                             built once with $BASE_FLAGS, e.g. -DFUSEFORGE_ADAMW_TUNING, when
+#                             built once with $BASE_FLAGS, when
 #                             the spec has no nvcc flags)
 #   spec "" (name:)           the shared build as it is
 # Env: CASES (the benchmark's --cases), IMPLS (its --impls; default fuseforge), BASE_FLAGS,
@@ -11,7 +11,9 @@
 # the builds under /tmp/tune/OP). Prints each variant's rows of benchmarks/bench_OP.py's table.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
+# Logs stay in /tmp/tune/logs: the device returns at most 8 files from $OUT (tuning_probe.sh packs
+# these into one archive).
+LOGS=/tmp/tune/logs; mkdir -p "$LOGS"
 source scripts/device_env.sh
 OP=$1; shift
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python FUSEFORGE_OPS=$OP ADAMW_BENCH_COMPILE=${ADAMW_BENCH_COMPILE:-0}
@@ -21,8 +23,8 @@ build() {  # build NAME FLAGS
   [ -n "$(lib_of "$1")" ] && return 0
   local t0; t0=$(date +%s)
   FUSEFORGE_NVCC_FLAGS="$2" MAX_JOBS=${MAX_JOBS:-16} python3 setup.py -q build_ext -b /tmp/tune/$OP/$1/lib \
-    -t /tmp/tune/$OP/$1/tmp > "$OUT/build_${OP}_$1.log" 2>&1 \
-    || { echo "$OP/$1: build failed"; tail -5 "$OUT/build_${OP}_$1.log"; return 1; }
+    -t /tmp/tune/$OP/$1/tmp > "$LOGS/build_${OP}_$1.log" 2>&1 \
+    || { echo "$OP/$1: build failed"; tail -5 "$LOGS/build_${OP}_$1.log"; return 1; }
   echo "== $OP/$1 built in $(( $(date +%s) - t0 )) s"
 }
 flags_of() { local w out=""; for w in $1; do [ "${w#-}" != "$w" ] && out="$out $w"; done; echo "${out# }"; }
@@ -47,7 +49,7 @@ for variant in "$@"; do
   echo "== $OP $name (${spec:-as built})"
   cases=(); [ -n "${CASES:-}" ] && cases=(--cases "$CASES")
   env $envs FUSEFORGE_EXTENSION="$lib" python3 benchmarks/bench_$OP.py "${cases[@]}" --impls "$IMPLS" \
-    --no-memory --out /tmp/tune/$OP/res_$name > "$OUT/bench_${OP}_$name.log" 2>&1 \
-    || { tail -5 "$OUT/bench_${OP}_$name.log"; continue; }
+    --no-memory --out /tmp/tune/$OP/res_$name > "$LOGS/bench_${OP}_$name.log" 2>&1 \
+    || { tail -5 "$LOGS/bench_${OP}_$name.log"; continue; }
   grep -E "^\| [^c-]" /tmp/tune/$OP/res_$name/$OP.md | awk -F'|' '{print $2,$3,$4,$5,$6}'
 done

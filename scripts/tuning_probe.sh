@@ -5,9 +5,9 @@
 #   FUSEFORGE_COMMIT=<sha> bash scripts/tuning_probe.sh      (output in $OUT/probe.log)
 #   PARTS="tests time" bash scripts/tuning_probe.sh         (a subset: build tests time profile;
 #                                                           every part builds what it lacks first)
-# All four parts take about 12 minutes: run "tests time" in one call and "profile" in another.
-# 1. builds (in parallel): AdamW with every kernel shape (-DFUSEFORGE_ADAMW_TUNING), add_mul_act
-#    (and two backward shapes), linear_cross_entropy (and -DFUSEFORGE_LCE_MERGED_STATS)
+# Measured 2026-11-23 (third session): builds 107 s, "time" ~6 min with the AdamW shapes it then had.
+# 1. builds (in parallel): AdamW (for its ncu profile), add_mul_act (and a backward shape),
+#    linear_cross_entropy
 # 2. A/B timings with tune_variants.sh, the default beside each candidate, same process order
 # 3. the candidates' GPU tests (TEST_K: a pytest -k filter; TEST_TIMEOUT per file); timings come
 #    first so that a call cut short still brings them back
@@ -21,19 +21,20 @@ source scripts/device_env.sh
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 T=scripts/tune_variants.sh
-ADAMW=(u0b4: u1b4:FUSEFORGE_ADAMW_VARIANT=u1b4 u2b4:FUSEFORGE_ADAMW_VARIANT=u2b4 u2b3:FUSEFORGE_ADAMW_VARIANT=u2b3
-       u4b2:FUSEFORGE_ADAMW_VARIANT=u4b2 u2b2:FUSEFORGE_ADAMW_VARIANT=u2b2)
 R2="-DFUSEFORGE_AMA_BWD_ROWS_32BIT=2 -DFUSEFORGE_AMA_BWD_ROWS_16BIT=2"
 AMA=(default: occupancy:FUSEFORGE_AMA_BWD_GRID=occupancy
-     "r2b3:$R2 -DFUSEFORGE_AMA_BWD_MIN_BLOCKS=3 FUSEFORGE_AMA_BWD_GRID=occupancy"
-     "r2b4:$R2 -DFUSEFORGE_AMA_BWD_MIN_BLOCKS=4 FUSEFORGE_AMA_BWD_GRID=occupancy")
-LCE=(default: exact_target:FUSEFORGE_LCE_EXACT_TARGET=1 merged:-DFUSEFORGE_LCE_MERGED_STATS)
+     "r2b3:$R2 -DFUSEFORGE_AMA_BWD_MIN_BLOCKS=3 FUSEFORGE_AMA_BWD_GRID=occupancy")
+LCE=(default: exact_target:FUSEFORGE_LCE_EXACT_TARGET=1)
 PARTS=${PARTS:-build tests time profile}
 has() { [[ " $PARTS " == *" $1 "* ]]; }
 t0=$(date +%s)
+# The timed variants' JSON/markdown (each records GPU, torch and FUSEFORGE_COMMIT) and the logs, in
+# one archive, also when the call is cut short.
+pack() { (cd /tmp/tune && tar czf "$OUT/tune_results.tgz" logs $(ls -d */res_* 2>/dev/null)) 2>/dev/null; }
+trap pack EXIT
 # Wait on these pids by name: a bare `wait` would also wait for the tee above, which never ends.
 pids=()
-MAX_JOBS=6 BUILD_ONLY=1 BASE_FLAGS=-DFUSEFORGE_ADAMW_TUNING bash $T adamw "${ADAMW[@]}" & pids+=($!)
+MAX_JOBS=4 BUILD_ONLY=1 bash $T adamw default: & pids+=($!)
 MAX_JOBS=6 BUILD_ONLY=1 bash $T add_mul_act "${AMA[@]}" & pids+=($!)
 MAX_JOBS=4 BUILD_ONLY=1 bash $T linear_cross_entropy "${LCE[@]}" & pids+=($!)
 wait "${pids[@]}"
@@ -42,21 +43,16 @@ lib() { ls /tmp/tune/$1/$2/lib/fuseforge/_C*.so; }
 pt() { timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -x -p no:cacheprovider ${TEST_K:+-k "$TEST_K"} "$@" 2>&1 | tail -2; }
 if has time; then
 echo "== timings ($(( $(date +%s) - t0 )) s)"
-CASES=llama1b IMPLS=fuseforge,torch_fused bash $T adamw "${ADAMW[@]}"
 # fuseforge only: the compile baselines are in benchmarks/results/<op>.json (same GPU)
 CASES=16384x8192 bash $T add_mul_act "${AMA[@]}"
 CASES=8192x4096x128256/bf16 bash $T linear_cross_entropy "${LCE[@]}"
 fi
 if has tests; then
-echo "== tests: adamw u2b4 / u4b2"
-FUSEFORGE_ADAMW_VARIANT=u2b4 FUSEFORGE_EXTENSION=$(lib adamw shared) pt tests/python/test_adamw.py
-FUSEFORGE_ADAMW_VARIANT=u4b2 FUSEFORGE_EXTENSION=$(lib adamw shared) pt tests/python/test_adamw.py
 echo "== tests: add_mul_act occupancy grid, and with 2 rows a trip / 3 blocks an SM"
 FUSEFORGE_AMA_BWD_GRID=occupancy FUSEFORGE_EXTENSION=$(lib add_mul_act shared) pt tests/python/test_add_mul_act.py
 FUSEFORGE_AMA_BWD_GRID=occupancy FUSEFORGE_EXTENSION=$(lib add_mul_act r2b3) pt tests/python/test_add_mul_act.py
-echo "== tests: linear_cross_entropy exact target / merged stats"
+echo "== tests: linear_cross_entropy exact target"
 FUSEFORGE_LCE_EXACT_TARGET=1 FUSEFORGE_EXTENSION=$(lib linear_cross_entropy shared) pt tests/python/test_linear_cross_entropy.py
-FUSEFORGE_EXTENSION=$(lib linear_cross_entropy merged) pt tests/python/test_linear_cross_entropy.py
 fi
 if has profile; then
 echo "== lce profile (default build) ($(( $(date +%s) - t0 )) s)"
@@ -72,6 +68,4 @@ echo "== ncu adamw llama1b bf16-master (default shape)"
 FUSEFORGE_EXTENSION=$(lib adamw shared) timeout 150 $NCU --kernel-name regex:adamw_multi \
   python3 scripts/kernel_workload.py adamw llama1b bf16-master 2>&1 | keep 70
 fi
-# the timed variants' JSON/markdown (each records GPU, torch and FUSEFORGE_COMMIT)
-(cd /tmp/tune && ls -d */res_* >/dev/null 2>&1 && tar czf "$OUT/tune_results.tgz" */res_*)
 echo "== probe done in $(( $(date +%s) - t0 )) s"

@@ -49,7 +49,7 @@ int64_t env_or(const char* name, int64_t fallback) {
   return v && *v ? std::max<int64_t>(1, std::atoll(v)) : fallback;
 }
 
-// Candidate, not yet measured on the GPU (docs/notes_linear_cross_entropy.md):
+// Candidate, off by default (docs/notes_linear_cross_entropy.md: speed measured, error not yet):
 // FUSEFORGE_LCE_EXACT_TARGET=1 computes every row's target logit as an exact float32 dot product
 // (one small kernel, N x H reads) and the row kernels use it in place of cuBLAS's for the target.
 bool exact_target_logits() {
