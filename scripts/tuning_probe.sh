@@ -6,7 +6,7 @@
 #   PARTS="tests time" bash scripts/tuning_probe.sh         (a subset: build tests time profile;
 #                                                           every part builds what it lacks first)
 # Measured 2026-11-23 (third session): builds 107 s, "time" ~6 min with the AdamW shapes it then had.
-# 1. builds (in parallel): AdamW (for its ncu profile), add_mul_act (and a backward shape),
+# 1. builds (in parallel): AdamW, add_mul_act (and a backward shape),
 #    linear_cross_entropy
 # 2. A/B timings with tune_variants.sh, the default beside each candidate, same process order
 # 3. the candidates' GPU tests (TEST_K: a pytest -k filter; TEST_TIMEOUT per file); timings come
@@ -25,6 +25,7 @@ R2="-DFUSEFORGE_AMA_BWD_ROWS_32BIT=2 -DFUSEFORGE_AMA_BWD_ROWS_16BIT=2"
 AMA=(default: occupancy:FUSEFORGE_AMA_BWD_GRID=occupancy
      "r2b3:$R2 -DFUSEFORGE_AMA_BWD_MIN_BLOCKS=3 FUSEFORGE_AMA_BWD_GRID=occupancy")
 LCE=(default: exact_target:FUSEFORGE_LCE_EXACT_TARGET=1)
+ADAMW=(c64k: c128k:FUSEFORGE_ADAMW_CHUNK_ELEMS=131072 c256k:FUSEFORGE_ADAMW_CHUNK_ELEMS=262144)
 PARTS=${PARTS:-build tests time profile}
 has() { [[ " $PARTS " == *" $1 "* ]]; }
 t0=$(date +%s)
@@ -34,7 +35,7 @@ pack() { (cd /tmp/tune && tar czf "$OUT/tune_results.tgz" logs $(ls -d */res_* 2
 trap pack EXIT
 # Wait on these pids by name: a bare `wait` would also wait for the tee above, which never ends.
 pids=()
-MAX_JOBS=4 BUILD_ONLY=1 bash $T adamw default: & pids+=($!)
+MAX_JOBS=4 BUILD_ONLY=1 bash $T adamw "${ADAMW[@]}" & pids+=($!)
 MAX_JOBS=6 BUILD_ONLY=1 bash $T add_mul_act "${AMA[@]}" & pids+=($!)
 MAX_JOBS=4 BUILD_ONLY=1 bash $T linear_cross_entropy "${LCE[@]}" & pids+=($!)
 wait "${pids[@]}"
@@ -43,6 +44,7 @@ lib() { ls /tmp/tune/$1/$2/lib/fuseforge/_C*.so; }
 pt() { timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -x -p no:cacheprovider ${TEST_K:+-k "$TEST_K"} "$@" 2>&1 | tail -2; }
 if has time; then
 echo "== timings ($(( $(date +%s) - t0 )) s)"
+CASES=llama1b IMPLS=fuseforge,torch_fused bash $T adamw "${ADAMW[@]}"
 # fuseforge only: the compile baselines are in benchmarks/results/<op>.json (same GPU)
 CASES=16384x8192 bash $T add_mul_act "${AMA[@]}"
 CASES=8192x4096x128256/bf16 bash $T linear_cross_entropy "${LCE[@]}"
@@ -51,6 +53,8 @@ if has tests; then
 echo "== tests: add_mul_act occupancy grid, and with 2 rows a trip / 3 blocks an SM"
 FUSEFORGE_AMA_BWD_GRID=occupancy FUSEFORGE_EXTENSION=$(lib add_mul_act shared) pt tests/python/test_add_mul_act.py
 FUSEFORGE_AMA_BWD_GRID=occupancy FUSEFORGE_EXTENSION=$(lib add_mul_act r2b3) pt tests/python/test_add_mul_act.py
+echo "== tests: adamw with 256K-element chunks"
+FUSEFORGE_ADAMW_CHUNK_ELEMS=262144 FUSEFORGE_EXTENSION=$(lib adamw shared) pt tests/python/test_adamw.py
 echo "== tests: linear_cross_entropy exact target"
 FUSEFORGE_LCE_EXACT_TARGET=1 FUSEFORGE_EXTENSION=$(lib linear_cross_entropy shared) pt tests/python/test_linear_cross_entropy.py
 fi
@@ -64,7 +68,7 @@ for a in "fp32 relu" "fp32 gelu" "bf16 relu"; do
   FUSEFORGE_EXTENSION=$(lib add_mul_act shared) timeout 90 $NCU --kernel-name regex:backward_kernel \
     python3 scripts/kernel_workload.py add_mul_act 16384x8192 $a 2>&1 | keep 70
 done
-echo "== ncu adamw llama1b bf16-master (default shape)"
+echo "== ncu adamw llama1b bf16-master (default)"
 FUSEFORGE_EXTENSION=$(lib adamw shared) timeout 150 $NCU --kernel-name regex:adamw_multi \
   python3 scripts/kernel_workload.py adamw llama1b bf16-master 2>&1 | keep 70
 fi

@@ -11,8 +11,22 @@
 #include <unordered_map>
 
 #include "adamw/adamw_math.h"
+#include "common/env.h"
 
 namespace fuseforge::adamw {
+
+// Elements a CUDA block updates (one chunk of a tensor). Development knob FUSEFORGE_ADAMW_CHUNK_ELEMS
+// (docs/notes_adamw.md, "Candidates"): larger chunks spread each block's fixed start (table reads,
+// bias corrections, step bookkeeping) over more elements. Read once per process.
+static int64_t chunk_elems_setting() {
+  static const int64_t chunk = [] {
+    const int64_t c = env_positive_int("FUSEFORGE_ADAMW_CHUNK_ELEMS", kDefaultChunkElems);
+    TORCH_CHECK(c % 8 == 0, "FUSEFORGE_ADAMW_CHUNK_ELEMS: expected a multiple of 8 (chunk starts stay 16-byte "
+                "aligned), got ", c);
+    return c;
+  }();
+  return chunk;
+}
 
 // ---- checks -------------------------------------------------------------------------------------
 
@@ -245,7 +259,9 @@ void Handle::rebuild_table() {
     table_.push_back(m);
     numels.push_back(m.numel);
   }
-  plan_ = plan_blocks(numels);
+  PlanOptions options;
+  options.chunk_elems = chunk_elems_setting();
+  plan_ = plan_blocks(numels, options);
   for (size_t e = 0; e < table_.size(); ++e) table_[e].num_chunks = plan_.num_chunks[e];
 }
 
@@ -322,6 +338,7 @@ int64_t Handle::step(const std::vector<double>& hypers, const std::vector<std::o
   work.grad_scale = optional_ptr(grad_scale);
   work.found_inf = optional_ptr(found_inf);
   work.device = device_;
+  work.chunk_elems = chunk_elems_setting();
   backend(cache_, work);
   table_dirty_ = false;
   if (!relaid_.empty()) {

@@ -4,13 +4,12 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include <cstdlib>
-#include <string>
 
 #include "add_mul_act/add_mul_act_launch.h"
 #include "add_mul_act/add_mul_act_ops.h"
 #include "common/checks.h"
 #include "common/dispatch.h"
+#include "common/env.h"
 #include "common/vec.cuh"
 
 namespace fuseforge::add_mul_act {
@@ -21,10 +20,7 @@ bool aligned16(const void* p) { return p == nullptr || is_aligned(p, 16); }
 // Development knob (add_mul_act_launch.h): FUSEFORGE_AMA_BWD_GRID=occupancy plans the backward's
 // grid from the kernel's measured occupancy instead of kAssumedResidentBlocks.
 bool backward_grid_from_occupancy() {
-  static const bool on = [] {
-    const char* v = std::getenv("FUSEFORGE_AMA_BWD_GRID");
-    return v != nullptr && std::string(v) == "occupancy";
-  }();
+  static const bool on = env_string("FUSEFORGE_AMA_BWD_GRID") == "occupancy";
   return on;
 }
 

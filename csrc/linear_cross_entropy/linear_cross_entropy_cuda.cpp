@@ -21,11 +21,11 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cstdlib>
 
 #include "common/checks.h"
 #include "common/cuda_utils.h"
 #include "common/dispatch.h"
+#include "common/env.h"
 #include "linear_cross_entropy/linear_cross_entropy.h"
 #include "linear_cross_entropy/linear_cross_entropy_launch.h"
 
@@ -43,17 +43,14 @@ struct Plan {
   bool fp32_weight_acc = false;
 };
 
-// Development knobs (benchmarking the chunk plan): FUSEFORGE_LCE_SUB_ROWS, FUSEFORGE_LCE_WORKSPACE_MIB.
-int64_t env_or(const char* name, int64_t fallback) {
-  const char* v = std::getenv(name);
-  return v && *v ? std::max<int64_t>(1, std::atoll(v)) : fallback;
-}
+// Development knobs (benchmarking the chunk plan, common/env.h): FUSEFORGE_LCE_SUB_ROWS,
+// FUSEFORGE_LCE_WORKSPACE_MIB.
 
 // Candidate, off by default (docs/notes_linear_cross_entropy.md: speed measured, error not yet):
 // FUSEFORGE_LCE_EXACT_TARGET=1 computes every row's target logit as an exact float32 dot product
 // (one small kernel, N x H reads) and the row kernels use it in place of cuBLAS's for the target.
 bool exact_target_logits() {
-  static const bool on = env_or("FUSEFORGE_LCE_EXACT_TARGET", 0) == 1;
+  static const bool on = env_string("FUSEFORGE_LCE_EXACT_TARGET") == "1";
   return on;
 }
 
@@ -70,8 +67,8 @@ at::Tensor target_logits(const Problem& p) {
 Plan plan_rows(const Problem& p, bool want_weight_grad) {
   Plan plan;
   const int64_t esize = p.x2d.element_size();
-  const int64_t budget = env_or("FUSEFORGE_LCE_WORKSPACE_MIB", kWorkspaceBudget >> 20) << 20;
-  plan.sub_rows = std::min<int64_t>(env_or("FUSEFORGE_LCE_SUB_ROWS", p.vocab > 196608 ? 256 : 512),
+  const int64_t budget = env_positive_int("FUSEFORGE_LCE_WORKSPACE_MIB", kWorkspaceBudget >> 20) << 20;
+  plan.sub_rows = std::min<int64_t>(env_positive_int("FUSEFORGE_LCE_SUB_ROWS", p.vocab > 196608 ? 256 : 512),
                                     std::max<int64_t>(p.rows, 1));
   const int64_t staging = 4 * plan.sub_rows * p.vocab;
   int64_t s = (budget - staging) / (esize * p.vocab);

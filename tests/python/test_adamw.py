@@ -445,6 +445,48 @@ def test_errors():
         opt.step()
 
 
+# The FUSEFORGE_ADAMW_CHUNK_ELEMS development knob is read once per process: run it in a child.
+CHUNK_KNOB_SCRIPT = """
+import sys, torch, fuseforge
+from fuseforge.optim import AdamW
+device = sys.argv[1]
+g = torch.Generator().manual_seed(0)
+shapes = [(37,), (300,), (0,), (5, 3), (1000,)]
+ours = [torch.nn.Parameter(torch.randn(s, generator=g).to(device)) for s in shapes]
+ref = [torch.nn.Parameter(p.detach().cpu().double().clone()) for p in ours]
+opt, ref_opt = AdamW(ours, lr=1e-2), torch.optim.AdamW(ref, lr=1e-2, foreach=False)
+for _ in range(5):
+    for p, q in zip(ours, ref):
+        q.grad = torch.randn(p.shape, generator=g, dtype=torch.float64)
+        p.grad = q.grad.to(device=device, dtype=p.dtype)
+    opt.step()
+    ref_opt.step()
+err = max(float((p.detach().cpu().double() - q.detach()).norm() / q.detach().norm()) for p, q in zip(ours, ref) if p.numel())
+print(err)
+"""
+
+
+def run_with_chunk_knob(value, device):
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, FUSEFORGE_ADAMW_CHUNK_ELEMS=value,
+               PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    return subprocess.run([sys.executable, "-c", CHUNK_KNOB_SCRIPT, device], env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_chunk_elems_knob(device):
+    # 24-element chunks: every tensor but the smallest spans several blocks, partial last chunks.
+    r = run_with_chunk_knob("24", device)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert float(r.stdout.split()[-1]) <= 1e-6
+    for bad, what in [("12", "multiple of 8"), ("-8", "positive integer"), ("lots", "positive integer")]:
+        r = run_with_chunk_knob(bad, device)
+        assert r.returncode != 0 and "FUSEFORGE_ADAMW_CHUNK_ELEMS" in r.stderr and what in r.stderr, (bad, r.stderr[-800:])
+
+
 @requires_cuda
 def test_error_several_devices_in_one_group():
     with pytest.raises(ValueError, match="one device"):
