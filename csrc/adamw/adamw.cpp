@@ -338,7 +338,6 @@ int64_t Handle::step(const std::vector<double>& hypers, const std::vector<std::o
   work.grad_scale = optional_ptr(grad_scale);
   work.found_inf = optional_ptr(found_inf);
   work.device = device_;
-  work.chunk_elems = chunk_elems_setting();
   backend(cache_, work);
   table_dirty_ = false;
   if (!relaid_.empty()) {
@@ -552,12 +551,12 @@ void cpu_step(std::shared_ptr<BackendCache>& /*cache*/, const StepWork& work) {
       const TensorMeta& t = table[w.tensor];
       const GroupHyper& h = groups[t.group];
       switch (static_cast<ParamDtype>(t.dtype)) {
-        case ParamDtype::kFloat: cpu_block<float, float>(t, h, grad, w.chunk, work.chunk_elems, work.grad_scale); break;
-        case ParamDtype::kHalf: cpu_block<at::Half, float>(t, h, grad, w.chunk, work.chunk_elems, work.grad_scale); break;
+        case ParamDtype::kFloat: cpu_block<float, float>(t, h, grad, w.chunk, work.plan->chunk_elems, work.grad_scale); break;
+        case ParamDtype::kHalf: cpu_block<at::Half, float>(t, h, grad, w.chunk, work.plan->chunk_elems, work.grad_scale); break;
         case ParamDtype::kBFloat16:
-          cpu_block<at::BFloat16, float>(t, h, grad, w.chunk, work.chunk_elems, work.grad_scale);
+          cpu_block<at::BFloat16, float>(t, h, grad, w.chunk, work.plan->chunk_elems, work.grad_scale);
           break;
-        case ParamDtype::kDouble: cpu_block<double, double>(t, h, grad, w.chunk, work.chunk_elems, work.grad_scale); break;
+        case ParamDtype::kDouble: cpu_block<double, double>(t, h, grad, w.chunk, work.plan->chunk_elems, work.grad_scale); break;
       }
     }
   });

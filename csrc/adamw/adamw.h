@@ -35,7 +35,6 @@ struct StepWork {
   const std::vector<const void*>* grads = nullptr;  // per table entry; nullptr = no grad this step
   const float* grad_scale = nullptr;      // device (or host, CPU backend) values
   const float* found_inf = nullptr;
-  int64_t chunk_elems = kDefaultChunkElems;
   at::Device device = at::kCPU;
 };
 

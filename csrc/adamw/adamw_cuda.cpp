@@ -80,7 +80,7 @@ void cuda_step(std::shared_ptr<BackendCache>& cache_ptr, const StepWork& work) {
   args.done = c.done.mutable_data_ptr<int32_t>();
   args.grad_scale = work.grad_scale;
   args.found_inf = work.found_inf;
-  args.chunk_elems = work.chunk_elems;
+  args.chunk_elems = work.plan->chunk_elems;
   for (const LaunchRange& r : plan.launches) {
     args.first_block = r.first_block;
     launch_update(args, r.num_blocks);

@@ -18,6 +18,7 @@ BlockPlan plan_blocks(const std::vector<int64_t>& numels, const PlanOptions& opt
   if (numels.size() > static_cast<size_t>(std::numeric_limits<int32_t>::max()))
     throw std::invalid_argument("too many tensors for int32 indices");
   BlockPlan plan;
+  plan.chunk_elems = options.chunk_elems;
   plan.num_chunks.resize(numels.size());
   int64_t total = 0;
   for (size_t t = 0; t < numels.size(); ++t) {

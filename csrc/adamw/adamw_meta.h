@@ -73,6 +73,7 @@ struct LaunchRange {
 };
 
 struct BlockPlan {
+  int64_t chunk_elems = 0;          // the chunk size the blocks were cut with
   std::vector<BlockWork> blocks;
   std::vector<int32_t> num_chunks;  // per tensor
   std::vector<LaunchRange> launches;

@@ -4,7 +4,6 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-
 #include "add_mul_act/add_mul_act_launch.h"
 #include "add_mul_act/add_mul_act_ops.h"
 #include "common/checks.h"

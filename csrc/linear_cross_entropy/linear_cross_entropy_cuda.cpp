@@ -43,9 +43,6 @@ struct Plan {
   bool fp32_weight_acc = false;
 };
 
-// Development knobs (benchmarking the chunk plan, common/env.h): FUSEFORGE_LCE_SUB_ROWS,
-// FUSEFORGE_LCE_WORKSPACE_MIB.
-
 // Candidate, off by default (docs/notes_linear_cross_entropy.md: speed measured, error not yet):
 // FUSEFORGE_LCE_EXACT_TARGET=1 computes every row's target logit as an exact float32 dot product
 // (one small kernel, N x H reads) and the row kernels use it in place of cuBLAS's for the target.
@@ -64,6 +61,8 @@ at::Tensor target_logits(const Problem& p) {
   return out;
 }
 
+// Development knobs (benchmarking the chunk plan, common/env.h): FUSEFORGE_LCE_SUB_ROWS,
+// FUSEFORGE_LCE_WORKSPACE_MIB.
 Plan plan_rows(const Problem& p, bool want_weight_grad) {
   Plan plan;
   const int64_t esize = p.x2d.element_size();

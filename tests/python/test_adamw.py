@@ -1,6 +1,9 @@
 """fuseforge.optim.AdamW: the multi-tensor fused AdamW against torch.optim.AdamW and float64."""
 import copy
 import io
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -467,9 +470,6 @@ print(err)
 
 
 def run_with_chunk_knob(value, device):
-    import os
-    import subprocess
-    import sys
     env = dict(os.environ, FUSEFORGE_ADAMW_CHUNK_ELEMS=value,
                PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     return subprocess.run([sys.executable, "-c", CHUNK_KNOB_SCRIPT, device], env=env, capture_output=True,
