@@ -23,6 +23,13 @@ bool backward_grid_from_occupancy() {
   return on;
 }
 
+// Development knob: FUSEFORGE_AMA_BWD_ROWS_PER_BLOCK=N gives each backward block N rows (more,
+// shorter blocks and more bias partials than the one-wave plan).
+int64_t backward_rows_per_block() {
+  static const int64_t rows = env_positive_int("FUSEFORGE_AMA_BWD_ROWS_PER_BLOCK", 0);
+  return rows;
+}
+
 template <typename T>
 void forward_cuda(const ForwardArgs& a, double alpha, at::Tensor& out, at::Tensor* saved) {
   ForwardParams<T> p{};
@@ -64,7 +71,7 @@ void backward_cuda(const BackwardArgs& a, double alpha, Gradients& g) {
   const bool reduce_bias = g.grad_bias.numel() > 0;
   const int resident =
       backward_grid_from_occupancy() ? backward_resident_blocks<T>(a.act, vec) : kAssumedResidentBlocks;
-  const LaunchPlan plan = plan_launch(a.shape, reduce_bias, resident);
+  const LaunchPlan plan = plan_launch(a.shape, reduce_bias, resident, backward_rows_per_block());
   at::Tensor partials;
   if (reduce_bias) {
     partials = at::empty({static_cast<int64_t>(plan.grid.y), a.shape.cols}, a.grad_out.options().dtype(at::kFloat));

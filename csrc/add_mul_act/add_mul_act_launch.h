@@ -51,7 +51,10 @@ struct LaunchPlan {
 };
 constexpr int kAssumedResidentBlocks = 8;
 
-inline LaunchPlan plan_launch(const Shape2d& s, bool reduce_bias, int resident_blocks_per_sm = kAssumedResidentBlocks) {
+// rows_per_block > 0 overrides the plan's rows a block (a development knob of the backward, rounded
+// up to whole trips of the row loop).
+inline LaunchPlan plan_launch(const Shape2d& s, bool reduce_bias, int resident_blocks_per_sm = kAssumedResidentBlocks,
+                              int64_t rows_per_block_override = 0) {
   LaunchPlan plan;
   const int64_t groups = ceil_div(s.cols, kGroup);
   int tx = 1;
@@ -65,6 +68,7 @@ inline LaunchPlan plan_launch(const Shape2d& s, bool reduce_bias, int resident_b
     const int64_t target_y = std::max<int64_t>(1, int64_t{resident_blocks_per_sm} * num_sms() / grid_x);
     rows_per_block = std::max(rows_per_block, ceil_div(s.rows, target_y));
   }
+  if (rows_per_block_override > 0) rows_per_block = rows_per_block_override;
   rows_per_block = std::max(rows_per_block, ceil_div(s.rows, 65535));  // gridDim.y limit
   rows_per_block = ceil_div(rows_per_block, row_step) * row_step;
   plan.block = dim3(tx, ty);
