@@ -3,7 +3,7 @@
 # default, and the profiles that say where the remaining time goes. Written on 2026-11-23 when no
 # device could be had; the candidates' notes are in docs/notes_<op>.md ("Candidates").
 #   FUSEFORGE_COMMIT=<sha> bash scripts/tuning_probe.sh      (output in $OUT/probe.log)
-#   PARTS="tests time" bash scripts/tuning_probe.sh         (a subset: build tests time profile;
+#   PARTS="tests time" bash scripts/tuning_probe.sh         (a subset: build tests time profile e2e lce;
 #                                                           every part builds what it lacks first)
 # Measured 2026-11-23 (third session): builds 107 s, "time" ~6 min with the AdamW shapes it then had.
 # 1. builds (in parallel): AdamW, add_mul_act (and a backward shape),
@@ -21,12 +21,11 @@ source scripts/device_env.sh
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 T=scripts/tune_variants.sh
-AMA=(default: rpb8:FUSEFORGE_AMA_BWD_ROWS_PER_BLOCK=8 rpb16:FUSEFORGE_AMA_BWD_ROWS_PER_BLOCK=16
-     rpb32:FUSEFORGE_AMA_BWD_ROWS_PER_BLOCK=32)
+AMA=(default: cap1:FUSEFORGE_AMA_BWD_BLOCKS_PER_SM=1 cap2:FUSEFORGE_AMA_BWD_BLOCKS_PER_SM=2
+     prefetch:-DFUSEFORGE_AMA_BWD_PREFETCH=1 streaming:-DFUSEFORGE_AMA_STREAMING_STORES=1)
 LCE=(default:)
-ADAMW=(c64k: c128k:FUSEFORGE_ADAMW_CHUNK_ELEMS=131072 c256k:FUSEFORGE_ADAMW_CHUNK_ELEMS=262144
-       c512k:FUSEFORGE_ADAMW_CHUNK_ELEMS=524288)
-PARTS=${PARTS:-build tests time profile}
+ADAMW=(c64k: c32k:FUSEFORGE_ADAMW_CHUNK_ELEMS=32768 c16k:FUSEFORGE_ADAMW_CHUNK_ELEMS=16384)
+PARTS=${PARTS:-build tests time profile e2e lce}
 has() { [[ " $PARTS " == *" $1 "* ]]; }
 t0=$(date +%s)
 # The timed variants' JSON/markdown (each records GPU, torch and FUSEFORGE_COMMIT) and the logs, in
@@ -37,7 +36,9 @@ trap pack EXIT
 pids=()
 MAX_JOBS=4 BUILD_ONLY=1 bash $T adamw "${ADAMW[@]}" & pids+=($!)
 MAX_JOBS=6 BUILD_ONLY=1 bash $T add_mul_act "${AMA[@]}" & pids+=($!)
-MAX_JOBS=4 BUILD_ONLY=1 bash $T linear_cross_entropy "${LCE[@]}" & pids+=($!)
+has lce && { MAX_JOBS=4 BUILD_ONLY=1 bash $T linear_cross_entropy "${LCE[@]}" & pids+=($!); }
+# every op in place, for the end-to-end profile
+has e2e && { MAX_JOBS=8 python3 setup.py -q build_ext --inplace > /tmp/tune/logs/build_all.log 2>&1 & pids+=($!); }
 wait "${pids[@]}"
 echo "== builds: $(( $(date +%s) - t0 )) s"
 lib() { ls /tmp/tune/$1/$2/lib/fuseforge/_C*.so; }
@@ -49,26 +50,27 @@ CASES=llama1b IMPLS=fuseforge,torch_fused bash $T adamw "${ADAMW[@]}"
 CASES=16384x8192 bash $T add_mul_act "${AMA[@]}"
 fi
 if has tests; then
-echo "== tests: add_mul_act backward with 16-row blocks"
-FUSEFORGE_AMA_BWD_ROWS_PER_BLOCK=16 FUSEFORGE_EXTENSION=$(lib add_mul_act shared) pt tests/python/test_add_mul_act.py
-echo "== tests: adamw with 256K-element chunks"
-FUSEFORGE_ADAMW_CHUNK_ELEMS=262144 FUSEFORGE_EXTENSION=$(lib adamw shared) pt tests/python/test_adamw.py
+echo "== tests: add_mul_act backward prefetching the next trip"
+FUSEFORGE_EXTENSION=$(lib add_mul_act prefetch) pt tests/python/test_add_mul_act.py
 fi
-if has profile; then
+if has e2e; then
+echo "== e2e profile ($(( $(date +%s) - t0 )) s)"
+timeout 200 python3 scripts/e2e_profile.py --impls eager,fuseforge --batch 6 2>&1 | grep -v Warning
+fi
+if has lce; then
 echo "== lce profile (default build) ($(( $(date +%s) - t0 )) s)"
 FUSEFORGE_EXTENSION=$(lib linear_cross_entropy shared) timeout 120 python3 scripts/lce_profile.py --quick 2>&1 | tail -32
+fi
+if has profile; then
 NCU="ncu --launch-skip 2 --launch-count 1 --section SpeedOfLight --section WarpStateStats --section LaunchStats --section Occupancy --section MemoryWorkloadAnalysis"
 keep() { grep -vE "^==PROF==|^\s*$|^\s*-+\s*$" | tail -"$1"; }
-for a in "fp32 relu" "fp32 gelu" "bf16 relu"; do
-  echo "== ncu add_mul_act backward $a"
-  FUSEFORGE_EXTENSION=$(lib add_mul_act shared) timeout 90 $NCU --kernel-name regex:backward_kernel \
-    python3 scripts/kernel_workload.py add_mul_act 16384x8192 $a 2>&1 | keep 100
+for v in shared prefetch; do
+  echo "== ncu add_mul_act backward fp32 relu ($v)"
+  FUSEFORGE_EXTENSION=$(lib add_mul_act $v) timeout 90 $NCU --kernel-name regex:backward_kernel \
+    python3 scripts/kernel_workload.py add_mul_act 16384x8192 fp32 relu 2>&1 | keep 100
 done
-echo "== ncu add_mul_act forward fp32 relu (at the copy ceiling: the backward's yardstick)"
+echo "== ncu add_mul_act training forward fp32 gelu (writes out and z)"
 FUSEFORGE_EXTENSION=$(lib add_mul_act shared) timeout 90 $NCU --kernel-name regex:forward_kernel \
-  python3 scripts/kernel_workload.py add_mul_act 16384x8192 fp32 relu 2>&1 | keep 100
-echo "== ncu adamw llama1b bf16-master (default)"
-FUSEFORGE_EXTENSION=$(lib adamw shared) timeout 150 $NCU --kernel-name regex:adamw_multi \
-  python3 scripts/kernel_workload.py adamw llama1b bf16-master 2>&1 | keep 70
+  python3 scripts/kernel_workload.py add_mul_act 16384x8192 fp32 gelu 2>&1 | keep 100
 fi
 echo "== probe done in $(( $(date +%s) - t0 )) s"

@@ -13,7 +13,7 @@ void launch_backward(BackwardParams<T> params, Activation act, const LaunchPlan&
   params.rows_per_block = plan.rows_per_block;
   FUSEFORGE_ACTIVATION_SWITCH(act, kAct, [&] {
     FUSEFORGE_BOOL_SWITCH(vectorized, kVec, [&] {
-      launch_kernel(backward_kernel<T, kAct, kVec>, plan.grid, plan.block, 0, params);
+      launch_kernel(backward_kernel<T, kAct, kVec>, plan.grid, plan.block, plan.smem_bytes, params);
     });
   });
   if (params.bias_partials != nullptr && plan.grid.y > 0) {

@@ -30,6 +30,20 @@ int64_t backward_rows_per_block() {
   return rows;
 }
 
+// Development knob: FUSEFORGE_AMA_BWD_BLOCKS_PER_SM=N caps the backward at N resident blocks an SM
+// by giving each block dynamic shared memory it does not use (fewer warps queueing stores).
+size_t backward_occupancy_cap_smem() {
+  static const size_t bytes = [] {
+    const int64_t blocks = env_positive_int("FUSEFORGE_AMA_BWD_BLOCKS_PER_SM", 0);
+    if (blocks == 0) return size_t{0};
+    const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
+    // N blocks fit and N + 1 do not, counting the kernel's 8 KB static and 1 KB reserved per block.
+    const int64_t per_block = static_cast<int64_t>(prop->sharedMemPerMultiprocessor) / (blocks + 1) + 1;
+    return static_cast<size_t>(std::max<int64_t>(0, per_block - 9 * 1024));
+  }();
+  return bytes;
+}
+
 template <typename T>
 void forward_cuda(const ForwardArgs& a, double alpha, at::Tensor& out, at::Tensor* saved) {
   ForwardParams<T> p{};
@@ -71,7 +85,8 @@ void backward_cuda(const BackwardArgs& a, double alpha, Gradients& g) {
   const bool reduce_bias = g.grad_bias.numel() > 0;
   const int resident =
       backward_grid_from_occupancy() ? backward_resident_blocks<T>(a.act, vec) : kAssumedResidentBlocks;
-  const LaunchPlan plan = plan_launch(a.shape, reduce_bias, resident, backward_rows_per_block());
+  LaunchPlan plan = plan_launch(a.shape, reduce_bias, resident, backward_rows_per_block());
+  plan.smem_bytes = backward_occupancy_cap_smem();
   at::Tensor partials;
   if (reduce_bias) {
     partials = at::empty({static_cast<int64_t>(plan.grid.y), a.shape.cols}, a.grad_out.options().dtype(at::kFloat));

@@ -38,6 +38,15 @@ namespace fuseforge::add_mul_act {
 #ifndef FUSEFORGE_AMA_BWD_MIN_BLOCKS
 #define FUSEFORGE_AMA_BWD_MIN_BLOCKS FUSEFORGE_AMA_MIN_BLOCKS
 #endif
+// Candidates for the backward's write-heavy traffic (1 read, 2 writes): FUSEFORGE_AMA_BWD_PREFETCH
+// loads the next trip before storing this one; FUSEFORGE_AMA_STREAMING_STORES stores with
+// st.global.cs (evict-first). Off by default (docs/notes_add_mul_act.md).
+#ifndef FUSEFORGE_AMA_BWD_PREFETCH
+#define FUSEFORGE_AMA_BWD_PREFETCH 0
+#endif
+#ifndef FUSEFORGE_AMA_STREAMING_STORES
+#define FUSEFORGE_AMA_STREAMING_STORES 0
+#endif
 template <typename T>
 constexpr int rows_unroll() { return sizeof(T) >= 4 ? FUSEFORGE_AMA_ROWS_32BIT : FUSEFORGE_AMA_ROWS_16BIT; }
 template <typename T>
@@ -75,8 +84,13 @@ __device__ __forceinline__ void store_group(T* p, int n, const float (&v)[kGroup
   for (int j = 0; j < kGroup; ++j) g[j] = static_cast<T>(v[j]);
   if constexpr (kVec) {
 #pragma unroll
-    for (int k = 0; k < kGroup / Group<T>::kPerVec; ++k)
+    for (int k = 0; k < kGroup / Group<T>::kPerVec; ++k) {
+#if FUSEFORGE_AMA_STREAMING_STORES
+      __stcs(reinterpret_cast<uint4*>(p + k * Group<T>::kPerVec), *reinterpret_cast<const uint4*>(&g.vec[k]));
+#else
       store_vector<T, Group<T>::kPerVec>(p + k * Group<T>::kPerVec, g.vec[k]);
+#endif
+    }
   } else {
 #pragma unroll
     for (int j = 0; j < kGroup; ++j)
@@ -130,6 +144,14 @@ __global__ void __launch_bounds__(kThreads, FUSEFORGE_AMA_MIN_BLOCKS) forward_ke
   }
 }
 
+// The backward's loads of one trip of the row loop (z for every activation but relu, which reads
+// mask bytes; the unused member is optimised away).
+template <typename T, int kUnroll>
+struct BackwardTrip {
+  Group<T> grad[kUnroll], z[kUnroll];
+  uint32_t mask[kUnroll];
+};
+
 template <typename T, Activation A, bool kVec>
 __global__ void __launch_bounds__(kThreads, FUSEFORGE_AMA_BWD_MIN_BLOCKS) backward_kernel(const BackwardParams<T> p) {
   constexpr int kUnroll = backward_rows_unroll<T>();
@@ -141,49 +163,73 @@ __global__ void __launch_bounds__(kThreads, FUSEFORGE_AMA_BWD_MIN_BLOCKS) backwa
   const int64_t col0 = group * kGroup;
   const int n = active ? static_cast<int>(min(static_cast<int64_t>(kGroup), p.cols - col0)) : 0;
   float acc[kGroup] = {};
-  if (active) {
-    const int64_t row_begin = static_cast<int64_t>(blockIdx.y) * p.rows_per_block;
-    const int64_t row_end = min(p.rows, row_begin + p.rows_per_block);
-    for (int64_t r = row_begin + threadIdx.y; r < row_end; r += static_cast<int64_t>(blockDim.y) * kUnroll) {
-      Group<T> gg[kUnroll], zg[kUnroll];
-      uint32_t mask_bits[kUnroll];
+  // One trip of the row loop: kUnroll rows' loads (all issued before any is used), then their
+  // math, bias sums and stores.
+  auto load_trip = [&](int64_t r, int64_t row_end, BackwardTrip<T, kUnroll>& t) {
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t row = r + static_cast<int64_t>(u) * blockDim.y;
-        if (row < row_end) {
-          load_group<T, kVec>(p.grad_out + row * p.cols + col0, n, gg[u]);
-          if constexpr (saves_mask(A)) {
-            mask_bits[u] = p.saved_mask[row * p.groups_per_row + group];
-          } else {
-            load_group<T, kVec>(p.saved_z + row * p.cols + col0, n, zg[u]);
-          }
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t row = r + static_cast<int64_t>(u) * blockDim.y;
-        if (row >= row_end) break;
-        float gx[kGroup];
-#pragma unroll
-        for (int j = 0; j < kGroup; ++j) {
-          float d;
-          if constexpr (saves_mask(A)) {
-            d = static_cast<float>((mask_bits[u] >> j) & 1u);
-          } else {
-            d = Act<A>::derivative(static_cast<float>(zg[u][j]));
-          }
-          gx[j] = static_cast<float>(gg[u][j]) * d;
-          acc[j] += gx[j];
-        }
-        const int64_t offset = row * p.cols + col0;
-        store_group<T, kVec>(p.grad_x + offset, n, gx);
-        if (p.grad_y) {
-#pragma unroll
-          for (int j = 0; j < kGroup; ++j) gx[j] *= p.alpha;
-          store_group<T, kVec>(p.grad_y + offset, n, gx);
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t row = r + static_cast<int64_t>(u) * blockDim.y;
+      if (row < row_end) {
+        load_group<T, kVec>(p.grad_out + row * p.cols + col0, n, t.grad[u]);
+        if constexpr (saves_mask(A)) {
+          t.mask[u] = p.saved_mask[row * p.groups_per_row + group];
+        } else {
+          load_group<T, kVec>(p.saved_z + row * p.cols + col0, n, t.z[u]);
         }
       }
     }
+  };
+  auto finish_trip = [&](int64_t r, int64_t row_end, const BackwardTrip<T, kUnroll>& t) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t row = r + static_cast<int64_t>(u) * blockDim.y;
+      if (row >= row_end) break;
+      float gx[kGroup];
+#pragma unroll
+      for (int j = 0; j < kGroup; ++j) {
+        float d;
+        if constexpr (saves_mask(A)) {
+          d = static_cast<float>((t.mask[u] >> j) & 1u);
+        } else {
+          d = Act<A>::derivative(static_cast<float>(t.z[u][j]));
+        }
+        gx[j] = static_cast<float>(t.grad[u][j]) * d;
+        acc[j] += gx[j];
+      }
+      const int64_t offset = row * p.cols + col0;
+      store_group<T, kVec>(p.grad_x + offset, n, gx);
+      if (p.grad_y) {
+#pragma unroll
+        for (int j = 0; j < kGroup; ++j) gx[j] *= p.alpha;
+        store_group<T, kVec>(p.grad_y + offset, n, gx);
+      }
+    }
+  };
+  if (active) {
+    const int64_t row_begin = static_cast<int64_t>(blockIdx.y) * p.rows_per_block;
+    const int64_t row_end = min(p.rows, row_begin + p.rows_per_block);
+    const int64_t step = static_cast<int64_t>(blockDim.y) * kUnroll;
+#if FUSEFORGE_AMA_BWD_PREFETCH
+    // The next trip's loads are issued before this trip's stores, so they do not queue behind them.
+    BackwardTrip<T, kUnroll> a, b;
+    int64_t r = row_begin + threadIdx.y;
+    if (r < row_end) load_trip(r, row_end, a);
+    while (r < row_end) {
+      if (r + step < row_end) load_trip(r + step, row_end, b);
+      finish_trip(r, row_end, a);
+      r += step;
+      if (r >= row_end) break;
+      if (r + step < row_end) load_trip(r + step, row_end, a);
+      finish_trip(r, row_end, b);
+      r += step;
+    }
+#else
+    for (int64_t r = row_begin + threadIdx.y; r < row_end; r += step) {
+      BackwardTrip<T, kUnroll> t;
+      load_trip(r, row_end, t);
+      finish_trip(r, row_end, t);
+    }
+#endif
   }
   if (p.bias_partials == nullptr) return;  // uniform over the grid
   const int tid = threadIdx.y * blockDim.x + threadIdx.x;

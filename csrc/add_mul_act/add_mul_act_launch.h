@@ -48,6 +48,7 @@ struct BackwardParams {
 struct LaunchPlan {
   dim3 grid, block;
   int64_t rows_per_block = 0;
+  size_t smem_bytes = 0;  // dynamic shared memory (only to cap the blocks an SM, a development knob)
 };
 constexpr int kAssumedResidentBlocks = 8;
 
