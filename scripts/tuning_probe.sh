@@ -21,13 +21,15 @@ source scripts/device_env.sh
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 T=scripts/tune_variants.sh
-AMA=(default: cap1:FUSEFORGE_AMA_BWD_BLOCKS_PER_SM=1 cap2:FUSEFORGE_AMA_BWD_BLOCKS_PER_SM=2
-     prefetch:-DFUSEFORGE_AMA_BWD_PREFETCH=1 streaming:-DFUSEFORGE_AMA_STREAMING_STORES=1)
+AMA=(default: uncapped:FUSEFORGE_AMA_BWD_BLOCKS_PER_SM=32 fwd_cap1:FUSEFORGE_AMA_FWD_BLOCKS_PER_SM=1
+     bwd_rows8:-DFUSEFORGE_AMA_BWD_ROWS_32BIT=8)
 LCE=(default:)
-ADAMW=(c64k: c32k:FUSEFORGE_ADAMW_CHUNK_ELEMS=32768 c16k:FUSEFORGE_ADAMW_CHUNK_ELEMS=16384)
+ADAMW=(c64k: c16k:FUSEFORGE_ADAMW_CHUNK_ELEMS=16384 c64k_cap1:FUSEFORGE_ADAMW_BLOCKS_PER_SM=1
+       "c16k_cap1:FUSEFORGE_ADAMW_CHUNK_ELEMS=16384 FUSEFORGE_ADAMW_BLOCKS_PER_SM=1")
 PARTS=${PARTS:-build tests time profile e2e lce}
 has() { [[ " $PARTS " == *" $1 "* ]]; }
 t0=$(date +%s)
+mkdir -p /tmp/tune/logs
 # The timed variants' JSON/markdown (each records GPU, torch and FUSEFORGE_COMMIT) and the logs, in
 # one archive, also when the call is cut short.
 pack() { (cd /tmp/tune && tar czf "$OUT/tune_results.tgz" logs $(ls -d */res_* 2>/dev/null)) 2>/dev/null; }
@@ -55,7 +57,7 @@ FUSEFORGE_EXTENSION=$(lib add_mul_act prefetch) pt tests/python/test_add_mul_act
 fi
 if has e2e; then
 echo "== e2e profile ($(( $(date +%s) - t0 )) s)"
-timeout 200 python3 scripts/e2e_profile.py --impls eager,fuseforge --batch 6 2>&1 | grep -v Warning
+timeout 200 python3 scripts/e2e_profile.py --impls ${E2E_IMPLS:-eager,fuseforge} --batch 6 2>&1 | grep -v Warning
 fi
 if has lce; then
 echo "== lce profile (default build) ($(( $(date +%s) - t0 )) s)"

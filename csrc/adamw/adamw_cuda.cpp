@@ -12,6 +12,8 @@
 
 #include "adamw/adamw.h"
 #include "adamw/adamw_launch.h"
+#include "common/cuda_utils.h"
+#include "common/env.h"
 
 namespace fuseforge::adamw {
 namespace {
@@ -81,9 +83,13 @@ void cuda_step(std::shared_ptr<BackendCache>& cache_ptr, const StepWork& work) {
   args.grad_scale = work.grad_scale;
   args.found_inf = work.found_inf;
   args.chunk_elems = work.plan->chunk_elems;
+  // Development knob (docs/notes_adamw.md): FUSEFORGE_ADAMW_BLOCKS_PER_SM=N caps the update kernel at
+  // N resident blocks an SM (registers allow 2).
+  static const int64_t blocks_cap = env_positive_int("FUSEFORGE_ADAMW_BLOCKS_PER_SM", 0);
+  const size_t smem_bytes = smem_capping_blocks_per_sm(blocks_cap, 0);
   for (const LaunchRange& r : plan.launches) {
     args.first_block = r.first_block;
-    launch_update(args, r.num_blocks);
+    launch_update(args, r.num_blocks, smem_bytes);
   }
 }
 

@@ -30,18 +30,19 @@ int64_t backward_rows_per_block() {
   return rows;
 }
 
-// Development knob: FUSEFORGE_AMA_BWD_BLOCKS_PER_SM=N caps the backward at N resident blocks an SM
-// by giving each block dynamic shared memory it does not use (fewer warps queueing stores).
-size_t backward_occupancy_cap_smem() {
-  static const size_t bytes = [] {
-    const int64_t blocks = env_positive_int("FUSEFORGE_AMA_BWD_BLOCKS_PER_SM", 0);
-    if (blocks == 0) return size_t{0};
-    const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
-    // N blocks fit and N + 1 do not, counting the kernel's 8 KB static and 1 KB reserved per block.
-    const int64_t per_block = static_cast<int64_t>(prop->sharedMemPerMultiprocessor) / (blocks + 1) + 1;
-    return static_cast<size_t>(std::max<int64_t>(0, per_block - 9 * 1024));
-  }();
-  return bytes;
+// Resident blocks an SM for the kernels on 32- and 16-bit types (0: as many as registers allow).
+// The float32 backward runs at 1 block (8 warps) an SM: it writes two tensors for each one it reads,
+// and with 3 blocks an SM its DRAM throughput stalled at 2.2 TB/s (ncu: warps waiting on the
+// load/store queue); on the H100 the cap took fp32 fwdbwd relu 1.297 -> 1.151 ms, gelu 1.81 ->
+// 1.757, silu 1.74 -> 1.668, while bf16 relu got slower (0.612 -> 0.725), so 16-bit types run
+// uncapped (docs/notes_add_mul_act.md). Development knobs FUSEFORGE_AMA_{FWD,BWD}_BLOCKS_PER_SM
+// override both (a large value: no cap).
+int64_t blocks_per_sm_cap(bool backward, size_t type_bytes) {
+  static const int64_t fwd_knob = env_positive_int("FUSEFORGE_AMA_FWD_BLOCKS_PER_SM", 0);
+  static const int64_t bwd_knob = env_positive_int("FUSEFORGE_AMA_BWD_BLOCKS_PER_SM", 0);
+  const int64_t knob = backward ? bwd_knob : fwd_knob;
+  if (knob > 0) return knob;
+  return backward && type_bytes >= 4 ? 1 : 0;
 }
 
 template <typename T>
@@ -59,7 +60,9 @@ void forward_cuda(const ForwardArgs& a, double alpha, at::Tensor& out, at::Tenso
   p.groups_per_row = a.shape.mask_row_bytes();
   const bool vec = a.shape.cols % kGroup == 0 && aligned16(p.x) && aligned16(p.y) && aligned16(p.bias) &&
                    aligned16(p.out) && aligned16(p.saved_z);
-  launch_forward<T>(p, a.act, plan_launch(a.shape, /*reduce_bias=*/false), vec);
+  LaunchPlan plan = plan_launch(a.shape, /*reduce_bias=*/false);
+  plan.smem_bytes = smem_capping_blocks_per_sm(blocks_per_sm_cap(false, sizeof(T)), 0);
+  launch_forward<T>(p, a.act, plan, vec);
 }
 
 void forward_dispatch(const ForwardArgs& a, double alpha, at::Tensor& out, at::Tensor* saved) {
@@ -86,7 +89,7 @@ void backward_cuda(const BackwardArgs& a, double alpha, Gradients& g) {
   const int resident =
       backward_grid_from_occupancy() ? backward_resident_blocks<T>(a.act, vec) : kAssumedResidentBlocks;
   LaunchPlan plan = plan_launch(a.shape, reduce_bias, resident, backward_rows_per_block());
-  plan.smem_bytes = backward_occupancy_cap_smem();
+  plan.smem_bytes = smem_capping_blocks_per_sm(blocks_per_sm_cap(true, sizeof(T)), kBackwardStaticSmem);
   at::Tensor partials;
   if (reduce_bias) {
     partials = at::empty({static_cast<int64_t>(plan.grid.y), a.shape.cols}, a.grad_out.options().dtype(at::kFloat));

@@ -9,7 +9,7 @@ void launch_forward(ForwardParams<T> params, Activation act, const LaunchPlan& p
   params.rows_per_block = plan.rows_per_block;
   FUSEFORGE_ACTIVATION_SWITCH(act, kAct, [&] {
     FUSEFORGE_BOOL_SWITCH(vectorized, kVec, [&] {
-      launch_kernel(forward_kernel<T, kAct, kVec>, plan.grid, plan.block, 0, params);
+      launch_kernel(forward_kernel<T, kAct, kVec>, plan.grid, plan.block, plan.smem_bytes, params);
     });
   });
 }

@@ -157,7 +157,7 @@ __global__ void __launch_bounds__(kThreads, FUSEFORGE_AMA_BWD_MIN_BLOCKS) backwa
   constexpr int kUnroll = backward_rows_unroll<T>();
   // Partial bias sums laid out [column-in-group][threadIdx.y][threadIdx.x] so a warp's stores hit
   // consecutive banks.
-  __shared__ float partial[kGroup * kThreads];
+  __shared__ float partial[kBackwardStaticSmem / sizeof(float)];
   const int64_t group = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const bool active = group < p.groups_per_row;
   const int64_t col0 = group * kGroup;

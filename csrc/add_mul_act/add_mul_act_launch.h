@@ -12,6 +12,8 @@ namespace fuseforge::add_mul_act {
 constexpr int kGroup = 8;      // columns a thread owns = bits of one mask byte
 constexpr int kThreads = 256;  // threads a block
 constexpr int kRowUnroll = 8;  // the most rows a thread loads before it computes (rows_unroll<T>)
+// The backward kernel's static shared memory: fp32 bias partials, kGroup per thread.
+constexpr size_t kBackwardStaticSmem = kGroup * kThreads * sizeof(float);
 
 template <typename T>
 struct ForwardParams {
@@ -48,7 +50,7 @@ struct BackwardParams {
 struct LaunchPlan {
   dim3 grid, block;
   int64_t rows_per_block = 0;
-  size_t smem_bytes = 0;  // dynamic shared memory (only to cap the blocks an SM, a development knob)
+  size_t smem_bytes = 0;  // dynamic shared memory: only to cap the resident blocks an SM
 };
 constexpr int kAssumedResidentBlocks = 8;
 
