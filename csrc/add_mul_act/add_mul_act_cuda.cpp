@@ -16,33 +16,18 @@ namespace {
 
 bool aligned16(const void* p) { return p == nullptr || is_aligned(p, 16); }
 
-// Development knob (add_mul_act_launch.h): FUSEFORGE_AMA_BWD_GRID=occupancy plans the backward's
-// grid from the kernel's measured occupancy instead of kAssumedResidentBlocks.
-bool backward_grid_from_occupancy() {
-  static const bool on = env_string("FUSEFORGE_AMA_BWD_GRID") == "occupancy";
-  return on;
-}
-
-// Development knob: FUSEFORGE_AMA_BWD_ROWS_PER_BLOCK=N gives each backward block N rows (more,
-// shorter blocks and more bias partials than the one-wave plan).
-int64_t backward_rows_per_block() {
-  static const int64_t rows = env_positive_int("FUSEFORGE_AMA_BWD_ROWS_PER_BLOCK", 0);
-  return rows;
-}
-
-// Resident blocks an SM for the kernels on 32- and 16-bit types (0: as many as registers allow).
-// The float32 backward runs at 1 block (8 warps) an SM: it writes two tensors for each one it reads,
-// and with 3 blocks an SM its DRAM throughput stalled at 2.2 TB/s (ncu: warps waiting on the
-// load/store queue); on the H100 the cap took fp32 fwdbwd relu 1.297 -> 1.151 ms, gelu 1.81 ->
-// 1.757, silu 1.74 -> 1.668, while bf16 relu got slower (0.612 -> 0.725), so 16-bit types run
-// uncapped (docs/notes_add_mul_act.md). Development knobs FUSEFORGE_AMA_{FWD,BWD}_BLOCKS_PER_SM
-// override both (a large value: no cap).
+// Resident blocks an SM (0: as many as registers allow). float32 kernels run at 1 block (8 warps) an
+// SM: at 3 blocks the backward (two tensors written for each one read) stalled at 2.2 TB/s, warps
+// waiting on the load/store queue (ncu). On the H100 the cap took fp32 fwdbwd relu 1.297 -> 1.151 ms,
+// gelu 1.81 -> 1.671, silu 1.74 -> 1.665 (the forward's cap adds gelu's 1.742 -> 1.671 when it saves z);
+// for bf16 it cost 3-18%, so 16-bit types run uncapped (docs/notes_add_mul_act.md). Development knobs
+// FUSEFORGE_AMA_{FWD,BWD}_BLOCKS_PER_SM override it (a large value: no cap).
 int64_t blocks_per_sm_cap(bool backward, size_t type_bytes) {
   static const int64_t fwd_knob = env_positive_int("FUSEFORGE_AMA_FWD_BLOCKS_PER_SM", 0);
   static const int64_t bwd_knob = env_positive_int("FUSEFORGE_AMA_BWD_BLOCKS_PER_SM", 0);
   const int64_t knob = backward ? bwd_knob : fwd_knob;
   if (knob > 0) return knob;
-  return backward && type_bytes >= 4 ? 1 : 0;
+  return type_bytes >= 4 ? 1 : 0;
 }
 
 template <typename T>
@@ -86,9 +71,7 @@ void backward_cuda(const BackwardArgs& a, double alpha, Gradients& g) {
   const bool vec = a.shape.cols % kGroup == 0 && aligned16(p.grad_out) && aligned16(p.saved_z) &&
                    aligned16(p.grad_x) && aligned16(p.grad_y);
   const bool reduce_bias = g.grad_bias.numel() > 0;
-  const int resident =
-      backward_grid_from_occupancy() ? backward_resident_blocks<T>(a.act, vec) : kAssumedResidentBlocks;
-  LaunchPlan plan = plan_launch(a.shape, reduce_bias, resident, backward_rows_per_block());
+  LaunchPlan plan = plan_launch(a.shape, reduce_bias);
   plan.smem_bytes = smem_capping_blocks_per_sm(blocks_per_sm_cap(true, sizeof(T)), kBackwardStaticSmem);
   at::Tensor partials;
   if (reduce_bias) {

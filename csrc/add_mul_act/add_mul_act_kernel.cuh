@@ -38,15 +38,6 @@ namespace fuseforge::add_mul_act {
 #ifndef FUSEFORGE_AMA_BWD_MIN_BLOCKS
 #define FUSEFORGE_AMA_BWD_MIN_BLOCKS FUSEFORGE_AMA_MIN_BLOCKS
 #endif
-// Candidates for the backward's write-heavy traffic (1 read, 2 writes): FUSEFORGE_AMA_BWD_PREFETCH
-// loads the next trip before storing this one; FUSEFORGE_AMA_STREAMING_STORES stores with
-// st.global.cs (evict-first). Off by default (docs/notes_add_mul_act.md).
-#ifndef FUSEFORGE_AMA_BWD_PREFETCH
-#define FUSEFORGE_AMA_BWD_PREFETCH 0
-#endif
-#ifndef FUSEFORGE_AMA_STREAMING_STORES
-#define FUSEFORGE_AMA_STREAMING_STORES 0
-#endif
 template <typename T>
 constexpr int rows_unroll() { return sizeof(T) >= 4 ? FUSEFORGE_AMA_ROWS_32BIT : FUSEFORGE_AMA_ROWS_16BIT; }
 template <typename T>
@@ -84,13 +75,8 @@ __device__ __forceinline__ void store_group(T* p, int n, const float (&v)[kGroup
   for (int j = 0; j < kGroup; ++j) g[j] = static_cast<T>(v[j]);
   if constexpr (kVec) {
 #pragma unroll
-    for (int k = 0; k < kGroup / Group<T>::kPerVec; ++k) {
-#if FUSEFORGE_AMA_STREAMING_STORES
-      __stcs(reinterpret_cast<uint4*>(p + k * Group<T>::kPerVec), *reinterpret_cast<const uint4*>(&g.vec[k]));
-#else
+    for (int k = 0; k < kGroup / Group<T>::kPerVec; ++k)
       store_vector<T, Group<T>::kPerVec>(p + k * Group<T>::kPerVec, g.vec[k]);
-#endif
-    }
   } else {
 #pragma unroll
     for (int j = 0; j < kGroup; ++j)
@@ -209,27 +195,11 @@ __global__ void __launch_bounds__(kThreads, FUSEFORGE_AMA_BWD_MIN_BLOCKS) backwa
     const int64_t row_begin = static_cast<int64_t>(blockIdx.y) * p.rows_per_block;
     const int64_t row_end = min(p.rows, row_begin + p.rows_per_block);
     const int64_t step = static_cast<int64_t>(blockDim.y) * kUnroll;
-#if FUSEFORGE_AMA_BWD_PREFETCH
-    // The next trip's loads are issued before this trip's stores, so they do not queue behind them.
-    BackwardTrip<T, kUnroll> a, b;
-    int64_t r = row_begin + threadIdx.y;
-    if (r < row_end) load_trip(r, row_end, a);
-    while (r < row_end) {
-      if (r + step < row_end) load_trip(r + step, row_end, b);
-      finish_trip(r, row_end, a);
-      r += step;
-      if (r >= row_end) break;
-      if (r + step < row_end) load_trip(r + step, row_end, a);
-      finish_trip(r, row_end, b);
-      r += step;
-    }
-#else
     for (int64_t r = row_begin + threadIdx.y; r < row_end; r += step) {
       BackwardTrip<T, kUnroll> t;
       load_trip(r, row_end, t);
       finish_trip(r, row_end, t);
     }
-#endif
   }
   if (p.bias_partials == nullptr) return;  // uniform over the grid
   const int tid = threadIdx.y * blockDim.x + threadIdx.x;

@@ -42,11 +42,8 @@ struct BackwardParams {
 // The grid for a rows x cols problem. A block is tx column groups by ty rows, as wide as the row
 // allows (up to 256 groups = 4 KB of a bf16 row), so a block reads long contiguous runs; without a
 // bias reduction each thread handles kRowUnroll rows (many small blocks), with one the grid is
-// about one wave of `resident_blocks_per_sm` blocks an SM so the partial sums stay small.
-// kAssumedResidentBlocks is the measured default; the backward kernels hold 2-3 blocks an SM
-// (64-128 registers), so it gives 2.6-3.9 waves whose last one is partly idle. The candidate
-// (FUSEFORGE_AMA_BWD_GRID=occupancy, not yet measured on the GPU) asks the runtime for the kernel's
-// occupancy and plans exactly one full wave.
+// about kAssumedResidentBlocks blocks an SM so the partial sums stay small (measured on the H100:
+// planning one exact wave from the kernel's occupancy, or 8-32-row blocks, was no faster).
 struct LaunchPlan {
   dim3 grid, block;
   int64_t rows_per_block = 0;
@@ -54,10 +51,7 @@ struct LaunchPlan {
 };
 constexpr int kAssumedResidentBlocks = 8;
 
-// rows_per_block > 0 overrides the plan's rows a block (a development knob of the backward, rounded
-// up to whole trips of the row loop).
-inline LaunchPlan plan_launch(const Shape2d& s, bool reduce_bias, int resident_blocks_per_sm = kAssumedResidentBlocks,
-                              int64_t rows_per_block_override = 0) {
+inline LaunchPlan plan_launch(const Shape2d& s, bool reduce_bias) {
   LaunchPlan plan;
   const int64_t groups = ceil_div(s.cols, kGroup);
   int tx = 1;
@@ -68,10 +62,9 @@ inline LaunchPlan plan_launch(const Shape2d& s, bool reduce_bias, int resident_b
   int64_t rows_per_block = row_step;
   if (reduce_bias && grid_x > 0) {
     // About one wave of resident blocks: few partial rows to reduce.
-    const int64_t target_y = std::max<int64_t>(1, int64_t{resident_blocks_per_sm} * num_sms() / grid_x);
+    const int64_t target_y = std::max<int64_t>(1, int64_t{kAssumedResidentBlocks} * num_sms() / grid_x);
     rows_per_block = std::max(rows_per_block, ceil_div(s.rows, target_y));
   }
-  if (rows_per_block_override > 0) rows_per_block = rows_per_block_override;
   rows_per_block = std::max(rows_per_block, ceil_div(s.rows, 65535));  // gridDim.y limit
   rows_per_block = ceil_div(rows_per_block, row_step) * row_step;
   plan.block = dim3(tx, ty);
@@ -88,9 +81,5 @@ void launch_forward(ForwardParams<T> params, Activation act, const LaunchPlan& p
 template <typename T>
 void launch_backward(BackwardParams<T> params, Activation act, const LaunchPlan& plan, bool vectorized,
                      T* grad_bias);
-// Blocks of the backward kernel (act, vectorized) an SM holds at once (the runtime's occupancy
-// calculator for the current device; cached).
-template <typename T>
-int backward_resident_blocks(Activation act, bool vectorized);
 
 }  // namespace fuseforge::add_mul_act
