@@ -1,18 +1,17 @@
 #!/usr/bin/env bash
-# GPU machine, one call (~8-9 min): measures the kernel candidates that are in the tree but off by
-# default, and the profiles that say where the remaining time goes. Written on 2026-11-23 when no
-# device could be had; the candidates' notes are in docs/notes_<op>.md ("Candidates").
+# GPU machine, one call (up to ~9 min): times kernel variants beside the defaults and profiles
+# where the time goes. Each op's notes (docs/notes_<op>.md) record what it measured and when.
 #   FUSEFORGE_COMMIT=<sha> bash scripts/tuning_probe.sh      (output in $OUT/probe.log)
-#   PARTS="tests time" bash scripts/tuning_probe.sh         (a subset: build tests time profile e2e lce;
-#                                                           every part builds what it lacks first)
-# Measured 2026-11-23 (third session): builds 107 s, "time" ~6 min with the AdamW shapes it then had.
-# 1. builds (in parallel): AdamW, add_mul_act (and a backward shape),
-#    linear_cross_entropy
-# 2. A/B timings with tune_variants.sh, the default beside each candidate, same process order
-# 3. the candidates' GPU tests (TEST_K: a pytest -k filter; TEST_TIMEOUT per file); timings come
-#    first so that a call cut short still brings them back
-# 4. lce_profile.py --quick (idle gaps between kernels, host time a step) and ncu of the
-#    add_mul_act backward and the AdamW kernel (stall reasons, achieved bandwidth, occupancy)
+#   PARTS="time profile" bash scripts/tuning_probe.sh       (a subset of: build tests time profile
+#                                                           e2e lce; every part builds what it lacks)
+# Measured 2026-11-23 (fourth session): builds 50-95 s; "time" ~2.5 min; e2e ~90 s; profile ~1 min.
+# 1. builds (in parallel): AdamW, add_mul_act (and its compile-time variants), LCE (part lce), all
+#    ops in place (part e2e)
+# 2. time: A/B timings with tune_variants.sh, the default beside each variant, same process order
+# 3. tests: the op's GPU tests (TEST_K: a pytest -k filter; TEST_TIMEOUT per file)
+# 4. e2e: scripts/e2e_profile.py (a training step of the 1.2B Llama by kernel family)
+# 5. lce: lce_profile.py --quick; profile: ncu of the add_mul_act kernels (stall reasons, DRAM
+#    throughput, occupancy)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
@@ -21,11 +20,9 @@ source scripts/device_env.sh
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 T=scripts/tune_variants.sh
-AMA=(default: uncapped:FUSEFORGE_AMA_BWD_BLOCKS_PER_SM=32 fwd_cap1:FUSEFORGE_AMA_FWD_BLOCKS_PER_SM=1
-     bwd_rows8:-DFUSEFORGE_AMA_BWD_ROWS_32BIT=8)
+AMA=(default: uncapped:"FUSEFORGE_AMA_BWD_BLOCKS_PER_SM=32 FUSEFORGE_AMA_FWD_BLOCKS_PER_SM=32")
 LCE=(default:)
-ADAMW=(c64k: c16k:FUSEFORGE_ADAMW_CHUNK_ELEMS=16384 c64k_cap1:FUSEFORGE_ADAMW_BLOCKS_PER_SM=1
-       "c16k_cap1:FUSEFORGE_ADAMW_CHUNK_ELEMS=16384 FUSEFORGE_ADAMW_BLOCKS_PER_SM=1")
+ADAMW=(c16k: c8k:FUSEFORGE_ADAMW_CHUNK_ELEMS=8192 c32k:FUSEFORGE_ADAMW_CHUNK_ELEMS=32768)
 PARTS=${PARTS:-build tests time profile e2e lce}
 has() { [[ " $PARTS " == *" $1 "* ]]; }
 t0=$(date +%s)
@@ -52,8 +49,9 @@ CASES=llama1b IMPLS=fuseforge,torch_fused bash $T adamw "${ADAMW[@]}"
 CASES=16384x8192 bash $T add_mul_act "${AMA[@]}"
 fi
 if has tests; then
-echo "== tests: add_mul_act backward prefetching the next trip"
-FUSEFORGE_EXTENSION=$(lib add_mul_act prefetch) pt tests/python/test_add_mul_act.py
+echo "== tests: add_mul_act and adamw (default builds)"
+FUSEFORGE_EXTENSION=$(lib add_mul_act shared) pt tests/python/test_add_mul_act.py
+FUSEFORGE_EXTENSION=$(lib adamw shared) pt tests/python/test_adamw.py
 fi
 if has e2e; then
 echo "== e2e profile ($(( $(date +%s) - t0 )) s)"
@@ -66,10 +64,10 @@ fi
 if has profile; then
 NCU="ncu --launch-skip 2 --launch-count 1 --section SpeedOfLight --section WarpStateStats --section LaunchStats --section Occupancy --section MemoryWorkloadAnalysis"
 keep() { grep -vE "^==PROF==|^\s*$|^\s*-+\s*$" | tail -"$1"; }
-for v in shared prefetch; do
-  echo "== ncu add_mul_act backward fp32 relu ($v)"
-  FUSEFORGE_EXTENSION=$(lib add_mul_act $v) timeout 90 $NCU --kernel-name regex:backward_kernel \
-    python3 scripts/kernel_workload.py add_mul_act 16384x8192 fp32 relu 2>&1 | keep 100
+for a in "fp32 relu" "fp32 gelu" "bf16 gelu"; do
+  echo "== ncu add_mul_act backward $a"
+  FUSEFORGE_EXTENSION=$(lib add_mul_act shared) timeout 90 $NCU --kernel-name regex:backward_kernel \
+    python3 scripts/kernel_workload.py add_mul_act 16384x8192 $a 2>&1 | keep 100
 done
 echo "== ncu add_mul_act training forward fp32 gelu (writes out and z)"
 FUSEFORGE_EXTENSION=$(lib add_mul_act shared) timeout 90 $NCU --kernel-name regex:forward_kernel \
