@@ -11,9 +11,13 @@ impls
 - fuseforge: the same model (same seed, same init) patched with fuseforge.patch (fuseforge attention,
   the loss by linear_cross_entropy), bf16 weights with fuseforge.optim.AdamW(master_weights=True):
   fp32 master weights and fp32 moments, the recipe fuseforge recommends.
-- compile: torch.compile of the eager model (same recipe as eager); last, because its first step
-  (the compilation) takes minutes: results are written after every impl, so a caller's timeout
-  keeps eager's and fuseforge's rows. FUSEFORGE_E2E_IMPLS=eager,fuseforge (or --impls) skips it.
+- compile: torch.compile of the eager model (same recipe as eager).
+- fuseforge_compile: the fuseforge recipe with torch.compile of the patched model (the ops trace
+  without graph breaks; compile fuses what fuseforge leaves to eager: RMSNorm, rotary, SwiGLU,
+  residual adds).
+The compiled impls come last, because their first step (the compilation) takes minutes: results are
+written after every impl, so a caller's timeout keeps the rows before. FUSEFORGE_E2E_IMPLS=eager,fuseforge
+(or --impls) skips them.
 
 Measured: the loss of every step (the curves go in the JSON and in e2e_loss.png), the step time
 (median of device-event times of steps 6..50: the first five include allocation and autotuning),
@@ -80,12 +84,13 @@ def make_impl(impl: str, cfg: dict, seq: int, device):
     if impl == "compile":
         opt = torch.optim.AdamW(model.parameters(), **HYPER, fused=fused)
         return torch.compile(model), opt, True
-    if impl == "fuseforge":
+    if impl in ("fuseforge", "fuseforge_compile"):
         import fuseforge  # noqa: F401
         from fuseforge.optim import AdamW
         from fuseforge.patch import patch
         model = patch(cast_parameters(model, torch.bfloat16))
-        return model, AdamW(model.parameters(), **HYPER, master_weights=True), False
+        opt = AdamW(model.parameters(), **HYPER, master_weights=True)
+        return (torch.compile(model) if impl == "fuseforge_compile" else model), opt, False
     raise ValueError(impl)
 
 
@@ -217,8 +222,8 @@ def main(argv=None) -> dict:
     p.add_argument("--seq", type=int, default=2048 if on_gpu else 128)
     p.add_argument("--batch", default="auto" if on_gpu else "2", help="an int, or auto: the largest that fits eager")
     p.add_argument("--steps", type=int, default=50 if on_gpu else 4)
-    p.add_argument("--impls", default=os.environ.get("FUSEFORGE_E2E_IMPLS", "eager,fuseforge,compile"),
-                   help="default: $FUSEFORGE_E2E_IMPLS or eager,fuseforge,compile")
+    p.add_argument("--impls", default=os.environ.get("FUSEFORGE_E2E_IMPLS", "eager,fuseforge,compile,fuseforge_compile"),
+                   help="default: $FUSEFORGE_E2E_IMPLS or eager,fuseforge,compile,fuseforge_compile")
     p.add_argument("--device", default="cuda" if on_gpu else "cpu")
     p.add_argument("--out", default=harness.RESULTS_DIR if on_gpu else os.path.join(tempfile.gettempdir(), "fuseforge_e2e_cpu"),
                    help="default: benchmarks/results on a GPU; a temporary folder for the CPU smoke test")

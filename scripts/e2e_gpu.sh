@@ -2,7 +2,7 @@
 # One device call for issue 7 (end to end): build every op, the e2e benchmark (bench_e2e.py), the
 # patch/model/demo tests (CPU and CUDA), and a short GPU run of the demo, inside a time budget.
 #
-#   bash scripts/e2e_gpu.sh [--budget SECONDS] [--impls eager,fuseforge,compile] [--bench-args "..."]
+#   bash scripts/e2e_gpu.sh [--budget SECONDS] [--impls eager,fuseforge,compile,fuseforge_compile] [--bench-args "..."]
 #                           [--demo-steps N] [--no-tests] [--no-demo]
 # Results come back in $OUT: summary.txt, e2e.{json,md,png}, e2e_loss.png, logs.tgz (all logs and
 # the demo's outputs). Each stage gets what is left of the budget, so a slow stage (torch.compile)
@@ -10,7 +10,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
-BUDGET=400 IMPLS=eager,fuseforge,compile BENCH_ARGS="" DEMO_STEPS=120 TESTS=1 DEMO=1
+BUDGET=400 IMPLS=eager,fuseforge,compile,fuseforge_compile BENCH_ARGS="" DEMO_STEPS=120 TESTS=1 DEMO=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --budget) BUDGET=$2; shift 2 ;;

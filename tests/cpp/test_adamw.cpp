@@ -12,6 +12,7 @@
 #include "adamw/adamw_meta.h"
 
 namespace fa = fuseforge::adamw;
+constexpr int64_t kChunk = fa::kDefaultChunkElems;  // sizes below are in chunks: the default may change
 
 namespace {
 
@@ -45,7 +46,7 @@ void expect_covers(const fa::BlockPlan& plan, const std::vector<int64_t>& numels
 }  // namespace
 
 TEST(AdamWPacking, EmptyTensorsGetOneBookkeepingBlockAndNoElements) {
-  const std::vector<int64_t> numels{0, 5, 0, 0, 65536, 0};
+  const std::vector<int64_t> numels{0, 5, 0, 0, kChunk, 0};
   const auto plan = fa::plan_blocks(numels);
   expect_covers(plan, numels, fa::kDefaultChunkElems);
   EXPECT_EQ(plan.blocks.size(), 6u);  // one block each: the empty ones only advance their step
@@ -53,7 +54,7 @@ TEST(AdamWPacking, EmptyTensorsGetOneBookkeepingBlockAndNoElements) {
 }
 
 TEST(AdamWPacking, ChunksOddSizes) {
-  const std::vector<int64_t> numels{1, 37, 65535, 65536, 65537, 3 * 65536 + 100};
+  const std::vector<int64_t> numels{1, 37, kChunk - 1, kChunk, kChunk + 1, 3 * kChunk + 100};
   const auto plan = fa::plan_blocks(numels);
   expect_covers(plan, numels, fa::kDefaultChunkElems);
   EXPECT_EQ(plan.num_chunks[5], 4);
@@ -73,7 +74,7 @@ TEST(AdamWPacking, MoreTensorsThanOneLaunchHolds) {
   for (const auto& l : plan.launches) EXPECT_LE(l.num_blocks, 1000);
   // A tensor's chunks may straddle two launches: still every block exactly once.
   opt.max_blocks_per_launch = 7;
-  const std::vector<int64_t> big{20 * 65536, 3, 9 * 65536 + 1};
+  const std::vector<int64_t> big{20 * kChunk, 3, 9 * kChunk + 1};
   const auto split = fa::plan_blocks(big, opt);
   expect_covers(split, big, opt.chunk_elems);
   EXPECT_EQ(split.launches.size(), 5u);  // 31 blocks
