@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU machine: times variants of one op's kernels side by side in one call (docs/DEVELOPING.md).
 #   bash scripts/tune_variants.sh OP "name:spec" ...
-#   spec words "-DKNOB=value" compile-time knobs: a private build of OP with these nvcc flags
+#   spec words "-DKNOB=value" compile-time knobs: a private build of OP with these nvcc flags (one
+#                             per distinct set of flags)
 #   spec words "VAR=value"    run-time knobs: environment for the run (of the shared build of OP,
 #                             built once with $BASE_FLAGS, when
 #                             the spec has no nvcc flags)
@@ -27,13 +28,18 @@ build() {  # build NAME FLAGS
     || { echo "$OP/$1: build failed"; tail -5 "$LOGS/build_${OP}_$1.log"; return 1; }
   echo "== $OP/$1 built in $(( $(date +%s) - t0 )) s"
 }
+# A private build's folder: named by its nvcc flags, so variants with the same flags share one.
+build_name() { echo "f_$(echo "$1" | md5sum | cut -c1-10)"; }
 flags_of() { local w out=""; for w in $1; do [ "${w#-}" != "$w" ] && out="$out $w"; done; echo "${out# }"; }
 envs_of() { local w out=""; for w in $1; do [ "${w#-}" = "$w" ] && out="$out $w"; done; echo "${out# }"; }
 if [ "${BUILD_ONLY:-0}" = 1 ]; then
   need_shared=0
+  declare -A seen=()
   for variant in "$@"; do
     flags=$(flags_of "${variant#*:}")
-    if [ -n "$flags" ]; then build "${variant%%:*}" "$flags" & else need_shared=1; fi
+    if [ -z "$flags" ]; then need_shared=1; continue; fi
+    b=$(build_name "$flags"); [ -n "${seen[$b]:-}" ] && continue; seen[$b]=1
+    build "$b" "$flags" &
   done
   [ $need_shared = 1 ] && build shared "${BASE_FLAGS:-}" &
   wait
@@ -42,7 +48,7 @@ fi
 for variant in "$@"; do
   name=${variant%%:*}; spec=${variant#*:}; flags=$(flags_of "$spec"); envs=$(envs_of "$spec")
   if [ -n "$flags" ]; then
-    build "$name" "$flags" || continue; lib=$(lib_of "$name")
+    build "$(build_name "$flags")" "$flags" || continue; lib=$(lib_of "$(build_name "$flags")")
   else
     build shared "${BASE_FLAGS:-}" || exit 1; lib=$(lib_of shared)
   fi

@@ -21,8 +21,10 @@ source scripts/device_env.sh
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 T=scripts/tune_variants.sh
-# bf16 backward: 8 rows a trip (twice the bytes in flight a warp), uncapped and at 2 blocks an SM
+# bf16 backward: 8 rows a trip (twice the bytes in flight a warp; at 1 block an SM the same bytes a
+# thread as the fp32 kernel that reached 1.15 ms), uncapped and at 1 and 2 blocks an SM
 AMA=(default: "r16x8:-DFUSEFORGE_AMA_BWD_ROWS_16BIT=8"
+     "r16x8c1:-DFUSEFORGE_AMA_BWD_ROWS_16BIT=8 FUSEFORGE_AMA_BWD_BLOCKS_PER_SM=1"
      "r16x8c2:-DFUSEFORGE_AMA_BWD_ROWS_16BIT=8 FUSEFORGE_AMA_BWD_BLOCKS_PER_SM=2")
 LCE=(default:)
 ADAMW=(c16k: c8k:FUSEFORGE_ADAMW_CHUNK_ELEMS=8192 c32k:FUSEFORGE_ADAMW_CHUNK_ELEMS=32768)
