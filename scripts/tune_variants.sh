@@ -48,7 +48,7 @@ fi
 for variant in "$@"; do
   name=${variant%%:*}; spec=${variant#*:}; flags=$(flags_of "$spec"); envs=$(envs_of "$spec")
   if [ -n "$flags" ]; then
-    build "$(build_name "$flags")" "$flags" || continue; lib=$(lib_of "$(build_name "$flags")")
+    b=$(build_name "$flags"); build "$b" "$flags" || continue; lib=$(lib_of "$b")
   else
     build shared "${BASE_FLAGS:-}" || exit 1; lib=$(lib_of shared)
   fi

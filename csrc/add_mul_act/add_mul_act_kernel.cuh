@@ -130,14 +130,6 @@ __global__ void __launch_bounds__(kThreads, FUSEFORGE_AMA_MIN_BLOCKS) forward_ke
   }
 }
 
-// The backward's loads of one trip of the row loop (z for every activation but relu, which reads
-// mask bytes; the unused member is optimised away).
-template <typename T, int kUnroll>
-struct BackwardTrip {
-  Group<T> grad[kUnroll], z[kUnroll];
-  uint32_t mask[kUnroll];
-};
-
 template <typename T, Activation A, bool kVec>
 __global__ void __launch_bounds__(kThreads, FUSEFORGE_AMA_BWD_MIN_BLOCKS) backward_kernel(const BackwardParams<T> p) {
   constexpr int kUnroll = backward_rows_unroll<T>();
@@ -149,56 +141,48 @@ __global__ void __launch_bounds__(kThreads, FUSEFORGE_AMA_BWD_MIN_BLOCKS) backwa
   const int64_t col0 = group * kGroup;
   const int n = active ? static_cast<int>(min(static_cast<int64_t>(kGroup), p.cols - col0)) : 0;
   float acc[kGroup] = {};
-  // One trip of the row loop: kUnroll rows' loads (all issued before any is used), then their
-  // math, bias sums and stores.
-  auto load_trip = [&](int64_t r, int64_t row_end, BackwardTrip<T, kUnroll>& t) {
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t row = r + static_cast<int64_t>(u) * blockDim.y;
-      if (row < row_end) {
-        load_group<T, kVec>(p.grad_out + row * p.cols + col0, n, t.grad[u]);
-        if constexpr (saves_mask(A)) {
-          t.mask[u] = p.saved_mask[row * p.groups_per_row + group];
-        } else {
-          load_group<T, kVec>(p.saved_z + row * p.cols + col0, n, t.z[u]);
-        }
-      }
-    }
-  };
-  auto finish_trip = [&](int64_t r, int64_t row_end, const BackwardTrip<T, kUnroll>& t) {
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t row = r + static_cast<int64_t>(u) * blockDim.y;
-      if (row >= row_end) break;
-      float gx[kGroup];
-#pragma unroll
-      for (int j = 0; j < kGroup; ++j) {
-        float d;
-        if constexpr (saves_mask(A)) {
-          d = static_cast<float>((t.mask[u] >> j) & 1u);
-        } else {
-          d = Act<A>::derivative(static_cast<float>(t.z[u][j]));
-        }
-        gx[j] = static_cast<float>(t.grad[u][j]) * d;
-        acc[j] += gx[j];
-      }
-      const int64_t offset = row * p.cols + col0;
-      store_group<T, kVec>(p.grad_x + offset, n, gx);
-      if (p.grad_y) {
-#pragma unroll
-        for (int j = 0; j < kGroup; ++j) gx[j] *= p.alpha;
-        store_group<T, kVec>(p.grad_y + offset, n, gx);
-      }
-    }
-  };
   if (active) {
     const int64_t row_begin = static_cast<int64_t>(blockIdx.y) * p.rows_per_block;
     const int64_t row_end = min(p.rows, row_begin + p.rows_per_block);
-    const int64_t step = static_cast<int64_t>(blockDim.y) * kUnroll;
-    for (int64_t r = row_begin + threadIdx.y; r < row_end; r += step) {
-      BackwardTrip<T, kUnroll> t;
-      load_trip(r, row_end, t);
-      finish_trip(r, row_end, t);
+    for (int64_t r = row_begin + threadIdx.y; r < row_end; r += static_cast<int64_t>(blockDim.y) * kUnroll) {
+      Group<T> gg[kUnroll], zg[kUnroll];
+      uint32_t mask_bits[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t row = r + static_cast<int64_t>(u) * blockDim.y;
+        if (row < row_end) {
+          load_group<T, kVec>(p.grad_out + row * p.cols + col0, n, gg[u]);
+          if constexpr (saves_mask(A)) {
+            mask_bits[u] = p.saved_mask[row * p.groups_per_row + group];
+          } else {
+            load_group<T, kVec>(p.saved_z + row * p.cols + col0, n, zg[u]);
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t row = r + static_cast<int64_t>(u) * blockDim.y;
+        if (row >= row_end) break;
+        float gx[kGroup];
+#pragma unroll
+        for (int j = 0; j < kGroup; ++j) {
+          float d;
+          if constexpr (saves_mask(A)) {
+            d = static_cast<float>((mask_bits[u] >> j) & 1u);
+          } else {
+            d = Act<A>::derivative(static_cast<float>(zg[u][j]));
+          }
+          gx[j] = static_cast<float>(gg[u][j]) * d;
+          acc[j] += gx[j];
+        }
+        const int64_t offset = row * p.cols + col0;
+        store_group<T, kVec>(p.grad_x + offset, n, gx);
+        if (p.grad_y) {
+#pragma unroll
+          for (int j = 0; j < kGroup; ++j) gx[j] *= p.alpha;
+          store_group<T, kVec>(p.grad_y + offset, n, gx);
+        }
+      }
     }
   }
   if (p.bias_partials == nullptr) return;  // uniform over the grid
