@@ -9,8 +9,7 @@
 #    ops in place (part e2e)
 # 2. time: A/B timings with tune_variants.sh, the default beside each variant, same process order
 # 3. tests: the candidates' GPU tests (TEST_K: a pytest -k filter; TEST_TIMEOUT per file)
-# 4. e2e: scripts/e2e_profile.py (a training step of the 1.2B Llama by kernel family), also with
-#    the attention backward's heaviest-first block order (candidate, docs/notes_attention.md)
+# 4. e2e: scripts/e2e_profile.py (a training step of the 1.2B Llama by kernel family)
 # 5. lce: lce_profile.py --quick; profile: ncu of the add_mul_act kernels (stall reasons, DRAM
 #    throughput, occupancy)
 set -uo pipefail
@@ -21,13 +20,11 @@ source scripts/device_env.sh
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 T=scripts/tune_variants.sh
-# bf16 backward: 8 rows a trip (twice the bytes in flight a warp; at 1 block an SM the same bytes a
-# thread as the fp32 kernel that reached 1.15 ms), uncapped and at 1 and 2 blocks an SM
-AMA=(default: "r16x8:-DFUSEFORGE_AMA_BWD_ROWS_16BIT=8"
-     "r16x8c1:-DFUSEFORGE_AMA_BWD_ROWS_16BIT=8 FUSEFORGE_AMA_BWD_BLOCKS_PER_SM=1"
-     "r16x8c2:-DFUSEFORGE_AMA_BWD_ROWS_16BIT=8 FUSEFORGE_AMA_BWD_BLOCKS_PER_SM=2")
+# Variants as name:flags (nvcc -D flags and/or run-time NAME=value knobs); the defaults alone here
+# (the fifth session's bf16 8-rows-a-trip and 8K/32K AdamW chunks lost: the op notes).
+AMA=(default:)
 LCE=(default:)
-ADAMW=(c16k: c8k:FUSEFORGE_ADAMW_CHUNK_ELEMS=8192 c32k:FUSEFORGE_ADAMW_CHUNK_ELEMS=32768)
+ADAMW=(c16k:)
 PARTS=${PARTS:-build tests time profile e2e lce}
 has() { [[ " $PARTS " == *" $1 "* ]]; }
 t0=$(date +%s)
@@ -43,10 +40,6 @@ MAX_JOBS=6 BUILD_ONLY=1 bash $T add_mul_act "${AMA[@]}" & pids+=($!)
 has lce && { MAX_JOBS=4 BUILD_ONLY=1 bash $T linear_cross_entropy "${LCE[@]}" & pids+=($!); }
 # every op in place, for the end-to-end profile
 has e2e && { MAX_JOBS=8 python3 setup.py -q build_ext --inplace > /tmp/tune/logs/build_all.log 2>&1 & pids+=($!); }
-# every op with the attention backward's heaviest-first block order (candidate), in its own folder
-HF=/tmp/tune/all/heavy_first
-{ has e2e || has tests; } && { FUSEFORGE_NVCC_FLAGS=-DFUSEFORGE_ATTN_BWD_HEAVY_FIRST=1 MAX_JOBS=8 python3 setup.py -q \
-  build_ext -b $HF/lib -t $HF/tmp > /tmp/tune/logs/build_heavy_first.log 2>&1 & pids+=($!); }
 wait "${pids[@]}"
 echo "== builds: $(( $(date +%s) - t0 )) s"
 lib() { ls /tmp/tune/$1/$2/lib/fuseforge/_C*.so; }
@@ -58,8 +51,6 @@ CASES=llama1b IMPLS=fuseforge,torch_fused bash $T adamw "${ADAMW[@]}"
 CASES=16384x8192 bash $T add_mul_act "${AMA[@]}"
 fi
 if has tests; then
-echo "== tests: attention with the backward's heaviest blocks first"
-FUSEFORGE_EXTENSION=$(ls $HF/lib/fuseforge/_C*.so) pt tests/python/test_attention.py
 echo "== tests: add_mul_act and adamw (default builds)"
 FUSEFORGE_EXTENSION=$(lib add_mul_act shared) pt tests/python/test_add_mul_act.py
 FUSEFORGE_EXTENSION=$(lib adamw shared) pt tests/python/test_adamw.py
@@ -67,8 +58,6 @@ fi
 if has e2e; then
 echo "== e2e profile ($(( $(date +%s) - t0 )) s)"
 timeout 200 python3 scripts/e2e_profile.py --impls ${E2E_IMPLS:-eager,fuseforge} --batch 6 2>&1 | grep -v Warning
-echo "== e2e profile, the attention backward's heaviest blocks first"
-FUSEFORGE_EXTENSION=$(ls $HF/lib/fuseforge/_C*.so) timeout 150 python3 scripts/e2e_profile.py --impls fuseforge --batch 6 2>&1 | grep -v Warning
 fi
 if has lce; then
 echo "== lce profile (default build) ($(( $(date +%s) - t0 )) s)"
