@@ -68,18 +68,10 @@ __device__ __forceinline__ void attention_bwd_dkdv_body(const BwdParams& p) {
   using T = typename Tr::T;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kNT = Tr::kNTiles, kD = Tr::kHeadDim;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  // Causal: key block 0 of a head sees every query and the last one few. Walking key blocks slowest
-  // in the launch order starts every head's heaviest block first and leaves the short ones for the
-  // last wave (with GQA the grid is a few waves of very unequal blocks; measured on the e2e Llama
-  // step: 29.5 -> 24.0 ms, docs/notes_attention.md).
+  // Block order: see launch_attention_bwd (key blocks slowest when the launcher set kv_block_slowest).
   int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
   if constexpr (kCausal) {
-    const int64_t linear =
-        blockIdx.x + static_cast<int64_t>(gridDim.x) * (blockIdx.y + static_cast<int64_t>(gridDim.y) * blockIdx.z);
-    const int64_t heads_batches = static_cast<int64_t>(gridDim.y) * gridDim.z;
-    n_block = static_cast<int>(linear / heads_batches);
-    hk = static_cast<int>(linear % heads_batches % gridDim.y);
-    b = static_cast<int>(linear % heads_batches / gridDim.y);
+    if (p.kv_block_slowest) n_block = blockIdx.z, hk = blockIdx.x, b = blockIdx.y;
   }
   const int n0 = n_block * kBlockN;
   const int rows_k = min(kBlockN, p.seqlen_k - n0);
@@ -391,19 +383,36 @@ void launch_attention_bwd(const BwdParams& params, bool causal, bool determinist
   const int64_t rows = static_cast<int64_t>(params.batch) * params.heads_q * params.seqlen_q;
   launch_kernel(attention_row_dot_kernel<T, kD>, dim3(static_cast<unsigned>(ceil_div(rows, 8))), dim3(256), 0,
                 params);
-  const dim3 grid_kv(static_cast<unsigned>(ceil_div(params.seqlen_k, DkdvTr::kBlockN)),
-                     static_cast<unsigned>(params.heads_kv), static_cast<unsigned>(params.batch));
+  // Causal: key block 0 of a head sees every query, the last one few. When the grid is a few waves
+  // (GQA: each block loops over the group's heads, so the grid is small and its blocks long), the
+  // launch order decides the tail: key blocks slowest (grid z) starts every head's heaviest block
+  // first and leaves the short ones for the last wave. Measured on the H100 (docs/notes_attention.md):
+  // the 1.2B Llama's step (2.9 waves) 29.5 -> 24.0 ms in this kernel; on the benchmark's 31-wave
+  // grids the default order (a head's key blocks side by side, sharing its Q/dO tiles in L2) is 3-5%
+  // faster. The crossover between 3 and 31 waves was not measured: 8 is a guess.
+  const int64_t kv_blocks = ceil_div(params.seqlen_k, DkdvTr::kBlockN);
+  const int64_t blocks = kv_blocks * params.heads_kv * params.batch;
+  const int64_t resident = static_cast<int64_t>(num_sms()) *
+                           std::max<int64_t>(1, at::cuda::getCurrentDeviceProperties()->sharedMemPerMultiprocessor /
+                                                    (DkdvTr::kSmemBytes + 1024));
+  BwdParams p = params;
+  p.kv_block_slowest = causal && blocks <= 8 * resident;
+  const dim3 grid_kv = p.kv_block_slowest
+                           ? dim3(static_cast<unsigned>(params.heads_kv), static_cast<unsigned>(params.batch),
+                                  static_cast<unsigned>(kv_blocks))
+                           : dim3(static_cast<unsigned>(kv_blocks), static_cast<unsigned>(params.heads_kv),
+                                  static_cast<unsigned>(params.batch));
   FUSEFORGE_BOOL_SWITCH(causal, kCausal, [&] {
     if (deterministic) {
       launch_kernel(attention_bwd_dkdv_kernel<DkdvTr, kCausal, false>, grid_kv, dim3(DkdvTr::kThreads),
-                    DkdvTr::kSmemBytes, params);
+                    DkdvTr::kSmemBytes, p);
       const dim3 grid_q(static_cast<unsigned>(ceil_div(params.seqlen_q, DqTr::kBlockM)),
                         static_cast<unsigned>(params.heads_q), static_cast<unsigned>(params.batch));
       launch_kernel(attention_bwd_dq_kernel<DqTr, kCausal>, grid_q, dim3(DqTr::kThreads), dq_smem_bytes<DqTr>(),
                     params);
     } else {
       launch_kernel(attention_bwd_dkdv_kernel<DkdvTr, kCausal, true>, grid_kv, dim3(DkdvTr::kThreads),
-                    DkdvTr::kSmemBytes, params);
+                    DkdvTr::kSmemBytes, p);
       launch_kernel(attention_dq_convert_kernel<T, kD>, dim3(static_cast<unsigned>(ceil_div(rows * (kD / 8), 256))),
                     dim3(256), 0, params);
     }

@@ -34,6 +34,7 @@ struct BwdParams : FwdParams {
   int64_t dv_batch_stride = 0, dv_head_stride = 0, dv_row_stride = 0;
   float* row_dot = nullptr;   // (B, Hq, Sq) fp32: D_i = sum_d dO * O, from the preprocessing kernel
   float* dq_accum = nullptr;  // (B, Hq, Sq, D) fp32, zeroed, for the atomic dq path; null when deterministic
+  bool kv_block_slowest = false;  // set by the launcher: the dk/dv grid is (Hk, B, key blocks), heaviest first
 };
 
 // Launchers, one explicit instantiation per (element type, head dim) in instantiations/*.cu; they

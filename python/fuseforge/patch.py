@@ -6,7 +6,10 @@ patch() does two things to one model instance and nothing else:
    attention function registered in `AttentionInterface` under the name "fuseforge" (with SDPA's
    mask function in `AttentionMaskInterface`), selected with `model.set_attn_implementation`.
    SDPA's mask function returns no mask for plain causal attention (no padding, or a decode step),
-   which is what the kernel computes (causal, bottom-right aligned, grouped-query heads). Everything
+   which is what the kernel computes (causal, bottom-right aligned, grouped-query heads); while
+   torch.compile traces, transformers builds the full mask anyway on torch < 2.14 (it cannot tell
+   tracing from export there), so the mask function registered here returns None itself for plain
+   causal attention without a padding mask (a decision on shapes alone, no tensor values). Everything
    the kernel does not do is handed to transformers' SDPA function unchanged: an explicit mask
    (padding, packed sequences, a sliding window that binds), dropout, softcapping, a paged cache,
    and on CUDA float32 without autocast or head dims other than 64 and 128.
@@ -37,8 +40,15 @@ SUPPORTED_MODELS = ("LlamaForCausalLM", "LlamaModel", "MistralForCausalLM", "Mis
 _CUDA_HEAD_DIMS = (64, 128)
 _STATE = "_fuseforge_patch"
 
-# How many attention calls took each path since import (tests and benchmarks read these).
+# How many attention calls took each path since import (tests and benchmarks read these). Eager
+# calls only: a counter bumped inside a torch.compile'd region would be a guard on its value and
+# recompile the graph on every step.
 stats = {"fuseforge": 0, "sdpa": 0}
+
+
+def _count(path: str) -> None:
+    if not torch.compiler.is_compiling():
+        stats[path] += 1
 
 
 def _autocast_dtype(device: torch.device) -> Optional[torch.dtype]:
@@ -83,10 +93,10 @@ def fuseforge_attention_forward(module: nn.Module, query: Tensor, key: Tensor, v
                    or kwargs.get("s_aux") is not None)
     if unsupported:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-        stats["sdpa"] += 1
+        _count("sdpa")
         return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, dropout=dropout,
                                                scaling=scaling, is_causal=is_causal, **kwargs)
-    stats["fuseforge"] += 1
+    _count("fuseforge")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     # A single query attends to every cached key: with the kernel's bottom-right alignment causal is
     # exact for Sq == 1 as well, and for Sq == Sk it is the plain causal mask.
@@ -94,11 +104,29 @@ def fuseforge_attention_forward(module: nn.Module, query: Tensor, key: Tensor, v
     return out.transpose(1, 2), None  # the output has query's strides: often (B, S, H, D) memory
 
 
+def fuseforge_mask(*args, **kwargs):
+    """transformers mask function: None (the kernel's own causal mask) for plain causal attention
+    with no padding mask where SDPA's would skip the mask outside tracing too (queries all the keys'
+    length, or one query); everything else goes to SDPA's mask function. Keyword names as
+    transformers passes them (q_length, or cache_position in older releases)."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, causal_mask_function
+    q_length = kwargs.get("q_length")
+    if q_length is None and kwargs.get("cache_position") is not None:
+        q_length = kwargs["cache_position"].shape[0]
+    kv_length, local_size = kwargs.get("kv_length"), kwargs.get("local_size")
+    if (not args and kwargs.get("allow_is_causal_skip", True) and kwargs.get("attention_mask") is None
+            and kwargs.get("mask_function") is causal_mask_function
+            and isinstance(q_length, int) and isinstance(kv_length, int) and q_length in (1, kv_length)
+            and (local_size is None or kv_length < local_size)):
+        return None
+    return ALL_MASK_ATTENTION_FUNCTIONS["sdpa"](*args, **kwargs)
+
+
 def _register() -> None:
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.masking_utils import AttentionMaskInterface
     from transformers.modeling_utils import AttentionInterface
     AttentionInterface.register(ATTN_IMPLEMENTATION, fuseforge_attention_forward)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, fuseforge_mask)
 
 
 def causal_lm_loss(hidden_states: Tensor, lm_head: nn.Linear, labels: Optional[Tensor] = None,

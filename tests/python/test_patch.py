@@ -223,6 +223,37 @@ def test_bf16_weights_cpu():
         assert_rel_close(got_grads[name].float(), g.float(), 8e-2, f"grad {name}")
 
 
+def test_torch_compile_traces_the_kernels_once():
+    """Under torch.compile the patched model runs fuseforge attention (transformers builds a full
+    causal mask while tracing on torch < 2.14; the patch's mask function must skip it), the loss runs
+    linear_cross_entropy, and repeated steps reuse the first graphs (no recompilation on a counter)."""
+    model = make_model("llama")
+    ref = copy.deepcopy(model)
+    patch(model)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm.print_readable(print_output=False))
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend)
+    ids = tokens(2, 17)
+    for step in range(3):
+        loss = compiled(input_ids=ids, labels=ids).loss
+        loss.backward()
+        if step == 0:
+            n_graphs = len(graphs)
+    assert len(graphs) == n_graphs, "the patched model recompiled on a later step"
+    code = "\n".join(graphs)
+    assert "fuseforge.attention_fwd" in code and "fuseforge.linear_cross_entropy" in code
+    assert "scaled_dot_product_attention" not in code
+    with torch.no_grad():
+        expected = ref(input_ids=ids, labels=ids).loss
+    assert abs(loss.item() - expected.item()) <= 1e-5 * expected.item()
+    torch._dynamo.reset()
+
+
 def test_unsupported_model_is_refused():
     with pytest.raises(TypeError, match="LlamaForCausalLM"):
         patch(torch.nn.Linear(3, 3))
