@@ -3,8 +3,8 @@
 patch() does two things to one model instance and nothing else:
 
 1. Attention goes through `fuseforge.ops.attention.attention`, by transformers' own mechanism: an
-   attention function registered in `AttentionInterface` under the name "fuseforge" (with SDPA's
-   mask function in `AttentionMaskInterface`), selected with `model.set_attn_implementation`.
+   attention function registered in `AttentionInterface` under the name "fuseforge" (with a mask
+   function around SDPA's in `AttentionMaskInterface`), selected with `model.set_attn_implementation`.
    SDPA's mask function returns no mask for plain causal attention (no padding, or a decode step),
    which is what the kernel computes (causal, bottom-right aligned, grouped-query heads); while
    torch.compile traces, transformers builds the full mask anyway on torch < 2.14 (it cannot tell
@@ -105,10 +105,10 @@ def fuseforge_attention_forward(module: nn.Module, query: Tensor, key: Tensor, v
 
 
 def fuseforge_mask(*args, **kwargs):
-    """transformers mask function: None (the kernel's own causal mask) for plain causal attention
-    with no padding mask where SDPA's would skip the mask outside tracing too (queries all the keys'
-    length, or one query); everything else goes to SDPA's mask function. Keyword names as
-    transformers passes them (q_length, or cache_position in older releases)."""
+    """transformers mask function: None (the kernel applies the causal mask itself) for plain causal
+    attention without a padding mask, with as many queries as keys or one query: the cases where
+    SDPA's mask function returns None outside tracing. Everything else goes to SDPA's mask function.
+    Keyword names as transformers passes them (q_length, or cache_position in older releases)."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, causal_mask_function
     q_length = kwargs.get("q_length")
     if q_length is None and kwargs.get("cache_position") is not None:
