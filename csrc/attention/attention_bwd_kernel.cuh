@@ -392,9 +392,10 @@ void launch_attention_bwd(const BwdParams& params, bool causal, bool determinist
   // faster. The crossover between 3 and 31 waves was not measured: 8 is a guess.
   const int64_t kv_blocks = ceil_div(params.seqlen_k, DkdvTr::kBlockN);
   const int64_t blocks = kv_blocks * params.heads_kv * params.batch;
-  const int64_t resident = static_cast<int64_t>(num_sms()) *
-                           std::max<int64_t>(1, at::cuda::getCurrentDeviceProperties()->sharedMemPerMultiprocessor /
-                                                    (DkdvTr::kSmemBytes + 1024));
+  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
+  const int64_t resident =
+      static_cast<int64_t>(prop->multiProcessorCount) *
+      std::max<int64_t>(1, prop->sharedMemPerMultiprocessor / (DkdvTr::kSmemBytes + prop->reservedSharedMemPerBlock));
   BwdParams p = params;
   p.kv_block_slowest = causal && blocks <= 8 * resident;
   const dim3 grid_kv = p.kv_block_slowest
