@@ -1,6 +1,7 @@
 """A few calls of one op at one case, for profilers that wrap a process (ncu, compute-sanitizer).
    python3 scripts/kernel_workload.py add_mul_act 16384x8192 fp32 gelu
    python3 scripts/kernel_workload.py adamw llama1b fp32|bf16-master
+   python3 scripts/kernel_workload.py attention D128/S4096/full fuseforge|sdpa_flash
    ncu --kernel-name regex:backward_kernel --launch-skip 2 --launch-count 1 python3 scripts/kernel_workload.py ...
 """
 import os
@@ -36,7 +37,25 @@ def adamw(case, kind):
         opt.step()
 
 
+def attention(case, impl):
+    """Forward + backward of one attention benchmark case (bench_attention.py's shapes), by one impl."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from bench_attention import parse
+    d, s, causal = parse(case)
+    b, h = 32768 // s, 2048 // d
+    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    g = torch.randn_like(q)
+    for _ in range(CALLS):
+        if impl == "fuseforge":
+            out = fuseforge.attention(q, k, v, causal=causal)
+        else:
+            with sdpa_kernel({"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}[impl]):
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        torch.autograd.grad(out, (q, k, v), g)
+
+
 if __name__ == "__main__":
     op, *args = sys.argv[1:]
-    {"add_mul_act": add_mul_act, "adamw": adamw}[op](*args)
+    {"add_mul_act": add_mul_act, "adamw": adamw, "attention": attention}[op](*args)
     torch.cuda.synchronize()

@@ -3,7 +3,9 @@
 # where the time goes. Each op's notes (docs/notes_<op>.md) record what it measured and when.
 #   FUSEFORGE_COMMIT=<sha> bash scripts/tuning_probe.sh      (output in $OUT/probe.log)
 #   PARTS="time profile" bash scripts/tuning_probe.sh       (a subset of: build tests time profile
-#                                                           e2e lce; every part builds what it lacks)
+#                                                           e2e lce attn; every part builds what it lacks)
+#   OPS="add_mul_act" ...                                   (ops of parts build/time/tests; default
+#                                                           adamw add_mul_act; "" for none)
 # Measured 2026-11-23 (fourth session): builds 50-95 s; "time" ~2.5 min; e2e ~90 s; profile ~1 min.
 # 1. builds (in parallel): AdamW, add_mul_act (and its compile-time variants), LCE (part lce), all
 #    ops in place (part e2e)
@@ -12,6 +14,8 @@
 # 4. e2e: scripts/e2e_profile.py (a training step of the 1.2B Llama by kernel family)
 # 5. lce: lce_profile.py --quick; profile: ncu of the add_mul_act kernels (stall reasons, DRAM
 #    throughput, occupancy)
+# 6. attn: the attention GPU tests, then ncu of the backward's dk/dv kernel beside FlashAttention-2's
+#    (sdpa_flash) on one benchmark case: tensor-pipe and shared-memory use, bank conflicts, stalls
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
@@ -28,7 +32,9 @@ AMA=(default:)
 LCE=(default: exact:FUSEFORGE_LCE_EXACT_TARGET=1)
 ADAMW=(c16k:)
 PARTS=${PARTS:-build tests time profile e2e lce}
+OPS=${OPS-adamw add_mul_act}
 has() { [[ " $PARTS " == *" $1 "* ]]; }
+op() { [[ " $OPS " == *" $1 "* ]]; }
 t0=$(date +%s)
 mkdir -p /tmp/tune/logs
 # The timed variants' JSON/markdown (each records GPU, torch and FUSEFORGE_COMMIT) and the logs, in
@@ -37,9 +43,10 @@ pack() { (cd /tmp/tune && tar czf "$OUT/tune_results.tgz" logs $(ls -d */res_* 2
 trap pack EXIT
 # Wait on these pids by name: a bare `wait` would also wait for the tee above, which never ends.
 pids=()
-MAX_JOBS=4 BUILD_ONLY=1 bash $T adamw "${ADAMW[@]}" & pids+=($!)
-MAX_JOBS=6 BUILD_ONLY=1 bash $T add_mul_act "${AMA[@]}" & pids+=($!)
+op adamw && { MAX_JOBS=4 BUILD_ONLY=1 bash $T adamw "${ADAMW[@]}" & pids+=($!); }
+op add_mul_act && { MAX_JOBS=6 BUILD_ONLY=1 bash $T add_mul_act "${AMA[@]}" & pids+=($!); }
 has lce && { MAX_JOBS=4 BUILD_ONLY=1 bash $T linear_cross_entropy "${LCE[@]}" & pids+=($!); }
+has attn && { MAX_JOBS=8 BUILD_ONLY=1 bash $T attention default: & pids+=($!); }
 # every op in place, for the end-to-end profile
 has e2e && { MAX_JOBS=8 python3 setup.py -q build_ext --inplace > /tmp/tune/logs/build_all.log 2>&1 & pids+=($!); }
 wait "${pids[@]}"
@@ -48,15 +55,15 @@ lib() { ls /tmp/tune/$1/$2/lib/fuseforge/_C*.so; }
 pt() { timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -x -p no:cacheprovider ${TEST_K:+-k "$TEST_K"} "$@" 2>&1 | tail -2; }
 if has time; then
 echo "== timings ($(( $(date +%s) - t0 )) s)"
-CASES=llama1b IMPLS=fuseforge,torch_fused bash $T adamw "${ADAMW[@]}"
+op adamw && CASES=llama1b IMPLS=fuseforge,torch_fused bash $T adamw "${ADAMW[@]}"
 # fuseforge only: the compile baselines are in benchmarks/results/<op>.json (same GPU)
-CASES=16384x8192 bash $T add_mul_act "${AMA[@]}"
+op add_mul_act && CASES=16384x8192 bash $T add_mul_act "${AMA[@]}"
 has lce && CASES=8192x4096x128256 bash $T linear_cross_entropy "${LCE[@]}"
 fi
 if has tests; then
 echo "== tests: add_mul_act and adamw (default builds)"
-FUSEFORGE_EXTENSION=$(lib add_mul_act shared) pt tests/python/test_add_mul_act.py
-FUSEFORGE_EXTENSION=$(lib adamw shared) pt tests/python/test_adamw.py
+op add_mul_act && FUSEFORGE_EXTENSION=$(lib add_mul_act shared) pt tests/python/test_add_mul_act.py
+op adamw && FUSEFORGE_EXTENSION=$(lib adamw shared) pt tests/python/test_adamw.py
 fi
 if has e2e; then
 echo "== e2e profile ($(( $(date +%s) - t0 )) s)"
@@ -77,5 +84,17 @@ done
 echo "== ncu add_mul_act training forward fp32 gelu (writes out and z)"
 FUSEFORGE_EXTENSION=$(lib add_mul_act shared) timeout 90 $NCU --kernel-name regex:forward_kernel \
   python3 scripts/kernel_workload.py add_mul_act 16384x8192 fp32 gelu 2>&1 | keep 100
+fi
+if has attn; then
+echo "== attention GPU tests ($(( $(date +%s) - t0 )) s)"
+FUSEFORGE_EXTENSION=$(lib attention shared) TEST_K=${TEST_K:-cuda} pt tests/python/test_attention.py
+ATTN_CASE=${ATTN_CASE:-D128/S4096/full}
+NCU="ncu --launch-skip 1 --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis_Tables --section InstructionStats"
+keep() { grep -vE "^==PROF==|^\s*$|^\s*-+\s*$" | tail -"$1"; }
+for impl in fuseforge:attention_bwd_dkdv sdpa_flash:flash_bwd_dq_dk_dv; do
+  echo "== ncu attention backward ${impl%%:*} $ATTN_CASE"
+  FUSEFORGE_EXTENSION=$(lib attention shared) timeout 150 $NCU --kernel-name regex:${impl#*:} \
+    python3 scripts/kernel_workload.py attention $ATTN_CASE ${impl%%:*} 2>&1 | keep 150
+done
 fi
 echo "== probe done in $(( $(date +%s) - t0 )) s"
