@@ -7,8 +7,12 @@
 //      atomic path it also computes dQ += dS K for the tile and adds it to an fp32 buffer.
 //   3a. atomic path: a kernel converts that buffer to dq (times scale) in q's dtype and strides.
 //   3b. deterministic path: a dq kernel owns kBlockM queries and loops over key tiles (no atomics).
+// The dk/dv kernel has two bodies with the same work split: on sm_90a its five products are
+// warpgroup wgmma's (attention_wgmma.cuh; each warpgroup owns 64 keys); elsewhere mma.sync (each
+// warp owns 16 keys). Measured on the H100 in docs/notes_attention.md.
 #pragma once
 #include "attention/attention_fwd_kernel.cuh"
+#include "attention/attention_wgmma.cuh"
 
 namespace fuseforge::attention {
 
@@ -40,7 +44,28 @@ __global__ void attention_row_dot_kernel(const __grid_constant__ BwdParams p) {
   if (lane == 0) p.row_dot[row] = sum;
 }
 
-// dq = scale * dq_accum in q's dtype and strides, 8 elements a thread.
+// dq_accum (atomic path): fp32, for each (batch, head) ceil(Sq / 16) x (D / 8) tiles of 16 rows x 8
+// columns, each stored in mma C-fragment order (lane l's element e at 4 l + e: row l / 4 + 8 (e / 2),
+// column 2 (l % 4) + e % 2). A warp's atomic add of one tile is then 512 contiguous bytes, one
+// 16-byte vector a lane, instead of 8 rows x 32 bytes in two half-used passes.
+__device__ __forceinline__ int dq_accum_rows(int seqlen_q) { return (seqlen_q + 15) & ~15; }
+__device__ __forceinline__ float* dq_accum_tile(const BwdParams& p, int b, int h, int row_tile, int col_tile, int kD) {
+  const int64_t bh = static_cast<int64_t>(b) * p.heads_q + h;
+  return p.dq_accum + ((bh * (dq_accum_rows(p.seqlen_q) / 16) + row_tile) * (kD / 8) + col_tile) * 128;
+}
+// tile[4 lane + e] += v[e], e = 0..3 (one vector reduction on sm_90).
+__device__ __forceinline__ void dq_accum_add(float* tile, int lane, float v0, float v1, float v2, float v3) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float4*>(tile) + lane, make_float4(v0, v1, v2, v3));
+#else
+  atomicAdd(tile + 4 * lane, v0);
+  atomicAdd(tile + 4 * lane + 1, v1);
+  atomicAdd(tile + 4 * lane + 2, v2);
+  atomicAdd(tile + 4 * lane + 3, v3);
+#endif
+}
+
+// dq = scale * dq_accum in q's dtype and strides, 8 elements (one row of a 16 x 8 tile) a thread.
 template <typename T, int kD>
 __global__ void attention_dq_convert_kernel(const __grid_constant__ BwdParams p) {
   constexpr int kChunks = kD / 8;
@@ -52,19 +77,27 @@ __global__ void attention_dq_convert_kernel(const __grid_constant__ BwdParams p)
   const int i = static_cast<int>(row % p.seqlen_q);
   const int64_t bh = row / p.seqlen_q;
   const int h = static_cast<int>(bh % p.heads_q), b = static_cast<int>(bh / p.heads_q);
-  const float4* src = reinterpret_cast<const float4*>(p.dq_accum + row * kD + c * 8);
-  const float4 lo = src[0], hi = src[1];
-  uint4 v;
-  v.x = pack2<T>(lo.x * p.scale, lo.y * p.scale);
-  v.y = pack2<T>(lo.z * p.scale, lo.w * p.scale);
-  v.z = pack2<T>(hi.x * p.scale, hi.y * p.scale);
-  v.w = pack2<T>(hi.z * p.scale, hi.w * p.scale);
+  // Row i % 16 of the tile: lanes 4 (i % 8) + j, elements 2 ((i % 16) / 8) + {0, 1}, j = column pair.
+  const float* tile = dq_accum_tile(p, b, h, i / 16, c, kD) + 16 * (i & 7) + 2 * ((i >> 3) & 1);
+  float v[8];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 pair = *reinterpret_cast<const float2*>(tile + 4 * j);
+    v[2 * j] = pair.x * p.scale;
+    v[2 * j + 1] = pair.y * p.scale;
+  }
+  uint4 out;
+  out.x = pack2<T>(v[0], v[1]);
+  out.y = pack2<T>(v[2], v[3]);
+  out.z = pack2<T>(v[4], v[5]);
+  out.w = pack2<T>(v[6], v[7]);
   T* dst = static_cast<T*>(p.grad_q) + b * p.dq_batch_stride + h * p.dq_head_stride + i * p.dq_row_stride + c * 8;
-  *reinterpret_cast<uint4*>(dst) = v;
+  *reinterpret_cast<uint4*>(dst) = out;
 }
 
+// mma.sync body (GPUs other than sm_90a): each of the 8 warps owns 16 keys.
 template <class Tr, bool kCausal, bool kAtomicDq>
-__device__ __forceinline__ void attention_bwd_dkdv_body(const BwdParams& p) {
+__device__ __forceinline__ void attention_bwd_dkdv_mma_body(const BwdParams& p) {
   using T = typename Tr::T;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kNT = Tr::kNTiles, kD = Tr::kHeadDim;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -231,21 +264,16 @@ __device__ __forceinline__ void attention_bwd_dkdv_body(const BwdParams& p) {
           }
         }
       }
-      float* dq_rows = p.dq_accum + ((static_cast<int64_t>(b) * p.heads_q + h) * p.seqlen_q) * kD;
 #pragma unroll
-      for (int rt = 0; rt < kRT; ++rt)
+      for (int rt = 0; rt < kRT; ++rt) {
+        const int row_tile = (m0 + q_row0) / 16 + rt;
+        if (row_tile * 16 < p.seqlen_q) {
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int row = m0 + q_row0 + rt * 16 + (lane >> 2) + hh * 8;
-          if (row < p.seqlen_q) {
-#pragma unroll
-            for (int dt = 0; dt < kCols / 8; ++dt) {
-              float* dst = dq_rows + static_cast<int64_t>(row) * kD + d_col0 + dt * 8 + (lane & 3) * 2;
-              atomicAdd(dst, dq[rt][dt][2 * hh]);
-              atomicAdd(dst + 1, dq[rt][dt][2 * hh + 1]);
-            }
-          }
+          for (int dt = 0; dt < kCols / 8; ++dt)
+            dq_accum_add(dq_accum_tile(p, b, h, row_tile, (d_col0 >> 3) + dt, kD), lane, dq[rt][dt][0], dq[rt][dt][1],
+                         dq[rt][dt][2], dq[rt][dt][3]);
         }
+      }
     }
   }
 
@@ -260,6 +288,227 @@ __device__ __forceinline__ void attention_bwd_dkdv_body(const BwdParams& p) {
   store_rows<T, kD, kNT>(dk, scales, smem, warp_row0, gk, p.dk_row_stride, rows_k, lane);
   store_rows<T, kD, kNT>(dv, ones, smem + Tr::kTileKVBytes, warp_row0, gv, p.dv_row_stride, rows_k, lane);
 }
+
+#if FUSEFORGE_ATTENTION_WGMMA
+// wgmma body (sm_90a): warpgroup g (warps 4g..4g+3) owns keys [64 g, 64 g + 64) of the block, so each
+// warp's accumulator rows are the same 16 keys as in the mma.sync body and the softmax code matches.
+// Per query tile: S^T = K Q^T and dP^T = V dO^T (operands in shared memory), then dV += P^T dO and
+// dK += dS^T Q with P^T / dS^T from registers, and on the atomic path dQ = dS K from dS^T written to
+// shared memory (for D = 128 each warpgroup takes 64 of dQ's columns; for D = 64 half of the keys).
+template <class Tr, bool kCausal, bool kAtomicDq>
+__device__ __forceinline__ void attention_bwd_dkdv_wgmma_body(const BwdParams& p) {
+  using T = typename Tr::T;
+  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kD = Tr::kHeadDim;
+  static_assert(kBlockM == 64 && kBlockN == 128 && Tr::kNWarps == 8, "2 warpgroups of 64 keys, 64-query tiles");
+  static_assert(kD == 64 || kD == 128, "wgmma N = head dim");
+  using KVTile = PanelTile<kBlockN>;
+  using QTile = PanelTile<kBlockM>;
+  using DsTile = PanelTile<kBlockN>;  // dS^T: kBlockN keys x kBlockM (= 64) queries, one panel
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
+  int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+  if constexpr (kCausal) {
+    if (p.kv_block_slowest) n_block = blockIdx.z, hk = blockIdx.x, b = blockIdx.y;
+  }
+  const int n0 = n_block * kBlockN;
+  const int rows_k = min(kBlockN, p.seqlen_k - n0);
+  const int causal_offset = p.seqlen_k - p.seqlen_q;
+  const int m_first = kCausal ? max(0, n0 - causal_offset) / kBlockM : 0;
+  const int m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
+  const int m_count = max(0, m_blocks - m_first);
+  const int iterations = p.group * m_count;
+
+  // Tiles start on 1024-byte boundaries (the 128-byte swizzle); the launch adds 1 KB for this.
+  const uint32_t raw = smem_addr(attention_smem);
+  const uint32_t sK = (raw + 1023) & ~1023u;
+  unsigned char* smem = attention_smem + (sK - raw);
+  const uint32_t sV = sK + Tr::kTileKVBytes;
+  const uint32_t sStage0 = sV + Tr::kTileKVBytes;  // stage s: Q at sStage0 + 2 s tileQ, dO after it
+  const uint32_t sDs = sStage0 + 4 * Tr::kTileQBytes;
+  float* stage_floats0 = reinterpret_cast<float*>(smem + (sDs - sK) + Tr::kTileDsBytes);  // stage s: lse, D
+
+  const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride + n0 * p.k_row_stride;
+  const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride + n0 * p.v_row_stride;
+  load_tile_async<kBlockN, kD, Tr::kThreads, T, KVTile>(sK, k, p.k_row_stride, rows_k, tid);
+  load_tile_async<kBlockN, kD, Tr::kThreads, T, KVTile>(sV, v, p.v_row_stride, rows_k, tid);
+
+  auto prefetch = [&](int it) {
+    const int h = hk * p.group + it / m_count;
+    const int m0 = (m_first + it % m_count) * kBlockM;
+    const uint32_t sQ = sStage0 + (it & 1) * 2 * Tr::kTileQBytes;
+    const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + m0 * p.q_row_stride;
+    const T* dout =
+        static_cast<const T*>(p.grad_out) + b * p.do_batch_stride + h * p.do_head_stride + m0 * p.do_row_stride;
+    load_tile_async<kBlockM, kD, Tr::kThreads, T, QTile>(sQ, q, p.q_row_stride, p.seqlen_q - m0, tid);
+    load_tile_async<kBlockM, kD, Tr::kThreads, T, QTile>(sQ + Tr::kTileQBytes, dout, p.do_row_stride,
+                                                         p.seqlen_q - m0, tid);
+    float* floats = stage_floats0 + (it & 1) * 2 * kBlockM;
+    const int64_t row_base = (static_cast<int64_t>(b) * p.heads_q + h) * p.seqlen_q;
+    for (int r = tid; r < kBlockM; r += Tr::kThreads) {
+      const bool valid = m0 + r < p.seqlen_q;
+      floats[r] = valid ? lse_to_log2(p.lse[row_base + m0 + r]) : INFINITY;
+      floats[kBlockM + r] = valid ? p.row_dot[row_base + m0 + r] : 0.f;
+    }
+  };
+
+  float dk[kD / 2], dv[kD / 2];
+#pragma unroll
+  for (int i = 0; i < kD / 2; ++i) dk[i] = dv[i] = 0.f;
+
+  if (iterations > 0) prefetch(0);
+  cp_async_commit();
+  const int warp_row0 = warp * 16;  // this warp's keys within the block
+  const uint32_t wg_rows = wg * 64 * 128;  // byte offset of the warpgroup's first key row in a K/V panel
+  const float scale_log2 = p.scale_log2;
+
+  for (int it = 0; it < iterations; ++it) {
+    cp_async_wait<0>();
+    fence_proxy_async_shared();  // this thread's cp.async writes, visible to wgmma's reads
+    __syncthreads();             // stage it % 2 landed; every warpgroup is done with iteration it - 1
+    if (it + 1 < iterations) prefetch(it + 1);
+    cp_async_commit();
+    const int h = hk * p.group + it / m_count;
+    const int m0 = (m_first + it % m_count) * kBlockM;
+    const uint32_t sQ = sStage0 + (it & 1) * 2 * Tr::kTileQBytes;
+    const uint32_t sdO = sQ + Tr::kTileQBytes;
+    const float* s_lse = stage_floats0 + (it & 1) * 2 * kBlockM;
+    const float* s_row_dot = s_lse + kBlockM;
+
+    // S^T = K Q^T and dP^T = V dO^T: 64 keys x 64 queries each, both operands K-major.
+    float st[32], dpt[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) st[i] = dpt[i] = 0.f;
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kD / 16; ++ks) {
+      const uint32_t k_off = (ks >> 2) * KVTile::kPanelBytes + wg_rows + (ks & 3) * 32;
+      const uint32_t q_off = (ks >> 2) * QTile::kPanelBytes + (ks & 3) * 32;
+      wgmma_m64n64k16_ss<T, 0, 0>(st, wgmma_desc_k_major(sK + k_off), wgmma_desc_k_major(sQ + q_off));
+    }
+    wgmma_commit();
+#pragma unroll
+    for (int ks = 0; ks < kD / 16; ++ks) {
+      const uint32_t k_off = (ks >> 2) * KVTile::kPanelBytes + wg_rows + (ks & 3) * 32;
+      const uint32_t q_off = (ks >> 2) * QTile::kPanelBytes + (ks & 3) * 32;
+      wgmma_m64n64k16_ss<T, 0, 0>(dpt, wgmma_desc_k_major(sV + k_off), wgmma_desc_k_major(sdO + q_off));
+    }
+    wgmma_commit();
+    wgmma_wait<1>();
+    wgmma_fence_operands(st);
+
+    // P^T = exp2(S^T * scale_log2 - lse_log2[query]); element i: query column 8 (i / 4) + 2 t + i % 2,
+    // key row warp_row0 + g + 8 ((i % 4) / 2).
+    const bool needs_mask = n0 + kBlockN > p.seqlen_k || (kCausal && n0 + kBlockN - 1 > m0 + causal_offset);
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      const int col = (i >> 2) * 8 + (lane & 3) * 2 + (i & 1);
+      float val = fast_exp2(fmaf(st[i], scale_log2, -s_lse[col]));
+      if (needs_mask) {
+        const int key = n0 + warp_row0 + (lane >> 2) + ((i >> 1) & 1) * 8;
+        if (key >= p.seqlen_k || (kCausal && key > m0 + col + causal_offset)) val = 0.f;
+      }
+      st[i] = val;
+    }
+    // dV += P^T dO: P^T as A fragments (k = 16 queries a step), dO MN-major (rows = queries).
+    uint32_t pa[kBlockM / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk) {
+      pa[kk][0] = pack2<T>(st[8 * kk + 0], st[8 * kk + 1]);
+      pa[kk][1] = pack2<T>(st[8 * kk + 2], st[8 * kk + 3]);
+      pa[kk][2] = pack2<T>(st[8 * kk + 4], st[8 * kk + 5]);
+      pa[kk][3] = pack2<T>(st[8 * kk + 6], st[8 * kk + 7]);
+    }
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk) {
+      const uint64_t desc_do = wgmma_desc(sdO + kk * 16 * 128, QTile::kPanelBytes);
+      if constexpr (kD == 128) wgmma_m64n128k16_rs<T, 1>(dv, pa[kk], desc_do);
+      else wgmma_m64n64k16_rs<T, 1>(dv, pa[kk], desc_do);
+    }
+    wgmma_commit();
+    wgmma_wait<1>();  // dP^T done (dV may still run: pa stays untouched)
+    wgmma_fence_operands(dpt);
+
+    // dS^T = P^T (dP^T - D[query]); dK += dS^T Q (Q MN-major).
+    uint32_t dsa[kBlockM / 16][4];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      const int col = (i >> 2) * 8 + (lane & 3) * 2 + (i & 1);
+      dpt[i] = st[i] * (dpt[i] - s_row_dot[col]);
+    }
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk) {
+      dsa[kk][0] = pack2<T>(dpt[8 * kk + 0], dpt[8 * kk + 1]);
+      dsa[kk][1] = pack2<T>(dpt[8 * kk + 2], dpt[8 * kk + 3]);
+      dsa[kk][2] = pack2<T>(dpt[8 * kk + 4], dpt[8 * kk + 5]);
+      dsa[kk][3] = pack2<T>(dpt[8 * kk + 6], dpt[8 * kk + 7]);
+    }
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk) {
+      const uint64_t desc_q = wgmma_desc(sQ + kk * 16 * 128, QTile::kPanelBytes);
+      if constexpr (kD == 128) wgmma_m64n128k16_rs<T, 1>(dk, dsa[kk], desc_q);
+      else wgmma_m64n64k16_rs<T, 1>(dk, dsa[kk], desc_q);
+    }
+    wgmma_commit();
+
+    if constexpr (kAtomicDq) {
+      // dS^T to shared memory ([key][query]); element pair (2t, 2t + 1) of query block j, key row
+      // g + 8 hh is register dsa[j / 2][2 (j % 2) + hh].
+#pragma unroll
+      for (int j = 0; j < kBlockM / 8; ++j)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int row = warp_row0 + (lane >> 2) + hh * 8;
+          const int col = j * 8 + (lane & 3) * 2;
+          *reinterpret_cast<uint32_t*>(smem + (sDs - sK) + DsTile::offset(row, col) + (col & 7) * 2) =
+              dsa[j >> 1][2 * (j & 1) + hh];
+        }
+      fence_proxy_async_shared();
+      __syncthreads();  // all 128 keys of dS^T written
+      // dQ (64 queries x 64 columns per warpgroup) = dS K: dS from sDs MN-major (rows = keys), K
+      // MN-major (rows = keys).
+      constexpr int kDqSteps = kD == 128 ? kBlockN / 16 : kBlockN / 32;
+      const int col0 = kD == 128 ? wg * 64 : 0;
+      const int step0 = kD == 128 ? 0 : wg * kDqSteps;
+      float dq[32];
+#pragma unroll
+      for (int i = 0; i < 32; ++i) dq[i] = 0.f;
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kDqSteps; ++kk) {
+        const uint32_t row_off = (step0 + kk) * 16 * 128;
+        wgmma_m64n64k16_ss<T, 1, 1>(dq, wgmma_desc(sDs + row_off, DsTile::kPanelBytes),
+                                    wgmma_desc(sK + (col0 >> 6) * KVTile::kPanelBytes + row_off, KVTile::kPanelBytes));
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      wgmma_fence_operands(dq);
+      const int row_tile = m0 / 16 + (warp & 3);
+      if (row_tile * 16 < p.seqlen_q) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          dq_accum_add(dq_accum_tile(p, b, h, row_tile, (col0 >> 3) + j, kD), lane, dq[4 * j], dq[4 * j + 1],
+                       dq[4 * j + 2], dq[4 * j + 3]);
+      }
+    } else {
+      wgmma_wait<0>();
+    }
+    wgmma_fence_operands(dv);
+    wgmma_fence_operands(dk);
+  }
+
+  // dK = scale * sum dS^T Q, dV = sum P^T dO: staged through this warp's own rows of the first tile.
+  cp_async_wait<0>();
+  __syncthreads();  // every warpgroup is done reading sK / sV
+  float ones[1][2] = {{1.f, 1.f}}, scales[1][2] = {{p.scale, p.scale}};
+  T* gk = static_cast<T*>(p.grad_k) + b * p.dk_batch_stride + hk * p.dk_head_stride + n0 * p.dk_row_stride;
+  T* gv = static_cast<T*>(p.grad_v) + b * p.dv_batch_stride + hk * p.dv_head_stride + n0 * p.dv_row_stride;
+  store_rows<T, kD, 1>(reinterpret_cast<const float(&)[1][kD / 8][4]>(dk), scales, smem, warp_row0, gk,
+                       p.dk_row_stride, rows_k, lane);
+  store_rows<T, kD, 1>(reinterpret_cast<const float(&)[1][kD / 8][4]>(dv), ones, smem + Tr::kTileKVBytes, warp_row0,
+                       gv, p.dv_row_stride, rows_k, lane);
+}
+#endif  // FUSEFORGE_ATTENTION_WGMMA
 
 // Deterministic dq: a block owns kBlockM queries of one (batch, head) and loops over key tiles;
 // K/V tiles are double-buffered (K is read twice per tile: S = Q K^T and dQ += dS K).
@@ -361,7 +610,11 @@ __device__ __forceinline__ void attention_bwd_dq_body(const BwdParams& p) {
 
 template <class Tr, bool kCausal, bool kAtomicDq>
 __global__ void __launch_bounds__(Tr::kThreads) attention_bwd_dkdv_kernel(const __grid_constant__ BwdParams params) {
-  attention_bwd_dkdv_body<Tr, kCausal, kAtomicDq>(params);
+#if FUSEFORGE_ATTENTION_WGMMA
+  attention_bwd_dkdv_wgmma_body<Tr, kCausal, kAtomicDq>(params);
+#else
+  attention_bwd_dkdv_mma_body<Tr, kCausal, kAtomicDq>(params);
+#endif
 }
 
 template <class Tr, bool kCausal>

@@ -127,7 +127,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(const at::Tens
   p.row_dot = row_dot.data_ptr<float>();
   at::Tensor dq_accum;
   if (!deterministic) {
-    dq_accum = at::zeros({s.batch, s.heads_q, s.seqlen_q, s.head_dim}, q.options().dtype(at::kFloat));
+    // Rows padded to a multiple of 16: the kernels add whole 16 x 8 tiles (attention_bwd_kernel.cuh).
+    const int64_t rows = (s.seqlen_q + 15) / 16 * 16;
+    dq_accum = at::zeros({s.batch, s.heads_q, rows, s.head_dim}, q.options().dtype(at::kFloat));
     p.dq_accum = dq_accum.data_ptr<float>();
   }
   dispatch_dtype_head_dim(q.scalar_type(), s.head_dim,

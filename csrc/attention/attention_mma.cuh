@@ -115,8 +115,9 @@ struct SwizzledBases {
 };
 
 // Rows [row0, row0 + kRows) x kCols of a global matrix (row stride in elements) into a swizzled
-// shared tile with cp.async, zero-filling rows at or past `rows_valid`. All kThreads threads take part.
-template <int kRows, int kCols, int kThreads, typename T>
+// shared tile (Tile::offset: SwizzledTile, or the wgmma kernels' PanelTile) with cp.async,
+// zero-filling rows at or past `rows_valid`. All kThreads threads take part.
+template <int kRows, int kCols, int kThreads, typename T, class Tile = SwizzledTile<kCols>>
 __device__ __forceinline__ void load_tile_async(uint32_t smem_base, const T* gmem, int64_t row_stride,
                                                 int rows_valid, int tid) {
   constexpr int kChunks = kCols / 8;
@@ -129,7 +130,7 @@ __device__ __forceinline__ void load_tile_async(uint32_t smem_base, const T* gme
     const bool valid = row < rows_valid;
     // Invalid rows point at the tile's first row (always mapped), with a zero-byte read.
     const T* src = gmem + (valid ? row : 0) * row_stride + chunk * 8;
-    cp_async_16(smem_base + SwizzledTile<kCols>::offset(row, chunk * 8), src, valid);
+    cp_async_16(smem_base + Tile::offset(row, chunk * 8), src, valid);
   }
 }
 

@@ -33,7 +33,9 @@ struct BwdParams : FwdParams {
   int64_t dk_batch_stride = 0, dk_head_stride = 0, dk_row_stride = 0;
   int64_t dv_batch_stride = 0, dv_head_stride = 0, dv_row_stride = 0;
   float* row_dot = nullptr;   // (B, Hq, Sq) fp32: D_i = sum_d dO * O, from the preprocessing kernel
-  float* dq_accum = nullptr;  // (B, Hq, Sq, D) fp32, zeroed, for the atomic dq path; null when deterministic
+  // fp32, zeroed, for the atomic dq path (null when deterministic): (B, Hq, Sq rounded up to 16, D)
+  // elements in 16 x 8 tiles of mma C-fragment order (attention_bwd_kernel.cuh, dq_accum_tile).
+  float* dq_accum = nullptr;
   bool kv_block_slowest = false;  // set by the launcher: the dk/dv grid is (Hk, B, key blocks), heaviest first
 };
 
