@@ -12,7 +12,6 @@
 // warp owns 16 keys). Measured on the H100 in docs/notes_attention.md.
 #pragma once
 #include "attention/attention_fwd_kernel.cuh"
-#include "attention/attention_wgmma.cuh"
 
 namespace fuseforge::attention {
 

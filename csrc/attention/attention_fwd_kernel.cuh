@@ -7,6 +7,7 @@
 
 #include "attention/attention_kernel_traits.h"
 #include "attention/attention_mma.cuh"
+#include "attention/attention_wgmma.cuh"
 #include "attention/attention_params.h"
 #include "common/dispatch.h"
 #include "common/launch.cuh"
@@ -126,8 +127,9 @@ __device__ __forceinline__ void store_rows(const float (&acc)[kMT][kD / 8][4], c
   }
 }
 
+// mma.sync body (GPUs other than sm_90a): each warp owns kRowsPerWarp query rows.
 template <class Tr, bool kCausal>
-__device__ __forceinline__ void attention_fwd_body(const FwdParams& p) {
+__device__ __forceinline__ void attention_fwd_mma_body(const FwdParams& p) {
   using T = typename Tr::T;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kMT = Tr::kMTiles, kD = Tr::kHeadDim;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -246,9 +248,157 @@ __device__ __forceinline__ void attention_fwd_body(const FwdParams& p) {
   store_rows<T, kD, kMT>(o, inv_sum, smem, warp_row0, out, p.out_row_stride, rows_q, lane);
 }
 
+#if FUSEFORGE_ATTENTION_WGMMA
+// wgmma body (sm_90a): warpgroup g owns query rows [64 g, 64 g + 64) of the block, so each warp holds
+// the same 16 rows as in the mma.sync body with kMTiles = 1. S = Q K^T (both K-major in shared
+// memory), then O += P V with P from registers and V MN-major. K/V tiles are double-buffered: the next
+// tile's cp.async runs under this tile's products and softmax.
+template <class Tr, bool kCausal>
+__device__ __forceinline__ void attention_fwd_wgmma_body(const FwdParams& p) {
+  using T = typename Tr::T;
+  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kD = Tr::kHeadDim;
+  static_assert(kBlockM == 128 && kBlockN == 128 && Tr::kNWarps == 8, "2 warpgroups of 64 rows, 128-key tiles");
+  static_assert(kD == 64 || kD == 128, "wgmma N = head dim");
+  using QTile = PanelTile<kBlockM>;
+  using KVTile = PanelTile<kBlockN>;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
+  const int m_block = gridDim.x - 1 - blockIdx.x;  // heaviest (causal) blocks first
+  const int h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
+  const int m0 = m_block * kBlockM;
+  const int rows_q = min(kBlockM, p.seqlen_q - m0);
+  const int causal_offset = p.seqlen_k - p.seqlen_q;
+  const int key_end = kCausal ? causal_key_end(m0, kBlockM, p.seqlen_q, p.seqlen_k) : p.seqlen_k;
+  const int n_blocks = (key_end + kBlockN - 1) / kBlockN;
+
+  const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + m0 * p.q_row_stride;
+  const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
+  const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
+
+  // Tiles on 1024-byte boundaries (the 128-byte swizzle); the launch adds 1 KB for this.
+  const uint32_t raw = smem_addr(attention_smem);
+  const uint32_t sQ = (raw + 1023) & ~1023u;
+  unsigned char* smem = attention_smem + (sQ - raw);
+  const uint32_t sKV0 = sQ + Tr::kTileQBytes;  // stage s: K at sKV0 + 2 s tileKV, V after it
+  auto load_kv = [&](int nb) {
+    const int n0 = nb * kBlockN;
+    const uint32_t sK = sKV0 + (nb & 1) * 2 * Tr::kTileKVBytes;
+    load_tile_async<kBlockN, kD, Tr::kThreads, T, KVTile>(sK, k + n0 * p.k_row_stride, p.k_row_stride,
+                                                          p.seqlen_k - n0, tid);
+    load_tile_async<kBlockN, kD, Tr::kThreads, T, KVTile>(sK + Tr::kTileKVBytes, v + n0 * p.v_row_stride,
+                                                          p.v_row_stride, p.seqlen_k - n0, tid);
+  };
+  load_tile_async<kBlockM, kD, Tr::kThreads, T, QTile>(sQ, q, p.q_row_stride, rows_q, tid);
+  if (n_blocks > 0) load_kv(0);
+  cp_async_commit();
+
+  float o[kD / 2];
+#pragma unroll
+  for (int i = 0; i < kD / 2; ++i) o[i] = 0.f;
+  float row_max[1][2] = {{-INFINITY, -INFINITY}}, row_sum[1][2] = {{0.f, 0.f}};
+  const int warp_row0 = warp * 16;
+  const uint32_t wg_rows = wg * 64 * 128;  // byte offset of the warpgroup's first row in a Q panel
+  const float scale_log2 = p.scale_log2;
+  auto& o3 = reinterpret_cast<float(&)[1][kD / 8][4]>(o);
+
+  for (int nb = 0; nb < n_blocks; ++nb) {
+    const int n0 = nb * kBlockN;
+    cp_async_wait<0>();
+    fence_proxy_async_shared();  // this thread's cp.async writes, visible to wgmma's reads
+    __syncthreads();             // K/V[nb] (and Q) landed; both warpgroups are done with K/V[nb - 1]
+    if (nb + 1 < n_blocks) load_kv(nb + 1);
+    cp_async_commit();
+    const uint32_t sK = sKV0 + (nb & 1) * 2 * Tr::kTileKVBytes;
+    const uint32_t sV = sK + Tr::kTileKVBytes;
+
+    float s[kBlockN / 2];
+#pragma unroll
+    for (int i = 0; i < kBlockN / 2; ++i) s[i] = 0.f;
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kD / 16; ++ks) {
+      const uint32_t q_off = (ks >> 2) * QTile::kPanelBytes + wg_rows + (ks & 3) * 32;
+      const uint32_t k_off = (ks >> 2) * KVTile::kPanelBytes + (ks & 3) * 32;
+      wgmma_m64n128k16_ss<T, 0, 0>(s, wgmma_desc_k_major(sQ + q_off), wgmma_desc_k_major(sK + k_off));
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operands(s);
+    auto& s3 = reinterpret_cast<float(&)[1][kBlockN / 8][4]>(s);
+
+    const bool needs_mask = n0 + kBlockN > p.seqlen_k || (kCausal && n0 + kBlockN - 1 > m0 + causal_offset);
+    if (needs_mask) apply_mask<kCausal, 1, kBlockN>(s3, m0 + warp_row0, n0, p.seqlen_k, causal_offset, lane);
+
+    // Online softmax, as in the mma.sync body.
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      float mx = row_max[0][hh];
+#pragma unroll
+      for (int nt = 0; nt < kBlockN / 8; ++nt) mx = fmaxf(mx, fmaxf(s3[0][nt][2 * hh], s3[0][nt][2 * hh + 1]));
+      mx = warp_max4(mx);
+      const float max_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
+      const float correction = fast_exp2(row_max[0][hh] * scale_log2 - max_scaled);
+      row_max[0][hh] = mx;
+      float sum = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < kBlockN / 8; ++nt)
+#pragma unroll
+        for (int e = 2 * hh; e < 2 * hh + 2; ++e) {
+          s3[0][nt][e] = fast_exp2(fmaf(s3[0][nt][e], scale_log2, -max_scaled));
+          sum += s3[0][nt][e];
+        }
+      row_sum[0][hh] = row_sum[0][hh] * correction + sum;
+#pragma unroll
+      for (int dt = 0; dt < kD / 8; ++dt) {
+        o3[0][dt][2 * hh] *= correction;
+        o3[0][dt][2 * hh + 1] *= correction;
+      }
+    }
+
+    // O += P V: P as A fragments (k = 16 keys a step), V MN-major (rows = keys).
+    uint32_t pa[kBlockN / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      pa[kk][0] = pack2<T>(s[8 * kk + 0], s[8 * kk + 1]);
+      pa[kk][1] = pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
+      pa[kk][2] = pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
+      pa[kk][3] = pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      const uint64_t desc_v = wgmma_desc(sV + kk * 16 * 128, KVTile::kPanelBytes);
+      if constexpr (kD == 128) wgmma_m64n128k16_rs<T, 1>(o, pa[kk], desc_v);
+      else wgmma_m64n64k16_rs<T, 1>(o, pa[kk], desc_v);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operands(o);
+  }
+
+  // Epilogue: O / l, and lse = max * scale + ln(l) (-inf and a zero row where no key was seen).
+  float inv_sum[1][2];
+  float* lse = p.lse + (static_cast<int64_t>(b) * p.heads_q + h) * p.seqlen_q;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const float l = warp_sum4(row_sum[0][hh]);
+    inv_sum[0][hh] = l > 0.f ? 1.f / l : 0.f;
+    const int row = m0 + warp_row0 + (lane >> 2) + hh * 8;
+    if ((lane & 3) == 0 && row < p.seqlen_q) lse[row] = l > 0.f ? row_max[0][hh] * p.scale + logf(l) : -INFINITY;
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // both warpgroups are done reading sQ; staging rows overlap the other warpgroup's
+  T* out = static_cast<T*>(p.out) + b * p.out_batch_stride + h * p.out_head_stride + m0 * p.out_row_stride;
+  store_rows<T, kD, 1>(o3, inv_sum, smem, warp_row0, out, p.out_row_stride, rows_q, lane);
+}
+#endif  // FUSEFORGE_ATTENTION_WGMMA
+
 template <class Tr, bool kCausal>
 __global__ void __launch_bounds__(Tr::kThreads) attention_fwd_kernel(const __grid_constant__ FwdParams params) {
-  attention_fwd_body<Tr, kCausal>(params);
+#if FUSEFORGE_ATTENTION_WGMMA
+  attention_fwd_wgmma_body<Tr, kCausal>(params);
+#else
+  attention_fwd_mma_body<Tr, kCausal>(params);
+#endif
 }
 
 template <class Tr>

@@ -23,8 +23,9 @@ struct FwdTraits {
   static_assert(kHeadDim % 64 == 0, "rows of at least 8 16-byte chunks (the smem swizzle)");
   static constexpr int kTileQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kTileKVBytes = kBlockN * kHeadDim * 2;
-  // Q, one K and one V tile: the K load of the next tile overlaps P V, the V load overlaps Q K^T.
-  static constexpr int kSmemBytes = kTileQBytes + 2 * kTileKVBytes;
+  // mma.sync body: Q, one K and one V tile (the K load of the next tile overlaps P V, the V load
+  // overlaps Q K^T). wgmma body: Q, two stages of K and V, 1 KB to align the tiles on 1024 bytes.
+  static constexpr int kSmemBytes = kTileQBytes + 4 * kTileKVBytes + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "fits an H100 SM's shared memory");
 };
 

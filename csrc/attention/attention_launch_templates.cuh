@@ -23,12 +23,12 @@ struct CudaElement<at::BFloat16> {
   using type = __nv_bfloat16;
 };
 
-// Forward: 128 query rows a block, 4 warps of 32 rows (two m16 tiles share every K/V fragment),
-// key tiles of 64. Measured on the H100 (docs/notes_attention.md): for D128, 128 x 64 (112-120 bytes
-// of register spill) beats the spill-free 128 x 32 by 3-9%; for D64, 128 x 64 beats 128 x 128.
+// Forward: 128 query rows a block, 8 warps of 16 rows (two warpgroups of 64 on sm_90a), key tiles of
+// 128. (The mma.sync-only kernel measured best at 4 warps of 32 rows and 64-key tiles on the H100,
+// docs/notes_attention.md; the wgmma body needs 64-row warpgroups and both share one launch shape.)
 template <typename T, int kHeadDim>
 struct FwdConfig {
-  using Traits = FwdTraits<T, kHeadDim, 128, 64, 4>;
+  using Traits = FwdTraits<T, kHeadDim, 128, 128, 8>;
 };
 
 // Backward dk/dv: 128 keys a block, 8 warps of 16 keys, query tiles of 64 (measured 1.3-1.4x faster
