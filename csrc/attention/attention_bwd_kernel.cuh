@@ -293,16 +293,18 @@ __device__ __forceinline__ void attention_bwd_dkdv_mma_body(const BwdParams& p) 
 // warp's accumulator rows are the same 16 keys as in the mma.sync body and the softmax code matches.
 // Per query tile: S^T = K Q^T and dP^T = V dO^T (operands in shared memory), then dV += P^T dO and
 // dK += dS^T Q with P^T / dS^T from registers, and on the atomic path dQ = dS K from dS^T written to
-// shared memory (for D = 128 each warpgroup takes 64 of dQ's columns; for D = 64 half of the keys).
+// shared memory: each warpgroup computes a 64 x 64 block of it over all 128 keys, the columns split
+// for D = 128 (64-query tiles), the query rows for D = 64 (128-query tiles).
 template <class Tr, bool kCausal, bool kAtomicDq>
 __device__ __forceinline__ void attention_bwd_dkdv_wgmma_body(const BwdParams& p) {
   using T = typename Tr::T;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kD = Tr::kHeadDim;
-  static_assert(kBlockM == 64 && kBlockN == 128 && Tr::kNWarps == 8, "2 warpgroups of 64 keys, 64-query tiles");
-  static_assert(kD == 64 || kD == 128, "wgmma N = head dim");
+  static_assert(kBlockN == 128 && Tr::kNWarps == 8, "2 warpgroups of 64 keys");
+  static_assert((kD == 128 && kBlockM == 64) || (kD == 64 && kBlockM == 128), "dQ splits one dimension in two");
+  constexpr int kSN = kBlockM / 2;  // S^T accumulator floats a thread (64 keys x kBlockM queries)
   using KVTile = PanelTile<kBlockN>;
   using QTile = PanelTile<kBlockM>;
-  using DsTile = PanelTile<kBlockN>;  // dS^T: kBlockN keys x kBlockM (= 64) queries, one panel
+  using DsTile = PanelTile<kBlockN>;  // dS^T: kBlockN keys x kBlockM queries
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
   int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
   if constexpr (kCausal) {
@@ -372,23 +374,25 @@ __device__ __forceinline__ void attention_bwd_dkdv_wgmma_body(const BwdParams& p
     const float* s_lse = stage_floats0 + (it & 1) * 2 * kBlockM;
     const float* s_row_dot = s_lse + kBlockM;
 
-    // S^T = K Q^T and dP^T = V dO^T: 64 keys x 64 queries each, both operands K-major.
-    float st[32], dpt[32];
+    // S^T = K Q^T and dP^T = V dO^T: 64 keys x kBlockM queries each, both operands K-major.
+    float st[kSN], dpt[kSN];
 #pragma unroll
-    for (int i = 0; i < 32; ++i) st[i] = dpt[i] = 0.f;
+    for (int i = 0; i < kSN; ++i) st[i] = dpt[i] = 0.f;
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < kD / 16; ++ks) {
       const uint32_t k_off = (ks >> 2) * KVTile::kPanelBytes + wg_rows + (ks & 3) * 32;
       const uint32_t q_off = (ks >> 2) * QTile::kPanelBytes + (ks & 3) * 32;
-      wgmma_m64n64k16_ss<T, 0, 0>(st, wgmma_desc_k_major(sK + k_off), wgmma_desc_k_major(sQ + q_off));
+      if constexpr (kBlockM == 64) wgmma_m64n64k16_ss<T, 0, 0>(st, wgmma_desc_k_major(sK + k_off), wgmma_desc_k_major(sQ + q_off));
+      else wgmma_m64n128k16_ss<T, 0, 0>(st, wgmma_desc_k_major(sK + k_off), wgmma_desc_k_major(sQ + q_off));
     }
     wgmma_commit();
 #pragma unroll
     for (int ks = 0; ks < kD / 16; ++ks) {
       const uint32_t k_off = (ks >> 2) * KVTile::kPanelBytes + wg_rows + (ks & 3) * 32;
       const uint32_t q_off = (ks >> 2) * QTile::kPanelBytes + (ks & 3) * 32;
-      wgmma_m64n64k16_ss<T, 0, 0>(dpt, wgmma_desc_k_major(sV + k_off), wgmma_desc_k_major(sdO + q_off));
+      if constexpr (kBlockM == 64) wgmma_m64n64k16_ss<T, 0, 0>(dpt, wgmma_desc_k_major(sV + k_off), wgmma_desc_k_major(sdO + q_off));
+      else wgmma_m64n128k16_ss<T, 0, 0>(dpt, wgmma_desc_k_major(sV + k_off), wgmma_desc_k_major(sdO + q_off));
     }
     wgmma_commit();
     wgmma_wait<1>();
@@ -398,7 +402,7 @@ __device__ __forceinline__ void attention_bwd_dkdv_wgmma_body(const BwdParams& p
     // key row warp_row0 + g + 8 ((i % 4) / 2).
     const bool needs_mask = n0 + kBlockN > p.seqlen_k || (kCausal && n0 + kBlockN - 1 > m0 + causal_offset);
 #pragma unroll
-    for (int i = 0; i < 32; ++i) {
+    for (int i = 0; i < kSN; ++i) {
       const int col = (i >> 2) * 8 + (lane & 3) * 2 + (i & 1);
       float val = fast_exp2(fmaf(st[i], scale_log2, -s_lse[col]));
       if (needs_mask) {
@@ -430,7 +434,7 @@ __device__ __forceinline__ void attention_bwd_dkdv_wgmma_body(const BwdParams& p
     // dS^T = P^T (dP^T - D[query]); dK += dS^T Q (Q MN-major).
     uint32_t dsa[kBlockM / 16][4];
 #pragma unroll
-    for (int i = 0; i < 32; ++i) {
+    for (int i = 0; i < kSN; ++i) {
       const int col = (i >> 2) * 8 + (lane & 3) * 2 + (i & 1);
       dpt[i] = st[i] * (dpt[i] - s_row_dot[col]);
     }
@@ -464,25 +468,24 @@ __device__ __forceinline__ void attention_bwd_dkdv_wgmma_body(const BwdParams& p
         }
       fence_proxy_async_shared();
       __syncthreads();  // all 128 keys of dS^T written
-      // dQ (64 queries x 64 columns per warpgroup) = dS K: dS from sDs MN-major (rows = keys), K
-      // MN-major (rows = keys).
-      constexpr int kDqSteps = kD == 128 ? kBlockN / 16 : kBlockN / 32;
+      // dQ = dS K, a 64 x 64 block a warpgroup (queries q0.., columns col0..) over all 128 keys: dS
+      // from sDs MN-major (rows = keys, queries along the row), K MN-major (rows = keys).
+      const int q0 = kBlockM == 128 ? wg * 64 : 0;
       const int col0 = kD == 128 ? wg * 64 : 0;
-      const int step0 = kD == 128 ? 0 : wg * kDqSteps;
       float dq[32];
 #pragma unroll
       for (int i = 0; i < 32; ++i) dq[i] = 0.f;
       wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < kDqSteps; ++kk) {
-        const uint32_t row_off = (step0 + kk) * 16 * 128;
-        wgmma_m64n64k16_ss<T, 1, 1>(dq, wgmma_desc(sDs + row_off, DsTile::kPanelBytes),
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        const uint32_t row_off = kk * 16 * 128;
+        wgmma_m64n64k16_ss<T, 1, 1>(dq, wgmma_desc(sDs + (q0 >> 6) * DsTile::kPanelBytes + row_off, DsTile::kPanelBytes),
                                     wgmma_desc(sK + (col0 >> 6) * KVTile::kPanelBytes + row_off, KVTile::kPanelBytes));
       }
       wgmma_commit();
       wgmma_wait<0>();
       wgmma_fence_operands(dq);
-      const int row_tile = m0 / 16 + (warp & 3);
+      const int row_tile = (m0 + q0) / 16 + (warp & 3);
       if (row_tile * 16 < p.seqlen_q) {
 #pragma unroll
         for (int j = 0; j < 8; ++j)

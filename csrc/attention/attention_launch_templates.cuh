@@ -31,11 +31,13 @@ struct FwdConfig {
   using Traits = FwdTraits<T, kHeadDim, 128, 128, 8>;
 };
 
-// Backward dk/dv: 128 keys a block, 8 warps of 16 keys, query tiles of 64 (measured 1.3-1.4x faster
-// than 64 keys with 4 warps). Deterministic dq: 64 query rows a block, 4 warps of 16 rows, key tiles of 64.
+// Backward dk/dv: 128 keys a block, 8 warps of 16 keys (two warpgroups of 64 on sm_90a), query tiles
+// of 64 for D = 128 and 128 for D = 64 (twice the products a tile for the same softmax, barrier and
+// atomic overhead; dQ's 64 x 64 blocks then split the rows instead of the keys). Deterministic dq:
+// 64 query rows a block, 4 warps of 16 rows, key tiles of 64.
 template <typename T, int kHeadDim>
 struct BwdConfig {
-  using DkdvTraits = BwdTraits<T, kHeadDim, 64, 128, 8>;
+  using DkdvTraits = BwdTraits<T, kHeadDim, kHeadDim == 64 ? 128 : 64, 128, 8>;
   using DqTraits = FwdTraits<T, kHeadDim, 64, 64, 4>;
 };
 
