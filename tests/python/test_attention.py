@@ -256,7 +256,7 @@ BAR_SHAPES = [
     (2, 8, 8, 300, 1000, 128, True),   # Sq != Sk, causal (bottom-right)
     (2, 16, 4, 1024, 1024, 128, True),  # GQA, 4 query heads per kv head
     (2, 16, 4, 1000, 1000, 64, False),
-    # 2560 dk/dv blocks: over 8 waves of resident blocks on an H100 (2 a SM at D64), so the launcher
+    # 2560 dk/dv blocks: over 8 waves of resident blocks on an H100 (19 waves at 1 a SM), so the launcher
     # keeps the default key-block order; the causal shapes above take the heaviest-first one
     (32, 40, 40, 256, 256, 64, True),
 ]
