@@ -94,25 +94,67 @@ __global__ void attention_dq_convert_kernel(const __grid_constant__ BwdParams p)
   *reinterpret_cast<uint4*>(dst) = out;
 }
 
+// The key tile a dk/dv block owns (kBlockN keys of one (batch, kv head)) and the query tiles it
+// visits: iteration it is query tile row0(it) of query head head(it), over every head of the GQA group.
+// Block order: see launch_attention_bwd (key blocks slowest when the launcher set kv_block_slowest).
+template <int kBlockM, int kBlockN, bool kCausal>
+struct KeyBlock {
+  int hk, b, n0, rows_k, causal_offset, m_first, m_count, iterations;
+  __device__ __forceinline__ explicit KeyBlock(const BwdParams& p) {
+    int n_block = blockIdx.x;
+    hk = blockIdx.y, b = blockIdx.z;
+    if constexpr (kCausal) {
+      if (p.kv_block_slowest) n_block = blockIdx.z, hk = blockIdx.x, b = blockIdx.y;
+    }
+    n0 = n_block * kBlockN;
+    rows_k = min(kBlockN, p.seqlen_k - n0);
+    causal_offset = p.seqlen_k - p.seqlen_q;
+    // Query rows i see key n0 when i >= n0 - (Sk - Sq): earlier query tiles are skipped.
+    m_first = kCausal ? max(0, n0 - causal_offset) / kBlockM : 0;
+    const int m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
+    m_count = max(0, m_blocks - m_first);
+    iterations = p.group * m_count;
+  }
+  __device__ __forceinline__ int head(int it, const BwdParams& p) const { return hk * p.group + it / m_count; }
+  __device__ __forceinline__ int row0(int it) const { return (m_first + it % m_count) * kBlockM; }
+};
+
+// The block's K and V rows [n0, n0 + kBlockN) into sK / sV (Tile layout), zero rows past Sk.
+template <typename T, int kBlockN, int kD, int kThreads, class Tile>
+__device__ __forceinline__ void load_key_tiles(const BwdParams& p, int b, int hk, int n0, int rows_k, uint32_t sK,
+                                               uint32_t sV, int tid) {
+  const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride + n0 * p.k_row_stride;
+  const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride + n0 * p.v_row_stride;
+  load_tile_async<kBlockN, kD, kThreads, T, Tile>(sK, k, p.k_row_stride, rows_k, tid);
+  load_tile_async<kBlockN, kD, kThreads, T, Tile>(sV, v, p.v_row_stride, rows_k, tid);
+}
+
+// Q and dO rows [m0, m0 + kBlockM) of query head h into sQ / sdO (Tile layout, zero rows past Sq), and
+// their lse (base 2; +inf past Sq, so P = 0) and D into floats[0, kBlockM) and floats[kBlockM, 2 kBlockM).
+template <typename T, int kBlockM, int kD, int kThreads, class Tile>
+__device__ __forceinline__ void load_query_tiles(const BwdParams& p, int b, int h, int m0, uint32_t sQ, uint32_t sdO,
+                                                 float* floats, int tid) {
+  const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + m0 * p.q_row_stride;
+  const T* dout = static_cast<const T*>(p.grad_out) + b * p.do_batch_stride + h * p.do_head_stride + m0 * p.do_row_stride;
+  load_tile_async<kBlockM, kD, kThreads, T, Tile>(sQ, q, p.q_row_stride, p.seqlen_q - m0, tid);
+  load_tile_async<kBlockM, kD, kThreads, T, Tile>(sdO, dout, p.do_row_stride, p.seqlen_q - m0, tid);
+  const int64_t row_base = (static_cast<int64_t>(b) * p.heads_q + h) * p.seqlen_q;
+  for (int r = tid; r < kBlockM; r += kThreads) {
+    const bool valid = m0 + r < p.seqlen_q;
+    floats[r] = valid ? lse_to_log2(p.lse[row_base + m0 + r]) : INFINITY;
+    floats[kBlockM + r] = valid ? p.row_dot[row_base + m0 + r] : 0.f;
+  }
+}
+
 // mma.sync body (GPUs other than sm_90a): each of the 8 warps owns 16 keys.
 template <class Tr, bool kCausal, bool kAtomicDq>
 __device__ __forceinline__ void attention_bwd_dkdv_mma_body(const BwdParams& p) {
   using T = typename Tr::T;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kNT = Tr::kNTiles, kD = Tr::kHeadDim;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  // Block order: see launch_attention_bwd (key blocks slowest when the launcher set kv_block_slowest).
-  int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
-  if constexpr (kCausal) {
-    if (p.kv_block_slowest) n_block = blockIdx.z, hk = blockIdx.x, b = blockIdx.y;
-  }
-  const int n0 = n_block * kBlockN;
-  const int rows_k = min(kBlockN, p.seqlen_k - n0);
-  const int causal_offset = p.seqlen_k - p.seqlen_q;
-  // Query rows i see key n0 when i >= n0 - (Sk - Sq): earlier query tiles are skipped.
-  const int m_first = kCausal ? max(0, n0 - causal_offset) / kBlockM : 0;
-  const int m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
-  const int m_count = max(0, m_blocks - m_first);
-  const int iterations = p.group * m_count;
+  const KeyBlock<kBlockM, kBlockN, kCausal> blk(p);
+  const int hk = blk.hk, b = blk.b, n0 = blk.n0, rows_k = blk.rows_k, causal_offset = blk.causal_offset,
+            iterations = blk.iterations;
 
   unsigned char* smem = attention_smem;
   const uint32_t sK = smem_addr(smem);
@@ -122,28 +164,14 @@ __device__ __forceinline__ void attention_bwd_dkdv_mma_body(const BwdParams& p) 
   const uint32_t sDs = sStage0 + Tr::kStages * kStageBytes;
   float* stage_floats0 = reinterpret_cast<float*>(smem + 2 * Tr::kTileKVBytes + 2 * Tr::kTileQBytes);
 
-  const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride + n0 * p.k_row_stride;
-  const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride + n0 * p.v_row_stride;
-  load_tile_async<kBlockN, kD, Tr::kThreads>(sK, k, p.k_row_stride, rows_k, tid);
-  load_tile_async<kBlockN, kD, Tr::kThreads>(sV, v, p.v_row_stride, rows_k, tid);
-
+  using Tile = SwizzledTile<kD>;
+  load_key_tiles<T, kBlockN, kD, Tr::kThreads, Tile>(p, b, hk, n0, rows_k, sK, sV, tid);
   // Q, dO, lse and D of iteration `it` into stage `it % 2`.
   auto prefetch = [&](int it) {
-    const int h = hk * p.group + it / m_count;
-    const int m0 = (m_first + it % m_count) * kBlockM;
     const uint32_t stage = sStage0 + (it & 1) * kStageBytes;
-    const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + m0 * p.q_row_stride;
-    const T* dout =
-        static_cast<const T*>(p.grad_out) + b * p.do_batch_stride + h * p.do_head_stride + m0 * p.do_row_stride;
-    load_tile_async<kBlockM, kD, Tr::kThreads>(stage, q, p.q_row_stride, p.seqlen_q - m0, tid);
-    load_tile_async<kBlockM, kD, Tr::kThreads>(stage + Tr::kTileQBytes, dout, p.do_row_stride, p.seqlen_q - m0, tid);
-    float* floats = stage_floats0 + (it & 1) * (kStageBytes / 4);
-    const int64_t row_base = (static_cast<int64_t>(b) * p.heads_q + h) * p.seqlen_q;
-    for (int r = tid; r < kBlockM; r += Tr::kThreads) {
-      const bool valid = m0 + r < p.seqlen_q;
-      floats[r] = valid ? lse_to_log2(p.lse[row_base + m0 + r]) : INFINITY;
-      floats[kBlockM + r] = valid ? p.row_dot[row_base + m0 + r] : 0.f;
-    }
+    load_query_tiles<T, kBlockM, kD, Tr::kThreads, Tile>(p, b, blk.head(it, p), blk.row0(it), stage,
+                                                         stage + Tr::kTileQBytes,
+                                                         stage_floats0 + (it & 1) * (kStageBytes / 4), tid);
   };
 
   float dk[kNT][kD / 8][4], dv[kNT][kD / 8][4];
@@ -164,8 +192,7 @@ __device__ __forceinline__ void attention_bwd_dkdv_mma_body(const BwdParams& p) 
     __syncthreads();  // stage it % 2 landed; every warp is done with iteration it - 1
     if (it + 1 < iterations) prefetch(it + 1);
     cp_async_commit();
-    const int h = hk * p.group + it / m_count;
-    const int m0 = (m_first + it % m_count) * kBlockM;
+    const int h = blk.head(it, p), m0 = blk.row0(it);
     const uint32_t sQ = sStage0 + (it & 1) * kStageBytes;
     const uint32_t sdO = sQ + Tr::kTileQBytes;
     const float* s_lse = stage_floats0 + (it & 1) * (kStageBytes / 4);
@@ -306,17 +333,9 @@ __device__ __forceinline__ void attention_bwd_dkdv_wgmma_body(const BwdParams& p
   using QTile = PanelTile<kBlockM>;
   using DsTile = PanelTile<kBlockN>;  // dS^T: kBlockN keys x kBlockM queries
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
-  int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
-  if constexpr (kCausal) {
-    if (p.kv_block_slowest) n_block = blockIdx.z, hk = blockIdx.x, b = blockIdx.y;
-  }
-  const int n0 = n_block * kBlockN;
-  const int rows_k = min(kBlockN, p.seqlen_k - n0);
-  const int causal_offset = p.seqlen_k - p.seqlen_q;
-  const int m_first = kCausal ? max(0, n0 - causal_offset) / kBlockM : 0;
-  const int m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
-  const int m_count = max(0, m_blocks - m_first);
-  const int iterations = p.group * m_count;
+  const KeyBlock<kBlockM, kBlockN, kCausal> blk(p);
+  const int hk = blk.hk, b = blk.b, n0 = blk.n0, rows_k = blk.rows_k, causal_offset = blk.causal_offset,
+            iterations = blk.iterations;
 
   // Tiles start on 1024-byte boundaries (the 128-byte swizzle); the launch adds 1 KB for this.
   const uint32_t raw = smem_addr(attention_smem);
@@ -327,28 +346,12 @@ __device__ __forceinline__ void attention_bwd_dkdv_wgmma_body(const BwdParams& p
   const uint32_t sDs = sStage0 + 4 * Tr::kTileQBytes;
   float* stage_floats0 = reinterpret_cast<float*>(smem + (sDs - sK) + Tr::kTileDsBytes);  // stage s: lse, D
 
-  const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride + n0 * p.k_row_stride;
-  const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride + n0 * p.v_row_stride;
-  load_tile_async<kBlockN, kD, Tr::kThreads, T, KVTile>(sK, k, p.k_row_stride, rows_k, tid);
-  load_tile_async<kBlockN, kD, Tr::kThreads, T, KVTile>(sV, v, p.v_row_stride, rows_k, tid);
-
+  load_key_tiles<T, kBlockN, kD, Tr::kThreads, KVTile>(p, b, hk, n0, rows_k, sK, sV, tid);
   auto prefetch = [&](int it) {
-    const int h = hk * p.group + it / m_count;
-    const int m0 = (m_first + it % m_count) * kBlockM;
     const uint32_t sQ = sStage0 + (it & 1) * 2 * Tr::kTileQBytes;
-    const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + m0 * p.q_row_stride;
-    const T* dout =
-        static_cast<const T*>(p.grad_out) + b * p.do_batch_stride + h * p.do_head_stride + m0 * p.do_row_stride;
-    load_tile_async<kBlockM, kD, Tr::kThreads, T, QTile>(sQ, q, p.q_row_stride, p.seqlen_q - m0, tid);
-    load_tile_async<kBlockM, kD, Tr::kThreads, T, QTile>(sQ + Tr::kTileQBytes, dout, p.do_row_stride,
-                                                         p.seqlen_q - m0, tid);
-    float* floats = stage_floats0 + (it & 1) * 2 * kBlockM;
-    const int64_t row_base = (static_cast<int64_t>(b) * p.heads_q + h) * p.seqlen_q;
-    for (int r = tid; r < kBlockM; r += Tr::kThreads) {
-      const bool valid = m0 + r < p.seqlen_q;
-      floats[r] = valid ? lse_to_log2(p.lse[row_base + m0 + r]) : INFINITY;
-      floats[kBlockM + r] = valid ? p.row_dot[row_base + m0 + r] : 0.f;
-    }
+    load_query_tiles<T, kBlockM, kD, Tr::kThreads, QTile>(p, b, blk.head(it, p), blk.row0(it), sQ,
+                                                          sQ + Tr::kTileQBytes, stage_floats0 + (it & 1) * 2 * kBlockM,
+                                                          tid);
   };
 
   float dk[kD / 2], dv[kD / 2];
@@ -367,8 +370,7 @@ __device__ __forceinline__ void attention_bwd_dkdv_wgmma_body(const BwdParams& p
     __syncthreads();             // stage it % 2 landed; every warpgroup is done with iteration it - 1
     if (it + 1 < iterations) prefetch(it + 1);
     cp_async_commit();
-    const int h = hk * p.group + it / m_count;
-    const int m0 = (m_first + it % m_count) * kBlockM;
+    const int h = blk.head(it, p), m0 = blk.row0(it);
     const uint32_t sQ = sStage0 + (it & 1) * 2 * Tr::kTileQBytes;
     const uint32_t sdO = sQ + Tr::kTileQBytes;
     const float* s_lse = stage_floats0 + (it & 1) * 2 * kBlockM;
@@ -412,22 +414,11 @@ __device__ __forceinline__ void attention_bwd_dkdv_wgmma_body(const BwdParams& p
       st[i] = val;
     }
     // dV += P^T dO: P^T as A fragments (k = 16 queries a step), dO MN-major (rows = queries).
+    auto& st4 = reinterpret_cast<const float(&)[kSN / 4][4]>(st);
     uint32_t pa[kBlockM / 16][4];
 #pragma unroll
-    for (int kk = 0; kk < kBlockM / 16; ++kk) {
-      pa[kk][0] = pack2<T>(st[8 * kk + 0], st[8 * kk + 1]);
-      pa[kk][1] = pack2<T>(st[8 * kk + 2], st[8 * kk + 3]);
-      pa[kk][2] = pack2<T>(st[8 * kk + 4], st[8 * kk + 5]);
-      pa[kk][3] = pack2<T>(st[8 * kk + 6], st[8 * kk + 7]);
-    }
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kBlockM / 16; ++kk) {
-      const uint64_t desc_do = wgmma_desc(sdO + kk * 16 * 128, QTile::kPanelBytes);
-      if constexpr (kD == 128) wgmma_m64n128k16_rs<T, 1>(dv, pa[kk], desc_do);
-      else wgmma_m64n64k16_rs<T, 1>(dv, pa[kk], desc_do);
-    }
-    wgmma_commit();
+    for (int kk = 0; kk < kBlockM / 16; ++kk) c_to_a_fragment<T>(st4[2 * kk], st4[2 * kk + 1], pa[kk]);
+    wgmma_rs_mn_major<T, kD, kBlockM / 16>(dv, pa, sdO, QTile::kPanelBytes);
     wgmma_wait<1>();  // dP^T done (dV may still run: pa stays untouched)
     wgmma_fence_operands(dpt);
 
@@ -438,21 +429,10 @@ __device__ __forceinline__ void attention_bwd_dkdv_wgmma_body(const BwdParams& p
       const int col = (i >> 2) * 8 + (lane & 3) * 2 + (i & 1);
       dpt[i] = st[i] * (dpt[i] - s_row_dot[col]);
     }
+    auto& dpt4 = reinterpret_cast<const float(&)[kSN / 4][4]>(dpt);
 #pragma unroll
-    for (int kk = 0; kk < kBlockM / 16; ++kk) {
-      dsa[kk][0] = pack2<T>(dpt[8 * kk + 0], dpt[8 * kk + 1]);
-      dsa[kk][1] = pack2<T>(dpt[8 * kk + 2], dpt[8 * kk + 3]);
-      dsa[kk][2] = pack2<T>(dpt[8 * kk + 4], dpt[8 * kk + 5]);
-      dsa[kk][3] = pack2<T>(dpt[8 * kk + 6], dpt[8 * kk + 7]);
-    }
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kBlockM / 16; ++kk) {
-      const uint64_t desc_q = wgmma_desc(sQ + kk * 16 * 128, QTile::kPanelBytes);
-      if constexpr (kD == 128) wgmma_m64n128k16_rs<T, 1>(dk, dsa[kk], desc_q);
-      else wgmma_m64n64k16_rs<T, 1>(dk, dsa[kk], desc_q);
-    }
-    wgmma_commit();
+    for (int kk = 0; kk < kBlockM / 16; ++kk) c_to_a_fragment<T>(dpt4[2 * kk], dpt4[2 * kk + 1], dsa[kk]);
+    wgmma_rs_mn_major<T, kD, kBlockM / 16>(dk, dsa, sQ, QTile::kPanelBytes);
 
     if constexpr (kAtomicDq) {
       // dS^T to shared memory ([key][query]); element pair (2t, 2t + 1) of query block j, key row
@@ -519,23 +499,17 @@ __device__ __forceinline__ void attention_bwd_dq_body(const BwdParams& p) {
   using T = typename Tr::T;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kMT = Tr::kMTiles, kD = Tr::kHeadDim;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int m_block = gridDim.x - 1 - blockIdx.x;
-  const int h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
-  const int m0 = m_block * kBlockM;
-  const int rows_q = min(kBlockM, p.seqlen_q - m0);
-  const int causal_offset = p.seqlen_k - p.seqlen_q;
-  const int key_end = kCausal ? causal_key_end(m0, kBlockM, p.seqlen_q, p.seqlen_k) : p.seqlen_k;
-  const int n_blocks = (key_end + kBlockN - 1) / kBlockN;
+  const QueryBlock<T, kBlockM, kBlockN, kCausal> blk(p);
+  const int h = blk.h, b = blk.b, m0 = blk.m0, rows_q = blk.rows_q, causal_offset = blk.causal_offset,
+            n_blocks = blk.n_blocks;
+  const T *q = blk.q, *k = blk.k, *v = blk.v;
 
   unsigned char* smem = attention_smem;
   const uint32_t sQ = smem_addr(smem);
   const uint32_t sdO = sQ + Tr::kTileQBytes;
   const uint32_t sKV0 = sdO + Tr::kTileQBytes;  // stage s: K at sKV0 + s * 2 * tile, V after it
 
-  const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + m0 * p.q_row_stride;
   const T* dout = static_cast<const T*>(p.grad_out) + b * p.do_batch_stride + h * p.do_head_stride + m0 * p.do_row_stride;
-  const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
-  const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
   load_tile_async<kBlockM, kD, Tr::kThreads>(sQ, q, p.q_row_stride, rows_q, tid);
   load_tile_async<kBlockM, kD, Tr::kThreads>(sdO, dout, p.do_row_stride, rows_q, tid);
   auto prefetch = [&](int nb) {

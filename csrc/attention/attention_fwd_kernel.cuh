@@ -58,12 +58,7 @@ __device__ __forceinline__ void warp_gemm_pb(float (&acc)[kMT][kD / 8][4], const
   for (int kk = 0; kk < kNCols / 16; ++kk) {
     uint32_t a[kMT][4];
 #pragma unroll
-    for (int mt = 0; mt < kMT; ++mt) {
-      a[mt][0] = pack2<T>(p[mt][2 * kk][0], p[mt][2 * kk][1]);
-      a[mt][1] = pack2<T>(p[mt][2 * kk][2], p[mt][2 * kk][3]);
-      a[mt][2] = pack2<T>(p[mt][2 * kk + 1][0], p[mt][2 * kk + 1][1]);
-      a[mt][3] = pack2<T>(p[mt][2 * kk + 1][2], p[mt][2 * kk + 1][3]);
-    }
+    for (int mt = 0; mt < kMT; ++mt) c_to_a_fragment<T>(p[mt][2 * kk], p[mt][2 * kk + 1], a[mt]);
 #pragma unroll
     for (int dp = 0; dp < kD / 16; ++dp) {
       uint32_t b[4];
@@ -127,24 +122,89 @@ __device__ __forceinline__ void store_rows(const float (&acc)[kMT][kD / 8][4], c
   }
 }
 
+// The query tile a forward (or deterministic dq) block owns: kBlockM rows of one (batch, head),
+// heaviest causal blocks first (the last query rows see the most keys), and its key tile count.
+template <typename T, int kBlockM, int kBlockN, bool kCausal>
+struct QueryBlock {
+  int h, b, hk, m0, rows_q, causal_offset, n_blocks;
+  const T *q, *k, *v;  // q at the tile's first row; k, v at the head's first key
+  __device__ __forceinline__ explicit QueryBlock(const FwdParams& p) {
+    const int m_block = gridDim.x - 1 - blockIdx.x;
+    h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
+    m0 = m_block * kBlockM;
+    rows_q = min(kBlockM, p.seqlen_q - m0);
+    causal_offset = p.seqlen_k - p.seqlen_q;
+    const int key_end = kCausal ? causal_key_end(m0, kBlockM, p.seqlen_q, p.seqlen_k) : p.seqlen_k;
+    n_blocks = (key_end + kBlockN - 1) / kBlockN;
+    q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + m0 * p.q_row_stride;
+    k = static_cast<const T*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
+    v = static_cast<const T*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
+  }
+};
+
+// One key tile of the online softmax, for a warp's kMT x 16 rows: new running max, rescale O and the
+// running sum, P = exp2(S * scale_log2 - max) in place of S.
+template <int kMT, int kNCols, int kD>
+__device__ __forceinline__ void online_softmax(float (&s)[kMT][kNCols / 8][4], float (&o)[kMT][kD / 8][4],
+                                               float (&row_max)[kMT][2], float (&row_sum)[kMT][2], float scale_log2) {
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      float mx = row_max[mt][hh];
+#pragma unroll
+      for (int nt = 0; nt < kNCols / 8; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * hh], s[mt][nt][2 * hh + 1]));
+      mx = warp_max4(mx);
+      // A row with every key masked so far keeps max -inf: subtract 0 instead (no inf - inf).
+      const float max_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
+      const float correction = fast_exp2(row_max[mt][hh] * scale_log2 - max_scaled);
+      row_max[mt][hh] = mx;
+      float sum = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < kNCols / 8; ++nt)
+#pragma unroll
+        for (int e = 2 * hh; e < 2 * hh + 2; ++e) {
+          s[mt][nt][e] = fast_exp2(fmaf(s[mt][nt][e], scale_log2, -max_scaled));
+          sum += s[mt][nt][e];
+        }
+      row_sum[mt][hh] = row_sum[mt][hh] * correction + sum;  // per-thread partial; reduced at the end
+#pragma unroll
+      for (int dt = 0; dt < kD / 8; ++dt) {
+        o[mt][dt][2 * hh] *= correction;
+        o[mt][dt][2 * hh + 1] *= correction;
+      }
+    }
+}
+
+// Epilogue of the online softmax: inv_sum = 1 / l per row (0 where no key was seen) and, for rows
+// below Sq, lse = max * scale + ln(l) (-inf where no key was seen). row0: the warp's first row in Sq.
+template <int kMT>
+__device__ __forceinline__ void finish_rows(const float (&row_max)[kMT][2], const float (&row_sum)[kMT][2],
+                                            float (&inv_sum)[kMT][2], float* lse, int row0, const FwdParams& p,
+                                            int lane) {
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const float l = warp_sum4(row_sum[mt][hh]);
+      inv_sum[mt][hh] = l > 0.f ? 1.f / l : 0.f;
+      const int row = row0 + mt * 16 + (lane >> 2) + hh * 8;
+      if ((lane & 3) == 0 && row < p.seqlen_q) {
+        lse[row] = l > 0.f ? row_max[mt][hh] * p.scale + logf(l) : -INFINITY;
+      }
+    }
+}
+
 // mma.sync body (GPUs other than sm_90a): each warp owns kRowsPerWarp query rows.
 template <class Tr, bool kCausal>
 __device__ __forceinline__ void attention_fwd_mma_body(const FwdParams& p) {
   using T = typename Tr::T;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kMT = Tr::kMTiles, kD = Tr::kHeadDim;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  // Heaviest blocks first: with a causal mask the last query rows see the most keys.
-  const int m_block = gridDim.x - 1 - blockIdx.x;
-  const int h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
-  const int m0 = m_block * kBlockM;
-  const int rows_q = min(kBlockM, p.seqlen_q - m0);
-  const int causal_offset = p.seqlen_k - p.seqlen_q;
-  const int key_end = kCausal ? causal_key_end(m0, kBlockM, p.seqlen_q, p.seqlen_k) : p.seqlen_k;
-  const int n_blocks = (key_end + kBlockN - 1) / kBlockN;
-
-  const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + m0 * p.q_row_stride;
-  const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
-  const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
+  const QueryBlock<T, kBlockM, kBlockN, kCausal> blk(p);
+  const int h = blk.h, b = blk.b, m0 = blk.m0, rows_q = blk.rows_q, causal_offset = blk.causal_offset,
+            n_blocks = blk.n_blocks;
+  const T *q = blk.q, *k = blk.k, *v = blk.v;
 
   unsigned char* smem = attention_smem;
   const uint32_t sQ = smem_addr(smem);
@@ -188,34 +248,7 @@ __device__ __forceinline__ void attention_fwd_mma_body(const FwdParams& p) {
     const bool needs_mask = n0 + kBlockN > p.seqlen_k || (kCausal && n0 + kBlockN - 1 > m0 + causal_offset);
     if (needs_mask) apply_mask<kCausal, kMT, kBlockN>(s, m0 + warp_row0, n0, p.seqlen_k, causal_offset, lane);
 
-    // Online softmax: new running max, rescale O and the running sum, P = exp2(S * scale_log2 - max).
-#pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        float mx = row_max[mt][hh];
-#pragma unroll
-        for (int nt = 0; nt < kBlockN / 8; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * hh], s[mt][nt][2 * hh + 1]));
-        mx = warp_max4(mx);
-        // A row with every key masked so far keeps max -inf: subtract 0 instead (no inf - inf).
-        const float max_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
-        const float correction = fast_exp2(row_max[mt][hh] * scale_log2 - max_scaled);
-        row_max[mt][hh] = mx;
-        float sum = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < kBlockN / 8; ++nt)
-#pragma unroll
-          for (int e = 2 * hh; e < 2 * hh + 2; ++e) {
-            s[mt][nt][e] = fast_exp2(fmaf(s[mt][nt][e], scale_log2, -max_scaled));
-            sum += s[mt][nt][e];
-          }
-        row_sum[mt][hh] = row_sum[mt][hh] * correction + sum;  // per-thread partial; reduced at the end
-#pragma unroll
-        for (int dt = 0; dt < kD / 8; ++dt) {
-          o[mt][dt][2 * hh] *= correction;
-          o[mt][dt][2 * hh + 1] *= correction;
-        }
-      }
+    online_softmax<kMT, kBlockN, kD>(s, o, row_max, row_sum, scale_log2);
 
     cp_async_wait<0>();
     __syncthreads();  // V[nb] landed; every warp is done with K[nb]
@@ -230,17 +263,7 @@ __device__ __forceinline__ void attention_fwd_mma_body(const FwdParams& p) {
   // Epilogue: O / l, and lse = max * scale + ln(l) (-inf and a zero row where no key was seen).
   float inv_sum[kMT][2];
   float* lse = p.lse + (static_cast<int64_t>(b) * p.heads_q + h) * p.seqlen_q;
-#pragma unroll
-  for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const float l = warp_sum4(row_sum[mt][hh]);
-      inv_sum[mt][hh] = l > 0.f ? 1.f / l : 0.f;
-      const int row = m0 + warp_row0 + mt * 16 + (lane >> 2) + hh * 8;
-      if ((lane & 3) == 0 && row < p.seqlen_q) {
-        lse[row] = l > 0.f ? row_max[mt][hh] * p.scale + logf(l) : -INFINITY;
-      }
-    }
+  finish_rows<kMT>(row_max, row_sum, inv_sum, lse, m0 + warp_row0, p, lane);
   cp_async_wait<0>();
   __syncthreads();  // every thread's Q copies landed (when no key tile ran, nothing else waited for them)
   // Each warp reads only its own rows of sQ, so it may reuse them to stage its output.
@@ -262,17 +285,10 @@ __device__ __forceinline__ void attention_fwd_wgmma_body(const FwdParams& p) {
   using QTile = PanelTile<kBlockM>;
   using KVTile = PanelTile<kBlockN>;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
-  const int m_block = gridDim.x - 1 - blockIdx.x;  // heaviest (causal) blocks first
-  const int h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
-  const int m0 = m_block * kBlockM;
-  const int rows_q = min(kBlockM, p.seqlen_q - m0);
-  const int causal_offset = p.seqlen_k - p.seqlen_q;
-  const int key_end = kCausal ? causal_key_end(m0, kBlockM, p.seqlen_q, p.seqlen_k) : p.seqlen_k;
-  const int n_blocks = (key_end + kBlockN - 1) / kBlockN;
-
-  const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + m0 * p.q_row_stride;
-  const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
-  const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
+  const QueryBlock<T, kBlockM, kBlockN, kCausal> blk(p);
+  const int h = blk.h, b = blk.b, m0 = blk.m0, rows_q = blk.rows_q, causal_offset = blk.causal_offset,
+            n_blocks = blk.n_blocks;
+  const T *q = blk.q, *k = blk.k, *v = blk.v;
 
   // Tiles on 1024-byte boundaries (the 128-byte swizzle); the launch adds 1 KB for this.
   const uint32_t raw = smem_addr(attention_smem);
@@ -328,49 +344,13 @@ __device__ __forceinline__ void attention_fwd_wgmma_body(const FwdParams& p) {
     const bool needs_mask = n0 + kBlockN > p.seqlen_k || (kCausal && n0 + kBlockN - 1 > m0 + causal_offset);
     if (needs_mask) apply_mask<kCausal, 1, kBlockN>(s3, m0 + warp_row0, n0, p.seqlen_k, causal_offset, lane);
 
-    // Online softmax, as in the mma.sync body.
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      float mx = row_max[0][hh];
-#pragma unroll
-      for (int nt = 0; nt < kBlockN / 8; ++nt) mx = fmaxf(mx, fmaxf(s3[0][nt][2 * hh], s3[0][nt][2 * hh + 1]));
-      mx = warp_max4(mx);
-      const float max_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
-      const float correction = fast_exp2(row_max[0][hh] * scale_log2 - max_scaled);
-      row_max[0][hh] = mx;
-      float sum = 0.f;
-#pragma unroll
-      for (int nt = 0; nt < kBlockN / 8; ++nt)
-#pragma unroll
-        for (int e = 2 * hh; e < 2 * hh + 2; ++e) {
-          s3[0][nt][e] = fast_exp2(fmaf(s3[0][nt][e], scale_log2, -max_scaled));
-          sum += s3[0][nt][e];
-        }
-      row_sum[0][hh] = row_sum[0][hh] * correction + sum;
-#pragma unroll
-      for (int dt = 0; dt < kD / 8; ++dt) {
-        o3[0][dt][2 * hh] *= correction;
-        o3[0][dt][2 * hh + 1] *= correction;
-      }
-    }
+    online_softmax<1, kBlockN, kD>(s3, o3, row_max, row_sum, scale_log2);
 
     // O += P V: P as A fragments (k = 16 keys a step), V MN-major (rows = keys).
     uint32_t pa[kBlockN / 16][4];
 #pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      pa[kk][0] = pack2<T>(s[8 * kk + 0], s[8 * kk + 1]);
-      pa[kk][1] = pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
-      pa[kk][2] = pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
-      pa[kk][3] = pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
-    }
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      const uint64_t desc_v = wgmma_desc(sV + kk * 16 * 128, KVTile::kPanelBytes);
-      if constexpr (kD == 128) wgmma_m64n128k16_rs<T, 1>(o, pa[kk], desc_v);
-      else wgmma_m64n64k16_rs<T, 1>(o, pa[kk], desc_v);
-    }
-    wgmma_commit();
+    for (int kk = 0; kk < kBlockN / 16; ++kk) c_to_a_fragment<T>(s3[0][2 * kk], s3[0][2 * kk + 1], pa[kk]);
+    wgmma_rs_mn_major<T, kD, kBlockN / 16>(o, pa, sV, KVTile::kPanelBytes);
     wgmma_wait<0>();
     wgmma_fence_operands(o);
   }
@@ -378,13 +358,7 @@ __device__ __forceinline__ void attention_fwd_wgmma_body(const FwdParams& p) {
   // Epilogue: O / l, and lse = max * scale + ln(l) (-inf and a zero row where no key was seen).
   float inv_sum[1][2];
   float* lse = p.lse + (static_cast<int64_t>(b) * p.heads_q + h) * p.seqlen_q;
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    const float l = warp_sum4(row_sum[0][hh]);
-    inv_sum[0][hh] = l > 0.f ? 1.f / l : 0.f;
-    const int row = m0 + warp_row0 + (lane >> 2) + hh * 8;
-    if ((lane & 3) == 0 && row < p.seqlen_q) lse[row] = l > 0.f ? row_max[0][hh] * p.scale + logf(l) : -INFINITY;
-  }
+  finish_rows<1>(row_max, row_sum, inv_sum, lse, m0 + warp_row0, p, lane);
   cp_async_wait<0>();
   __syncthreads();  // both warpgroups are done reading sQ; staging rows overlap the other warpgroup's
   T* out = static_cast<T*>(p.out) + b * p.out_batch_stride + h * p.out_head_stride + m0 * p.out_row_stride;

@@ -80,6 +80,16 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   }
 }
 
+// The A fragment of one k16 step from the two C fragments (16 x 8 each) of the same rows that cover
+// its 16 columns: how a product's fp32 result (P, dS) feeds the next product from registers.
+template <typename T>
+__device__ __forceinline__ void c_to_a_fragment(const float (&lo)[4], const float (&hi)[4], uint32_t (&a)[4]) {
+  a[0] = pack2<T>(lo[0], lo[1]);
+  a[1] = pack2<T>(lo[2], lo[3]);
+  a[2] = pack2<T>(hi[0], hi[1]);
+  a[3] = pack2<T>(hi[2], hi[3]);
+}
+
 // Shared-memory tiles are rows of kCols 16-bit elements stored as 16-byte chunks; chunk c of row r
 // lives at chunk c ^ (r % 8), so the 8 rows an ldmatrix phase reads hit 8 different bank groups
 // (no conflicts), for both ldmatrix and ldmatrix.trans, and cp.async writes whole chunks.

@@ -154,6 +154,22 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const uint32
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1), "n"(kTransB));
   }
 }
+// d (64 x kN) += A (64 x 16 kKSteps, registers: one A fragment a k-step) * B (16 kKSteps x kN, an
+// MN-major PanelTile from its row 0 at sB, panels panel_bytes apart), committed as one group: the
+// O += P V, dV += P^T dO and dK += dS^T Q products. kN = head dim, 64 or 128.
+template <typename T, int kN, int kKSteps>
+__device__ __forceinline__ void wgmma_rs_mn_major(float (&d)[kN / 2], const uint32_t (&a)[kKSteps][4], uint32_t sB,
+                                                  uint32_t panel_bytes) {
+  static_assert(kN == 64 || kN == 128, "m64n64k16 or m64n128k16");
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kKSteps; ++kk) {
+    const uint64_t desc_b = wgmma_desc(sB + kk * 16 * 128, panel_bytes);
+    if constexpr (kN == 128) wgmma_m64n128k16_rs<T, 1>(d, a[kk], desc_b);
+    else wgmma_m64n64k16_rs<T, 1>(d, a[kk], desc_b);
+  }
+  wgmma_commit();
+}
 #endif  // FUSEFORGE_ATTENTION_WGMMA
 
 }  // namespace fuseforge::attention
