@@ -3,7 +3,7 @@
 # where the time goes. Each op's notes (docs/notes_<op>.md) record what it measured and when.
 #   FUSEFORGE_COMMIT=<sha> bash scripts/tuning_probe.sh      (output in $OUT/probe.log)
 #   PARTS="time profile" bash scripts/tuning_probe.sh       (a subset of: build tests time profile
-#                                                           e2e lce attn; every part builds what it lacks)
+#                                                           e2e lce mix attn; every part builds what it lacks)
 #   OPS="add_mul_act" ...                                   (ops of parts build/time/tests; default
 #                                                           adamw add_mul_act; "" for none)
 # Measured 2026-11-23 (fourth session): builds 50-95 s; "time" ~2.5 min; e2e ~90 s; profile ~1 min.
@@ -14,7 +14,9 @@
 # 4. e2e: scripts/e2e_profile.py (a training step of the 1.2B Llama by kernel family)
 # 5. lce: lce_profile.py --quick; profile: ncu of the add_mul_act kernels (stall reasons, DRAM
 #    throughput, occupancy)
-# 6. attn: the attention GPU tests, then ncu of the backward's dk/dv kernel beside FlashAttention-2's
+# 6. mix: scripts/stream_mix_probe.py (streaming ceilings by read:write mix; add_mul_act's and
+#    torch.compile's fwd+bwd kernel by kernel)
+# 7. attn: the attention GPU tests, then ncu of the backward's dk/dv kernel beside FlashAttention-2's
 #    (sdpa_flash) on one benchmark case: tensor-pipe and shared-memory use, bank conflicts, stalls
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -83,6 +85,10 @@ done
 echo "== ncu add_mul_act training forward fp32 gelu (writes out and z)"
 FUSEFORGE_EXTENSION=$(lib add_mul_act shared) timeout 90 $NCU --kernel-name regex:forward_kernel \
   python3 scripts/kernel_workload.py add_mul_act 16384x8192 fp32 gelu 2>&1 | keep 100
+fi
+if has mix; then
+echo "== stream mixes ($(( $(date +%s) - t0 )) s)"
+FUSEFORGE_EXTENSION=$(lib add_mul_act shared) timeout 240 python3 scripts/stream_mix_probe.py 2>&1 | grep -v Warning
 fi
 if has attn; then
 echo "== attention GPU tests ($(( $(date +%s) - t0 )) s)"
