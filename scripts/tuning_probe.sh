@@ -29,7 +29,10 @@ T=scripts/tune_variants.sh
 # Variants as name:flags (nvcc -D flags and/or run-time NAME=value knobs). The fifth session's bf16
 # 8-rows-a-trip and 8K/32K AdamW chunks lost (the op notes); LCE's exact target logit is the default
 # since the sixth session.
-AMA=(default:)
+IL=-DFUSEFORGE_AMA_BWD_INTERLEAVE=1
+AMA=(default: "interleave:$IL" "il_r2:$IL -DFUSEFORGE_AMA_BWD_ROWS_16BIT=2 -DFUSEFORGE_AMA_BWD_ROWS_32BIT=2"
+     "il_r8:$IL -DFUSEFORGE_AMA_BWD_ROWS_16BIT=8 -DFUSEFORGE_AMA_BWD_ROWS_32BIT=8"
+     "il_nocap:$IL FUSEFORGE_AMA_BWD_BLOCKS_PER_SM=8" "il_cap2:$IL FUSEFORGE_AMA_BWD_BLOCKS_PER_SM=2")
 LCE=(default:)
 ADAMW=(c16k:)
 PARTS=${PARTS:-build tests time profile e2e lce}

@@ -38,6 +38,9 @@ namespace fuseforge::add_mul_act {
 #ifndef FUSEFORGE_AMA_BWD_MIN_BLOCKS
 #define FUSEFORGE_AMA_BWD_MIN_BLOCKS FUSEFORGE_AMA_MIN_BLOCKS
 #endif
+#ifndef FUSEFORGE_AMA_BWD_INTERLEAVE
+#define FUSEFORGE_AMA_BWD_INTERLEAVE 0
+#endif
 template <typename T>
 constexpr int rows_unroll() { return sizeof(T) >= 4 ? FUSEFORGE_AMA_ROWS_32BIT : FUSEFORGE_AMA_ROWS_16BIT; }
 template <typename T>
@@ -142,9 +145,16 @@ __global__ void __launch_bounds__(kThreads, FUSEFORGE_AMA_BWD_MIN_BLOCKS) backwa
   const int n = active ? static_cast<int>(min(static_cast<int64_t>(kGroup), p.cols - col0)) : 0;
   float acc[kGroup] = {};
   if (active) {
+#if FUSEFORGE_AMA_BWD_INTERLEAVE
+    const int64_t trip_rows = static_cast<int64_t>(blockDim.y) * kUnroll;
+    for (int64_t t0 = blockIdx.y * trip_rows; t0 < p.rows; t0 += gridDim.y * trip_rows) {
+      const int64_t r = t0 + threadIdx.y;
+      const int64_t row_end = min(p.rows, t0 + trip_rows);
+#else
     const int64_t row_begin = static_cast<int64_t>(blockIdx.y) * p.rows_per_block;
     const int64_t row_end = min(p.rows, row_begin + p.rows_per_block);
     for (int64_t r = row_begin + threadIdx.y; r < row_end; r += static_cast<int64_t>(blockDim.y) * kUnroll) {
+#endif
       Group<T> gg[kUnroll], zg[kUnroll];
       uint32_t mask_bits[kUnroll];
 #pragma unroll

@@ -74,6 +74,9 @@ def _fwd_setup_context(ctx, inputs, output):
     x, y, bias, alpha, activation = inputs
     _, saved = output
     ctx.mark_non_differentiable(saved)
+    # Without this, autograd fills a zero gradient for `saved` (the pre-activation: a full-size
+    # tensor) before every backward: 0.08 ms of 0.85 at bf16 16384 x 8192 on the H100.
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(saved)
     ctx.alpha = alpha
     ctx.activation = activation
@@ -81,6 +84,8 @@ def _fwd_setup_context(ctx, inputs, output):
 
 
 def _fwd_backward(ctx, grad_out, _grad_saved):
+    if grad_out is None:  # only `saved` reached the loss (it has no gradient)
+        return None, None, None, None, None
     (saved,) = ctx.saved_tensors
     need_x, need_y, need_bias = ctx.needs_input_grad[:3]
     separate_grad_y = need_y and ctx.alpha != 1.0  # alpha == 1: grad_y is grad_x itself
