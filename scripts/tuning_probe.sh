@@ -29,10 +29,10 @@ T=scripts/tune_variants.sh
 # Variants as name:flags (nvcc -D flags and/or run-time NAME=value knobs). The fifth session's bf16
 # 8-rows-a-trip and 8K/32K AdamW chunks lost (the op notes); LCE's exact target logit is the default
 # since the sixth session.
-IL=-DFUSEFORGE_AMA_BWD_INTERLEAVE=1
-AMA=(default: "interleave:$IL" "il_r2:$IL -DFUSEFORGE_AMA_BWD_ROWS_16BIT=2 -DFUSEFORGE_AMA_BWD_ROWS_32BIT=2"
-     "il_r8:$IL -DFUSEFORGE_AMA_BWD_ROWS_16BIT=8 -DFUSEFORGE_AMA_BWD_ROWS_32BIT=8"
-     "il_nocap:$IL FUSEFORGE_AMA_BWD_BLOCKS_PER_SM=8" "il_cap2:$IL FUSEFORGE_AMA_BWD_BLOCKS_PER_SM=2")
+R1="-DFUSEFORGE_AMA_BWD_ROWS_16BIT=1 -DFUSEFORGE_AMA_BWD_ROWS_32BIT=1"
+R2="-DFUSEFORGE_AMA_BWD_ROWS_16BIT=2 -DFUSEFORGE_AMA_BWD_ROWS_32BIT=2"
+PF=-DFUSEFORGE_AMA_BWD_PREFETCH=1
+AMA=(default: "r2:$R2" "r1:$R1" "r2_pf:$R2 $PF" "r1_pf:$R1 $PF" "r4_pf:$PF")
 LCE=(default:)
 ADAMW=(c16k:)
 PARTS=${PARTS:-build tests time profile e2e lce}

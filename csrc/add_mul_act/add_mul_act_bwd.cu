@@ -8,7 +8,6 @@ namespace fuseforge::add_mul_act {
 template <typename T>
 void launch_backward(BackwardParams<T> params, Activation act, const LaunchPlan& plan, bool vectorized,
                      T* grad_bias) {
-  params.rows_per_block = plan.rows_per_block;
   FUSEFORGE_ACTIVATION_SWITCH(act, kAct, [&] {
     FUSEFORGE_BOOL_SWITCH(vectorized, kVec, [&] {
       launch_kernel(backward_kernel<T, kAct, kVec>, plan.grid, plan.block, plan.smem_bytes, params);

@@ -38,8 +38,8 @@ namespace fuseforge::add_mul_act {
 #ifndef FUSEFORGE_AMA_BWD_MIN_BLOCKS
 #define FUSEFORGE_AMA_BWD_MIN_BLOCKS FUSEFORGE_AMA_MIN_BLOCKS
 #endif
-#ifndef FUSEFORGE_AMA_BWD_INTERLEAVE
-#define FUSEFORGE_AMA_BWD_INTERLEAVE 0
+#ifndef FUSEFORGE_AMA_BWD_PREFETCH
+#define FUSEFORGE_AMA_BWD_PREFETCH 0
 #endif
 template <typename T>
 constexpr int rows_unroll() { return sizeof(T) >= 4 ? FUSEFORGE_AMA_ROWS_32BIT : FUSEFORGE_AMA_ROWS_16BIT; }
@@ -133,6 +133,65 @@ __global__ void __launch_bounds__(kThreads, FUSEFORGE_AMA_MIN_BLOCKS) forward_ke
   }
 }
 
+// One backward trip: kUnroll rows (blockDim.y apart) of grad_out and of the saved state, loaded
+// together before any is used, so they are in flight at once.
+template <typename T, int kUnroll>
+struct BackwardTrip {
+  Group<T> grad[kUnroll], z[kUnroll];
+  uint32_t mask[kUnroll];
+};
+
+template <typename T, Activation A, bool kVec, int kUnroll>
+__device__ __forceinline__ void load_trip(const BackwardParams<T>& p, int64_t r, int64_t row_end, int64_t group,
+                                          int n, BackwardTrip<T, kUnroll>& t) {
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int64_t row = r + static_cast<int64_t>(u) * blockDim.y;
+    if (row < row_end) {
+      load_group<T, kVec>(p.grad_out + row * p.cols + group * kGroup, n, t.grad[u]);
+      if constexpr (saves_mask(A)) {
+        t.mask[u] = p.saved_mask[row * p.groups_per_row + group];
+      } else {
+        load_group<T, kVec>(p.saved_z + row * p.cols + group * kGroup, n, t.z[u]);
+      }
+    }
+  }
+}
+
+// grad_x = grad_out * act'(z) (and grad_y = alpha * grad_x) for a loaded trip; grad_x summed into acc.
+template <typename T, Activation A, bool kVec, int kUnroll>
+__device__ __forceinline__ void finish_trip(const BackwardParams<T>& p, int64_t r, int64_t row_end, int64_t group,
+                                            int n, const BackwardTrip<T, kUnroll>& t, float (&acc)[kGroup]) {
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int64_t row = r + static_cast<int64_t>(u) * blockDim.y;
+    if (row >= row_end) break;
+    float gx[kGroup];
+#pragma unroll
+    for (int j = 0; j < kGroup; ++j) {
+      float d;
+      if constexpr (saves_mask(A)) {
+        d = static_cast<float>((t.mask[u] >> j) & 1u);
+      } else {
+        d = Act<A>::derivative(static_cast<float>(t.z[u][j]));
+      }
+      gx[j] = static_cast<float>(t.grad[u][j]) * d;
+      acc[j] += gx[j];
+    }
+    const int64_t offset = row * p.cols + group * kGroup;
+    store_group<T, kVec>(p.grad_x + offset, n, gx);
+    if (p.grad_y) {
+#pragma unroll
+      for (int j = 0; j < kGroup; ++j) gx[j] *= p.alpha;
+      store_group<T, kVec>(p.grad_y + offset, n, gx);
+    }
+  }
+}
+
+// The grid's blocks take the rows in interleaved trips (block y takes trips y, y + gridDim.y, ...),
+// so at any moment the resident blocks work on one contiguous band of rows, as a flat elementwise
+// kernel does: on the H100 this beat each block walking its own contiguous range of rows
+// (docs/notes_add_mul_act.md). The assignment is fixed, so grad_bias stays deterministic.
 template <typename T, Activation A, bool kVec>
 __global__ void __launch_bounds__(kThreads, FUSEFORGE_AMA_BWD_MIN_BLOCKS) backward_kernel(const BackwardParams<T> p) {
   constexpr int kUnroll = backward_rows_unroll<T>();
@@ -141,59 +200,30 @@ __global__ void __launch_bounds__(kThreads, FUSEFORGE_AMA_BWD_MIN_BLOCKS) backwa
   __shared__ float partial[kBackwardStaticSmem / sizeof(float)];
   const int64_t group = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const bool active = group < p.groups_per_row;
-  const int64_t col0 = group * kGroup;
-  const int n = active ? static_cast<int>(min(static_cast<int64_t>(kGroup), p.cols - col0)) : 0;
+  const int n = active ? static_cast<int>(min(static_cast<int64_t>(kGroup), p.cols - group * kGroup)) : 0;
   float acc[kGroup] = {};
   if (active) {
-#if FUSEFORGE_AMA_BWD_INTERLEAVE
     const int64_t trip_rows = static_cast<int64_t>(blockDim.y) * kUnroll;
-    for (int64_t t0 = blockIdx.y * trip_rows; t0 < p.rows; t0 += gridDim.y * trip_rows) {
-      const int64_t r = t0 + threadIdx.y;
-      const int64_t row_end = min(p.rows, t0 + trip_rows);
-#else
-    const int64_t row_begin = static_cast<int64_t>(blockIdx.y) * p.rows_per_block;
-    const int64_t row_end = min(p.rows, row_begin + p.rows_per_block);
-    for (int64_t r = row_begin + threadIdx.y; r < row_end; r += static_cast<int64_t>(blockDim.y) * kUnroll) {
-#endif
-      Group<T> gg[kUnroll], zg[kUnroll];
-      uint32_t mask_bits[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t row = r + static_cast<int64_t>(u) * blockDim.y;
-        if (row < row_end) {
-          load_group<T, kVec>(p.grad_out + row * p.cols + col0, n, gg[u]);
-          if constexpr (saves_mask(A)) {
-            mask_bits[u] = p.saved_mask[row * p.groups_per_row + group];
-          } else {
-            load_group<T, kVec>(p.saved_z + row * p.cols + col0, n, zg[u]);
-          }
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t row = r + static_cast<int64_t>(u) * blockDim.y;
-        if (row >= row_end) break;
-        float gx[kGroup];
-#pragma unroll
-        for (int j = 0; j < kGroup; ++j) {
-          float d;
-          if constexpr (saves_mask(A)) {
-            d = static_cast<float>((mask_bits[u] >> j) & 1u);
-          } else {
-            d = Act<A>::derivative(static_cast<float>(zg[u][j]));
-          }
-          gx[j] = static_cast<float>(gg[u][j]) * d;
-          acc[j] += gx[j];
-        }
-        const int64_t offset = row * p.cols + col0;
-        store_group<T, kVec>(p.grad_x + offset, n, gx);
-        if (p.grad_y) {
-#pragma unroll
-          for (int j = 0; j < kGroup; ++j) gx[j] *= p.alpha;
-          store_group<T, kVec>(p.grad_y + offset, n, gx);
-        }
-      }
+    const int64_t stride = gridDim.y * trip_rows;
+    int64_t t0 = blockIdx.y * trip_rows;
+#if FUSEFORGE_AMA_BWD_PREFETCH
+    BackwardTrip<T, kUnroll> cur;
+    if (t0 < p.rows) load_trip<T, A, kVec, kUnroll>(p, t0 + threadIdx.y, min(p.rows, t0 + trip_rows), group, n, cur);
+    for (; t0 < p.rows; t0 += stride) {
+      BackwardTrip<T, kUnroll> next;
+      const int64_t t1 = t0 + stride;
+      if (t1 < p.rows) load_trip<T, A, kVec, kUnroll>(p, t1 + threadIdx.y, min(p.rows, t1 + trip_rows), group, n, next);
+      finish_trip<T, A, kVec, kUnroll>(p, t0 + threadIdx.y, min(p.rows, t0 + trip_rows), group, n, cur, acc);
+      cur = next;
     }
+#else
+    for (; t0 < p.rows; t0 += stride) {
+      BackwardTrip<T, kUnroll> cur;
+      const int64_t r = t0 + threadIdx.y, row_end = min(p.rows, t0 + trip_rows);
+      load_trip<T, A, kVec, kUnroll>(p, r, row_end, group, n, cur);
+      finish_trip<T, A, kVec, kUnroll>(p, r, row_end, group, n, cur, acc);
+    }
+#endif
   }
   if (p.bias_partials == nullptr) return;  // uniform over the grid
   const int tid = threadIdx.y * blockDim.x + threadIdx.x;

@@ -36,14 +36,15 @@ struct BackwardParams {
   T* grad_y;                 // nullable: alpha * grad_x
   float* bias_partials;      // nullable: (gridDim.y, cols) partial column sums, fp32
   float alpha;
-  int64_t rows, cols, groups_per_row, rows_per_block;
+  int64_t rows, cols, groups_per_row;  // the rows are taken in interleaved trips (backward_kernel)
 };
 
 // The grid for a rows x cols problem. A block is tx column groups by ty rows, as wide as the row
 // allows (up to 256 groups = 4 KB of a bf16 row), so a block reads long contiguous runs; without a
 // bias reduction each thread handles kRowUnroll rows (many small blocks), with one the grid is
 // about kAssumedResidentBlocks blocks an SM so the partial sums stay small (measured on the H100:
-// planning one exact wave from the kernel's occupancy, or 8-32-row blocks, was no faster).
+// planning one exact wave from the kernel's occupancy, or 8-32-row blocks, was no faster); the
+// backward's blocks then take their rows in interleaved trips, and rows_per_block only sets gridDim.y.
 struct LaunchPlan {
   dim3 grid, block;
   int64_t rows_per_block = 0;
