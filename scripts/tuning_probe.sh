@@ -29,10 +29,8 @@ T=scripts/tune_variants.sh
 # Variants as name:flags (nvcc -D flags and/or run-time NAME=value knobs). The fifth session's bf16
 # 8-rows-a-trip and 8K/32K AdamW chunks lost (the op notes); LCE's exact target logit is the default
 # since the sixth session.
-R1="-DFUSEFORGE_AMA_BWD_ROWS_16BIT=1 -DFUSEFORGE_AMA_BWD_ROWS_32BIT=1"
 R2="-DFUSEFORGE_AMA_BWD_ROWS_16BIT=2 -DFUSEFORGE_AMA_BWD_ROWS_32BIT=2"
-PF=-DFUSEFORGE_AMA_BWD_PREFETCH=1
-AMA=(default: "r2:$R2" "r1:$R1" "r2_pf:$R2 $PF" "r1_pf:$R1 $PF" "r4_pf:$PF")
+AMA=(default: "r2:$R2" "r4_plan8:FUSEFORGE_AMA_BWD_PLAN_BLOCKS=8" "r2_plan8:$R2 FUSEFORGE_AMA_BWD_PLAN_BLOCKS=8")
 LCE=(default:)
 ADAMW=(c16k:)
 PARTS=${PARTS:-build tests time profile e2e lce}

@@ -45,7 +45,7 @@ void forward_cuda(const ForwardArgs& a, double alpha, at::Tensor& out, at::Tenso
   p.groups_per_row = a.shape.mask_row_bytes();
   const bool vec = a.shape.cols % kGroup == 0 && aligned16(p.x) && aligned16(p.y) && aligned16(p.bias) &&
                    aligned16(p.out) && aligned16(p.saved_z);
-  LaunchPlan plan = plan_launch(a.shape, /*reduce_bias=*/false);
+  LaunchPlan plan = plan_launch(a.shape, /*bias_blocks_per_sm=*/0);
   plan.smem_bytes = smem_capping_blocks_per_sm(blocks_per_sm_cap(false, sizeof(T)), 0);
   launch_forward<T>(p, a.act, plan, vec);
 }
@@ -71,8 +71,11 @@ void backward_cuda(const BackwardArgs& a, double alpha, Gradients& g) {
   const bool vec = a.shape.cols % kGroup == 0 && aligned16(p.grad_out) && aligned16(p.saved_z) &&
                    aligned16(p.grad_x) && aligned16(p.grad_y);
   const bool reduce_bias = g.grad_bias.numel() > 0;
-  LaunchPlan plan = plan_launch(a.shape, reduce_bias);
-  plan.smem_bytes = smem_capping_blocks_per_sm(blocks_per_sm_cap(true, sizeof(T)), kBackwardStaticSmem);
+  const size_t smem = smem_capping_blocks_per_sm(blocks_per_sm_cap(true, sizeof(T)), kBackwardStaticSmem);
+  static const int64_t plan_knob = env_positive_int("FUSEFORGE_AMA_BWD_PLAN_BLOCKS", 0);
+  const int64_t resident = !reduce_bias ? 0 : plan_knob > 0 ? plan_knob : backward_blocks_per_sm<T>(a.act, vec, smem);
+  LaunchPlan plan = plan_launch(a.shape, resident);
+  plan.smem_bytes = smem;
   at::Tensor partials;
   if (reduce_bias) {
     partials = at::empty({static_cast<int64_t>(plan.grid.y), a.shape.cols}, a.grad_out.options().dtype(at::kFloat));

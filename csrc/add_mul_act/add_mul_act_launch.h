@@ -40,19 +40,18 @@ struct BackwardParams {
 };
 
 // The grid for a rows x cols problem. A block is tx column groups by ty rows, as wide as the row
-// allows (up to 256 groups = 4 KB of a bf16 row), so a block reads long contiguous runs; without a
-// bias reduction each thread handles kRowUnroll rows (many small blocks), with one the grid is
-// about kAssumedResidentBlocks blocks an SM so the partial sums stay small (measured on the H100:
-// planning one exact wave from the kernel's occupancy, or 8-32-row blocks, was no faster); the
-// backward's blocks then take their rows in interleaved trips, and rows_per_block only sets gridDim.y.
+// allows (up to 256 groups = 4 KB of a bf16 row), so a block reads long contiguous runs. Without a
+// bias reduction each thread handles kRowUnroll rows (many small blocks). With one
+// (bias_blocks_per_sm > 0: the backward kernel's resident blocks an SM), the grid is exactly one wave
+// of resident blocks, so there are few partial sums to reduce and no partly filled last wave; the
+// blocks take their rows in interleaved trips (backward_kernel).
 struct LaunchPlan {
   dim3 grid, block;
-  int64_t rows_per_block = 0;
-  size_t smem_bytes = 0;  // dynamic shared memory: only to cap the resident blocks an SM
+  int64_t rows_per_block = 0;  // the forward's
+  size_t smem_bytes = 0;       // dynamic shared memory: only to cap the resident blocks an SM
 };
-constexpr int kAssumedResidentBlocks = 8;
 
-inline LaunchPlan plan_launch(const Shape2d& s, bool reduce_bias) {
+inline LaunchPlan plan_launch(const Shape2d& s, int64_t bias_blocks_per_sm) {
   LaunchPlan plan;
   const int64_t groups = ceil_div(s.cols, kGroup);
   int tx = 1;
@@ -60,19 +59,22 @@ inline LaunchPlan plan_launch(const Shape2d& s, bool reduce_bias) {
   const int ty = kThreads / tx;
   const int64_t grid_x = ceil_div(groups, tx);
   const int64_t row_step = static_cast<int64_t>(ty) * kRowUnroll;
-  int64_t rows_per_block = row_step;
-  if (reduce_bias && grid_x > 0) {
-    // About one wave of resident blocks: few partial rows to reduce.
-    const int64_t target_y = std::max<int64_t>(1, int64_t{kAssumedResidentBlocks} * num_sms() / grid_x);
-    rows_per_block = std::max(rows_per_block, ceil_div(s.rows, target_y));
-  }
-  rows_per_block = std::max(rows_per_block, ceil_div(s.rows, 65535));  // gridDim.y limit
+  int64_t rows_per_block = std::max(row_step, ceil_div(s.rows, 65535));  // gridDim.y limit
   rows_per_block = ceil_div(rows_per_block, row_step) * row_step;
+  int64_t grid_y = ceil_div(s.rows, rows_per_block);
+  if (bias_blocks_per_sm > 0 && grid_x > 0) {
+    grid_y = std::min(grid_y, std::max<int64_t>(1, bias_blocks_per_sm * num_sms() / grid_x));
+  }
   plan.block = dim3(tx, ty);
-  plan.grid = dim3(static_cast<unsigned>(grid_x), static_cast<unsigned>(ceil_div(s.rows, rows_per_block)));
+  plan.grid = dim3(static_cast<unsigned>(grid_x), static_cast<unsigned>(grid_y));
   plan.rows_per_block = rows_per_block;
   return plan;
 }
+
+// The backward kernel's resident blocks an SM at `smem_bytes` of dynamic shared memory, from the
+// occupancy calculator (cached per device and kernel); defined in add_mul_act_bwd.cu.
+template <typename T>
+int backward_blocks_per_sm(Activation act, bool vectorized, size_t smem_bytes);
 
 // Defined in add_mul_act_fwd.cu / add_mul_act_bwd.cu for float, at::Half, at::BFloat16; they launch
 // on the current stream and never synchronize. launch_backward also reduces the bias partials into
