@@ -28,9 +28,8 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 T=scripts/tune_variants.sh
 # Variants as name:flags (nvcc -D flags and/or run-time NAME=value knobs). The fifth session's bf16
 # 8-rows-a-trip and 8K/32K AdamW chunks lost (the op notes); LCE's exact target logit is the default
-# since the sixth session.
-R2="-DFUSEFORGE_AMA_BWD_ROWS_16BIT=2 -DFUSEFORGE_AMA_BWD_ROWS_32BIT=2"
-AMA=(default: "r2:$R2" "r4_plan8:FUSEFORGE_AMA_BWD_PLAN_BLOCKS=8" "r2_plan8:$R2 FUSEFORGE_AMA_BWD_PLAN_BLOCKS=8")
+# since the sixth session; add_mul_act's interleaved one-wave backward since the seventh.
+AMA=(default:)
 LCE=(default:)
 ADAMW=(c16k:)
 PARTS=${PARTS:-build tests time profile e2e lce}

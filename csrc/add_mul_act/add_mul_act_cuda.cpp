@@ -72,8 +72,9 @@ void backward_cuda(const BackwardArgs& a, double alpha, Gradients& g) {
                    aligned16(p.grad_x) && aligned16(p.grad_y);
   const bool reduce_bias = g.grad_bias.numel() > 0;
   const size_t smem = smem_capping_blocks_per_sm(blocks_per_sm_cap(true, sizeof(T)), kBackwardStaticSmem);
-  static const int64_t plan_knob = env_positive_int("FUSEFORGE_AMA_BWD_PLAN_BLOCKS", 0);
-  const int64_t resident = !reduce_bias ? 0 : plan_knob > 0 ? plan_knob : backward_blocks_per_sm<T>(a.act, vec, smem);
+  // One wave (measured against the former plan of 8 blocks an SM, i.e. 2-3 waves: bf16 relu fwd+bwd
+  // 0.5929 -> 0.5846 ms, gelu 0.7684 -> 0.7561, fp32 relu 1.139 -> 1.128).
+  const int64_t resident = reduce_bias ? backward_blocks_per_sm<T>(a.act, vec, smem) : 0;
   LaunchPlan plan = plan_launch(a.shape, resident);
   plan.smem_bytes = smem;
   at::Tensor partials;

@@ -26,20 +26,17 @@ namespace fuseforge::add_mul_act {
 #ifndef FUSEFORGE_AMA_MIN_BLOCKS
 #define FUSEFORGE_AMA_MIN_BLOCKS 0
 #endif
-// The backward's own knobs (default: the same as the forward's). Its gelu/silu/sigmoid kernels hold
-// 124-128 registers (2 blocks an SM) with a long math phase between a trip's loads and stores:
-// fewer rows a trip and a register cap are candidates (docs/notes_add_mul_act.md).
+// The backward's own knobs. 2 rows a trip: with the interleaved one-wave grid, 2 beat 4 on the
+// H100 (bf16 relu fwd+bwd 0.5851 -> 0.5846 ms, fp32 relu 1.153 -> 1.128; 1 and 8 rows lost;
+// docs/notes_add_mul_act.md), and it halves the registers (bf16 relu 80 -> 64: 4 blocks an SM).
 #ifndef FUSEFORGE_AMA_BWD_ROWS_16BIT
-#define FUSEFORGE_AMA_BWD_ROWS_16BIT FUSEFORGE_AMA_ROWS_16BIT
+#define FUSEFORGE_AMA_BWD_ROWS_16BIT 2
 #endif
 #ifndef FUSEFORGE_AMA_BWD_ROWS_32BIT
-#define FUSEFORGE_AMA_BWD_ROWS_32BIT FUSEFORGE_AMA_ROWS_32BIT
+#define FUSEFORGE_AMA_BWD_ROWS_32BIT 2
 #endif
 #ifndef FUSEFORGE_AMA_BWD_MIN_BLOCKS
 #define FUSEFORGE_AMA_BWD_MIN_BLOCKS FUSEFORGE_AMA_MIN_BLOCKS
-#endif
-#ifndef FUSEFORGE_AMA_BWD_PREFETCH
-#define FUSEFORGE_AMA_BWD_PREFETCH 0
 #endif
 template <typename T>
 constexpr int rows_unroll() { return sizeof(T) >= 4 ? FUSEFORGE_AMA_ROWS_32BIT : FUSEFORGE_AMA_ROWS_16BIT; }
@@ -134,7 +131,8 @@ __global__ void __launch_bounds__(kThreads, FUSEFORGE_AMA_MIN_BLOCKS) forward_ke
 }
 
 // One backward trip: kUnroll rows (blockDim.y apart) of grad_out and of the saved state, loaded
-// together before any is used, so they are in flight at once.
+// together before any is used, so they are in flight at once. (Loading the next trip before this
+// one's stores was slower on the H100: more registers, fewer resident blocks.)
 template <typename T, int kUnroll>
 struct BackwardTrip {
   Group<T> grad[kUnroll], z[kUnroll];
@@ -205,25 +203,12 @@ __global__ void __launch_bounds__(kThreads, FUSEFORGE_AMA_BWD_MIN_BLOCKS) backwa
   if (active) {
     const int64_t trip_rows = static_cast<int64_t>(blockDim.y) * kUnroll;
     const int64_t stride = gridDim.y * trip_rows;
-    int64_t t0 = blockIdx.y * trip_rows;
-#if FUSEFORGE_AMA_BWD_PREFETCH
-    BackwardTrip<T, kUnroll> cur;
-    if (t0 < p.rows) load_trip<T, A, kVec, kUnroll>(p, t0 + threadIdx.y, min(p.rows, t0 + trip_rows), group, n, cur);
-    for (; t0 < p.rows; t0 += stride) {
-      BackwardTrip<T, kUnroll> next;
-      const int64_t t1 = t0 + stride;
-      if (t1 < p.rows) load_trip<T, A, kVec, kUnroll>(p, t1 + threadIdx.y, min(p.rows, t1 + trip_rows), group, n, next);
-      finish_trip<T, A, kVec, kUnroll>(p, t0 + threadIdx.y, min(p.rows, t0 + trip_rows), group, n, cur, acc);
-      cur = next;
-    }
-#else
-    for (; t0 < p.rows; t0 += stride) {
+    for (int64_t t0 = blockIdx.y * trip_rows; t0 < p.rows; t0 += stride) {
       BackwardTrip<T, kUnroll> cur;
       const int64_t r = t0 + threadIdx.y, row_end = min(p.rows, t0 + trip_rows);
       load_trip<T, A, kVec, kUnroll>(p, r, row_end, group, n, cur);
       finish_trip<T, A, kVec, kUnroll>(p, r, row_end, group, n, cur, acc);
     }
-#endif
   }
   if (p.bias_partials == nullptr) return;  // uniform over the grid
   const int tid = threadIdx.y * blockDim.x + threadIdx.x;
