@@ -84,7 +84,7 @@ def _fwd_setup_context(ctx, inputs, output):
 
 
 def _fwd_backward(ctx, grad_out, _grad_saved):
-    if grad_out is None:  # only `saved` reached the loss (it has no gradient)
+    if grad_out is None:  # undefined output gradient (gradcheck's check_undefined_grad passes one)
         return None, None, None, None, None
     (saved,) = ctx.saved_tensors
     need_x, need_y, need_bias = ctx.needs_input_grad[:3]
