@@ -41,7 +41,12 @@ struct RowParams {
   float* loss_out = nullptr;
 };
 
-constexpr int kClusterSize = 8;
+// CTAs a row in the cluster kernel (compile-time knob for measurement; above 8 is a non-portable
+// cluster size, which the H100 allows up to 16).
+#ifndef FUSEFORGE_LCE_CLUSTER_SIZE
+#define FUSEFORGE_LCE_CLUSTER_SIZE 8
+#endif
+constexpr int kClusterSize = FUSEFORGE_LCE_CLUSTER_SIZE;
 constexpr int kClusterThreads = 512;
 constexpr int kStreamThreads = 256;
 
