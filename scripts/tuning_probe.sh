@@ -30,7 +30,7 @@ T=scripts/tune_variants.sh
 # 8-rows-a-trip and 8K/32K AdamW chunks lost (the op notes); LCE's exact target logit is the default
 # since the sixth session; add_mul_act's interleaved one-wave backward since the seventh.
 AMA=(default:)
-LCE=(default: "cl16:-DFUSEFORGE_LCE_CLUSTER_SIZE=16" default_again:)
+LCE=(default:)
 ADAMW=(c16k:)
 PARTS=${PARTS:-build tests time profile e2e lce}
 OPS=${OPS-adamw add_mul_act}

@@ -14,20 +14,14 @@ void launch_row_softmax_cluster(const RowParams<T>& p) {
   const int64_t float4_per_thread = ceil_div(span, int64_t{kClusterThreads} * 4);
   const dim3 grid(kClusterSize, static_cast<unsigned>(p.rows));
   const dim3 block(kClusterThreads);
-  auto launch = [&](auto kernel) {
-    if constexpr (kClusterSize > 8) {
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-    }
-    launch_kernel(kernel, grid, block, 0, p, span);
-  };
   if (float4_per_thread <= 2) {
-    launch(row_softmax_cluster_kernel<T, 2>);
+    launch_kernel(row_softmax_cluster_kernel<T, 2>, grid, block, 0, p, span);
   } else if (float4_per_thread <= 4) {
-    launch(row_softmax_cluster_kernel<T, 4>);
+    launch_kernel(row_softmax_cluster_kernel<T, 4>, grid, block, 0, p, span);
   } else if (float4_per_thread <= 8) {
-    launch(row_softmax_cluster_kernel<T, 8>);
+    launch_kernel(row_softmax_cluster_kernel<T, 8>, grid, block, 0, p, span);
   } else {
-    launch(row_softmax_cluster_kernel<T, 16>);
+    launch_kernel(row_softmax_cluster_kernel<T, 16>, grid, block, 0, p, span);
   }
 }
 

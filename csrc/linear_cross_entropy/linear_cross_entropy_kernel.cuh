@@ -257,8 +257,7 @@ __device__ void row_softmax_cluster_body(const RowParams<T>& p, int64_t span) {
 }
 
 template <typename T, int kVec4>
-__global__ void __cluster_dims__(kClusterSize, 1, 1)
-    __launch_bounds__(kClusterThreads, kVec4 >= 16 ? 1 : (kVec4 >= 8 || kClusterSize <= 8) ? 2 : 3)
+__global__ void __cluster_dims__(kClusterSize, 1, 1) __launch_bounds__(kClusterThreads, kVec4 >= 16 ? 1 : 2)
     row_softmax_cluster_kernel(RowParams<T> p, int64_t span) {
   row_softmax_cluster_body<T, kVec4>(p, span);
 }

@@ -41,12 +41,7 @@ struct RowParams {
   float* loss_out = nullptr;
 };
 
-// CTAs a row in the cluster kernel (compile-time knob for measurement; above 8 is a non-portable
-// cluster size, which the H100 allows up to 16).
-#ifndef FUSEFORGE_LCE_CLUSTER_SIZE
-#define FUSEFORGE_LCE_CLUSTER_SIZE 8
-#endif
-constexpr int kClusterSize = FUSEFORGE_LCE_CLUSTER_SIZE;
+constexpr int kClusterSize = 8;
 constexpr int kClusterThreads = 512;
 constexpr int kStreamThreads = 256;
 
