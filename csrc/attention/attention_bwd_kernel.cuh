@@ -381,22 +381,8 @@ __device__ __forceinline__ void attention_bwd_dkdv_wgmma_body(const BwdParams& p
 #pragma unroll
     for (int i = 0; i < kSN; ++i) st[i] = dpt[i] = 0.f;
     wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < kD / 16; ++ks) {
-      const uint32_t k_off = (ks >> 2) * KVTile::kPanelBytes + wg_rows + (ks & 3) * 32;
-      const uint32_t q_off = (ks >> 2) * QTile::kPanelBytes + (ks & 3) * 32;
-      if constexpr (kBlockM == 64) wgmma_m64n64k16_ss<T, 0, 0>(st, wgmma_desc_k_major(sK + k_off), wgmma_desc_k_major(sQ + q_off));
-      else wgmma_m64n128k16_ss<T, 0, 0>(st, wgmma_desc_k_major(sK + k_off), wgmma_desc_k_major(sQ + q_off));
-    }
-    wgmma_commit();
-#pragma unroll
-    for (int ks = 0; ks < kD / 16; ++ks) {
-      const uint32_t k_off = (ks >> 2) * KVTile::kPanelBytes + wg_rows + (ks & 3) * 32;
-      const uint32_t q_off = (ks >> 2) * QTile::kPanelBytes + (ks & 3) * 32;
-      if constexpr (kBlockM == 64) wgmma_m64n64k16_ss<T, 0, 0>(dpt, wgmma_desc_k_major(sV + k_off), wgmma_desc_k_major(sdO + q_off));
-      else wgmma_m64n128k16_ss<T, 0, 0>(dpt, wgmma_desc_k_major(sV + k_off), wgmma_desc_k_major(sdO + q_off));
-    }
-    wgmma_commit();
+    wgmma_ss_k_major<T, kBlockM, kD / 16>(st, sK + wg_rows, KVTile::kPanelBytes, sQ, QTile::kPanelBytes);
+    wgmma_ss_k_major<T, kBlockM, kD / 16>(dpt, sV + wg_rows, KVTile::kPanelBytes, sdO, QTile::kPanelBytes);
     wgmma_wait<1>();
     wgmma_fence_operands(st);
 

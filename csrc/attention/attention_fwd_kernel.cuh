@@ -330,13 +330,7 @@ __device__ __forceinline__ void attention_fwd_wgmma_body(const FwdParams& p) {
 #pragma unroll
     for (int i = 0; i < kBlockN / 2; ++i) s[i] = 0.f;
     wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < kD / 16; ++ks) {
-      const uint32_t q_off = (ks >> 2) * QTile::kPanelBytes + wg_rows + (ks & 3) * 32;
-      const uint32_t k_off = (ks >> 2) * KVTile::kPanelBytes + (ks & 3) * 32;
-      wgmma_m64n128k16_ss<T, 0, 0>(s, wgmma_desc_k_major(sQ + q_off), wgmma_desc_k_major(sK + k_off));
-    }
-    wgmma_commit();
+    wgmma_ss_k_major<T, kBlockN, kD / 16>(s, sQ + wg_rows, QTile::kPanelBytes, sK, KVTile::kPanelBytes);
     wgmma_wait<0>();
     wgmma_fence_operands(s);
     auto& s3 = reinterpret_cast<float(&)[1][kBlockN / 8][4]>(s);
