@@ -33,7 +33,10 @@ int backward_blocks_per_sm(Activation act, bool vectorized, size_t smem_bytes) {
   static std::atomic<int> cache[kMaxDevices][kNumActivations][2];
   const int device = c10::cuda::current_device();
   std::atomic<int>* slot = device < kMaxDevices ? &cache[device][static_cast<int>(act)][vectorized] : nullptr;
-  if (slot && slot->load(std::memory_order_relaxed) > 0) return slot->load(std::memory_order_relaxed);
+  if (slot) {
+    const int cached = slot->load(std::memory_order_relaxed);
+    if (cached > 0) return cached;
+  }
   int blocks = 0;
   FUSEFORGE_ACTIVATION_SWITCH(act, kAct, [&] {
     FUSEFORGE_BOOL_SWITCH(vectorized, kVec, [&] {
