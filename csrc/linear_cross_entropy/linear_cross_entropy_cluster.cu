@@ -1,4 +1,5 @@
-// Instantiations of the cluster row-softmax kernel (fp32 / fp16 / bf16 gradients x 4 row sizes).
+// Instantiations of the cluster row-softmax kernel (fp32 / fp16 / bf16 gradients x 4 row sizes; bf16
+// reads bf16 logits, the others float32).
 #include "linear_cross_entropy/linear_cross_entropy_kernel.cuh"
 
 namespace fuseforge::linear_cross_entropy {
@@ -14,14 +15,27 @@ void launch_row_softmax_cluster(const RowParams<T>& p) {
   const int64_t float4_per_thread = ceil_div(span, int64_t{kClusterThreads} * 4);
   const dim3 grid(kClusterSize, static_cast<unsigned>(p.rows));
   const dim3 block(kClusterThreads);
-  if (float4_per_thread <= 2) {
-    launch_kernel(row_softmax_cluster_kernel<T, 2>, grid, block, 0, p, span);
-  } else if (float4_per_thread <= 4) {
-    launch_kernel(row_softmax_cluster_kernel<T, 4>, grid, block, 0, p, span);
-  } else if (float4_per_thread <= 8) {
-    launch_kernel(row_softmax_cluster_kernel<T, 8>, grid, block, 0, p, span);
+  auto launch_for = [&](auto logit_type) {
+    using L = decltype(logit_type);
+    if (float4_per_thread <= 2) {
+      launch_kernel(row_softmax_cluster_kernel<T, L, 2>, grid, block, 0, p, span);
+    } else if (float4_per_thread <= 4) {
+      launch_kernel(row_softmax_cluster_kernel<T, L, 4>, grid, block, 0, p, span);
+    } else if (float4_per_thread <= 8) {
+      launch_kernel(row_softmax_cluster_kernel<T, L, 8>, grid, block, 0, p, span);
+    } else {
+      launch_kernel(row_softmax_cluster_kernel<T, L, 16>, grid, block, 0, p, span);
+    }
+  };
+  // 16-bit logits only for bf16 (fp16's range is too small for raw logits); one logit type a dtype.
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    TORCH_CHECK(p.logits_lowp != nullptr && p.logits == nullptr,
+                "linear_cross_entropy: internal error: the bf16 cluster kernel reads bf16 logits");
+    launch_for(T{});
   } else {
-    launch_kernel(row_softmax_cluster_kernel<T, 16>, grid, block, 0, p, span);
+    TORCH_CHECK(p.logits != nullptr && p.logits_lowp == nullptr,
+                "linear_cross_entropy: internal error: the cluster kernel reads float32 logits");
+    launch_for(float{});
   }
 }
 

@@ -4,10 +4,10 @@
 // by the C++ compiler, not nvcc (errors thrown here unwind through C++ frames only).
 //
 // Default strategy (row chunks), per super-chunk of S rows:
-//   for each sub-chunk of c rows:  logits(c x V, fp32) = x_c @ W^T           (cuBLAS)
+//   for each sub-chunk of c rows:  logits(c x V, fp32; bf16 for bf16) = x_c @ W^T   (cuBLAS)
 //                                  loss, lse, dz(c x V, input dtype)          (cluster row-softmax)
 //   grad_x[S rows] = dz_S @ W ;  grad_W (+)= dz_S^T @ x_S ;  grad_b += sum(dz_S)   (cuBLAS)
-// Workspace 4cV + sizeof(T) S V bytes <= kWorkspaceBudget. grad_W accumulates in cuBLAS
+// Workspace (4 or 2) cV + sizeof(T) S V bytes <= kWorkspaceBudget. grad_W accumulates in cuBLAS
 // (float32 inside, one rounding to T a super-chunk): at most kMaxRoundedPasses passes, else a
 // float32 V x H accumulator.
 //
@@ -21,6 +21,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "common/checks.h"
 #include "common/cuda_utils.h"
@@ -41,6 +42,7 @@ constexpr int64_t kLowMemCols = 512;
 struct Plan {
   int64_t sub_rows = 0, super_rows = 0;
   bool fp32_weight_acc = false;
+  bool bf16_logits = false;  // GEMM1 writes bf16 logits (bf16 inputs, cluster kernel), else float32
 };
 
 // Every row's target logit as an exact float32 dot product x . W[t] (one small kernel, N x H reads);
@@ -59,13 +61,17 @@ at::Tensor target_logits(const Problem& p) {
 
 // Development knobs (benchmarking the chunk plan, common/env.h): FUSEFORGE_LCE_SUB_ROWS,
 // FUSEFORGE_LCE_WORKSPACE_MIB.
-Plan plan_rows(const Problem& p, bool want_weight_grad) {
+Plan plan_rows(const Problem& p, bool want_weight_grad, bool bf16_logits) {
   Plan plan;
+  plan.bf16_logits = bf16_logits;
   const int64_t esize = p.x2d.element_size();
   const int64_t budget = env_positive_int("FUSEFORGE_LCE_WORKSPACE_MIB", kWorkspaceBudget >> 20) << 20;
-  plan.sub_rows = std::min<int64_t>(env_positive_int("FUSEFORGE_LCE_SUB_ROWS", p.vocab > 196608 ? 256 : 512),
+  // bf16 logits take half the staging bytes: up to V = 196608, twice the rows a GEMM1 call (larger
+  // products run faster) in the same memory.
+  const int64_t default_sub_rows = p.vocab > 196608 ? 256 : bf16_logits ? 1024 : 512;
+  plan.sub_rows = std::min<int64_t>(env_positive_int("FUSEFORGE_LCE_SUB_ROWS", default_sub_rows),
                                     std::max<int64_t>(p.rows, 1));
-  const int64_t staging = 4 * plan.sub_rows * p.vocab;
+  const int64_t staging = (bf16_logits ? 2 : 4) * plan.sub_rows * p.vocab;
   int64_t s = (budget - staging) / (esize * p.vocab);
   s = std::clamp<int64_t>(s / plan.sub_rows * plan.sub_rows, plan.sub_rows, kMaxSuperRows);
   plan.super_rows = std::min<int64_t>(s, ceil_div(std::max<int64_t>(p.rows, 1), plan.sub_rows) * plan.sub_rows);
@@ -143,9 +149,15 @@ void allocate_grads(const Problem& p, const GradSpec& g, Outputs& o) {
 
 template <typename T>
 void run_default(const Problem& p, const GradSpec& g, Outputs& o) {
-  const Plan plan = plan_rows(p, g.enabled && g.want.weight);
+  const bool cluster = p.vocab % 4 == 0 && p.vocab <= kClusterMaxVocab && !g.stats_in.has_value();
+  // With bf16 inputs and gradients the cluster kernel reads cuBLAS's bf16 logits (float32
+  // accumulation, one rounding): 2 bytes a logit written and read instead of 4. The exact float32
+  // target logit keeps the loss and the target's gradient; the other logits' rounding moved
+  // neither the loss nor the gradient error in scripts/lce_logit_precision.py (the op notes).
+  const bool bf16_logits = std::is_same_v<T, at::BFloat16> && cluster && g.enabled;
+  const Plan plan = plan_rows(p, g.enabled && g.want.weight, bf16_logits);
   const auto f32 = p.x2d.options().dtype(at::kFloat);
-  at::Tensor staging = at::empty({plan.sub_rows * p.vocab}, f32);
+  at::Tensor staging = at::empty({plan.sub_rows * p.vocab}, plan.bf16_logits ? p.x2d.options() : f32);
   at::Tensor dz_buf, w_acc, b_acc;
   if (g.enabled) {
     dz_buf = at::empty({plan.super_rows, p.vocab}, p.x2d.options());
@@ -153,7 +165,6 @@ void run_default(const Problem& p, const GradSpec& g, Outputs& o) {
     if (g.want.bias) b_acc = at::zeros({p.vocab}, f32);
   }
   at::Tensor& w_out = plan.fp32_weight_acc ? w_acc : o.grad_weight;
-  const bool cluster = p.vocab % 4 == 0 && p.vocab <= kClusterMaxVocab && !g.stats_in.has_value();
   const at::Tensor exact_zt = target_logits<T>(p);
   RowParams<T> rp = base_params<T>(p, g.row_scale, g.scalar_scale, exact_zt);
   rp.cols = p.vocab;
@@ -169,9 +180,14 @@ void run_default(const Problem& p, const GradSpec& g, Outputs& o) {
     for (int64_t c0 = s0; c0 < s0 + s_rows; c0 += plan.sub_rows) {
       const int64_t c_rows = std::min(plan.sub_rows, s0 + s_rows - c0);
       at::Tensor logits = staging.narrow(0, 0, c_rows * p.vocab).view({c_rows, p.vocab});
-      logits_gemm(logits, p.x2d.narrow(0, c0, c_rows), p.weight);
       RowParams<T> q = at_row(rp, c0);
-      q.logits = logits.const_data_ptr<float>();
+      if (plan.bf16_logits) {
+        at::mm_out(logits, p.x2d.narrow(0, c0, c_rows), p.weight.t());
+        q.logits_lowp = logits.const_data_ptr<T>();
+      } else {
+        logits_gemm(logits, p.x2d.narrow(0, c0, c_rows), p.weight);
+        q.logits = logits.const_data_ptr<float>();
+      }
       q.rows = c_rows;
       if (q.lse_in) {
         q.lse_in += c0;

@@ -16,6 +16,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "common/launch.cuh"
 #include "linear_cross_entropy/linear_cross_entropy_launch.h"
@@ -77,10 +78,10 @@ __device__ __forceinline__ float raw_logit(const RowParams<T>& p, float from_gem
   return (p.target_logit != nullptr && col == t_local) ? p.target_logit[row] : from_gemm;
 }
 
-template <typename T>
-__device__ __forceinline__ float load_logit(const RowParams<T>& p, const float* zrow, int64_t row, int64_t col,
+template <typename T, typename L>
+__device__ __forceinline__ float load_logit(const RowParams<T>& p, const L* zrow, int64_t row, int64_t col,
                                             int64_t t_local, const LossMath& m) {
-  float z = raw_logit(p, zrow[col], row, col, t_local);
+  float z = raw_logit(p, static_cast<float>(zrow[col]), row, col, t_local);
   if (p.bias) z += static_cast<float>(p.bias[p.col_begin + col]);
   return m.cap(z);
 }
@@ -122,6 +123,24 @@ __device__ float block_sum(float v, float* scratch) {
   return r;
 }
 
+// Four consecutive logits from float32 or 16-bit storage (16- or 8-byte aligned).
+__device__ __forceinline__ void load4(const float* src, float (&v)[4]) {
+  const float4 q = *reinterpret_cast<const float4*>(src);
+  v[0] = q.x;
+  v[1] = q.y;
+  v[2] = q.z;
+  v[3] = q.w;
+}
+template <typename L>
+__device__ __forceinline__ void load4(const L* src, float (&v)[4]) {
+  struct alignas(4 * sizeof(L)) Pack {
+    L v[4];
+  };
+  const Pack pk = *reinterpret_cast<const Pack*>(src);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) v[k] = static_cast<float>(pk.v[k]);
+}
+
 // Four gradients to T at dst (8-byte aligned for 16-bit T, 16-byte for float).
 template <typename T>
 __device__ __forceinline__ void store4(T* dst, float a, float b, float c, float d) {
@@ -144,8 +163,8 @@ __device__ void zero_tile_row(const RowParams<T>& p, int64_t row, int64_t c0, in
 // ---------------------------------------------------------------------------------------------
 // Cluster kernel: grid (8, rows); CTA `rank` owns columns [rank * span, min(cols, (rank + 1) * span)),
 // span a multiple of 4 <= 512 * 4 * kVec4. Needs ld_logits % 4 == 0, ld_dz % 4 == 0, cols % 4 == 0,
-// col_begin == 0, cols == vocab.
-template <typename T, int kVec4>
+// col_begin == 0, cols == vocab. L: the logits' storage (float, or T from p.logits_lowp).
+template <typename T, typename L, int kVec4>
 __device__ void row_softmax_cluster_body(const RowParams<T>& p, int64_t span) {
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
@@ -170,7 +189,12 @@ __device__ void row_softmax_cluster_body(const RowParams<T>& p, int64_t span) {
     return;
   }
   const bool bad_target = t < 0 || t >= p.vocab;
-  const float* zrow = p.logits + row * p.ld_logits;
+  const L* zrow;
+  if constexpr (std::is_same_v<L, float>) {
+    zrow = p.logits + row * p.ld_logits;
+  } else {
+    zrow = p.logits_lowp + row * p.ld_logits;
+  }
 
   float v[kVec4][4];
   float local_max = -INFINITY;
@@ -178,11 +202,7 @@ __device__ void row_softmax_cluster_body(const RowParams<T>& p, int64_t span) {
   for (int i = 0; i < kVec4; ++i) {
     const int64_t col = c0 + (static_cast<int64_t>(i) * kClusterThreads + tid) * 4;
     if (col < c1) {  // cols % 4 == 0 and span % 4 == 0: the four are all in range
-      const float4 q = *reinterpret_cast<const float4*>(zrow + col);
-      v[i][0] = q.x;
-      v[i][1] = q.y;
-      v[i][2] = q.z;
-      v[i][3] = q.w;
+      load4(zrow + col, v[i]);
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         v[i][k] = raw_logit(p, v[i][k], row, col + k, t);
@@ -256,10 +276,10 @@ __device__ void row_softmax_cluster_body(const RowParams<T>& p, int64_t span) {
   }
 }
 
-template <typename T, int kVec4>
+template <typename T, typename L, int kVec4>
 __global__ void __cluster_dims__(kClusterSize, 1, 1) __launch_bounds__(kClusterThreads, kVec4 >= 16 ? 1 : 2)
     row_softmax_cluster_kernel(RowParams<T> p, int64_t span) {
-  row_softmax_cluster_body<T, kVec4>(p, span);
+  row_softmax_cluster_body<T, L, kVec4>(p, span);
 }
 
 // ---------------------------------------------------------------------------------------------

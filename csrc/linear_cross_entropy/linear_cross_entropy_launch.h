@@ -13,6 +13,8 @@ namespace fuseforge::linear_cross_entropy {
 template <typename T>
 struct RowParams {
   const float* logits = nullptr;
+  // Or the logits in T (bf16 inputs, cluster kernel only; same ld_logits): cuBLAS's bf16 output.
+  const T* logits_lowp = nullptr;
   int64_t ld_logits = 0;
   T* dz = nullptr;  // gradient tile (row stride ld_dz) or nullptr: no gradient
   int64_t ld_dz = 0;

@@ -35,12 +35,15 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Option
     reduction="none".
 
     Memory: the logits never exist whole. The default strategy works on row chunks; its workspace is
-    at most max(768 MiB, 1536 V bytes) (a 512-row float32 logits chunk, 256 rows for V > 196608, plus
-    the logit gradients of a super-chunk of rows in x's dtype, 2048 rows at V = 128256) and does not
-    grow with the number of tokens. The weight gradient accumulates across super-chunks inside cuBLAS
-    (float32 arithmetic, one rounding to bf16/fp16 a super-chunk), at most 4 roundings per element;
-    beyond 4 super-chunks a float32 V x H accumulator (4 V H bytes, constant in N) is used instead. Logits are formed in float32 (cuBLAS accumulates in float32 and writes float32), so the
-    loss and the softmax are as accurate as an fp32 computation from the same bf16 inputs.
+    at most max(768 MiB, 1536 V bytes) (a 512-row float32 logits chunk, 256 rows for V > 196608, or
+    a 1024-row bf16 one for bf16 inputs, plus the logit gradients of a super-chunk of rows in x's
+    dtype, 2048 rows at V = 128256) and does not grow with the number of tokens. The weight gradient
+    accumulates across super-chunks inside cuBLAS (float32 arithmetic, one rounding to bf16/fp16 a
+    super-chunk), at most 4 roundings per element; beyond 4 super-chunks a float32 V x H accumulator
+    (4 V H bytes, constant in N) is used instead. Logits are accumulated in float32 by cuBLAS and
+    stored in float32, or in bf16 for bf16 inputs on the GPU's gradient path; every row's target
+    logit is recomputed as an exact float32 dot product, so the loss is as accurate as a float32
+    computation from the same inputs, also on a confident model.
 
     Gradients: with reduction "mean"/"sum" and a gradient required, the forward computes the gradients
     too (one pass over the logits); the backward only multiplies them by grad_output (skipped when it
