@@ -259,7 +259,7 @@ __device__ void row_softmax_cluster_body(const RowParams<T>& p, int64_t span) {
   const float nll = bad_target ? NAN : (row_max - load_logit(p, zrow, row, t, t, m)) + log_sum;
 
   if (rank == 0 && tid == 0) {
-    if (p.loss_out) p.loss_out[row] = m.loss(lse, nll, row_sumz);
+    if (p.loss_out) p.loss_out[row] = m.loss(lse, nll, p.row_sumz ? p.row_sumz[row] : row_sumz);
     if (p.lse_out) p.lse_out[row] = lse;
     if (p.nll_out) p.nll_out[row] = nll;
   }

@@ -36,6 +36,9 @@ struct RowParams {
   // Exact float32 target logits x . W[t] of the launch's rows (launch_target_logits), or nullptr:
   // cuBLAS's logit is used for the target too.
   const float* target_logit = nullptr;
+  // Exact per-row sums of the logits (x . colsum(W) + sum(bias); label smoothing on bf16 logits
+  // without softcap), or nullptr: the kernel sums the logits it reads.
+  const float* row_sumz = nullptr;
   const float* lse_in = nullptr;
   const float* nll_in = nullptr;
   float* lse_out = nullptr;
