@@ -1,4 +1,4 @@
-// Warp-level building blocks of the attention kernels, in raw PTX: cp.async 16-byte copies,
+// Warp-level building blocks of the attention kernels, in raw PTX (cp.async: common/async_copy.cuh):
 // ldmatrix, mma.sync m16n8k16 (fp16/bf16 in, fp32 accumulate), and the XOR swizzle of the shared
 // memory tiles. Fragment layouts are PTX's (m16n8k16, .row.col):
 //   A (16x16): a0 = (row g, k 2t..2t+1), a1 = (row g+8, same k), a2 = (row g, k 8+2t..), a3 = (row g+8, k 8+2t..)
@@ -10,6 +10,8 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+
+#include "common/async_copy.cuh"
 
 namespace fuseforge::attention {
 
@@ -23,21 +25,6 @@ template <>
 struct MmaType<__nv_bfloat16> {
   static constexpr bool kIsBf16 = true;
 };
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16 bytes global -> shared, bypassing L1; zero-fills the destination when !valid.
-__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
-  const int src_bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"

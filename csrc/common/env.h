@@ -26,4 +26,12 @@ inline int64_t env_positive_int(const char* name, int64_t fallback) {
   return static_cast<int64_t>(parsed);
 }
 
+// A 0/1 knob: fallback when unset or empty; a clear error for anything else.
+inline bool env_flag(const char* name, bool fallback) {
+  const std::string v = env_string(name);
+  if (v.empty()) return fallback;
+  TORCH_CHECK(v == "0" || v == "1", name, ": expected 0 or 1, got '", v, "'");
+  return v == "1";
+}
+
 }  // namespace fuseforge

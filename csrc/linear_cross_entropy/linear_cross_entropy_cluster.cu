@@ -1,30 +1,68 @@
 // Instantiations of the cluster row-softmax kernel (fp32 / fp16 / bf16 gradients x 4 row sizes; bf16
 // reads bf16 logits, the others float32).
+#include <algorithm>
+#include <atomic>
+
 #include "linear_cross_entropy/linear_cross_entropy_kernel.cuh"
 
 namespace fuseforge::linear_cross_entropy {
 
+// How many clusters of `kernel` (smem_bytes of dynamic shared memory) the device holds at once: the
+// occupancy calculator, cached per device and kernel variant.
+template <typename Kernel>
+int resident_clusters(Kernel kernel, size_t smem_bytes, int variant) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cache[kMaxDevices][4];  // 0: not asked yet
+  const int device = c10::cuda::current_device();
+  std::atomic<int>* slot = device < kMaxDevices ? &cache[device][variant] : nullptr;
+  if (slot) {
+    const int cached = slot->load(std::memory_order_relaxed);
+    if (cached > 0) return cached;
+  }
+  if (smem_bytes > 48 * 1024) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(smem_bytes)));
+  }
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(kClusterSize, 1024);
+  config.blockDim = dim3(kClusterThreads);
+  config.dynamicSmemBytes = smem_bytes;
+  int clusters = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config));
+  clusters = std::max(clusters, 1);
+  if (slot) slot->store(clusters, std::memory_order_relaxed);
+  return clusters;
+}
+
 template <typename T>
-void launch_row_softmax_cluster(const RowParams<T>& p) {
+void launch_row_softmax_cluster(const RowParams<T>& p, bool persistent) {
   TORCH_CHECK(p.rows <= 65535, "linear_cross_entropy: the cluster kernel takes at most 65535 rows a launch");
   TORCH_CHECK(p.cols % 4 == 0 && p.ld_logits % 4 == 0 && (!p.dz || p.ld_dz % 4 == 0) && p.col_begin == 0 &&
                   p.cols == p.vocab && p.cols <= kClusterMaxVocab,
               "linear_cross_entropy: internal error: cluster kernel called on an unsupported layout");
-  // Each CTA of the cluster owns `span` columns (a multiple of 4); each thread keeps kVec4 float4s.
+  const void* logits = p.logits ? static_cast<const void*>(p.logits) : static_cast<const void*>(p.logits_lowp);
+  TORCH_CHECK(p.target_logit != nullptr || static_cast<const void*>(p.dz) != logits,
+              "linear_cross_entropy: internal error: dz in place of the logits needs the exact target logits");
+  // Each CTA of the cluster owns `span` columns (a multiple of 4); each thread keeps kVec4 groups of 4.
   const int64_t span = ceil_div(ceil_div(p.cols, kClusterSize), 4) * 4;
   const int64_t float4_per_thread = ceil_div(span, int64_t{kClusterThreads} * 4);
-  const dim3 grid(kClusterSize, static_cast<unsigned>(p.rows));
   const dim3 block(kClusterThreads);
+  auto launch = [&](auto kernel, size_t smem_bytes, int variant) {
+    // Persistent: as many clusters as are resident, each looping over rows; else one a row.
+    const int64_t clusters =
+        persistent ? std::min<int64_t>(p.rows, resident_clusters(kernel, smem_bytes, variant)) : p.rows;
+    launch_kernel(kernel, dim3(kClusterSize, static_cast<unsigned>(clusters)), block, smem_bytes, p, span);
+  };
   auto launch_for = [&](auto logit_type) {
     using L = decltype(logit_type);
     if (float4_per_thread <= 2) {
-      launch_kernel(row_softmax_cluster_kernel<T, L, 2>, grid, block, 0, p, span);
+      launch(row_softmax_cluster_kernel<T, L, 2>, cluster_prefetch_bytes<L, 2>(), 0);
     } else if (float4_per_thread <= 4) {
-      launch_kernel(row_softmax_cluster_kernel<T, L, 4>, grid, block, 0, p, span);
+      launch(row_softmax_cluster_kernel<T, L, 4>, cluster_prefetch_bytes<L, 4>(), 1);
     } else if (float4_per_thread <= 8) {
-      launch_kernel(row_softmax_cluster_kernel<T, L, 8>, grid, block, 0, p, span);
+      launch(row_softmax_cluster_kernel<T, L, 8>, cluster_prefetch_bytes<L, 8>(), 2);
     } else {
-      launch_kernel(row_softmax_cluster_kernel<T, L, 16>, grid, block, 0, p, span);
+      launch(row_softmax_cluster_kernel<T, L, 16>, cluster_prefetch_bytes<L, 16>(), 3);
     }
   };
   // 16-bit logits only for bf16 (fp16's range is too small for raw logits); one logit type a dtype.
@@ -39,8 +77,8 @@ void launch_row_softmax_cluster(const RowParams<T>& p) {
   }
 }
 
-template void launch_row_softmax_cluster<float>(const RowParams<float>&);
-template void launch_row_softmax_cluster<at::Half>(const RowParams<at::Half>&);
-template void launch_row_softmax_cluster<at::BFloat16>(const RowParams<at::BFloat16>&);
+template void launch_row_softmax_cluster<float>(const RowParams<float>&, bool);
+template void launch_row_softmax_cluster<at::Half>(const RowParams<at::Half>&, bool);
+template void launch_row_softmax_cluster<at::BFloat16>(const RowParams<at::BFloat16>&, bool);
 
 }  // namespace fuseforge::linear_cross_entropy

@@ -68,15 +68,22 @@ Plan plan_rows(const Problem& p, bool want_weight_grad, bool bf16_logits) {
   plan.bf16_logits = bf16_logits;
   const int64_t esize = p.x2d.element_size();
   const int64_t budget = env_positive_int("FUSEFORGE_LCE_WORKSPACE_MIB", kWorkspaceBudget >> 20) << 20;
-  // bf16 logits take half the staging bytes: up to V = 196608, twice the rows a GEMM1 call (larger
-  // products run faster) in the same memory.
-  const int64_t default_sub_rows = p.vocab > 196608 ? 256 : bf16_logits ? 1024 : 512;
-  plan.sub_rows = std::min<int64_t>(env_positive_int("FUSEFORGE_LCE_SUB_ROWS", default_sub_rows),
-                                    std::max<int64_t>(p.rows, 1));
-  const int64_t staging = (bf16_logits ? 2 : 4) * plan.sub_rows * p.vocab;
-  int64_t s = (budget - staging) / (esize * p.vocab);
-  s = std::clamp<int64_t>(s / plan.sub_rows * plan.sub_rows, plan.sub_rows, kMaxSuperRows);
-  plan.super_rows = std::min<int64_t>(s, ceil_div(std::max<int64_t>(p.rows, 1), plan.sub_rows) * plan.sub_rows);
+  const int64_t rows = std::max<int64_t>(p.rows, 1);
+  if (bf16_logits) {
+    // GEMM1 writes bf16 logits straight into the super-chunk's dz rows and the cluster kernel turns
+    // them into dz in place: no staging, so the whole budget is dz rows (3072 at V = 128256), and by
+    // default one GEMM1 a super-chunk (larger products run faster).
+    int64_t s = std::clamp<int64_t>(budget / (esize * p.vocab) / 256 * 256, 256, kMaxSuperRows);
+    s = std::min(s, rows);
+    plan.sub_rows = std::min(env_positive_int("FUSEFORGE_LCE_SUB_ROWS", s), s);
+    plan.super_rows = s / plan.sub_rows * plan.sub_rows;
+  } else {
+    plan.sub_rows = std::min<int64_t>(env_positive_int("FUSEFORGE_LCE_SUB_ROWS", p.vocab > 196608 ? 256 : 512), rows);
+    const int64_t staging = 4 * plan.sub_rows * p.vocab;
+    int64_t s = (budget - staging) / (esize * p.vocab);
+    s = std::clamp<int64_t>(s / plan.sub_rows * plan.sub_rows, plan.sub_rows, kMaxSuperRows);
+    plan.super_rows = std::min<int64_t>(s, ceil_div(rows, plan.sub_rows) * plan.sub_rows);
+  }
   const int64_t passes = ceil_div(p.rows, plan.super_rows);
   plan.fp32_weight_acc = want_weight_grad && p.x2d.scalar_type() != at::kFloat && passes > kMaxRoundedPasses;
   return plan;
@@ -153,6 +160,9 @@ void allocate_grads(const Problem& p, const GradSpec& g, Outputs& o) {
 template <typename T>
 void run_default(const Problem& p, const GradSpec& g, Outputs& o) {
   const bool cluster = p.vocab % 4 == 0 && p.vocab <= kClusterMaxVocab && !g.stats_in.has_value();
+  // Development knob FUSEFORGE_LCE_PERSISTENT: 1, as many clusters as the GPU holds, each looping over
+  // rows; 0, one cluster a row.
+  const bool persistent = env_flag("FUSEFORGE_LCE_PERSISTENT", true);
   // With bf16 inputs and gradients the cluster kernel reads cuBLAS's bf16 logits (float32
   // accumulation, one rounding): 2 bytes a logit written and read instead of 4. The exact float32
   // target logit keeps the loss and the target's gradient; the other logits' rounding moved
@@ -160,7 +170,7 @@ void run_default(const Problem& p, const GradSpec& g, Outputs& o) {
   const bool bf16_logits = std::is_same_v<T, at::BFloat16> && cluster && g.enabled;
   const Plan plan = plan_rows(p, g.enabled && g.want.weight, bf16_logits);
   const auto f32 = p.x2d.options().dtype(at::kFloat);
-  at::Tensor staging = at::empty({plan.sub_rows * p.vocab}, plan.bf16_logits ? p.x2d.options() : f32);
+  at::Tensor staging = plan.bf16_logits ? at::Tensor() : at::empty({plan.sub_rows * p.vocab}, f32);
   at::Tensor dz_buf, w_acc, b_acc;
   if (g.enabled) {
     dz_buf = at::empty({plan.super_rows, p.vocab}, p.x2d.options());
@@ -196,12 +206,13 @@ void run_default(const Problem& p, const GradSpec& g, Outputs& o) {
     const int64_t s_rows = std::min(plan.super_rows, p.rows - s0);
     for (int64_t c0 = s0; c0 < s0 + s_rows; c0 += plan.sub_rows) {
       const int64_t c_rows = std::min(plan.sub_rows, s0 + s_rows - c0);
-      at::Tensor logits = staging.narrow(0, 0, c_rows * p.vocab).view({c_rows, p.vocab});
       RowParams<T> q = at_row(rp, c0);
-      if (plan.bf16_logits) {
+      if (plan.bf16_logits) {  // into this sub-chunk's dz rows, turned into dz in place
+        at::Tensor logits = dz_buf.narrow(0, c0 - s0, c_rows);
         at::mm_out(logits, p.x2d.narrow(0, c0, c_rows), p.weight.t());
         q.logits_lowp = logits.const_data_ptr<T>();
       } else {
+        at::Tensor logits = staging.narrow(0, 0, c_rows * p.vocab).view({c_rows, p.vocab});
         logits_gemm(logits, p.x2d.narrow(0, c0, c_rows), p.weight);
         q.logits = logits.const_data_ptr<float>();
       }
@@ -216,7 +227,7 @@ void run_default(const Problem& p, const GradSpec& g, Outputs& o) {
       }
       q.dz = g.enabled ? dz_buf.mutable_data_ptr<T>() + (c0 - s0) * p.vocab : nullptr;
       if (cluster && q.dz) {
-        launch_row_softmax_cluster<T>(q);
+        launch_row_softmax_cluster<T>(q, persistent);
       } else {
         launch_row_softmax_stream<T>(q);
       }

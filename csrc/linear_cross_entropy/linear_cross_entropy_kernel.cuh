@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "common/async_copy.cuh"
 #include "common/launch.cuh"
 #include "linear_cross_entropy/linear_cross_entropy_launch.h"
 
@@ -78,10 +79,12 @@ __device__ __forceinline__ float raw_logit(const RowParams<T>& p, float from_gem
   return (p.target_logit != nullptr && col == t_local) ? p.target_logit[row] : from_gemm;
 }
 
+// Tile column col's logit with bias and softcap applied (zrow is not read where raw_logit would
+// replace the value).
 template <typename T, typename L>
 __device__ __forceinline__ float load_logit(const RowParams<T>& p, const L* zrow, int64_t row, int64_t col,
                                             int64_t t_local, const LossMath& m) {
-  float z = raw_logit(p, static_cast<float>(zrow[col]), row, col, t_local);
+  float z = (p.target_logit != nullptr && col == t_local) ? p.target_logit[row] : static_cast<float>(zrow[col]);
   if (p.bias) z += static_cast<float>(p.bias[p.col_begin + col]);
   return m.cap(z);
 }
@@ -123,35 +126,29 @@ __device__ float block_sum(float v, float* scratch) {
   return r;
 }
 
-// Four consecutive logits from float32 or 16-bit storage (16- or 8-byte aligned).
-__device__ __forceinline__ void load4(const float* src, float (&v)[4]) {
-  const float4 q = *reinterpret_cast<const float4*>(src);
-  v[0] = q.x;
-  v[1] = q.y;
-  v[2] = q.z;
-  v[3] = q.w;
-}
+// Four consecutive values of L, stored together (16 bytes for float, 8 for 16-bit types).
+template <typename L>
+struct alignas(4 * sizeof(L)) Pack4 {
+  L v[4];
+};
+
+// Four consecutive logits from float32 or 16-bit storage (aligned to 4 of them).
 template <typename L>
 __device__ __forceinline__ void load4(const L* src, float (&v)[4]) {
-  struct alignas(4 * sizeof(L)) Pack {
-    L v[4];
-  };
-  const Pack pk = *reinterpret_cast<const Pack*>(src);
+  const Pack4<L> pk = *reinterpret_cast<const Pack4<L>*>(src);
 #pragma unroll
   for (int k = 0; k < 4; ++k) v[k] = static_cast<float>(pk.v[k]);
 }
 
-// Four gradients to T at dst (8-byte aligned for 16-bit T, 16-byte for float).
+// Four gradients to T at dst (aligned to 4 of them).
 template <typename T>
 __device__ __forceinline__ void store4(T* dst, float a, float b, float c, float d) {
-  struct alignas(4 * sizeof(T)) Pack {
-    T v[4];
-  } pk;
+  Pack4<T> pk;
   pk.v[0] = static_cast<T>(a);
   pk.v[1] = static_cast<T>(b);
   pk.v[2] = static_cast<T>(c);
   pk.v[3] = static_cast<T>(d);
-  *reinterpret_cast<Pack*>(dst) = pk;
+  *reinterpret_cast<Pack4<T>*>(dst) = pk;
 }
 
 template <typename T>
@@ -161,119 +158,168 @@ __device__ void zero_tile_row(const RowParams<T>& p, int64_t row, int64_t c0, in
 }
 
 // ---------------------------------------------------------------------------------------------
-// Cluster kernel: grid (8, rows); CTA `rank` owns columns [rank * span, min(cols, (rank + 1) * span)),
-// span a multiple of 4 <= 512 * 4 * kVec4. Needs ld_logits % 4 == 0, ld_dz % 4 == 0, cols % 4 == 0,
-// col_begin == 0, cols == vocab. L: the logits' storage (float, or T from p.logits_lowp).
+// Cluster kernel: grid (8, clusters); each cluster takes rows blockIdx.y, blockIdx.y + gridDim.y, ...
+// (persistent when gridDim.y < rows). CTA `rank` owns columns [rank * span, min(cols, (rank + 1) *
+// span)), span a multiple of 4 <= 512 * 4 * kVec4. Needs ld_logits % 4 == 0, ld_dz % 4 == 0,
+// cols % 4 == 0, col_begin == 0, cols == vocab. L: the logits' storage (float, or T from
+// p.logits_lowp). dz may alias the logits (bf16 in place, with p.target_logit given): every logit
+// of a row is read before the cluster barrier after which any CTA writes that row's dz.
+template <typename T, typename L>
+__device__ __forceinline__ const L* logit_row(const RowParams<T>& p, int64_t row) {
+  if constexpr (std::is_same_v<L, float>) {
+    return p.logits + row * p.ld_logits;
+  } else {
+    return p.logits_lowp + row * p.ld_logits;
+  }
+}
+
+// Bytes of dynamic shared memory the cluster kernel takes: one row span in the logits' storage, the
+// next row's logits on their way in.
+template <typename L, int kVec4>
+constexpr size_t cluster_prefetch_bytes() {
+  return sizeof(L) * 4 * kVec4 * kClusterThreads;
+}
+
 template <typename T, typename L, int kVec4>
 __device__ void row_softmax_cluster_body(const RowParams<T>& p, int64_t span) {
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
   __shared__ float scratch[kClusterThreads / 32];
-  __shared__ float stats[3];  // this CTA's max, sum of exp(z - max), sum of z
+  // This CTA's (max, sum of exp(z - max), sum of z), double-buffered by row parity: one cluster
+  // barrier a row suffices, as a CTA two rows ahead would have passed a barrier its peers reach only
+  // after reading the older buffer.
+  __shared__ float stats[2][3];
+  // The next row's logits (this thread's groups of 4 at [(i * threads + tid) * 4]), copied by
+  // cp.async while this row is reduced, exchanged and written: HBM stays busy through the barriers.
+  extern __shared__ __align__(16) unsigned char prefetch_smem[];
+  L* next_row = reinterpret_cast<L*>(prefetch_smem);
 
   const int tid = threadIdx.x;
   const int rank = static_cast<int>(cluster.block_rank());
-  const int64_t row = blockIdx.y;
-  const int64_t c0 = static_cast<int64_t>(rank) * span;
-  const int64_t c1 = c0 + span < p.cols ? c0 + span : p.cols;
-  const int64_t t = p.target[row];
+  // Column indices in 32 bits (cols <= kClusterMaxVocab): fewer registers next to the row.
+  const int c0 = rank * static_cast<int>(span);
+  const int c1 = c0 + static_cast<int>(span) < p.cols ? c0 + static_cast<int>(span) : static_cast<int>(p.cols);
   const LossMath m = LossMath::from(p);
+  const bool need_sumz = m.label_smoothing > 0.f && p.row_sumz == nullptr;
+  const auto col_of = [&](int i) { return c0 + (i * kClusterThreads + tid) * 4; };
+  const auto slot_of = [&](int i) { return next_row + (i * kClusterThreads + tid) * 4; };
+  const auto prefetch = [&](int64_t row) {
+    if (row >= p.rows || p.target[row] == p.ignore_index) return;  // ignored rows are not read
+    const L* zrow = logit_row<T, L>(p, row);
+#pragma unroll
+    for (int i = 0; i < kVec4; ++i) {
+      if (col_of(i) < c1) {  // cols % 4 == 0 and span % 4 == 0: the four are all in range
+        if constexpr (sizeof(Pack4<L>) == 16) {
+          cp_async_16(smem_addr(slot_of(i)), zrow + col_of(i), true);
+        } else {
+          cp_async_8(smem_addr(slot_of(i)), zrow + col_of(i));
+        }
+      }
+    }
+  };
+  prefetch(blockIdx.y);
+  cp_async_commit();
 
-  if (t == p.ignore_index) {  // the whole cluster takes this branch: no cluster barrier is skipped by half
-    if (p.dz) zero_tile_row(p, row, c0, c1, tid, kClusterThreads);
+  int parity = 0;
+  for (int64_t row = blockIdx.y; row < p.rows; row += gridDim.y) {
+    const int64_t t = p.target[row];
+    if (t == p.ignore_index) {  // uniform over the cluster: no cluster barrier is skipped by half
+      prefetch(row + gridDim.y);  // (this row's were not fetched: the slots are free)
+      cp_async_commit();
+      if (p.dz) zero_tile_row(p, row, c0, c1, tid, kClusterThreads);
+      if (rank == 0 && tid == 0) {
+        if (p.loss_out) p.loss_out[row] = 0.f;
+        if (p.lse_out) p.lse_out[row] = 0.f;
+        if (p.nll_out) p.nll_out[row] = 0.f;
+      }
+      continue;
+    }
+    const bool bad_target = t < 0 || t >= p.vocab;
+    cp_async_wait<0>();  // this thread's slots hold the row (each thread reads only its own)
+    float v[kVec4][4];
+    float local_max = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < kVec4; ++i) {
+      if (col_of(i) < c1) {
+        load4(slot_of(i), v[i]);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          v[i][k] = raw_logit(p, v[i][k], row, col_of(i) + k, t);
+          if (p.bias) v[i][k] += static_cast<float>(p.bias[col_of(i) + k]);
+          v[i][k] = m.cap(v[i][k]);
+          local_max = fmaxf(local_max, v[i][k]);
+        }
+      }
+    }
+    // Sums of exp(z - cta_max) and of z over this thread's columns. (Merging (max, sum) pairs per
+    // thread through the warp instead, 1 block barrier instead of 6, measured 4% slower on the H100:
+    // docs/notes_linear_cross_entropy.md.)
+    const float cta_max = block_max<kClusterThreads>(local_max, scratch);
+    // The slots are consumed (cta_max depends on every value read, and block_max's barriers keep
+    // the compiler from moving those reads down): refill them.
+    prefetch(row + gridDim.y);
+    cp_async_commit();
+    float local_sum = 0.f, local_sumz = 0.f;
+#pragma unroll
+    for (int i = 0; i < kVec4; ++i) {
+      if (col_of(i) < c1) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          local_sum += __expf(v[i][k] - cta_max);
+          local_sumz += v[i][k];
+        }
+      }
+    }
+    const float cta_sum = block_sum<kClusterThreads>(local_sum, scratch);
+    const float cta_sumz = need_sumz ? block_sum<kClusterThreads>(local_sumz, scratch) : 0.f;
+    if (tid == 0) {
+      stats[parity][0] = cta_max;
+      stats[parity][1] = cta_sum;
+      stats[parity][2] = cta_sumz;
+    }
+    cluster.sync();  // every CTA's stats of this row are written, and every logit of the row read
+    // Two sweeps over the peers' three floats (distributed shared memory) rather than arrays that
+    // would cost registers next to the row.
+    float row_max = -INFINITY;
+    float row_sumz = 0.f;
+#pragma unroll
+    for (int r = 0; r < kClusterSize; ++r) {
+      const float* peer = cluster.map_shared_rank(&stats[parity][0], r);
+      row_max = fmaxf(row_max, peer[0]);
+      row_sumz += peer[2];
+    }
+    float row_sum = 0.f;
+#pragma unroll
+    for (int r = 0; r < kClusterSize; ++r) {
+      const float* peer = cluster.map_shared_rank(&stats[parity][0], r);
+      const float peer_sum = peer[1];
+      if (peer_sum > 0.f) row_sum += peer_sum * __expf(peer[0] - row_max);
+    }
+    parity ^= 1;
+    const float log_sum = logf(row_sum);
+    const float lse = row_max + log_sum;
+    // The target's logit from p.target_logit: in place, after this row's cluster barrier the logits
+    // themselves may already be overwritten (the host passes it whenever dz aliases the logits).
+    const float nll = bad_target ? NAN : (row_max - load_logit(p, logit_row<T, L>(p, row), row, t, t, m)) + log_sum;
+
     if (rank == 0 && tid == 0) {
-      if (p.loss_out) p.loss_out[row] = 0.f;
-      if (p.lse_out) p.lse_out[row] = 0.f;
-      if (p.nll_out) p.nll_out[row] = 0.f;
+      if (p.loss_out) p.loss_out[row] = m.loss(lse, nll, p.row_sumz ? p.row_sumz[row] : row_sumz);
+      if (p.lse_out) p.lse_out[row] = lse;
+      if (p.nll_out) p.nll_out[row] = nll;
     }
-    return;
-  }
-  const bool bad_target = t < 0 || t >= p.vocab;
-  const L* zrow;
-  if constexpr (std::is_same_v<L, float>) {
-    zrow = p.logits + row * p.ld_logits;
-  } else {
-    zrow = p.logits_lowp + row * p.ld_logits;
-  }
-
-  float v[kVec4][4];
-  float local_max = -INFINITY;
+    if (!p.dz) continue;
+    const float scale = bad_target ? NAN : row_grad_scale(p, row);
+    T* out = p.dz + row * p.ld_dz;
 #pragma unroll
-  for (int i = 0; i < kVec4; ++i) {
-    const int64_t col = c0 + (static_cast<int64_t>(i) * kClusterThreads + tid) * 4;
-    if (col < c1) {  // cols % 4 == 0 and span % 4 == 0: the four are all in range
-      load4(zrow + col, v[i]);
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        v[i][k] = raw_logit(p, v[i][k], row, col + k, t);
-        if (p.bias) v[i][k] += static_cast<float>(p.bias[col + k]);
-        v[i][k] = m.cap(v[i][k]);
-        local_max = fmaxf(local_max, v[i][k]);
+    for (int i = 0; i < kVec4; ++i) {
+      const int col = col_of(i);
+      if (col < c1) {
+        store4(out + col, m.grad(v[i][0], lse, nll, col == t, scale), m.grad(v[i][1], lse, nll, col + 1 == t, scale),
+               m.grad(v[i][2], lse, nll, col + 2 == t, scale), m.grad(v[i][3], lse, nll, col + 3 == t, scale));
       }
     }
-  }
-  // Sums of exp(z - cta_max) and of z over this thread's columns. (Merging (max, sum) pairs per
-  // thread through the warp instead, 1 block barrier instead of 6, measured 4% slower on the H100:
-  // docs/notes_linear_cross_entropy.md.)
-  const float cta_max = block_max<kClusterThreads>(local_max, scratch);
-  float local_sum = 0.f, local_sumz = 0.f;
-#pragma unroll
-  for (int i = 0; i < kVec4; ++i) {
-    const int64_t col = c0 + (static_cast<int64_t>(i) * kClusterThreads + tid) * 4;
-    if (col < c1) {
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        local_sum += __expf(v[i][k] - cta_max);
-        local_sumz += v[i][k];
-      }
-    }
-  }
-  const float cta_sum = block_sum<kClusterThreads>(local_sum, scratch);
-  const float cta_sumz = block_sum<kClusterThreads>(local_sumz, scratch);
-  if (tid == 0) {
-    stats[0] = cta_max;
-    stats[1] = cta_sum;
-    stats[2] = cta_sumz;
-  }
-  cluster.sync();  // every CTA's stats are written
-  // Two sweeps over the peers' three floats (distributed shared memory) rather than arrays that
-  // would cost registers next to the row.
-  float row_max = -INFINITY;
-  float row_sumz = 0.f;
-#pragma unroll
-  for (int r = 0; r < kClusterSize; ++r) {
-    const float* peer = cluster.map_shared_rank(stats, r);
-    row_max = fmaxf(row_max, peer[0]);
-    row_sumz += peer[2];
-  }
-  float row_sum = 0.f;
-#pragma unroll
-  for (int r = 0; r < kClusterSize; ++r) {
-    const float* peer = cluster.map_shared_rank(stats, r);
-    const float peer_sum = peer[1];
-    if (peer_sum > 0.f) row_sum += peer_sum * __expf(peer[0] - row_max);
   }
   cluster.sync();  // no CTA leaves (freeing its shared memory) before every peer has read it
-  const float log_sum = logf(row_sum);
-  const float lse = row_max + log_sum;
-  const float nll = bad_target ? NAN : (row_max - load_logit(p, zrow, row, t, t, m)) + log_sum;
-
-  if (rank == 0 && tid == 0) {
-    if (p.loss_out) p.loss_out[row] = m.loss(lse, nll, p.row_sumz ? p.row_sumz[row] : row_sumz);
-    if (p.lse_out) p.lse_out[row] = lse;
-    if (p.nll_out) p.nll_out[row] = nll;
-  }
-  if (!p.dz) return;
-  const float scale = bad_target ? NAN : row_grad_scale(p, row);
-  T* out = p.dz + row * p.ld_dz;
-#pragma unroll
-  for (int i = 0; i < kVec4; ++i) {
-    const int64_t col = c0 + (static_cast<int64_t>(i) * kClusterThreads + tid) * 4;
-    if (col < c1) {
-      store4(out + col, m.grad(v[i][0], lse, nll, col == t, scale), m.grad(v[i][1], lse, nll, col + 1 == t, scale),
-             m.grad(v[i][2], lse, nll, col + 2 == t, scale), m.grad(v[i][3], lse, nll, col + 3 == t, scale));
-    }
-  }
 }
 
 template <typename T, typename L, int kVec4>
@@ -318,11 +364,7 @@ __device__ void row_softmax_stream_body(const RowParams<T>& p) {
     for (int64_t col = static_cast<int64_t>(tid) * kStep; col < p.cols; col += kStreamThreads * kStep) {
       float z[kStep];
       if constexpr (kVec) {
-        const float4 q = *reinterpret_cast<const float4*>(zrow + col);
-        z[0] = q.x;
-        z[1] = q.y;
-        z[2] = q.z;
-        z[3] = q.w;
+        load4(zrow + col, z);
       } else {
         z[0] = zrow[col];
       }
@@ -377,8 +419,8 @@ __device__ void row_softmax_stream_body(const RowParams<T>& p) {
   T* out = p.dz + row * p.ld_dz;
   for (int64_t col = static_cast<int64_t>(tid) * kStep; col < p.cols; col += kStreamThreads * kStep) {
     if constexpr (kVec) {
-      const float4 q = *reinterpret_cast<const float4*>(zrow + col);
-      const float z[4] = {q.x, q.y, q.z, q.w};
+      float z[4];
+      load4(zrow + col, z);
       float g[4];
 #pragma unroll
       for (int k = 0; k < 4; ++k) {

@@ -51,8 +51,9 @@ constexpr int kClusterThreads = 512;
 constexpr int kStreamThreads = 256;
 
 // Launchers (linear_cross_entropy_cluster.cu, linear_cross_entropy_stream.cu).
+// persistent: as many clusters as the GPU holds at once, each looping over rows (else one a row).
 template <typename T>
-void launch_row_softmax_cluster(const RowParams<T>& p);
+void launch_row_softmax_cluster(const RowParams<T>& p, bool persistent);
 template <typename T>
 void launch_row_softmax_stream(const RowParams<T>& p);
 template <typename T>
