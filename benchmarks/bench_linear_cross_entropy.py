@@ -199,7 +199,10 @@ if __name__ == "__main__":
     argv = sys.argv[1:]
     if not any(a == "--cases" or a.startswith("--cases=") for a in argv):
         argv += ["--cases", MAIN]
-    out = harness.run("linear_cross_entropy", CASES, setup, argv=argv, description=__doc__)
+    # 5 rounds: the impls of a pass are timed in turn, 5 times (harness.time_interleaved). Each
+    # fwd+bwd is ~40 ms of GEMMs at the GPU's power limit; timed one impl after another, drifts of
+    # clocks and temperature would fall on whichever impl came last.
+    out = harness.run("linear_cross_entropy", CASES, setup, argv=argv, description=__doc__, rounds=5)
     out_dir = sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else harness.RESULTS_DIR
     try:
         if plot_sweep(out, os.path.join(out_dir, "linear_cross_entropy_sweep.png")):

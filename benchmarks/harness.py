@@ -115,10 +115,31 @@ def _round(v: Optional[float], digits: int = 4) -> Optional[float]:
     return float(f"{v:.{digits}g}")
 
 
-def measure(bench: Bench, with_memory: bool = True) -> dict:
+def time_interleaved(benches: list[Bench], rounds: int, rep_ms: float = 100) -> dict[int, Optional[float]]:
+    """Median ms of each bench over `rounds` rounds that time every bench in turn (time_ms with
+    rep_ms each): slow drifts of the GPU's clocks and temperature fall on every impl alike instead of on
+    whichever is timed first. None for a bench that ran out of memory."""
+    times: dict[int, list[float]] = {id(b): [] for b in benches}
+    failed: set[int] = set()
+    for _ in range(rounds):
+        for b in benches:
+            if id(b) in failed:
+                continue
+            try:
+                times[id(b)].append(time_ms(b.fn, rep_ms=rep_ms))
+            except torch.cuda.OutOfMemoryError:
+                failed.add(id(b))
+                gc.collect()
+                torch.cuda.empty_cache()
+    return {k: (None if k in failed else sorted(v)[len(v) // 2]) for k, v in times.items()}
+
+
+def measure(bench: Bench, with_memory: bool = True, ms: Optional[float] = None) -> dict:
+    """One result row: ms timed here unless given (time_interleaved), then the peak memory."""
     row = {"case": bench.case, "pass": bench.pass_, "impl": bench.impl}
     try:
-        ms = time_ms(bench.fn)
+        if ms is None:
+            ms = time_ms(bench.fn)
         row["ms"] = _round(ms)
         if bench.bytes:
             row["GBps"] = _round(bench.bytes / ms / 1e6)
@@ -139,8 +160,10 @@ def measure(bench: Bench, with_memory: bool = True) -> dict:
 
 
 def run(op: str, cases: Iterable[str], setup: Callable[[str], list[Bench]], argv: Optional[list] = None,
-        description: str = "") -> dict:
-    """Times every Bench that setup(case) returns, case by case, and writes the results."""
+        description: str = "", rounds: int = 1) -> dict:
+    """Times every Bench that setup(case) returns, case by case, and writes the results. rounds > 1:
+    each pass's impls are timed round-robin (time_interleaved), for ops whose impls run long enough
+    to heat the GPU between one impl's timing and the next's."""
     parser = argparse.ArgumentParser(description=description or f"benchmark {op}")
     parser.add_argument("--cases", default="", help="comma-separated substrings: run only matching cases")
     parser.add_argument("--out", default=RESULTS_DIR, help="folder for <op>.json/.md/.png")
@@ -152,14 +175,21 @@ def run(op: str, cases: Iterable[str], setup: Callable[[str], list[Bench]], argv
     if args.cases:
         keys = [k for k in args.cases.split(",") if k]
         cases = [c for c in cases if any(k in c for k in keys)]
-    result = {"op": op, **env_info(), "ceilings": measure_ceilings(), "rows": []}
+    result = {"op": op, **env_info(), "ceilings": measure_ceilings(), "rounds": rounds, "rows": []}
     log(f"{op}: {len(cases)} cases on {result['gpu']} (torch {result['torch']}, commit {result['commit']}), "
         f"ceilings {result['ceilings']}")
     for i, case in enumerate(cases):
         log(f"[{i + 1}/{len(cases)}] {case}")
         benches = [b for b in setup(case) if not impls or b.impl in impls]
+        timed: dict[int, Optional[float]] = {}
+        if rounds > 1:  # every pass's impls, round-robin
+            for pass_ in dict.fromkeys(b.pass_ for b in benches):
+                timed.update(time_interleaved([b for b in benches if b.pass_ == pass_], rounds))
         for b in benches:
-            row = measure(b, with_memory=not args.no_memory)
+            if rounds > 1 and timed[id(b)] is None:
+                row = {"case": b.case, "pass": b.pass_, "impl": b.impl, "error": "out of memory"}
+            else:
+                row = measure(b, with_memory=not args.no_memory, ms=timed.get(id(b)))
             result["rows"].append(row)
             log("    " + "  ".join(f"{k}={v}" for k, v in row.items() if k != "case"))
         del benches

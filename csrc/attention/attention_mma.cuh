@@ -12,6 +12,7 @@
 #include <cstdint>
 
 #include "common/async_copy.cuh"
+#include "common/fast_math.cuh"
 
 namespace fuseforge::attention {
 
@@ -129,14 +130,6 @@ __device__ __forceinline__ void load_tile_async(uint32_t smem_base, const T* gme
     const T* src = gmem + (valid ? row : 0) * row_stride + chunk * 8;
     cp_async_16(smem_base + Tile::offset(row, chunk * 8), src, valid);
   }
-}
-
-// 2^x with the SFU's ex2.approx (relative error ~2^-22; -inf -> +0): what exp2f becomes under
-// --use_fast_math, without that flag's effect on the rest of the build.
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
 }
 
 __device__ __forceinline__ float warp_max4(float x) {  // over the 4 threads (t) sharing a row

@@ -2,6 +2,7 @@
 // reads bf16 logits, the others float32).
 #include <algorithm>
 #include <atomic>
+#include <type_traits>
 
 #include "linear_cross_entropy/linear_cross_entropy_kernel.cuh"
 
@@ -12,7 +13,7 @@ namespace fuseforge::linear_cross_entropy {
 template <typename Kernel>
 int resident_clusters(Kernel kernel, size_t smem_bytes, int variant) {
   constexpr int kMaxDevices = 64;
-  static std::atomic<int> cache[kMaxDevices][4];  // 0: not asked yet
+  static std::atomic<int> cache[kMaxDevices][8];  // 0: not asked yet
   const int device = c10::cuda::current_device();
   std::atomic<int>* slot = device < kMaxDevices ? &cache[device][variant] : nullptr;
   if (slot) {
@@ -53,27 +54,37 @@ void launch_row_softmax_cluster(const RowParams<T>& p, bool persistent) {
         persistent ? std::min<int64_t>(p.rows, resident_clusters(kernel, smem_bytes, variant)) : p.rows;
     launch_kernel(kernel, dim3(kClusterSize, static_cast<unsigned>(clusters)), block, smem_bytes, p, span);
   };
-  auto launch_for = [&](auto logit_type) {
+  // The plain kernel for the usual training loss (no bias, softcap, z-loss or label smoothing).
+  const bool plain = p.bias == nullptr && !(p.softcap > 0.f) && p.z_loss == 0.f && p.label_smoothing == 0.f;
+  auto launch_for = [&](auto logit_type, auto plain_tag) {
     using L = decltype(logit_type);
+    constexpr bool kPlain = decltype(plain_tag)::value;
     if (float4_per_thread <= 2) {
-      launch(row_softmax_cluster_kernel<T, L, 2>, cluster_prefetch_bytes<L, 2>(), 0);
+      launch(row_softmax_cluster_kernel<T, L, 2, kPlain>, cluster_prefetch_bytes<L, 2>(), 0 + 4 * kPlain);
     } else if (float4_per_thread <= 4) {
-      launch(row_softmax_cluster_kernel<T, L, 4>, cluster_prefetch_bytes<L, 4>(), 1);
+      launch(row_softmax_cluster_kernel<T, L, 4, kPlain>, cluster_prefetch_bytes<L, 4>(), 1 + 4 * kPlain);
     } else if (float4_per_thread <= 8) {
-      launch(row_softmax_cluster_kernel<T, L, 8>, cluster_prefetch_bytes<L, 8>(), 2);
+      launch(row_softmax_cluster_kernel<T, L, 8, kPlain>, cluster_prefetch_bytes<L, 8>(), 2 + 4 * kPlain);
     } else {
-      launch(row_softmax_cluster_kernel<T, L, 16>, cluster_prefetch_bytes<L, 16>(), 3);
+      launch(row_softmax_cluster_kernel<T, L, 16, kPlain>, cluster_prefetch_bytes<L, 16>(), 3 + 4 * kPlain);
+    }
+  };
+  auto launch_typed = [&](auto logit_type) {
+    if (plain) {
+      launch_for(logit_type, std::true_type{});
+    } else {
+      launch_for(logit_type, std::false_type{});
     }
   };
   // 16-bit logits only for bf16 (fp16's range is too small for raw logits); one logit type a dtype.
   if constexpr (std::is_same_v<T, at::BFloat16>) {
     TORCH_CHECK(p.logits_lowp != nullptr && p.logits == nullptr,
                 "linear_cross_entropy: internal error: the bf16 cluster kernel reads bf16 logits");
-    launch_for(T{});
+    launch_typed(T{});
   } else {
     TORCH_CHECK(p.logits != nullptr && p.logits_lowp == nullptr,
                 "linear_cross_entropy: internal error: the cluster kernel reads float32 logits");
-    launch_for(float{});
+    launch_typed(float{});
   }
 }
 

@@ -19,7 +19,9 @@
 #include <type_traits>
 
 #include "common/async_copy.cuh"
+#include "common/fast_math.cuh"
 #include "common/launch.cuh"
+#include "common/vec.cuh"
 #include "linear_cross_entropy/linear_cross_entropy_launch.h"
 
 namespace fuseforge::linear_cross_entropy {
@@ -126,29 +128,23 @@ __device__ float block_sum(float v, float* scratch) {
   return r;
 }
 
-// Four consecutive values of L, stored together (16 bytes for float, 8 for 16-bit types).
-template <typename L>
-struct alignas(4 * sizeof(L)) Pack4 {
-  L v[4];
-};
-
 // Four consecutive logits from float32 or 16-bit storage (aligned to 4 of them).
 template <typename L>
 __device__ __forceinline__ void load4(const L* src, float (&v)[4]) {
-  const Pack4<L> pk = *reinterpret_cast<const Pack4<L>*>(src);
+  const AlignedVector<L, 4> pk = load_vector<L, 4>(src);
 #pragma unroll
-  for (int k = 0; k < 4; ++k) v[k] = static_cast<float>(pk.v[k]);
+  for (int k = 0; k < 4; ++k) v[k] = static_cast<float>(pk.val[k]);
 }
 
 // Four gradients to T at dst (aligned to 4 of them).
 template <typename T>
 __device__ __forceinline__ void store4(T* dst, float a, float b, float c, float d) {
-  Pack4<T> pk;
-  pk.v[0] = static_cast<T>(a);
-  pk.v[1] = static_cast<T>(b);
-  pk.v[2] = static_cast<T>(c);
-  pk.v[3] = static_cast<T>(d);
-  *reinterpret_cast<Pack4<T>*>(dst) = pk;
+  AlignedVector<T, 4> pk;
+  pk.val[0] = static_cast<T>(a);
+  pk.val[1] = static_cast<T>(b);
+  pk.val[2] = static_cast<T>(c);
+  pk.val[3] = static_cast<T>(d);
+  store_vector<T, 4>(dst, pk);
 }
 
 template <typename T>
@@ -180,7 +176,11 @@ constexpr size_t cluster_prefetch_bytes() {
   return sizeof(L) * 4 * kVec4 * kClusterThreads;
 }
 
-template <typename T, typename L, int kVec4>
+// kPlain: no bias, softcap, z-loss or label smoothing (the usual training loss): per logit only its
+// max, exp and p * scale, with the target column's substitution and gradient done once a row by the
+// thread that holds it. The general per-logit math costs more instructions than the row's bytes take
+// to move (measured, docs/notes_linear_cross_entropy.md).
+template <typename T, typename L, int kVec4, bool kPlain>
 __device__ void row_softmax_cluster_body(const RowParams<T>& p, int64_t span) {
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
@@ -209,7 +209,7 @@ __device__ void row_softmax_cluster_body(const RowParams<T>& p, int64_t span) {
 #pragma unroll
     for (int i = 0; i < kVec4; ++i) {
       if (col_of(i) < c1) {  // cols % 4 == 0 and span % 4 == 0: the four are all in range
-        if constexpr (sizeof(Pack4<L>) == 16) {
+        if constexpr (sizeof(L) == 4) {  // 4 floats: 16 bytes
           cp_async_16(smem_addr(slot_of(i)), zrow + col_of(i), true);
         } else {
           cp_async_8(smem_addr(slot_of(i)), zrow + col_of(i));
@@ -237,17 +237,41 @@ __device__ void row_softmax_cluster_body(const RowParams<T>& p, int64_t span) {
     const bool bad_target = t < 0 || t >= p.vocab;
     cp_async_wait<0>();  // this thread's slots hold the row (each thread reads only its own)
     float v[kVec4][4];
-    float local_max = -INFINITY;
 #pragma unroll
     for (int i = 0; i < kVec4; ++i) {
-      if (col_of(i) < c1) {
-        load4(slot_of(i), v[i]);
+      if (col_of(i) < c1) load4(slot_of(i), v[i]);
+    }
+    // Whether this thread holds the target column (group i_t, lane k_t); recomputed where needed
+    // rather than kept in registers next to the row.
+    const auto holds_target = [&] { return !bad_target && t >= c0 && t < c1 && ((t - c0) / 4) % kClusterThreads == tid; };
+    const auto target_group = [&] { return static_cast<int>((t - c0) / 4) / kClusterThreads; };
+    float local_max = -INFINITY;
+    if constexpr (kPlain) {
+      if (p.target_logit && holds_target()) {
+        const int i_t = target_group(), k_t = static_cast<int>(t - c0) % 4;
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          v[i][k] = raw_logit(p, v[i][k], row, col_of(i) + k, t);
-          if (p.bias) v[i][k] += static_cast<float>(p.bias[col_of(i) + k]);
-          v[i][k] = m.cap(v[i][k]);
-          local_max = fmaxf(local_max, v[i][k]);
+        for (int i = 0; i < kVec4; ++i) {
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            if (i == i_t && k == k_t) v[i][k] = p.target_logit[row];
+          }
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kVec4; ++i) {
+        if (col_of(i) < c1) local_max = fmaxf(local_max, fmaxf(fmaxf(v[i][0], v[i][1]), fmaxf(v[i][2], v[i][3])));
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kVec4; ++i) {
+        if (col_of(i) < c1) {
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            v[i][k] = raw_logit(p, v[i][k], row, col_of(i) + k, t);
+            if (p.bias) v[i][k] += static_cast<float>(p.bias[col_of(i) + k]);
+            v[i][k] = m.cap(v[i][k]);
+            local_max = fmaxf(local_max, v[i][k]);
+          }
         }
       }
     }
@@ -260,18 +284,19 @@ __device__ void row_softmax_cluster_body(const RowParams<T>& p, int64_t span) {
     prefetch(row + gridDim.y);
     cp_async_commit();
     float local_sum = 0.f, local_sumz = 0.f;
+    const float max_log2 = cta_max * kLog2e;
 #pragma unroll
     for (int i = 0; i < kVec4; ++i) {
       if (col_of(i) < c1) {
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-          local_sum += __expf(v[i][k] - cta_max);
-          local_sumz += v[i][k];
+          local_sum += fast_exp2(fmaf(v[i][k], kLog2e, -max_log2));
+          if constexpr (!kPlain) local_sumz += v[i][k];
         }
       }
     }
     const float cta_sum = block_sum<kClusterThreads>(local_sum, scratch);
-    const float cta_sumz = need_sumz ? block_sum<kClusterThreads>(local_sumz, scratch) : 0.f;
+    const float cta_sumz = !kPlain && need_sumz ? block_sum<kClusterThreads>(local_sumz, scratch) : 0.f;
     if (tid == 0) {
       stats[parity][0] = cta_max;
       stats[parity][1] = cta_sum;
@@ -310,22 +335,36 @@ __device__ void row_softmax_cluster_body(const RowParams<T>& p, int64_t span) {
     if (!p.dz) continue;
     const float scale = bad_target ? NAN : row_grad_scale(p, row);
     T* out = p.dz + row * p.ld_dz;
+    if constexpr (kPlain) {  // p * scale everywhere, then the target's (p - 1) * scale over it
+      const float lse_log2 = lse * kLog2e;
 #pragma unroll
-    for (int i = 0; i < kVec4; ++i) {
-      const int col = col_of(i);
-      if (col < c1) {
-        store4(out + col, m.grad(v[i][0], lse, nll, col == t, scale), m.grad(v[i][1], lse, nll, col + 1 == t, scale),
-               m.grad(v[i][2], lse, nll, col + 2 == t, scale), m.grad(v[i][3], lse, nll, col + 3 == t, scale));
+      for (int i = 0; i < kVec4; ++i) {
+        if (col_of(i) < c1) {
+          float g[4];
+#pragma unroll
+          for (int k = 0; k < 4; ++k) g[k] = fast_exp2(fmaf(v[i][k], kLog2e, -lse_log2)) * scale;
+          store4(out + col_of(i), g[0], g[1], g[2], g[3]);
+        }
+      }
+      if (holds_target()) out[t] = static_cast<T>(expm1f(-nll) * scale);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kVec4; ++i) {
+        const int col = col_of(i);
+        if (col < c1) {
+          store4(out + col, m.grad(v[i][0], lse, nll, col == t, scale), m.grad(v[i][1], lse, nll, col + 1 == t, scale),
+                 m.grad(v[i][2], lse, nll, col + 2 == t, scale), m.grad(v[i][3], lse, nll, col + 3 == t, scale));
+        }
       }
     }
   }
   cluster.sync();  // no CTA leaves (freeing its shared memory) before every peer has read it
 }
 
-template <typename T, typename L, int kVec4>
+template <typename T, typename L, int kVec4, bool kPlain>
 __global__ void __cluster_dims__(kClusterSize, 1, 1) __launch_bounds__(kClusterThreads, kVec4 >= 16 ? 1 : 2)
     row_softmax_cluster_kernel(RowParams<T> p, int64_t span) {
-  row_softmax_cluster_body<T, L, kVec4>(p, span);
+  row_softmax_cluster_body<T, L, kVec4, kPlain>(p, span);
 }
 
 // ---------------------------------------------------------------------------------------------

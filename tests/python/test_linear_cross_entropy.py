@@ -326,17 +326,20 @@ def test_large_vocab_cluster_sizes_cuda(vocab):
 
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32-logits", "bf16-in-place"])
-@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
-def test_persistent_cluster_kernel_matches_one_cluster_a_row(dtype, label_smoothing, monkeypatch):
+@pytest.mark.parametrize("general", [False, True], ids=["plain", "bias-smoothing"])
+def test_persistent_cluster_kernel_matches_one_cluster_a_row(dtype, general, monkeypatch):
     """The persistent cluster kernel (clusters loop over rows, prefetching the next row, ignored rows
-    skipped) gives bit-identical results to one cluster a row (FUSEFORGE_LCE_PERSISTENT=0)."""
-    x, w, t, b = make_inputs((1500,), 64, 3000, dtype, "cuda", bias=True)
+    skipped) gives bit-identical results to one cluster a row (FUSEFORGE_LCE_PERSISTENT=0), in its
+    plain form (no bias, label smoothing, z-loss or softcap) and its general one."""
+    x, w, t, b = make_inputs((1500,), 64, 3000, dtype, "cuda", bias=general)
     t[::5] = IGNORE  # runs of ignored and valid rows in every cluster's sequence
+    label_smoothing = 0.1 if general else 0.0
+    params = (x, w) if b is None else (x, w, b)
     results = []
     for persistent in ("1", "0"):
         monkeypatch.setenv("FUSEFORGE_LCE_PERSISTENT", persistent)
         loss = linear_cross_entropy(x, w, t, b, label_smoothing=label_smoothing)
-        results.append((loss, *torch.autograd.grad(loss, (x, w, b))))
+        results.append((loss, *torch.autograd.grad(loss, params)))
     for got, want, name in zip(results[0], results[1], ("loss", "grad_x", "grad_weight", "grad_bias")):
         assert torch.equal(got, want), f"{name} differs between the persistent and one-a-row launches"
     check_against_reference(x, w, t, b, label_smoothing=label_smoothing)
