@@ -1,15 +1,17 @@
 // linear_cross_entropy CUDA implementation, host side: the chunk plans, the cuBLAS matrix products
-// (through at::mm / at::addmm, float32 accumulation; logits written in float32) and the launches of
-// the row-softmax kernels. No host sync anywhere: the mean's divisor stays a device scalar. Compiled
-// by the C++ compiler, not nvcc (errors thrown here unwind through C++ frames only).
+// (through at::mm / at::addmm, float32 accumulation) and the launches of the row-softmax kernels.
+// No host sync anywhere: the mean's divisor stays a device scalar. Compiled by the C++ compiler, not
+// nvcc (errors thrown here unwind through C++ frames only).
 //
 // Default strategy (row chunks), per super-chunk of S rows:
-//   for each sub-chunk of c rows:  logits(c x V, fp32; bf16 for bf16) = x_c @ W^T   (cuBLAS)
+//   for each sub-chunk of c rows:  logits(c x V) = x_c @ W^T                  (cuBLAS)
 //                                  loss, lse, dz(c x V, input dtype)          (cluster row-softmax)
 //   grad_x[S rows] = dz_S @ W ;  grad_W (+)= dz_S^T @ x_S ;  grad_b += sum(dz_S)   (cuBLAS)
-// Workspace (4 or 2) cV + sizeof(T) S V bytes <= kWorkspaceBudget. grad_W accumulates in cuBLAS
-// (float32 inside, one rounding to T a super-chunk): at most kMaxRoundedPasses passes, else a
-// float32 V x H accumulator.
+// Logits in float32 in a staging chunk (workspace 4cV + sizeof(T) S V bytes <= kWorkspaceBudget),
+// or, for bf16 with gradients on the cluster path, in bf16 straight into the dz rows, which the
+// cluster kernel overwrites with dz in place (workspace 2 S V bytes; c = S by default). grad_W
+// accumulates in cuBLAS (float32 inside, one rounding to T a super-chunk): at most
+// kMaxRoundedPasses passes, else a float32 V x H accumulator.
 //
 // Low-memory strategy (vocabulary tiles, recomputation): pass 1 over (row, vocab) tiles merges
 // running per-row statistics into lse; pass 2, vocabulary-outer, recomputes each tile's logits and

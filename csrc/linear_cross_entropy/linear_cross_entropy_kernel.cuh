@@ -1,12 +1,13 @@
-// linear_cross_entropy device code: the row softmax over float32 logits that cuBLAS wrote. It
-// produces per-row log-sum-exp and loss and, when asked, the logit gradients (dz) in the input dtype
-// for the two gradient matrix products.
+// linear_cross_entropy device code: the row softmax over the logits that cuBLAS wrote (float32, or
+// bf16 for bf16 inputs on the cluster path). It produces per-row log-sum-exp and loss and, when
+// asked, the logit gradients (dz) in the input dtype for the two gradient matrix products.
 //
 // Two kernels:
 //  - row_softmax_cluster_kernel: a cluster of 8 CTAs holds one whole row in registers (up to
 //    8 * 512 * 64 = 262144 logits), so the logits are read once: statistics, cluster exchange of
-//    (max, sum, sum of logits) through distributed shared memory, then dz. 6 bytes per logit for
-//    bf16 (4 read, 2 written).
+//    (max, sum, sum of logits) through distributed shared memory, then dz. Persistent clusters
+//    copy the next row into shared memory while this one is reduced. bf16: 4 bytes per logit, dz
+//    written over the bf16 logits in place; float32 logits: 4 read + sizeof(T) written.
 //  - row_softmax_stream_kernel: one CTA streams a row (or a tile of one): statistics (optionally
 //    merged with running per-row statistics of earlier vocabulary tiles), and/or dz given a known
 //    lse. Serves the loss-only forward, the recomputing backward, the low-memory strategy and
