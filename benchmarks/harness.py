@@ -169,7 +169,10 @@ def run(op: str, cases: Iterable[str], setup: Callable[[str], list[Bench]], argv
     parser.add_argument("--out", default=RESULTS_DIR, help="folder for <op>.json/.md/.png")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     parser.add_argument("--impls", default="", help="comma-separated impl names: time only these")
+    parser.add_argument("--rounds", type=int, default=rounds,
+                        help=f"round-robin rounds over each pass's impls (default {rounds}; 1: one impl after another)")
     args = parser.parse_args(argv)
+    rounds = max(1, args.rounds)
     impls = [i for i in args.impls.split(",") if i]
     cases = list(cases)
     if args.cases:
