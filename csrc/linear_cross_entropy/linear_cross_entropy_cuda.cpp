@@ -9,7 +9,8 @@
 //   grad_x[S rows] = dz_S @ W ;  grad_W (+)= dz_S^T @ x_S ;  grad_b += sum(dz_S)   (cuBLAS)
 // Logits in float32 in a staging chunk (workspace 4cV + sizeof(T) S V bytes <= kWorkspaceBudget),
 // or, for bf16 with gradients on the cluster path, in bf16 straight into the dz rows, which the
-// cluster kernel overwrites with dz in place (workspace 2 S V bytes; c = S by default). grad_W
+// cluster kernel overwrites with dz in place (workspace 2 S V bytes; c = S by default), or, for a
+// bf16 loss-only forward, in a bf16 staging chunk of twice the rows. grad_W
 // accumulates in cuBLAS (float32 inside, one rounding to T a super-chunk): at most
 // kMaxRoundedPasses passes, else a float32 V x H accumulator.
 //
@@ -47,6 +48,7 @@ struct Plan {
   int64_t sub_rows = 0, super_rows = 0;
   bool fp32_weight_acc = false;
   bool bf16_logits = false;  // GEMM1 writes bf16 logits (bf16 inputs, cluster kernel), else float32
+  bool in_place = false;     // ... straight into the dz rows (gradients in the forward)
 };
 
 // Every row's target logit as an exact float32 dot product x . W[t] (one small kernel, N x H reads);
@@ -65,13 +67,14 @@ at::Tensor target_logits(const Problem& p) {
 
 // Development knobs (benchmarking the chunk plan, common/env.h): FUSEFORGE_LCE_SUB_ROWS,
 // FUSEFORGE_LCE_WORKSPACE_MIB.
-Plan plan_rows(const Problem& p, bool want_weight_grad, bool bf16_logits) {
+Plan plan_rows(const Problem& p, bool want_weight_grad, bool bf16_logits, bool in_place) {
   Plan plan;
   plan.bf16_logits = bf16_logits;
+  plan.in_place = in_place;
   const int64_t esize = p.x2d.element_size();
   const int64_t budget = env_positive_int("FUSEFORGE_LCE_WORKSPACE_MIB", kWorkspaceBudget >> 20) << 20;
   const int64_t rows = std::max<int64_t>(p.rows, 1);
-  if (bf16_logits) {
+  if (in_place) {
     // GEMM1 writes bf16 logits straight into the super-chunk's dz rows and the cluster kernel turns
     // them into dz in place: no staging, so the whole budget is dz rows (3072 at V = 128256), and by
     // default one GEMM1 a super-chunk (larger products run faster).
@@ -80,8 +83,11 @@ Plan plan_rows(const Problem& p, bool want_weight_grad, bool bf16_logits) {
     plan.sub_rows = std::min(env_positive_int("FUSEFORGE_LCE_SUB_ROWS", s), s);
     plan.super_rows = s / plan.sub_rows * plan.sub_rows;
   } else {
-    plan.sub_rows = std::min<int64_t>(env_positive_int("FUSEFORGE_LCE_SUB_ROWS", p.vocab > 196608 ? 256 : 512), rows);
-    const int64_t staging = 4 * plan.sub_rows * p.vocab;
+    // A staging chunk of logits: 512 float32 rows (256 for V > 196608), or twice the rows in bf16.
+    const int64_t logit_bytes = bf16_logits ? 2 : 4;
+    const int64_t default_rows = (p.vocab > 196608 ? 256 : 512) * (4 / logit_bytes);
+    plan.sub_rows = std::min<int64_t>(env_positive_int("FUSEFORGE_LCE_SUB_ROWS", default_rows), rows);
+    const int64_t staging = logit_bytes * plan.sub_rows * p.vocab;
     int64_t s = (budget - staging) / (esize * p.vocab);
     s = std::clamp<int64_t>(s / plan.sub_rows * plan.sub_rows, plan.sub_rows, kMaxSuperRows);
     plan.super_rows = std::min<int64_t>(s, ceil_div(rows, plan.sub_rows) * plan.sub_rows);
@@ -165,14 +171,18 @@ void run_default(const Problem& p, const GradSpec& g, Outputs& o) {
   // Development knob FUSEFORGE_LCE_PERSISTENT: 1, as many clusters as the GPU holds, each looping over
   // rows; 0, one cluster a row.
   const bool persistent = env_flag("FUSEFORGE_LCE_PERSISTENT", true);
-  // With bf16 inputs and gradients the cluster kernel reads cuBLAS's bf16 logits (float32
-  // accumulation, one rounding): 2 bytes a logit written and read instead of 4. The exact float32
-  // target logit keeps the loss and the target's gradient; the other logits' rounding moved
-  // neither the loss nor the gradient error in scripts/lce_logit_precision.py (the op notes).
-  const bool bf16_logits = std::is_same_v<T, at::BFloat16> && cluster && g.enabled;
-  const Plan plan = plan_rows(p, g.enabled && g.want.weight, bf16_logits);
+  // With bf16 inputs the cluster kernel reads cuBLAS's bf16 logits (float32 accumulation, one
+  // rounding): 2 bytes a logit written and read instead of 4. The exact float32 target logit keeps
+  // the loss and the target's gradient; the other logits' rounding moved neither the loss nor the
+  // gradient error in scripts/lce_logit_precision.py (the op notes). Used where the gradients come
+  // from the same pass (in place, in the dz rows) or none are wanted at all (a loss-only forward);
+  // not where a recomputing backward will read float32 logits against this pass's lse.
+  const bool bf16_cluster = std::is_same_v<T, at::BFloat16> && cluster;
+  const bool in_place = bf16_cluster && g.enabled;
+  const Plan plan = plan_rows(p, g.enabled && g.want.weight, in_place || (bf16_cluster && !g.want.any()), in_place);
   const auto f32 = p.x2d.options().dtype(at::kFloat);
-  at::Tensor staging = plan.bf16_logits ? at::Tensor() : at::empty({plan.sub_rows * p.vocab}, f32);
+  at::Tensor staging = plan.in_place ? at::Tensor()
+                                     : at::empty({plan.sub_rows * p.vocab}, plan.bf16_logits ? p.x2d.options() : f32);
   at::Tensor dz_buf, w_acc, b_acc;
   if (g.enabled) {
     dz_buf = at::empty({plan.super_rows, p.vocab}, p.x2d.options());
@@ -209,8 +219,9 @@ void run_default(const Problem& p, const GradSpec& g, Outputs& o) {
     for (int64_t c0 = s0; c0 < s0 + s_rows; c0 += plan.sub_rows) {
       const int64_t c_rows = std::min(plan.sub_rows, s0 + s_rows - c0);
       RowParams<T> q = at_row(rp, c0);
-      if (plan.bf16_logits) {  // into this sub-chunk's dz rows, turned into dz in place
-        at::Tensor logits = dz_buf.narrow(0, c0 - s0, c_rows);
+      if (plan.bf16_logits) {  // in place: into this sub-chunk's dz rows, turned into dz
+        at::Tensor logits = plan.in_place ? dz_buf.narrow(0, c0 - s0, c_rows)
+                                          : staging.narrow(0, 0, c_rows * p.vocab).view({c_rows, p.vocab});
         at::mm_out(logits, p.x2d.narrow(0, c0, c_rows), p.weight.t());
         q.logits_lowp = logits.const_data_ptr<T>();
       } else {
@@ -228,7 +239,7 @@ void run_default(const Problem& p, const GradSpec& g, Outputs& o) {
         q.loss_out = o.row_losses.mutable_data_ptr<float>() + c0;
       }
       q.dz = g.enabled ? dz_buf.mutable_data_ptr<T>() + (c0 - s0) * p.vocab : nullptr;
-      if (cluster && q.dz) {
+      if (cluster && (q.dz || plan.bf16_logits)) {
         launch_row_softmax_cluster<T>(q, persistent);
       } else {
         launch_row_softmax_stream<T>(q);

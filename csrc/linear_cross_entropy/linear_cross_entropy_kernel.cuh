@@ -177,10 +177,10 @@ constexpr size_t cluster_prefetch_bytes() {
   return sizeof(L) * 4 * kVec4 * kClusterThreads;
 }
 
-// kPlain: no bias, softcap, z-loss or label smoothing (the usual training loss): per logit only its
-// max, exp and p * scale, with the target column's substitution and gradient done once a row by the
-// thread that holds it. The general per-logit math costs more instructions than the row's bytes take
-// to move (measured, docs/notes_linear_cross_entropy.md).
+// The target column's exact logit and its gradient are handled once a row by the thread that holds
+// it, not by a test on every logit. kPlain: no bias, softcap, z-loss or label smoothing (the usual
+// training loss): per logit only its max, one exp and p * scale. Per-logit tests and option math
+// had made this kernel instruction-bound (measured, docs/notes_linear_cross_entropy.md).
 template <typename T, typename L, int kVec4, bool kPlain>
 __device__ void row_softmax_cluster_body(const RowParams<T>& p, int64_t span) {
   namespace cg = cooperative_groups;
@@ -245,34 +245,30 @@ __device__ void row_softmax_cluster_body(const RowParams<T>& p, int64_t span) {
     // Whether this thread holds the target column (group i_t, lane k_t); recomputed where needed
     // rather than kept in registers next to the row.
     const auto holds_target = [&] { return !bad_target && t >= c0 && t < c1 && ((t - c0) / 4) % kClusterThreads == tid; };
-    const auto target_group = [&] { return static_cast<int>((t - c0) / 4) / kClusterThreads; };
-    float local_max = -INFINITY;
-    if constexpr (kPlain) {
-      if (p.target_logit && holds_target()) {
-        const int i_t = target_group(), k_t = static_cast<int>(t - c0) % 4;
+    // The target's entry of v (a register: selected by unrolled compares, not indexed).
+    const auto target_entry = [&](auto&& use) {
+      const int i_t = static_cast<int>((t - c0) / 4) / kClusterThreads, k_t = static_cast<int>(t - c0) % 4;
 #pragma unroll
-        for (int i = 0; i < kVec4; ++i) {
+      for (int i = 0; i < kVec4; ++i) {
 #pragma unroll
-          for (int k = 0; k < 4; ++k) {
-            if (i == i_t && k == k_t) v[i][k] = p.target_logit[row];
-          }
+        for (int k = 0; k < 4; ++k) {
+          if (i == i_t && k == k_t) use(v[i][k]);
         }
       }
+    };
+    // The exact target logit in place of cuBLAS's (raw_logit), once a row by its holder.
+    if (p.target_logit && holds_target()) target_entry([&](float& z) { z = p.target_logit[row]; });
+    float local_max = -INFINITY;
 #pragma unroll
-      for (int i = 0; i < kVec4; ++i) {
-        if (col_of(i) < c1) local_max = fmaxf(local_max, fmaxf(fmaxf(v[i][0], v[i][1]), fmaxf(v[i][2], v[i][3])));
-      }
-    } else {
+    for (int i = 0; i < kVec4; ++i) {
+      if (col_of(i) < c1) {
 #pragma unroll
-      for (int i = 0; i < kVec4; ++i) {
-        if (col_of(i) < c1) {
-#pragma unroll
-          for (int k = 0; k < 4; ++k) {
-            v[i][k] = raw_logit(p, v[i][k], row, col_of(i) + k, t);
+        for (int k = 0; k < 4; ++k) {
+          if constexpr (!kPlain) {
             if (p.bias) v[i][k] += static_cast<float>(p.bias[col_of(i) + k]);
             v[i][k] = m.cap(v[i][k]);
-            local_max = fmaxf(local_max, v[i][k]);
           }
+          local_max = fmaxf(local_max, v[i][k]);
         }
       }
     }
@@ -336,28 +332,24 @@ __device__ void row_softmax_cluster_body(const RowParams<T>& p, int64_t span) {
     if (!p.dz) continue;
     const float scale = bad_target ? NAN : row_grad_scale(p, row);
     T* out = p.dz + row * p.ld_dz;
-    if constexpr (kPlain) {  // p * scale everywhere, then the target's (p - 1) * scale over it
-      const float lse_log2 = lse * kLog2e;
+    // Every column as a non-target, then the target's gradient over it by its holder.
+    const float lse_log2 = lse * kLog2e;
 #pragma unroll
-      for (int i = 0; i < kVec4; ++i) {
-        if (col_of(i) < c1) {
-          float g[4];
+    for (int i = 0; i < kVec4; ++i) {
+      if (col_of(i) < c1) {
+        float g[4];
 #pragma unroll
-          for (int k = 0; k < 4; ++k) g[k] = fast_exp2(fmaf(v[i][k], kLog2e, -lse_log2)) * scale;
-          store4(out + col_of(i), g[0], g[1], g[2], g[3]);
+        for (int k = 0; k < 4; ++k) {
+          if constexpr (kPlain) {
+            g[k] = fast_exp2(fmaf(v[i][k], kLog2e, -lse_log2)) * scale;
+          } else {
+            g[k] = m.grad(v[i][k], lse, nll, false, scale);
+          }
         }
-      }
-      if (holds_target()) out[t] = static_cast<T>(expm1f(-nll) * scale);
-    } else {
-#pragma unroll
-      for (int i = 0; i < kVec4; ++i) {
-        const int col = col_of(i);
-        if (col < c1) {
-          store4(out + col, m.grad(v[i][0], lse, nll, col == t, scale), m.grad(v[i][1], lse, nll, col + 1 == t, scale),
-                 m.grad(v[i][2], lse, nll, col + 2 == t, scale), m.grad(v[i][3], lse, nll, col + 3 == t, scale));
-        }
+        store4(out + col_of(i), g[0], g[1], g[2], g[3]);
       }
     }
+    if (holds_target()) target_entry([&](float& z) { out[t] = static_cast<T>(m.grad(z, lse, nll, true, scale)); });
   }
   cluster.sync();  // no CTA leaves (freeing its shared memory) before every peer has read it
 }

@@ -325,6 +325,23 @@ def test_large_vocab_cluster_sizes_cuda(vocab):
 
 
 @requires_cuda
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("options", [{}, {"label_smoothing": 0.1, "z_loss": 1e-3, "bias": True}],
+                         ids=["plain", "options"])
+def test_loss_only_bf16_cuda(reduction, options):
+    """No gradient wanted (evaluation): bf16 logits and the cluster kernel without dz; the loss keeps
+    the exact target logit (and exact sum of logits for label smoothing)."""
+    options = dict(options)
+    bias = options.pop("bias", False)
+    x, w, t, b = make_inputs((3, 700), 64, 3000, torch.bfloat16, "cuda", bias=bias, x_scale=2.0, w_scale=0.2)
+    with torch.no_grad():
+        loss = linear_cross_entropy(x, w, t, b, reduction=reduction, **options)
+    x64, w64, b64 = leaves64(x, w, b)
+    ref = reference(x64, w64, t.cpu(), b64, reduction=reduction, **options)
+    assert_rel_close(loss, ref.detach(), BF16_LOGITS_LOSS_TOL, "loss")
+
+
+@requires_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32-logits", "bf16-in-place"])
 @pytest.mark.parametrize("general", [False, True], ids=["plain", "bias-smoothing"])
 def test_persistent_cluster_kernel_matches_one_cluster_a_row(dtype, general, monkeypatch):

@@ -39,12 +39,13 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Option
     logits chunk (256 rows for V > 196608) plus the logit gradients of a super-chunk of rows in x's
     dtype; for bf16 inputs on the GPU's gradient path (reduction mean/sum, V <= 262144, V % 4 == 0)
     cuBLAS writes bf16 logits straight into the super-chunk's gradient rows, which become the
-    gradients in place (3072 rows at V = 128256). The weight gradient accumulates across
+    gradients in place (3072 rows at V = 128256); a bf16 loss-only forward (no gradient wanted)
+    stages 1024 bf16 rows. The weight gradient accumulates across
     super-chunks inside cuBLAS (float32 arithmetic, one rounding to bf16/fp16 a super-chunk), at most
     4 roundings per element; beyond 4 super-chunks a float32 V x H accumulator (4 V H bytes, constant
     in N) is used instead. Logits are accumulated in float32 by cuBLAS and stored in float32, or in
-    bf16 on that bf16 path; every row's target logit (and, with label smoothing, the sum of its
-    logits) is formed exactly in float32, so on that path the loss carries only the other logits'
+    bf16 on those bf16 paths; every row's target logit (and, with label smoothing, the sum of its
+    logits) is formed exactly in float32, so on those paths the loss carries only the other logits'
     bf16 rounding: 1e-7 relative on the benchmark's inputs, also on a confident model, at most 1e-4
     in the tests.
 
