@@ -39,8 +39,8 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Option
     logits chunk (256 rows for V > 196608) plus the logit gradients of a super-chunk of rows in x's
     dtype; for bf16 inputs on the GPU's gradient path (reduction mean/sum, V <= 262144, V % 4 == 0)
     cuBLAS writes bf16 logits straight into the super-chunk's gradient rows, which become the
-    gradients in place (3072 rows at V = 128256); a bf16 loss-only forward (no gradient wanted)
-    stages 1024 bf16 rows. The weight gradient accumulates across
+    gradients in place (3072 rows at V = 128256); a bf16 loss-only forward (no gradient wanted,
+    reduction mean/sum) stages 1024 bf16 rows. The weight gradient accumulates across
     super-chunks inside cuBLAS (float32 arithmetic, one rounding to bf16/fp16 a super-chunk), at most
     4 roundings per element; beyond 4 super-chunks a float32 V x H accumulator (4 V H bytes, constant
     in N) is used instead. Logits are accumulated in float32 by cuBLAS and stored in float32, or in
