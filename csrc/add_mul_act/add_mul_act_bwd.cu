@@ -1,11 +1,9 @@
 // Instantiates the add_mul_act backward kernels (3 dtypes x 6 activations x {vector, scalar}) and the
 // grad_bias reduction.
-#include <algorithm>
 #include <atomic>
 
-#include <c10/cuda/CUDAFunctions.h>
-
 #include "add_mul_act/add_mul_act_kernel.cuh"
+#include "common/cuda_utils.h"
 #include "common/dispatch.h"
 
 namespace fuseforge::add_mul_act {
@@ -27,26 +25,19 @@ void launch_backward(BackwardParams<T> params, Activation act, const LaunchPlan&
 
 template <typename T>
 int backward_blocks_per_sm(Activation act, bool vectorized, size_t smem_bytes) {
-  constexpr int kMaxDevices = 64;
-  // 0: not asked yet. The dynamic shared memory is a function of the device (its cap), so the
-  // device index and the kernel are the key.
-  static std::atomic<int> cache[kMaxDevices][kNumActivations][2];
-  const int device = c10::cuda::current_device();
-  std::atomic<int>* slot = device < kMaxDevices ? &cache[device][static_cast<int>(act)][vectorized] : nullptr;
-  if (slot) {
-    const int cached = slot->load(std::memory_order_relaxed);
-    if (cached > 0) return cached;
-  }
-  int blocks = 0;
-  FUSEFORGE_ACTIVATION_SWITCH(act, kAct, [&] {
-    FUSEFORGE_BOOL_SWITCH(vectorized, kVec, [&] {
-      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, backward_kernel<T, kAct, kVec>, kThreads,
-                                                                   smem_bytes));
+  // The dynamic shared memory is a function of the device (its cap), so the device index and the
+  // kernel are the key.
+  static std::atomic<int> cache[kNumActivations][2][kMaxCachedDevices];
+  return cached_per_device(cache[static_cast<int>(act)][vectorized], [&] {
+    int blocks = 0;
+    FUSEFORGE_ACTIVATION_SWITCH(act, kAct, [&] {
+      FUSEFORGE_BOOL_SWITCH(vectorized, kVec, [&] {
+        C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, backward_kernel<T, kAct, kVec>,
+                                                                     kThreads, smem_bytes));
+      });
     });
+    return blocks;
   });
-  blocks = std::max(blocks, 1);
-  if (slot) slot->store(blocks, std::memory_order_relaxed);
-  return blocks;
 }
 
 template int backward_blocks_per_sm<float>(Activation, bool, size_t);

@@ -1,8 +1,10 @@
 // Host-side CUDA helpers that plain C++ (g++-compiled) files may include.
 #pragma once
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAFunctions.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 
 namespace fuseforge {
@@ -10,6 +12,22 @@ namespace fuseforge {
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 inline int num_sms() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
+
+// A per-device answer asked once: compute() (> 0, e.g. the occupancy calculator's) for the current
+// device, cached in cache[device] (0: not asked yet; devices beyond the table are asked every call).
+constexpr int kMaxCachedDevices = 64;
+template <typename Compute>
+int cached_per_device(std::atomic<int> (&cache)[kMaxCachedDevices], Compute&& compute) {
+  const int device = c10::cuda::current_device();
+  std::atomic<int>* slot = device < kMaxCachedDevices ? &cache[device] : nullptr;
+  if (slot) {
+    const int cached = slot->load(std::memory_order_relaxed);
+    if (cached > 0) return cached;
+  }
+  const int value = std::max(compute(), 1);
+  if (slot) slot->store(value, std::memory_order_relaxed);
+  return value;
+}
 
 // Dynamic shared memory (never used) that leaves room for exactly `blocks_per_sm` resident blocks
 // of a kernel with `static_smem` bytes of static shared memory a block; 0 when blocks_per_sm <= 0.

@@ -4,36 +4,37 @@
 #include <atomic>
 #include <type_traits>
 
+#include "common/cuda_utils.h"
 #include "linear_cross_entropy/linear_cross_entropy_kernel.cuh"
 
 namespace fuseforge::linear_cross_entropy {
 
-// How many clusters of `kernel` (smem_bytes of dynamic shared memory) the device holds at once: the
-// occupancy calculator, cached per device and kernel variant.
-template <typename Kernel>
-int resident_clusters(Kernel kernel, size_t smem_bytes, int variant) {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> cache[kMaxDevices][8];  // 0: not asked yet
-  const int device = c10::cuda::current_device();
-  std::atomic<int>* slot = device < kMaxDevices ? &cache[device][variant] : nullptr;
-  if (slot) {
-    const int cached = slot->load(std::memory_order_relaxed);
-    if (cached > 0) return cached;
-  }
-  if (smem_bytes > 48 * 1024) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(smem_bytes)));
-  }
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(kClusterSize, 1024);
-  config.blockDim = dim3(kClusterThreads);
-  config.dynamicSmemBytes = smem_bytes;
-  int clusters = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config));
-  clusters = std::max(clusters, 1);
-  if (slot) slot->store(clusters, std::memory_order_relaxed);
-  return clusters;
+// How many clusters of kKernel (smem_bytes of dynamic shared memory) the device holds at once: the
+// occupancy calculator, cached per device (one cache per kernel: this function's instantiation).
+template <auto kKernel>
+int resident_clusters(size_t smem_bytes) {
+  static std::atomic<int> cache[kMaxCachedDevices];
+  return cached_per_device(cache, [&] {
+    if (smem_bytes > 48 * 1024) {
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(smem_bytes)));
+    }
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(kClusterSize, 1024);
+    config.blockDim = dim3(kClusterThreads);
+    config.dynamicSmemBytes = smem_bytes;
+    int clusters = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kKernel, &config));
+    return clusters;
+  });
 }
+
+// One instantiation of the cluster kernel and the dynamic shared memory it takes.
+template <typename T, typename L, int kVec4, bool kPlain>
+struct ClusterKernel {
+  static constexpr auto kernel = row_softmax_cluster_kernel<T, L, kVec4, kPlain>;
+  static constexpr size_t smem_bytes = cluster_prefetch_bytes<L, kVec4>();
+};
 
 template <typename T>
 void launch_row_softmax_cluster(const RowParams<T>& p, bool persistent) {
@@ -48,11 +49,12 @@ void launch_row_softmax_cluster(const RowParams<T>& p, bool persistent) {
   const int64_t span = ceil_div(ceil_div(p.cols, kClusterSize), 4) * 4;
   const int64_t float4_per_thread = ceil_div(span, int64_t{kClusterThreads} * 4);
   const dim3 block(kClusterThreads);
-  auto launch = [&](auto kernel, size_t smem_bytes, int variant) {
+  auto launch = [&](auto kernel_tag) {
+    constexpr auto kKernel = decltype(kernel_tag)::kernel;
+    constexpr size_t kSmem = decltype(kernel_tag)::smem_bytes;
     // Persistent: as many clusters as are resident, each looping over rows; else one a row.
-    const int64_t clusters =
-        persistent ? std::min<int64_t>(p.rows, resident_clusters(kernel, smem_bytes, variant)) : p.rows;
-    launch_kernel(kernel, dim3(kClusterSize, static_cast<unsigned>(clusters)), block, smem_bytes, p, span);
+    const int64_t clusters = persistent ? std::min<int64_t>(p.rows, resident_clusters<kKernel>(kSmem)) : p.rows;
+    launch_kernel(kKernel, dim3(kClusterSize, static_cast<unsigned>(clusters)), block, kSmem, p, span);
   };
   // The plain kernel for the usual training loss (no bias, softcap, z-loss or label smoothing).
   const bool plain = p.bias == nullptr && !(p.softcap > 0.f) && p.z_loss == 0.f && p.label_smoothing == 0.f;
@@ -60,13 +62,13 @@ void launch_row_softmax_cluster(const RowParams<T>& p, bool persistent) {
     using L = decltype(logit_type);
     constexpr bool kPlain = decltype(plain_tag)::value;
     if (float4_per_thread <= 2) {
-      launch(row_softmax_cluster_kernel<T, L, 2, kPlain>, cluster_prefetch_bytes<L, 2>(), 0 + 4 * kPlain);
+      launch(ClusterKernel<T, L, 2, kPlain>{});
     } else if (float4_per_thread <= 4) {
-      launch(row_softmax_cluster_kernel<T, L, 4, kPlain>, cluster_prefetch_bytes<L, 4>(), 1 + 4 * kPlain);
+      launch(ClusterKernel<T, L, 4, kPlain>{});
     } else if (float4_per_thread <= 8) {
-      launch(row_softmax_cluster_kernel<T, L, 8, kPlain>, cluster_prefetch_bytes<L, 8>(), 2 + 4 * kPlain);
+      launch(ClusterKernel<T, L, 8, kPlain>{});
     } else {
-      launch(row_softmax_cluster_kernel<T, L, 16, kPlain>, cluster_prefetch_bytes<L, 16>(), 3 + 4 * kPlain);
+      launch(ClusterKernel<T, L, 16, kPlain>{});
     }
   };
   auto launch_typed = [&](auto logit_type) {
