@@ -1,6 +1,6 @@
-// The AdamW update of one element, written once for the CPU backend and the CUDA kernel. The moment
-// updates differ in one place: on the GPU they follow torch's fused CUDA kernel (the reference the
-// GPU bar names), on the CPU the more exact m + (1 - beta)(g - m) form. M is the math type:
+// The AdamW update of one element, written once for the CPU backend and the CUDA kernel. The
+// rounding differs in one place: on the GPU it follows torch's fused CUDA kernel element for element
+// (the reference the GPU bar names), on the CPU the more exact m + (1 - beta)(g - m) form. M is the math type:
 // float for float32/float16/bfloat16 params, double for float64 params (CPU only).
 #pragma once
 #include <cmath>
@@ -31,31 +31,34 @@ FUSEFORGE_ADAMW_HD StepScalars<M> make_step_scalars(double lr, double beta1, dou
                                                     double weight_decay, bool maximize, double step,
                                                     const float* grad_scale) {
   StepScalars<M> s;
-  // The moments update as m + (1 - beta) (g - m): only 1 - beta is rounded, so the implied beta is
-  // accurate to ~1e-10 for beta2 = 0.999. (beta m + (1 - beta) g with both rounded to float biases
-  // the moments by ~1 ulp a step: ~1e-6 after 100 steps; forcing them to sum to 1 costs 1e-5 on 1 - beta2.)
-#if defined(__CUDA_ARCH__)
-  // On the GPU the issue's bar is torch.optim.AdamW(fused=True), whose kernel rounds beta to float
-  // and forms 1 - beta in float (1 - 0.999f is 1.3e-5 off 0.001): the same here, measured on the
-  // H100 as a 1.2e-5 difference in exp_avg_sq after 100 steps otherwise.
   s.beta1 = static_cast<M>(beta1);
   s.beta2 = static_cast<M>(beta2);
-  s.one_minus_beta1 = M(1) - s.beta1;
-  s.one_minus_beta2 = M(1) - s.beta2;
-#else
-  s.beta1 = static_cast<M>(beta1);
-  s.beta2 = static_cast<M>(beta2);
-  s.one_minus_beta1 = static_cast<M>(1.0 - beta1);
-  s.one_minus_beta2 = static_cast<M>(1.0 - beta2);
-#endif
   s.eps = static_cast<M>(eps);
-  s.neg_lr_wd = static_cast<M>(-(lr * weight_decay));
-  // Bias corrections in double, once per block (torch's fused kernel also uses double pow).
-  s.step_size = static_cast<M>(lr / (1.0 - pow(beta1, step)));
-  s.bc2_sqrt = static_cast<M>(sqrt(1.0 - pow(beta2, step)));
   s.grad_scale = grad_scale ? static_cast<M>(*grad_scale) : M(1);
   s.maximize = maximize;
   s.unscale = grad_scale != nullptr;
+#if defined(__CUDA_ARCH__)
+  // On the GPU the bar is torch.optim.AdamW(fused=True) element for element (rtol 1e-6): its kernel
+  // (fused_adam_utils.cuh, torch 2.11 and 2.14) rounds every hyperparameter to float first and
+  // forms the bias corrections, step size and decay factor in float, with the device's powf. Doing
+  // them in double instead left a 3e-7 difference after 5 steps at lr 1e-2 (issue 19).
+  const M lr_m = static_cast<M>(lr), step_m = static_cast<M>(step);
+  s.neg_lr_wd = -(lr_m * static_cast<M>(weight_decay));
+  s.step_size = lr_m / (M(1) - pow(s.beta1, step_m));
+  s.bc2_sqrt = sqrt(M(1) - pow(s.beta2, step_m));
+  s.one_minus_beta1 = M(1) - s.beta1;  // unused on the GPU (see adamw_element)
+  s.one_minus_beta2 = M(1) - s.beta2;
+#else
+  // The CPU keeps the more exact forms: 1 - beta and the bias corrections from the double values,
+  // and moments updated as m + (1 - beta)(g - m), so only 1 - beta is rounded and the implied beta
+  // is accurate to ~1e-10 for beta2 = 0.999 (beta m + (1 - beta) g with both rounded to float
+  // biases the moments by ~1 ulp a step: ~1e-6 after 100 steps).
+  s.one_minus_beta1 = static_cast<M>(1.0 - beta1);
+  s.one_minus_beta2 = static_cast<M>(1.0 - beta2);
+  s.neg_lr_wd = static_cast<M>(-(lr * weight_decay));
+  s.step_size = static_cast<M>(lr / (1.0 - std::pow(beta1, step)));
+  s.bc2_sqrt = static_cast<M>(std::sqrt(1.0 - std::pow(beta2, step)));
+#endif
   return s;
 }
 
@@ -84,8 +87,10 @@ FUSEFORGE_ADAMW_HD void adamw_element(M& p, M& g, M& m, M& v, M& vmax, const Ste
   const M d = s.maximize ? -g : g;
   p = adamw_fma(s.neg_lr_wd, p, p);
 #if defined(__CUDA_ARCH__)
-  m = s.beta1 * m + s.one_minus_beta1 * d;  // torch's fused CUDA form (see make_step_scalars)
-  v = s.beta2 * v + s.one_minus_beta2 * d * d;
+  // torch's fused CUDA form (see make_step_scalars): beta m + (g - beta g), both as fmas.
+  m = adamw_fma(s.beta1, m, adamw_fma(-s.beta1, d, d));
+  const M dd = d * d;
+  v = adamw_fma(s.beta2, v, adamw_fma(-s.beta2, dd, dd));
 #else
   m = adamw_fma(s.one_minus_beta1, d - m, m);
   v = adamw_fma(s.one_minus_beta2, d * d - v, v);

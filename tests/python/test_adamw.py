@@ -123,6 +123,30 @@ def test_100_steps_match_torch_fused(device, amsgrad, maximize):
         assert opt.state[p]["exp_avg"].stride() == p.stride()
 
 
+@requires_cuda
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_elementwise_parity_with_torch_fused(amsgrad):
+    """Issue 19's case, element by element: 2800 small float32 tensors, lr 1e-2, 5 steps of fresh
+    grads. The bias corrections, step size and moment updates are rounded as torch's fused CUDA
+    kernel rounds them, so every element agrees to rtol 1e-6 / atol 1e-8 (params and states)."""
+    shapes = [(0,), (1,), (3, 5), (7,)] * 700
+    ours = make_params("cuda", shapes=shapes, transposed_last=False, misalign=False)
+    ref = clone_params(ours)
+    kw = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=amsgrad)
+    opt, ref_opt = AdamW(ours, **kw), torch.optim.AdamW(ref, fused=True, **kw)
+    for _ in range(5):
+        grads = random_grads(ours)
+        set_grads(ours, grads)
+        set_grads(ref, grads)
+        opt.step()
+        ref_opt.step()
+    keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
+    for p, q in zip(ours, ref):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-8)
+        for k in keys:
+            torch.testing.assert_close(opt.state[p][k], ref_opt.state[q][k], rtol=1e-6, atol=1e-8)
+
+
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_master_weights_match_fp32_run(device, dtype):
