@@ -55,7 +55,7 @@ def op_dirs():
 
 
 def sources(with_cuda: bool):
-    files = [os.path.join(CSRC, "ops.cpp")]
+    files = [os.path.join(CSRC, "ops.cpp")] + sorted(glob.glob(os.path.join(CSRC, "common", "*.cpp")))
     for d in op_dirs():
         # *_cuda.cpp: the host side of CUDA implementations (compiled by the C++ compiler, not nvcc).
         cpp = sorted(glob.glob(os.path.join(CSRC, d, "**", "*.cpp"), recursive=True))
@@ -68,11 +68,13 @@ def sources(with_cuda: bool):
 def extension():
     with_cuda = want_cuda()
     debug = os.environ.get("FUSEFORGE_DEBUG", "0") == "1"
-    cxx = ["-O0" if debug else "-O3", "-std=c++20"]  # torch adds -DPy_LIMITED_API for py_limited_api
+    # -fopenmp: at::parallel_for is inline and runs in parallel only in code built with OpenMP (torch's
+    # CPU backend); without it every CPU kernel here ran on one thread.
+    cxx = ["-O0" if debug else "-O3", "-std=c++20", "-fopenmp"]  # torch adds -DPy_LIMITED_API for py_limited_api
     if debug:
         cxx.append("-g")
     if not with_cuda:
-        return CppExtension("fuseforge._C", sources(False), extra_compile_args={"cxx": cxx},
+        return CppExtension("fuseforge._C", sources(False), extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"],
                             include_dirs=[os.path.join(ROOT, CSRC)] + cuda_library_includes(), py_limited_api=True)
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0a")
     nvcc = [
@@ -88,7 +90,7 @@ def extension():
                          extra_compile_args={"cxx": cxx + ["-DFUSEFORGE_WITH_CUDA"],
                                              "nvcc": nvcc + ["-DFUSEFORGE_WITH_CUDA"]},
                          include_dirs=[os.path.join(ROOT, CSRC)] + cuda_library_includes(),
-                         py_limited_api=True)
+                         extra_link_args=["-fopenmp"], py_limited_api=True)
 
 
 setup(

@@ -1,14 +1,13 @@
 // add_mul_act: input checks and the CPU implementation (the reference the CUDA kernels must match;
 // float64 serves gradcheck).
 #include "add_mul_act/add_mul_act.h"
+#include "add_mul_act/add_mul_act_cpu.h"
 #include "add_mul_act/add_mul_act_ops.h"
 
-#include <ATen/OpMathType.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "common/checks.h"
-#include "common/dispatch.h"
+#include "common/cpu_isa.h"
 
 namespace fuseforge::add_mul_act {
 
@@ -84,79 +83,37 @@ Gradients allocate_gradients(const at::Tensor& grad_out, const Shape2d& shape, b
 
 namespace {
 
-// Columns are split across threads so each column's bias sum is one thread's, in row order:
-// deterministic.
-constexpr int64_t kColumnGrain = 256;
-
-template <typename T, Activation A>
-void forward_cpu_kernel(const ForwardArgs& a, double alpha_d, at::Tensor& out, at::Tensor* saved) {
-  using M = at::opmath_type<T>;
-  const M alpha = static_cast<M>(alpha_d);
-  const T* x = a.x.const_data_ptr<T>();
-  const T* y = a.y.const_data_ptr<T>();
-  const T* bias = a.bias.defined() ? a.bias.const_data_ptr<T>() : nullptr;
-  T* o = out.mutable_data_ptr<T>();
-  T* z_out = (saved && !saves_mask(A)) ? saved->mutable_data_ptr<T>() : nullptr;
-  uint8_t* mask = (saved && saves_mask(A)) ? saved->mutable_data_ptr<uint8_t>() : nullptr;
-  const Shape2d s = a.shape;
-  const int64_t groups = s.mask_row_bytes();
-  at::parallel_for(0, groups, std::max<int64_t>(1, kColumnGrain / 8), [&](int64_t g0, int64_t g1) {
-    for (int64_t r = 0; r < s.rows; ++r) {
-      for (int64_t g = g0; g < g1; ++g) {
-        uint8_t bits = 0;
-        for (int64_t c = g * 8, j = 0; j < 8 && c < s.cols; ++j, ++c) {
-          const int64_t i = r * s.cols + c;
-          M z = static_cast<M>(x[i]) + alpha * static_cast<M>(y[i]);
-          if (bias) z += static_cast<M>(bias[c]);
-          o[i] = static_cast<T>(Act<A>::forward(z));
-          if (z_out) z_out[i] = static_cast<T>(z);
-          bits |= static_cast<uint8_t>(z > M(0)) << j;
-        }
-        if (mask) mask[r * groups + g] = bits;
-      }
-    }
-  });
-}
-
-template <typename T, Activation A>
-void backward_cpu_kernel(const BackwardArgs& a, double alpha_d, Gradients& g) {
-  using M = at::opmath_type<T>;
-  const M alpha = static_cast<M>(alpha_d);
-  const T* go = a.grad_out.const_data_ptr<T>();
-  const T* z_in = saves_mask(A) ? nullptr : a.saved.const_data_ptr<T>();
-  const uint8_t* mask = saves_mask(A) ? a.saved.const_data_ptr<uint8_t>() : nullptr;
-  T* gx = g.grad_x.mutable_data_ptr<T>();
-  T* gy = g.grad_y.numel() ? g.grad_y.mutable_data_ptr<T>() : nullptr;
-  T* gb = g.grad_bias.numel() ? g.grad_bias.mutable_data_ptr<T>() : nullptr;
-  const Shape2d s = a.shape;
-  const int64_t groups = s.mask_row_bytes();
-  at::parallel_for(0, s.cols, kColumnGrain, [&](int64_t c0, int64_t c1) {
-    std::vector<M> bias_sum(gb ? c1 - c0 : 0, M(0));
-    for (int64_t r = 0; r < s.rows; ++r) {
-      for (int64_t c = c0; c < c1; ++c) {
-        const int64_t i = r * s.cols + c;
-        const M d = mask ? M((mask[r * groups + c / 8] >> (c % 8)) & 1) : Act<A>::derivative(static_cast<M>(z_in[i]));
-        const M gxi = static_cast<M>(go[i]) * d;
-        gx[i] = static_cast<T>(gxi);
-        if (gy) gy[i] = static_cast<T>(alpha * gxi);
-        if (gb) bias_sum[c - c0] += gxi;
-      }
-    }
-    if (gb)
-      for (int64_t c = c0; c < c1; ++c) gb[c] = static_cast<T>(bias_sum[c - c0]);
-  });
-}
-
+// The kernels are vectorized and built per CPU ISA (add_mul_act_cpu_kernel.h, common/cpu_isa.h).
 void forward_cpu_dispatch(const ForwardArgs& a, double alpha, at::Tensor& out, at::Tensor* saved) {
-  FUSEFORGE_DISPATCH_FLOATING(a.x.scalar_type(), "add_mul_act_cpu", [&] {
-    FUSEFORGE_ACTIVATION_SWITCH(a.act, kAct, [&] { forward_cpu_kernel<scalar_t, kAct>(a, alpha, out, saved); });
-  });
+  CpuForwardArgs k{};
+  k.x = a.x.const_data_ptr();
+  k.y = a.y.const_data_ptr();
+  k.bias = a.bias.defined() ? a.bias.const_data_ptr() : nullptr;
+  k.out = out.mutable_data_ptr();
+  k.saved_z = (saved && !saves_mask(a.act)) ? saved->mutable_data_ptr() : nullptr;
+  k.mask = (saved && saves_mask(a.act)) ? saved->mutable_data_ptr<uint8_t>() : nullptr;
+  k.rows = a.shape.rows;
+  k.cols = a.shape.cols;
+  k.alpha = alpha;
+  k.act = a.act;
+  k.dtype = a.x.scalar_type();
+  FUSEFORGE_CPU_ISA_CALL(forward, k);
 }
 
 void backward_cpu_dispatch(const BackwardArgs& a, double alpha, Gradients& g) {
-  FUSEFORGE_DISPATCH_FLOATING(a.grad_out.scalar_type(), "add_mul_act_bwd_cpu", [&] {
-    FUSEFORGE_ACTIVATION_SWITCH(a.act, kAct, [&] { backward_cpu_kernel<scalar_t, kAct>(a, alpha, g); });
-  });
+  CpuBackwardArgs k{};
+  k.grad_out = a.grad_out.const_data_ptr();
+  k.saved_z = saves_mask(a.act) ? nullptr : a.saved.const_data_ptr();
+  k.mask = saves_mask(a.act) ? a.saved.const_data_ptr<uint8_t>() : nullptr;
+  k.grad_x = g.grad_x.mutable_data_ptr();
+  k.grad_y = g.grad_y.numel() ? g.grad_y.mutable_data_ptr() : nullptr;
+  k.grad_bias = g.grad_bias.numel() ? g.grad_bias.mutable_data_ptr() : nullptr;
+  k.rows = a.shape.rows;
+  k.cols = a.shape.cols;
+  k.alpha = alpha;
+  k.act = a.act;
+  k.dtype = a.grad_out.scalar_type();
+  FUSEFORGE_CPU_ISA_CALL(backward, k);
 }
 
 }  // namespace

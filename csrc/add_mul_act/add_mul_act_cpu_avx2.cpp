@@ -1,0 +1,5 @@
+// add_mul_act's CPU kernels, AVX2 + FMA build (common/cpu_isa.h).
+#include "common/cpu_isa_prologue_avx2.h"
+#if FUSEFORGE_CPU_ISA_TU
+#include "add_mul_act/add_mul_act_cpu_kernel.h"
+#endif
