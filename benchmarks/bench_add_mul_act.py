@@ -26,6 +26,8 @@ LARGE = [f"16384x8192/{d}/{a}" for d in ("fp32", "bf16") for a in ("relu", "gelu
 SEED = [f"{b}x{w}/fp32/relu" for b, w in ((4, 4), (16, 8), (64, 16), (256, 32), (1024, 64), (4096, 128),
                                            (16384, 256), (65536, 512), (262144, 1024))]
 CASES = LARGE + SEED
+# --device cpu: the demo's MLP epilogue (batch 8 x seq 128 tokens, 512 features) and a larger one.
+CPU_CASES = [f"{shape}/{d}/gelu" for shape in ("1024x512", "16384x2048") for d in ("fp32", "bf16")]
 
 
 def eager_fn(activation):
@@ -53,10 +55,11 @@ def setup(case):
     shape, dtype_name, activation = case.split("/")
     rows, cols = (int(v) for v in shape.split("x"))
     dtype = DTYPES[dtype_name]
-    x = torch.randn(rows, cols, device="cuda", dtype=dtype)
-    y = torch.randn(rows, cols, device="cuda", dtype=dtype)
-    b = torch.randn(cols, device="cuda", dtype=dtype)
-    grad_out = torch.randn(rows, cols, device="cuda", dtype=dtype)
+    dev = harness.bench_device()
+    x = torch.randn(rows, cols, device=dev, dtype=dtype)
+    y = torch.randn(rows, cols, device=dev, dtype=dtype)
+    b = torch.randn(cols, device=dev, dtype=dtype)
+    grad_out = torch.randn(rows, cols, device=dev, dtype=dtype)
     tensor_bytes = rows * cols * x.element_size()
     impls = {"fuseforge": fuseforge_fn(activation), "eager": eager_fn(activation),
              "compile": torch.compile(eager_fn(activation), dynamic=False)}
@@ -90,6 +93,4 @@ def setup(case):
 
 
 if __name__ == "__main__":
-    if not torch.cuda.is_available():
-        sys.exit("bench_add_mul_act needs a CUDA GPU")
-    harness.run("add_mul_act", CASES, setup, description=__doc__)
+    harness.run("add_mul_act", CASES, setup, description=__doc__, cpu_cases=CPU_CASES)

@@ -3,6 +3,10 @@
 the same process), measures peak extra memory, measures the copy and GEMM ceilings in the same run,
 and writes benchmarks/results/<op>.json in the format of shared/BENCHMARKS.md, plus a markdown
 table (<op>.md) and a plot (<op>.png) generated from that JSON.
+
+`--device cpu` runs the script's CPU cases on the CPU instead (`cpu_cases`; the setup function asks
+`bench_device()`): wall-clock medians (time.perf_counter) after warm-up, peak extra memory as the
+growth of the process's peak resident set, results in <op>_cpu.json/.md/.png.
 """
 from __future__ import annotations
 
@@ -20,6 +24,12 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+_device = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def bench_device() -> str:
+    """The device this run benchmarks: "cuda" or "cpu" (--device)."""
+    return _device
 
 
 @dataclass
@@ -57,7 +67,7 @@ def git_commit() -> str:
 
 def time_ms(fn: Callable[[], Any], warmup_ms: float = 50, rep_ms: float = 300) -> float:
     """Median milliseconds of fn over repeated runs, device events on CUDA."""
-    if torch.cuda.is_available():
+    if _device == "cuda":
         import triton.testing
         return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
     times = []
@@ -71,10 +81,38 @@ def time_ms(fn: Callable[[], Any], warmup_ms: float = 50, rep_ms: float = 300) -
     return times[len(times) // 2]
 
 
-def peak_extra_mib(fn: Callable[[], Any]) -> Optional[float]:
-    """torch.cuda.max_memory_allocated() during one run of fn minus what was allocated before it."""
-    if not torch.cuda.is_available():
+def _proc_status_mib(key: str) -> Optional[float]:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def _cpu_peak_extra_mib(fn: Callable[[], Any]) -> Optional[float]:
+    """How far the peak resident set rose above the resident set before one run of fn (Linux: the
+    peak is reset to the current size through /proc/self/clear_refs)."""
+    gc.collect()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
         return None
+    before = _proc_status_mib("VmRSS:")
+    out = fn()
+    peak = _proc_status_mib("VmHWM:")
+    del out
+    return None if before is None or peak is None else max(0.0, peak - before)
+
+
+def peak_extra_mib(fn: Callable[[], Any]) -> Optional[float]:
+    """torch.cuda.max_memory_allocated() during one run of fn minus what was allocated before it
+    (on the CPU: the growth of the peak resident set)."""
+    if _device == "cpu":
+        return _cpu_peak_extra_mib(fn)
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -87,8 +125,15 @@ def peak_extra_mib(fn: Callable[[], Any]) -> Optional[float]:
 
 
 def measure_ceilings() -> dict:
-    if not torch.cuda.is_available():
-        return {}
+    if _device == "cpu":
+        n = 1 << 28  # 256 MiB copy: counts bytes read + written
+        src = torch.empty(n, dtype=torch.uint8).random_()
+        dst = torch.empty_like(src)
+        copy_ms = time_ms(lambda: dst.copy_(src))
+        del src, dst
+        a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+        gemm_ms = time_ms(lambda: a @ b)
+        return {"copy_GBps": round(2 * n / copy_ms / 1e6, 1), "fp32_gemm_TFLOPs": round(2 * 2048**3 / gemm_ms / 1e9, 3)}
     n = 1 << 30  # 1 GiB copy: counts bytes read + written
     src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
     dst = torch.empty_like(src)
@@ -105,8 +150,23 @@ def measure_ceilings() -> dict:
 def env_info() -> dict:
     info = {"torch": torch.__version__, "cuda": torch.version.cuda, "commit": git_commit(),
             "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
-    info["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    if _device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
+    else:
+        info["gpu"] = "cpu"
+        info["cpu"] = f"{_cpu_model()}, {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}"
     return info
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
 
 
 def _round(v: Optional[float], digits: int = 4) -> Optional[float]:
@@ -160,11 +220,15 @@ def measure(bench: Bench, with_memory: bool = True, ms: Optional[float] = None) 
 
 
 def run(op: str, cases: Iterable[str], setup: Callable[[str], list[Bench]], argv: Optional[list] = None,
-        description: str = "", rounds: int = 1) -> dict:
+        description: str = "", rounds: int = 1, cpu_cases: Optional[Iterable[str]] = None) -> dict:
     """Times every Bench that setup(case) returns, case by case, and writes the results. rounds > 1:
     each pass's impls are timed round-robin (time_interleaved), for ops whose impls run long enough
-    to heat the GPU between one impl's timing and the next's."""
+    to heat the GPU between one impl's timing and the next's. cpu_cases: the cases of --device cpu
+    (results in <op>_cpu.json)."""
+    global _device
     parser = argparse.ArgumentParser(description=description or f"benchmark {op}")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default=_device,
+                        help=f"what to benchmark (default here: {_device}); cpu runs the CPU cases")
     parser.add_argument("--cases", default="", help="comma-separated substrings: run only matching cases")
     parser.add_argument("--out", default=RESULTS_DIR, help="folder for <op>.json/.md/.png")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
@@ -172,14 +236,21 @@ def run(op: str, cases: Iterable[str], setup: Callable[[str], list[Bench]], argv
     parser.add_argument("--rounds", type=int, default=rounds,
                         help=f"round-robin rounds over each pass's impls (default {rounds}; 1: one impl after another)")
     args = parser.parse_args(argv)
+    _device = args.device
+    if _device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA GPU here (use --device cpu)")
     rounds = max(1, args.rounds)
     impls = [i for i in args.impls.split(",") if i]
+    if _device == "cpu":
+        if cpu_cases is None:
+            parser.error(f"--device cpu: bench_{op}.py has no CPU cases")
+        cases, op = cpu_cases, op + "_cpu"
     cases = list(cases)
     if args.cases:
         keys = [k for k in args.cases.split(",") if k]
         cases = [c for c in cases if any(k in c for k in keys)]
     result = {"op": op, **env_info(), "ceilings": measure_ceilings(), "rounds": rounds, "rows": []}
-    log(f"{op}: {len(cases)} cases on {result['gpu']} (torch {result['torch']}, commit {result['commit']}), "
+    log(f"{op}: {len(cases)} cases on {result.get('cpu', result['gpu'])} (torch {result['torch']}, commit {result['commit']}), "
         f"ceilings {result['ceilings']}")
     for i, case in enumerate(cases):
         log(f"[{i + 1}/{len(cases)}] {case}")
@@ -197,7 +268,7 @@ def run(op: str, cases: Iterable[str], setup: Callable[[str], list[Bench]], argv
             log("    " + "  ".join(f"{k}={v}" for k, v in row.items() if k != "case"))
         del benches
         gc.collect()
-        if torch.cuda.is_available():
+        if _device == "cuda":
             torch.cuda.empty_cache()
     write(result, args.out)
     return result
@@ -249,7 +320,8 @@ def markdown_table(result: dict) -> str:
                 r = by.get((case, pass_, i))
                 cells.append(f"{r['peak_extra_mib']:.0f}" if r and "peak_extra_mib" in r else "-")
         lines.append("| " + " | ".join(cells) + " |")
-    meta = (f"\n{result['gpu']}, torch {result['torch']}, CUDA {result['cuda']}, commit `{result['commit'][:12]}`, "
+    where = result["cpu"] if result.get("gpu") == "cpu" and "cpu" in result else result["gpu"]
+    meta = (f"\n{where}, torch {result['torch']}, CUDA {result['cuda']}, commit `{result['commit'][:12]}`, "
             f"{result['date']}; ceilings {result.get('ceilings', {})}. `vs X` = X's time / fuseforge's.\n")
     return "\n".join(lines) + "\n" + meta
 
@@ -284,7 +356,8 @@ def plot(result: dict, path: str) -> None:
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))])
         ax.set_xticklabels(cases, rotation=30, ha="right", fontsize=7)
         ax.set_ylabel(f"speed-up over {baseline}")
-        ax.set_title(f"{result['op']} / {pass_}  ({result['gpu']}, torch {result['torch']})", fontsize=9)
+        where = result["cpu"] if result.get("gpu") == "cpu" and "cpu" in result else result["gpu"]
+        ax.set_title(f"{result['op']} / {pass_}  ({where}, torch {result['torch']})", fontsize=9)
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

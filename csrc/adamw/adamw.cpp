@@ -7,9 +7,11 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <type_traits>
 #include <mutex>
 #include <unordered_map>
 
+#include "adamw/adamw_cpu.h"
 #include "adamw/adamw_math.h"
 #include "common/env.h"
 
@@ -527,6 +529,10 @@ void cpu_block(const TensorMeta& t, const GroupHyper& h, const void* grad, int64
   const int64_t n = std::max<int64_t>(0, std::min(chunk_elems, t.numel - begin));
   if (n == 0) return;
   T* g = static_cast<T*>(const_cast<void*>(grad));
+  if constexpr (std::is_same_v<M, float>) {
+    FUSEFORGE_CPU_ISA_CALL(update_chunk, t, g, begin, n, s);  // vectorized, per ISA (adamw_cpu.h)
+    return;
+  }
   if (t.max_exp_avg_sq)
     cpu_update_chunk<T, M, true>(t, g, begin, n, s);
   else

@@ -6,23 +6,18 @@
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
-#include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
-#include <type_traits>
 #include <vector>
 
 #include "add_mul_act/add_mul_act_cpu.h"
-
-#ifndef FUSEFORGE_CPU_NS
-#error "include a common/cpu_isa_prologue_*.h or define FUSEFORGE_CPU_NS first (see common/cpu_isa.h)"
-#endif
+#include "common/cpu_vec.h"
 
 namespace fuseforge::add_mul_act::FUSEFORGE_CPU_NS {
 namespace {
 
 template <typename M>
-using Vec = at::vec::Vectorized<M>;
+using Vec = CpuVec<M>;
 
 // The activations of activation.h on vectors (the same formulas, so CPU and CUDA agree).
 template <Activation A>
@@ -92,35 +87,11 @@ struct VecAct<Activation::kSilu> {
 };
 
 // Columns a step: a multiple of every vector width and of 8 (relu's mask bytes start on a tile).
-constexpr int64_t kTile = 256;
+constexpr int64_t kTile = kCpuTile;
 // Elements a task at least: below this, threads cost more than they save.
 constexpr int64_t kGrainElems = 1 << 15;
 // Row blocks of the bias gradient's partial sums (a constant, so the sum's order is too).
 constexpr int64_t kBiasBlocks = 64;
-
-// src as M: a pointer to it when T is M, else converted into buf.
-template <typename T, typename M>
-const M* as_math(const T* src, M* buf, int64_t n) {
-  if constexpr (std::is_same_v<T, M>) {
-    return src;
-  } else {
-    for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<M>(src[i]);
-    return buf;
-  }
-}
-
-// Where to compute a T output: dst itself when T is M, else buf (then store_math converts).
-template <typename T, typename M>
-M* math_dst(T* dst, M* buf) {
-  if constexpr (std::is_same_v<T, M>) return dst;
-  else return buf;
-}
-
-template <typename T, typename M>
-void store_math(const M* src, T* dst, int64_t n) {
-  if constexpr (!std::is_same_v<T, M>)
-    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
-}
 
 template <typename T, Activation A>
 void forward_rows(const CpuForwardArgs& a, const typename at::opmath_type<T>* bias, int64_t r0, int64_t r1) {

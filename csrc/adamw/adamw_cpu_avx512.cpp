@@ -1,0 +1,5 @@
+// AdamW's CPU update, AVX-512 build (common/cpu_isa.h).
+#include "common/cpu_isa_prologue_avx512.h"
+#if FUSEFORGE_CPU_ISA_TU
+#include "adamw/adamw_cpu_kernel.h"
+#endif
