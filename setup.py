@@ -69,8 +69,10 @@ def extension():
     with_cuda = want_cuda()
     debug = os.environ.get("FUSEFORGE_DEBUG", "0") == "1"
     # -fopenmp: at::parallel_for is inline and runs in parallel only in code built with OpenMP (torch's
-    # CPU backend); without it every CPU kernel here ran on one thread.
-    cxx = ["-O0" if debug else "-O3", "-std=c++20", "-fopenmp"]  # torch adds -DPy_LIMITED_API for py_limited_api
+    # CPU backend); without it every CPU kernel here ran on one thread. -ffp-contract=off: the CPU
+    # kernels' AVX2/AVX-512 builds would otherwise fuse a * b - c into an fma where the baseline build
+    # cannot, and round differently (explicit fmas, at::vec::fmadd and std::fma, stay fused).
+    cxx = ["-O0" if debug else "-O3", "-std=c++20", "-fopenmp", "-ffp-contract=off"]  # torch adds -DPy_LIMITED_API for py_limited_api
     if debug:
         cxx.append("-g")
     if not with_cuda:

@@ -37,6 +37,9 @@ import fuseforge  # noqa: E402,F401
 from fuseforge.optim import AdamW  # noqa: E402
 
 CASES = ["llama1b/fp32", "small5000/fp32", "llama1b/bf16-master"]
+# --device cpu: the demo GPT's parameters (examples/demo.py's CPU preset, 0.8M) and 16 2048x2048
+# matrices (67M); torch's CPU impls as peers (fused, foreach, and the for-loop CPU default).
+CPU_CASES = ["gptdemo/fp32", "mats16x2048x2048/fp32"]
 # ADAMW_BENCH_COMPILE=0 leaves the compile impl out (it costs ~40 s of compilation per case).
 WITH_COMPILE = os.environ.get("ADAMW_BENCH_COMPILE", "1") == "1"
 KW = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
@@ -51,13 +54,25 @@ def llama1b_shapes():
     return shapes
 
 
+def gptdemo_shapes():
+    from fuseforge.models.gpt import GPTConfig, TorchGPT
+    config = GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=2, n_kv_head=1, d_model=128)
+    return [tuple(p.shape) for p in TorchGPT(config).parameters()]
+
+
+def sync():
+    if harness.bench_device() == "cuda":
+        torch.cuda.synchronize()
+
+
 def make_params(shapes, dtype):
-    g = torch.Generator(device="cuda")
+    dev = harness.bench_device()
+    g = torch.Generator(device=dev)
     g.manual_seed(0)
     params = []
     for s in shapes:
-        p = torch.nn.Parameter(torch.randn(s, device="cuda", generator=g).to(dtype))
-        p.grad = (torch.randn(s, device="cuda", generator=g) * 1e-2).to(dtype)
+        p = torch.nn.Parameter(torch.randn(s, device=dev, generator=g).to(dtype))
+        p.grad = (torch.randn(s, device=dev, generator=g) * 1e-2).to(dtype)
         params.append(p)
     return params
 
@@ -75,7 +90,8 @@ class OneAtATime:
                 for other in list(self.live):
                     del self.live[other]
                 gc.collect()
-                torch.cuda.empty_cache()
+                if harness.bench_device() == "cuda":
+                    torch.cuda.empty_cache()
                 step = self.live[name] = build()
                 extra["host_us"] = host_us(step)
                 if extra_probe:
@@ -86,19 +102,20 @@ class OneAtATime:
 
 def host_us(fn, reps=50):
     fn()
-    torch.cuda.synchronize()
+    sync()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e6)
-        torch.cuda.synchronize()
+        sync()
     return round(statistics.median(times), 1)
 
 
 def setup(case):
     name, kind = case.split("/")
-    shapes = llama1b_shapes() if name == "llama1b" else [(4096,)] * 5000
+    shapes = {"llama1b": llama1b_shapes, "gptdemo": gptdemo_shapes, "mats16x2048x2048": lambda: [(2048, 2048)] * 16,
+              "small5000": lambda: [(4096,)] * 5000}[name]()
     numel = sum(torch.Size(s).numel() for s in shapes)
     nbytes = 28 * numel
     torch._dynamo.reset()
@@ -127,6 +144,8 @@ def setup(case):
 
         impls = [("fuseforge", ours), ("torch_fused", torch_opt(fused=True)),
                  ("torch_foreach", torch_opt(foreach=True))]
+        if harness.bench_device() == "cpu":
+            impls.append(("torch_forloop", torch_opt(foreach=False, fused=False)))
         if name == "llama1b" and WITH_COMPILE:
             impls.append(("compile", compiled))
     else:  # bf16 params, fp32 master weights
@@ -164,7 +183,7 @@ def setup(case):
             impls.append(("compile", torch_recipe(compile_it=True, foreach=True)))
     def list_op_probe(extra):
         ea, eas = [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params]
-        st = [torch.zeros((), device="cuda") for _ in params]
+        st = [torch.zeros((), device=params[0].device) for _ in params]
 
         def list_op():
             torch.ops.fuseforge.adamw_fused_(params, [p.grad for p in params], ea, eas, [], [], st, lr=1e-3,
@@ -179,4 +198,4 @@ def setup(case):
 
 
 if __name__ == "__main__":
-    harness.run("adamw", CASES, setup, description=__doc__)
+    harness.run("adamw", CASES, setup, description=__doc__, cpu_cases=CPU_CASES)

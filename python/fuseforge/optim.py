@@ -6,6 +6,12 @@ sizes and dtypes (float32, float16, bfloat16; float64 on the CPU). The parameter
 C++ handle that reads each ``param.grad`` itself, so a step costs no Python loop over parameters;
 the tensor table, block map and grad addresses live in device memory and are re-uploaded only when
 they change. No host synchronization in ``step()``.
+
+DTensor parameters (FSDP2's ``fully_shard``, tensor parallel): the handle holds each parameter's
+local shard and the kernel updates the local shards of every parameter, sharded or not, in the same
+one launch per device; nothing is gathered. States are DTensors with the parameter's mesh and
+placements (``step`` a plain tensor, as torch.optim.AdamW keeps it), so
+``torch.distributed.checkpoint`` saves and loads them, interchangeably with torch.optim.AdamW's.
 """
 from __future__ import annotations
 
@@ -16,6 +22,11 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
+
+try:  # torch.distributed can be absent from a build (USE_DISTRIBUTED=0)
+    from torch.distributed.tensor import DTensor, distribute_tensor
+except ImportError:  # pragma: no cover
+    DTensor, distribute_tensor = None, None
 
 import fuseforge.ops.adamw  # noqa: F401  (fake kernels)
 
@@ -48,18 +59,96 @@ def _check_hypers(lr, betas, eps, weight_decay) -> None:
         raise ValueError(f"Invalid weight_decay value: {weight_decay} (must be >= 0)")
 
 
+def _is_dtensor(t) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def _local(p: Tensor) -> Tensor:
+    """The tensor the kernel updates: a DTensor's local shard (the very tensor FSDP2 keeps, not a
+    view of it), a plain tensor itself."""
+    return p._local_tensor if _is_dtensor(p) else p
+
+
+def _wrap_like(t: Tensor, p: Tensor) -> Tensor:
+    """A local state tensor as a DTensor laid out like DTensor parameter p (no communication)."""
+    return DTensor.from_local(t, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
+
+
+def _local_state(p: Tensor, value: Tensor, key: str) -> Tensor:
+    """The local tensor the handle adopts for state `value` of parameter p: a DTensor state is
+    redistributed to p's mesh and placements if it differs (a state loaded with other placements);
+    a plain full-size state of a DTensor parameter is distributed like p."""
+    if _is_dtensor(p):
+        if _is_dtensor(value):
+            if value.device_mesh != p.device_mesh or tuple(value.placements) != tuple(p.placements):
+                value = value.redistribute(p.device_mesh, p.placements)
+            return value._local_tensor
+        if value.shape != p.shape:
+            raise ValueError(f"AdamW: state '{key}' of a DTensor parameter of shape {tuple(p.shape)} is a plain "
+                             f"tensor of shape {tuple(value.shape)}; expected a DTensor or the full tensor")
+        return distribute_tensor(value.to(p.device), p.device_mesh, p.placements)._local_tensor
+    if _is_dtensor(value):  # a sharded state for a plain parameter: gather it
+        return value.full_tensor()
+    return value
+
+
+_TORCH_GROUP_KEYS: Optional[dict[str, Any]] = None
+
+
+def _torch_group_keys() -> dict[str, Any]:
+    """The param-group keys torch.optim.AdamW has and this AdamW does not (foreach, fused,
+    differentiable, decoupled_weight_decay, ... as this torch version has them), with torch's
+    defaults. state_dict() writes them, so that torch.distributed.checkpoint, which loads exactly
+    the keys of the target optimizer's state dict, can load a fuseforge checkpoint into
+    torch.optim.AdamW."""
+    global _TORCH_GROUP_KEYS
+    if _TORCH_GROUP_KEYS is None:
+        d = torch.optim.AdamW([torch.zeros(1, requires_grad=True)]).defaults
+        _TORCH_GROUP_KEYS = {k: v for k, v in d.items()
+                             if k not in ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "capturable")}
+    return _TORCH_GROUP_KEYS
+
+
 class _DeviceHandle:
     """The C++ handle of one device: its parameters (in group order), the groups it serves and the
-    float32 step counts (state["step"] of each parameter is a view of one element)."""
+    float32 step counts (state["step"] of each parameter is a view of one element). `params` are
+    the optimizer's parameters, `tensors` what the C++ handle holds (a DTensor's local shard);
+    `dtensors` the (parameter, local shard) pairs whose grads step() points the shards at."""
 
-    def __init__(self, device, group_ids, params, flags, steps, handle):
+    def __init__(self, device, group_ids, params, tensors, flags, steps, handle):
         self.device = device
         self.group_ids = group_ids
         self.params = params
+        self.tensors = tensors
         self.flags = flags
         self.steps = steps
         self.handle = handle
+        self.dtensors = [(p, t) for p, t in zip(params, tensors) if p is not t]
         self.finalizer = weakref.finalize(self, _ops.adamw_handle_destroy, handle, steps)
+
+    def point_grads(self) -> bool:
+        """Sets each local shard's .grad to its DTensor parameter's grad's local tensor (the handle
+        reads .grad in C++). False when FSDP replaced a local shard since the handle was built."""
+        for p, t in self.dtensors:
+            if p._local_tensor is not t:
+                return False
+            g = p.grad
+            if g is None:
+                t.grad = None
+                continue
+            if not _is_dtensor(g):
+                raise RuntimeError("AdamW: a DTensor parameter has a plain-tensor grad; expected a DTensor grad "
+                                   f"(parameter of shape {tuple(p.shape)})")
+            gs, ps = g._spec, p._spec  # FSDP2 gives the grad the param's spec object: the fast path
+            if gs is not ps and (gs.placements != ps.placements or gs.mesh != ps.mesh):
+                g = g.redistribute(p.device_mesh, p.placements)
+            t.grad = g._local_tensor
+        return True
+
+    def release_grads(self) -> None:
+        """Drops the local shards' references to the grads (which stay on the DTensor params)."""
+        for _, t in self.dtensors:
+            t.grad = None
 
 
 class AdamW(Optimizer):
@@ -82,6 +171,12 @@ class AdamW(Optimizer):
     ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``; plus ``master_param`` with master weights), so
     checkpoints move both ways. GradScaler: ``grad_scale``/``found_inf`` are handled in the kernel
     (``_step_supports_amp_scaling``); a step with ``found_inf`` set changes nothing.
+
+    DTensor parameters (FSDP2, tensor parallel) are updated through their local shards in the
+    same launch as the others; their states are DTensors laid out like the parameter (``step`` a
+    plain tensor), so ``torch.distributed.checkpoint`` and its ``get/set_optimizer_state_dict``
+    work, with checkpoints interchangeable with torch.optim.AdamW's. Plain and DTensor parameters
+    may be mixed.
 
     Replacing a state tensor object in ``optimizer.state`` by hand is not seen (in-place edits are);
     use ``load_state_dict``.
@@ -144,12 +239,29 @@ class AdamW(Optimizer):
                 h.finalizer()
         self._handles = None
 
+    def state_dict(self) -> dict[str, Any]:
+        """torch.optim.AdamW's format. Each group also carries torch.optim.AdamW's own keys (foreach,
+        fused, ... at torch's defaults) and leaves out ``master_weights``, a setting of the optimizer
+        that loads the state dict: torch.distributed.checkpoint loads exactly the keys of the
+        target's state dict, so this is what lets a checkpoint move both ways."""
+        sd = super().state_dict()
+        extra = _torch_group_keys()
+        sd["param_groups"] = [{**{k: v for k, v in g.items() if k != "master_weights"},
+                               **{k: v for k, v in extra.items() if k not in g}} for g in sd["param_groups"]]
+        return sd
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # The base class casts every floating state to the parameter's dtype; keep the saved
         # precision instead (float32 moments of bfloat16 params stay float32).
         saved_state = state_dict["state"]
         saved_ids = list(chain.from_iterable(g["params"] for g in state_dict["param_groups"]))
+        # Settings the saved groups lack (master_weights; anything a torch.optim.AdamW state dict
+        # lacks) keep this optimizer's values.
+        kept = [{k: v for k, v in g.items() if k != "params" and k not in saved}
+                for g, saved in zip(self.param_groups, state_dict["param_groups"])]
         super().load_state_dict(state_dict)
+        for g, k in zip(self.param_groups, kept):
+            g.update(k)
         params = list(chain.from_iterable(g["params"] for g in self.param_groups))
         for sid, p in zip(saved_ids, params):
             saved = saved_state.get(sid)
@@ -177,9 +289,10 @@ class AdamW(Optimizer):
                     params.append(p)
                     groups.append(local)
                     flags.append(f)
+            tensors = [_local(p) for p in params]
             steps = torch.zeros(len(params), dtype=torch.float32, device=device)
-            handle = _ops.adamw_handle_create(params, groups, flags, steps, len(group_ids))
-            h = _DeviceHandle(device, group_ids, params, flags, steps, handle)
+            handle = _ops.adamw_handle_create(tensors, groups, flags, steps, len(group_ids))
+            h = _DeviceHandle(device, group_ids, params, tensors, flags, steps, handle)
             # Adopt existing state (loaded, or created before a rebuild).
             slots, values = [], []
             for slot, p in enumerate(params):
@@ -187,7 +300,8 @@ class AdamW(Optimizer):
                 if not st:
                     continue
                 absent = torch.empty(0, dtype=torch.uint8)  # the ops' marker for a missing state
-                given = [st[k] if isinstance(st.get(k), Tensor) else absent for k in _STATE_KEYS]
+                given = [_local_state(p, st[k], k) if isinstance(st.get(k), Tensor) else absent
+                         for k in _STATE_KEYS]
                 kept = _ops.adamw_handle_set_state(handle, steps, slot, given)
                 self._store_state(st, h, slot, kept)
                 slots.append(slot)
@@ -203,13 +317,14 @@ class AdamW(Optimizer):
     @staticmethod
     def _store_state(st: dict, h: _DeviceHandle, slot: int, kept: list[Tensor]) -> None:
         p = h.params[slot]
-        st["exp_avg"], st["exp_avg_sq"] = kept[0], kept[1]
+        wrap = (lambda t: _wrap_like(t, p)) if p is not h.tensors[slot] else (lambda t: t)
+        st["exp_avg"], st["exp_avg_sq"] = wrap(kept[0]), wrap(kept[1])
         if h.flags[slot] & _AMSGRAD:
-            st["max_exp_avg_sq"] = kept[2]
+            st["max_exp_avg_sq"] = wrap(kept[2])
         else:
             st.pop("max_exp_avg_sq", None)
         if h.flags[slot] & _MASTER and p.dtype in (torch.float16, torch.bfloat16):
-            st["master_param"] = kept[3]
+            st["master_param"] = wrap(kept[3])
         else:
             st.pop("master_param", None)
 
@@ -241,6 +356,13 @@ class AdamW(Optimizer):
             # New entries in self.state that the handles did not create (a compiled step's): adopt them.
             self._invalidate()
             self._build_handles()
+        if not all(h.point_grads() for h in self._handles if h.dtensors):
+            # FSDP replaced a DTensor's local shard (its lazy init, module.to_empty(), ...): rebuild.
+            self._invalidate()
+            self._build_handles()
+            for h in self._handles:
+                if h.dtensors and not h.point_grads():  # pragma: no cover (a shard replaced while rebuilding)
+                    raise RuntimeError("AdamW: a DTensor parameter's local tensor keeps changing")
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
         groups = self.param_groups
@@ -264,7 +386,12 @@ class AdamW(Optimizer):
                 grad_scale.to(h.device, non_blocking=True)
             fi = found_inf if found_inf is None or found_inf.device == h.device else \
                 found_inf.to(h.device, non_blocking=True)
-            created = _ops.adamw_handle_step(h.handle, h.steps, hypers, lr_tensors if any_tensor_lr else [], gs, fi)
+            try:
+                created = _ops.adamw_handle_step(h.handle, h.steps, hypers, lr_tensors if any_tensor_lr else [],
+                                                 gs, fi)
+            finally:
+                if h.dtensors:
+                    h.release_grads()
             if created:
                 self._adopt_new_states(h)
         return loss
@@ -288,14 +415,16 @@ class AdamW(Optimizer):
                         st["max_exp_avg_sq"] = torch.zeros_like(p, dtype=sdt, memory_format=torch.preserve_format)
                     if group["master_weights"] and p.dtype in (torch.float16, torch.bfloat16):
                         st["master_param"] = p.detach().to(torch.float32, memory_format=torch.preserve_format)
-                params.append(p)
-                grads.append(p.grad)
-                exp_avgs.append(st["exp_avg"])
-                exp_avg_sqs.append(st["exp_avg_sq"])
+                # DTensor parameters: the op runs on the local shards (states are laid out like p).
+                loc = (lambda t: t.to_local()) if _is_dtensor(p) else (lambda t: t)
+                params.append(loc(p))
+                grads.append(loc(p.grad))
+                exp_avgs.append(loc(st["exp_avg"]))
+                exp_avg_sqs.append(loc(st["exp_avg_sq"]))
                 if group["amsgrad"]:
-                    maxs.append(st["max_exp_avg_sq"])
+                    maxs.append(loc(st["max_exp_avg_sq"]))
                 if group["master_weights"]:
-                    masters.append(st.get("master_param", st["exp_avg"]))
+                    masters.append(loc(st.get("master_param", st["exp_avg"])))
                 steps.append(st["step"])
             if not params:
                 continue
@@ -310,7 +439,8 @@ class AdamW(Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Resets every parameter's grad in one C++ pass (set_to_none, the default) or one
         multi-tensor zero_ (set_to_none=False)."""
-        if self._handles is None or len(self.state) != self._state_count:
+        if self._handles is None or len(self.state) != self._state_count or any(h.dtensors for h in self._handles):
+            # (DTensor grads live on the DTensor parameters, which the handle does not hold.)
             return super().zero_grad(set_to_none)
         for h in self._handles:
             _ops.adamw_handle_zero_grad(h.handle, h.steps, set_to_none)

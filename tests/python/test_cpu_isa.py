@@ -1,0 +1,85 @@
+"""The CPU kernels are built once per ISA level (baseline, AVX2, AVX-512; csrc/common/cpu_isa.h) and
+picked at run time from torch's CPU capability, which ATEN_CPU_CAPABILITY overrides. The other
+test files run whichever build this machine picks; this one runs each build in a subprocess
+(the choice is read once per process) on every op's CPU kernels against float64, and checks that
+AdamW's update is the same bit for bit in every build."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fuseforge  # noqa: F401
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+LEVELS = ["default", "avx2", "avx512"]
+
+# Runs in the subprocess: prints the capability torch reports, then one line per check.
+CHECK = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+import fuseforge
+from fuseforge.optim import AdamW
+from harness import rel_err, randn
+print("capability", torch.backends.cpu.get_cpu_capability())
+errs = {}
+for dt, tol in ((torch.float32, 1e-6), (torch.bfloat16, 8e-3), (torch.float64, 1e-12)):
+    for act in ("relu", "gelu", "gelu_tanh", "silu", "sigmoid", "identity"):
+        x, y = randn(37, 301, dtype=dt, requires_grad=True), randn(37, 301, dtype=dt, requires_grad=True)
+        b = randn(301, dtype=dt, requires_grad=True)
+        g = randn(37, 301, dtype=dt)
+        out = fuseforge.add_mul_act(x, y, b, 0.5, act)
+        grads = torch.autograd.grad(out, (x, y, b), g)
+        x64, y64, b64 = (t.detach().double().requires_grad_() for t in (x, y, b))
+        f = {"relu": torch.relu, "gelu": torch.nn.functional.gelu, "silu": torch.nn.functional.silu,
+             "sigmoid": torch.sigmoid, "identity": lambda z: z,
+             "gelu_tanh": lambda z: torch.nn.functional.gelu(z, approximate="tanh")}[act]
+        ref = f(x64 + 0.5 * y64 + b64)
+        refs = torch.autograd.grad(ref, (x64, y64, b64), g.double())
+        e = max([rel_err(out, ref)] + [rel_err(a, r) for a, r in zip(grads, refs)])
+        assert e <= tol, (dt, act, e)
+# Inputs from integers: torch's own randn rounds differently in each of its CPU builds.
+gen = torch.Generator().manual_seed(0)
+def rand(shape):
+    return torch.randint(-2**20, 2**20, shape, generator=gen).float() / 2**19
+params = [torch.nn.Parameter(rand(s)) for s in ((1000,), (37, 3), (5,))]
+params += [torch.nn.Parameter(rand((333,)).to(torch.bfloat16))]
+opt = AdamW(params, lr=1e-2, weight_decay=0.1, amsgrad=True, master_weights=True)
+for _ in range(3):
+    for p in params:
+        p.grad = rand(p.shape).to(p.dtype)
+    opt.step()
+blob = torch.cat([p.detach().float().reshape(-1) for p in params]
+                 + [opt.state[p][k].reshape(-1) for p in params for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")])
+print("adamw", blob.double().sum().item(), blob.view(torch.int32).long().sum().item())
+"""
+
+
+def run_level(level):
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=level, PYTHONPATH=os.pathsep.join(
+        [os.path.join(os.path.dirname(os.path.dirname(HERE)), "python"), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", CHECK, HERE], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if " " in line)
+    return lines
+
+
+@pytest.fixture(scope="module")
+def results():
+    machine = torch.backends.cpu.get_cpu_capability()
+    order = {"DEFAULT": 0, "AVX2": 1, "AVX512": 2}
+    levels = [lv for lv in LEVELS if order[lv.upper()] <= order.get(machine, 0)]
+    return {lv: run_level(lv) for lv in levels}
+
+
+def test_every_build_runs_and_is_accurate(results):
+    for level, lines in results.items():
+        assert lines["capability"].lower() == level, (level, lines["capability"])
+
+
+def test_adamw_bitwise_across_builds(results):
+    if len(results) < 2:
+        pytest.skip("this CPU runs only the baseline build")
+    blobs = {level: lines["adamw"] for level, lines in results.items()}
+    assert len(set(blobs.values())) == 1, blobs
