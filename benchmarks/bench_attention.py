@@ -4,6 +4,12 @@ Cases D<d>/S<s>/<mask>: bf16, B = 32768 / s, Hq = Hk = 2048 / d (B * S = 32768 t
 FLOPs: the forward does 4 * B * H * S * S * D (two matmuls; half with a causal mask); the backward
 2.5 x that, so fwdbwd counts 3.5 x the forward. rel_err (fwd rows): the output of batch 0, head 0
 against an fp32 reference of that slice.
+
+--device cpu (cases B<b>/Hq<h>/Hk<h>/S<s>/D<d>/<mask>/fp32): the demo GPT's attention (B8/Hq2/Hk1/S128/D64,
+causal) and larger ones; impls fuseforge, sdpa (F.scaled_dot_product_attention, its CPU flash kernel),
+eager (softmax(q k^T scale + mask) v) and compile (torch.compile of eager). rel_err: every impl's
+output (fwd) and the largest of its output's and gradients' errors (fwdbwd) against float64. The
+machine's other load shows up in CPU timings: `--rounds 5` interleaves the impls.
 """
 from __future__ import annotations
 
@@ -15,12 +21,14 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import Bench, run  # noqa: E402
+from harness import Bench, bench_device, run  # noqa: E402
 
 import fuseforge  # noqa: E402,F401
 from fuseforge.ops.attention import attention  # noqa: E402
 
 CASES = [f"D{d}/S{s}/{mask}" for d in (64, 128) for s in (1024, 4096, 16384) for mask in ("full", "causal")]
+CPU_CASES = ["B8/Hq2/Hk1/S128/D64/causal/fp32", "B2/Hq8/Hk8/S1024/D64/causal/fp32", "B2/Hq8/Hk8/S1024/D64/full/fp32",
+             "B2/Hq8/Hk2/S1024/D64/causal/fp32"]
 
 
 def parse(case: str):
@@ -42,7 +50,77 @@ def rel_err(out, ref):
     return ((out[0, 0].float() - ref).norm() / ref.norm()).item()
 
 
+def eager_attention(causal: bool):
+    """The math version: softmax(q k^T scale [+ causal mask]) v, k and v repeated over GQA groups."""
+    def fn(q, k, v):
+        group = q.shape[1] // k.shape[1]
+        if group > 1:
+            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        s = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
+        if causal:
+            sq, sk = s.shape[-2:]
+            mask = torch.ones(sq, sk, dtype=torch.bool, device=s.device).triu(sk - sq + 1)
+            s = s.masked_fill(mask, float("-inf"))
+        return torch.softmax(s, -1) @ v
+    return fn
+
+
+def setup_cpu(case: str) -> list[Bench]:
+    b, hq, hk, s, d = (int(x[len(x.rstrip("0123456789")):]) for x in case.split("/")[:5])
+    causal = case.split("/")[5] == "causal"
+    torch.manual_seed(0)
+    q, k, v = torch.randn(b, hq, s, d), torch.randn(b, hk, s, d), torch.randn(b, hk, s, d)
+    grad = torch.randn(b, hq, s, d)
+    qg, kg, vg = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    fwd_flops = 4.0 * b * hq * s * s * d * (0.5 if causal else 1.0)
+
+    eager = eager_attention(causal)
+    impls = {"fuseforge": lambda q_, k_, v_: attention(q_, k_, v_, causal=causal),
+             "sdpa": lambda q_, k_, v_: F.scaled_dot_product_attention(q_, k_, v_, is_causal=causal,
+                                                                       enable_gqa=hq != hk),
+             "eager": eager}
+    torch._dynamo.reset()  # a fresh compile per case (the eager function's code is shared)
+    try:
+        compiled = torch.compile(eager_attention(causal), dynamic=False)
+        o = compiled(qg, kg, vg)
+        torch.autograd.grad(o, (qg, kg, vg), grad)
+        impls["compile"] = compiled
+    except Exception as e:  # noqa: BLE001  (no C++ compiler for inductor, ...): leave it out, say why
+        print(f"  compile: unavailable ({type(e).__name__}: {str(e).splitlines()[0][:120]})", flush=True)
+
+    # float64 reference output and gradients.
+    q64, k64, v64 = (t.double().requires_grad_(True) for t in (q, k, v))
+    ref = eager(q64, k64, v64)
+    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), grad.double())
+    ref = ref.detach()
+
+    def err(x, r):
+        return ((x.double() - r).norm() / r.norm()).item()
+
+    benches = []
+    for name, fn in impls.items():
+        out = fn(qg, kg, vg)
+        grads = torch.autograd.grad(out, (qg, kg, vg), grad)
+        fwd_err = err(out, ref)
+        bwd_err = max([fwd_err] + [err(g_, r) for g_, r in zip(grads, ref_grads)])
+        del out, grads
+
+        def fwd(fn=fn):
+            with torch.no_grad():
+                return fn(q, k, v)
+
+        def fwdbwd(fn=fn):
+            o = fn(qg, kg, vg)
+            return torch.autograd.grad(o, (qg, kg, vg), grad)
+
+        benches.append(Bench(case, "fwd", name, fwd, flops=fwd_flops, rel_err=fwd_err))
+        benches.append(Bench(case, "fwdbwd", name, fwdbwd, flops=3.5 * fwd_flops, rel_err=bwd_err))
+    return benches
+
+
 def setup(case: str) -> list[Bench]:
+    if bench_device() == "cpu":
+        return setup_cpu(case)
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     d, s, causal = parse(case)
@@ -87,4 +165,4 @@ def setup(case: str) -> list[Bench]:
 
 
 if __name__ == "__main__":
-    run("attention", CASES, setup, description=__doc__)
+    run("attention", CASES, setup, description=__doc__, cpu_cases=CPU_CASES)

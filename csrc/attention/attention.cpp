@@ -1,13 +1,15 @@
-// attention: input checks and the CPU implementation (the reference the CUDA kernels must match;
-// float64 serves gradcheck). The CPU path computes one batch element at a time with ATen matmuls in
-// float32 (float64 for float64 inputs): memory O(Hq * Sq * Sk) per batch element, fine for CI sizes.
+// attention: input checks (shared with the CUDA side) and the host side of the CPU implementation:
+// FlashAttention-style tiled kernels (attention_cpu_kernel.h, one build per x86 ISA level) in float32,
+// float64 for float64 inputs (gradcheck); float16/bfloat16 are computed in float32.
 #include "attention/attention.h"
 
 #include <torch/library.h>
 
 #include <limits>
 
+#include "attention/attention_cpu.h"
 #include "common/checks.h"
+#include "common/cpu_isa.h"
 
 namespace fuseforge::attention {
 
@@ -72,32 +74,25 @@ void check_backward_inputs(const Shape& s, const at::Tensor& q, const at::Tensor
 
 namespace {
 
+// The kernels' math type: float64 stays float64; float32, float16 and bfloat16 compute in float32
+// (the half types are converted to float32 tensors first: attention is compute-bound, the copies are
+// O(S D) against O(S^2 D) work).
 at::ScalarType compute_type(const at::Tensor& q) {
   return q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }
 
-// Scores of one batch element, (Hq, Sq, Sk), with the causal mask (bottom-right aligned: query i
-// sees key j when j <= i + Sk - Sq) applied as -inf; k expanded over the query heads of each group.
-at::Tensor masked_scores(const at::Tensor& q, const at::Tensor& k, bool causal, double scale) {
-  at::Tensor s = at::matmul(q, k.transpose(-2, -1)).mul_(scale);
-  if (causal) {
-    const int64_t sq = q.size(-2), sk = k.size(-2);
-    auto opts = at::TensorOptions().dtype(at::kLong);
-    at::Tensor rows = at::arange(sq, opts).unsqueeze(1);
-    at::Tensor cols = at::arange(sk, opts).unsqueeze(0);
-    s.masked_fill_(cols > rows + (sk - sq), -std::numeric_limits<double>::infinity());
-  }
-  return s;
+// t in the math type with a contiguous last dim, as the kernels read it (grad_out may arrive with any
+// strides, e.g. expanded from a scalar under torch.compile; q, k, v are checked to have one).
+at::Tensor as_compute(const at::Tensor& t, at::ScalarType ct) {
+  at::Tensor r = t.scalar_type() == ct ? t : t.to(ct);
+  return r.size(3) == 1 || r.stride(3) == 1 ? r : r.contiguous();
 }
 
-// exp(s - lse) with rows whose lse is -inf (nothing to attend to) all zero instead of NaN.
-at::Tensor probabilities(const at::Tensor& s, const at::Tensor& lse) {
-  at::Tensor finite_lse = at::where(at::isinf(lse), at::zeros_like(lse), lse);
-  return at::exp(s - finite_lse.unsqueeze(-1));
-}
+CpuOperand operand(const at::Tensor& t) { return {t.const_data_ptr(), t.stride(0), t.stride(1), t.stride(2)}; }
+CpuOutput output(at::Tensor& t) { return {t.mutable_data_ptr(), t.stride(0), t.stride(1), t.stride(2)}; }
 
-at::Tensor expand_kv(const at::Tensor& t, int64_t group) {
-  return group == 1 ? t : t.repeat_interleave(group, /*dim=*/0);
+CpuShape cpu_shape(const Shape& s) {
+  return {s.batch, s.heads_q, s.heads_kv, s.seqlen_q, s.seqlen_k, s.head_dim};
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -106,16 +101,27 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(const at::Tensor& q, const 
   at::Tensor out = at::empty_like(q);
   // float32 LSE, float64 for float64 inputs (so gradcheck sees no float32 rounding).
   at::Tensor lse = at::empty({s.batch, s.heads_q, s.seqlen_q}, q.options().dtype(lse_type(q)));
-  const auto ct = compute_type(q);
-  for (int64_t b = 0; b < s.batch; ++b) {
-    at::Tensor qb = q[b].to(ct), kb = expand_kv(k[b].to(ct), s.group()), vb = expand_kv(v[b].to(ct), s.group());
-    at::Tensor sc = masked_scores(qb, kb, causal, scale);
-    at::Tensor lse_b = s.seqlen_k == 0 ? at::full({s.heads_q, s.seqlen_q}, -std::numeric_limits<double>::infinity(),
-                                                  qb.options())
-                                       : at::logsumexp(sc, -1);
-    out[b].copy_(at::matmul(probabilities(sc, lse_b), vb));
-    lse[b].copy_(lse_b);
+  if (out.numel() == 0) return {out, lse};
+  if (s.seqlen_k == 0) {  // nothing to attend to
+    out.zero_();
+    lse.fill_(-std::numeric_limits<double>::infinity());
+    return {out, lse};
   }
+  const auto ct = compute_type(q);
+  const at::Tensor qc = as_compute(q, ct), kc = as_compute(k, ct), vc = as_compute(v, ct);
+  at::Tensor out_c = out.scalar_type() == ct ? out : at::empty_like(qc);
+  CpuForwardArgs a;
+  a.q = operand(qc);
+  a.k = operand(kc);
+  a.v = operand(vc);
+  a.out = output(out_c);
+  a.lse = lse.mutable_data_ptr();
+  a.shape = cpu_shape(s);
+  a.causal = causal;
+  a.scale = scale;
+  a.dtype = ct;
+  FUSEFORGE_CPU_ISA_CALL(forward, a);
+  if (!out_c.is_same(out)) out.copy_(out_c);
   return {out, lse};
 }
 
@@ -123,25 +129,47 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(const at::Tenso
                                                                  const at::Tensor& k, const at::Tensor& v,
                                                                  const at::Tensor& out, const at::Tensor& lse,
                                                                  bool causal, double scale, bool /*deterministic*/) {
+  // Always deterministic: no atomics, and a fixed summation order for any thread count.
   const Shape s = check_inputs(q, k, v, /*cuda=*/false);
   check_backward_inputs(s, q, grad_out, out, lse);
   at::Tensor grad_q = at::empty_like(q), grad_k = at::empty_like(k), grad_v = at::empty_like(v);
-  const auto ct = compute_type(q);
-  const int64_t g = s.group();
-  for (int64_t b = 0; b < s.batch; ++b) {
-    at::Tensor qb = q[b].to(ct), kb = expand_kv(k[b].to(ct), g), vb = expand_kv(v[b].to(ct), g);
-    at::Tensor dob = grad_out[b].to(ct), ob = out[b].to(ct);
-    at::Tensor p = probabilities(masked_scores(qb, kb, causal, scale), lse[b].to(ct));
-    at::Tensor dp = at::matmul(dob, vb.transpose(-2, -1));
-    at::Tensor row_dot = (dob * ob).sum(-1, /*keepdim=*/true);  // D_i = sum_d dO * O = sum_j P dP
-    at::Tensor ds = p * (dp - row_dot);
-    grad_q[b].copy_(at::matmul(ds, kb).mul_(scale));
-    at::Tensor dk = at::matmul(ds.transpose(-2, -1), qb).mul_(scale);
-    at::Tensor dv = at::matmul(p.transpose(-2, -1), dob);
-    // GQA: the key/value gradient sums over the query heads of its group.
-    grad_k[b].copy_(dk.view({s.heads_kv, g, s.seqlen_k, s.head_dim}).sum(1));
-    grad_v[b].copy_(dv.view({s.heads_kv, g, s.seqlen_k, s.head_dim}).sum(1));
+  if (s.seqlen_k == 0 || s.batch == 0) {  // no keys: grad_q is zero (grad_k, grad_v are empty)
+    grad_q.zero_();
+    return {grad_q, grad_k, grad_v};
   }
+  if (grad_k.numel() == 0) return {grad_q, grad_k, grad_v};
+  if (grad_q.numel() == 0) {  // no queries: keys and values get no gradient
+    grad_k.zero_();
+    grad_v.zero_();
+    return {grad_q, grad_k, grad_v};
+  }
+  const auto ct = compute_type(q);
+  const at::Tensor qc = as_compute(q, ct), kc = as_compute(k, ct), vc = as_compute(v, ct);
+  const at::Tensor gc = as_compute(grad_out, ct), oc = as_compute(out, ct);
+  at::Tensor gq = grad_q.scalar_type() == ct ? grad_q : at::empty_like(qc);
+  at::Tensor gk = grad_k.scalar_type() == ct ? grad_k : at::empty_like(kc);
+  at::Tensor gv = grad_v.scalar_type() == ct ? grad_v : at::empty_like(vc);
+  CpuBackwardArgs a;
+  a.grad_out = operand(gc);
+  a.q = operand(qc);
+  a.k = operand(kc);
+  a.v = operand(vc);
+  a.out = operand(oc);
+  a.lse = lse.const_data_ptr();
+  a.lse_sb = lse.stride(0);
+  a.lse_sh = lse.stride(1);
+  a.lse_ss = lse.stride(2);
+  a.grad_q = output(gq);
+  a.grad_k = output(gk);
+  a.grad_v = output(gv);
+  a.shape = cpu_shape(s);
+  a.causal = causal;
+  a.scale = scale;
+  a.dtype = ct;
+  FUSEFORGE_CPU_ISA_CALL(backward, a);
+  if (!gq.is_same(grad_q)) grad_q.copy_(gq);
+  if (!gk.is_same(grad_k)) grad_k.copy_(gk);
+  if (!gv.is_same(grad_v)) grad_v.copy_(gv);
   return {grad_q, grad_k, grad_v};
 }
 

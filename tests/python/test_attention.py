@@ -214,6 +214,119 @@ def test_errors_cpu():
         attention(q.int(), k.int(), v.int())
 
 
+
+# ---- CPU kernels (tiled, one build per ISA level): shapes that hit every tile edge --------------------
+# Tiles are 64 queries x 64 keys; vectors 4-16 wide. Odd S/D cover partial tiles, partial vectors and
+# padded head dims; B * Hk < 8 makes the backward split the keys into chunks with per-chunk dQ buffers,
+# B * Hk >= 8 with D a multiple of the vector width writes dQ in place: both appear below.
+# (B, Hq, Hk, Sq, Sk, D, causal)
+CPU_SHAPES = [
+    (1, 1, 1, 1, 1, 1, False),
+    (1, 2, 1, 1, 1, 3, True),
+    (2, 3, 1, 3, 3, 3, True),          # MQA
+    (1, 4, 2, 65, 65, 80, True),       # GQA, one row past a tile
+    (1, 4, 2, 127, 127, 72, False),    # 72: padded to the vector width for float32 AVX-512
+    (2, 6, 3, 65, 127, 1, True),       # Sq < Sk, D = 1
+    (1, 4, 1, 127, 65, 3, True),       # Sq > Sk: the first 62 rows see nothing
+    (1, 2, 1, 300, 300, 64, True),     # 5 key blocks in 5 chunks (dQ summed over chunks)
+    (1, 2, 2, 300, 300, 100, False),
+    (1, 2, 1, 1, 300, 64, True),       # decode: one query sees every key
+    (4, 4, 2, 130, 129, 64, True),     # B * Hk = 8: dQ written in place
+    (8, 2, 1, 128, 128, 64, True),     # the demo's shape
+]
+
+
+@pytest.mark.parametrize("shape", CPU_SHAPES, ids=shape_id)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_cpu_tiles_forward_backward(dtype, shape):
+    b, hq, hk, sq, sk, d, causal = shape
+    q, k, v = make_qkv(b, hq, hk, sq, sk, d, dtype, "cpu", requires_grad=True)
+    grad = randn(b, hq, sq, d, dtype=dtype)
+    out, lse = attention(q, k, v, causal=causal, return_lse=True)
+    ref_out, rq, rk, rv = reference_with_grads(q, k, v, grad, causal)
+    ref_lse = reference(q.detach(), k.detach(), v.detach(), causal)[1]
+    assert rel_err(out, ref_out) <= TOL[dtype], rel_err(out, ref_out)
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), seen)
+    assert rel_err(lse[seen], ref_lse[seen]) <= max(TOL[dtype], 1e-6)
+    if causal and sq > sk:
+        assert (out[:, :, : sq - sk] == 0).all()
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad)
+    for name, g, r in (("dq", dq, rq), ("dk", dk, rk), ("dv", dv, rv)):
+        assert g.dtype == dtype and g.shape == r.shape
+        assert rel_err(g, r) <= 2 * TOL[dtype], f"{name}: {rel_err(g, r):.3e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+def test_cpu_half_types(dtype):
+    """float16 / bfloat16 on the CPU are computed in float32: only the inputs' and outputs' rounding."""
+    q, k, v = make_qkv(2, 4, 2, 70, 90, 64, dtype, "cpu", requires_grad=True)
+    grad = randn(2, 4, 70, 64, dtype=dtype)
+    out = attention(q, k, v, causal=True)
+    ref, rq, rk, rv = reference_with_grads(q, k, v, grad, True)
+    assert out.dtype == dtype and rel_err(out, ref) <= TOL[dtype]
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad)
+    for name, g, r in (("dq", dq, rq), ("dk", dk, rk), ("dv", dv, rv)):
+        assert g.dtype == dtype and rel_err(g, r) <= 2 * TOL[dtype], f"{name}: {rel_err(g, r):.3e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_cpu_non_dense_strides(dtype):
+    """q, k, v sliced out of one packed (B, S, 3, H, D) projection with padded rows (no dim dense),
+    grad_out expanded from a scalar (every stride 0: what .sum() sends back), k and v broadcast over
+    heads (stride 0), and a non-contiguous lse and out: all read through their strides."""
+    b, s, h, d = 2, 77, 4, 48
+    qkv = randn(b, s, 3, h, d + 5, dtype=dtype)[..., :d]  # rows padded: no dim of q is dense
+    q, k, v = (qkv[:, :, i].transpose(1, 2).detach().requires_grad_(True) for i in range(3))
+    assert not q.is_contiguous() and q.stride(-1) == 1
+    out = attention(q, k, v, causal=True)
+    ref, rq, rk, rv = reference_with_grads(q, k, v, torch.ones_like(out), True)
+    assert rel_err(out, ref) <= TOL[dtype]
+    out.sum().backward()  # grad_out = ones expanded: every stride 0
+    for name, g, r in (("dq", q.grad, rq), ("dk", k.grad, rk), ("dv", v.grad, rv)):
+        assert rel_err(g, r) <= 2 * TOL[dtype], f"{name}: {rel_err(g, r):.3e}"
+    # The op called directly with a non-contiguous lse and out.
+    o, lse = ops.attention_fwd(q.detach(), k.detach(), v.detach(), True, d ** -0.5)
+    lse_t = lse.transpose(1, 2).contiguous().transpose(1, 2)
+    o_t = o.transpose(1, 2).contiguous().transpose(1, 2)
+    g = randn(*o.shape, dtype=dtype)
+    a = ops.attention_bwd(g, q.detach(), k.detach(), v.detach(), o, lse, True, d ** -0.5, False)
+    b_ = ops.attention_bwd(g, q.detach(), k.detach(), v.detach(), o_t, lse_t, True, d ** -0.5, False)
+    for x, y in zip(a, b_):
+        assert torch.equal(x, y)
+    # k, v of one head broadcast to all heads (stride 0): the same as materialised copies.
+    k1, v1 = k.detach()[:, :1].expand(-1, h, -1, -1), v.detach()[:, :1].expand(-1, h, -1, -1)
+    assert k1.stride(1) == 0
+    assert torch.equal(attention(q.detach(), k1, v1, causal=True),
+                       attention(q.detach(), k1.contiguous(), v1.contiguous(), causal=True))
+
+
+def test_cpu_deterministic_across_threads():
+    """No atomics and a summation order fixed by the shape: bitwise equal gradients for 1 and 2 threads,
+    in both the chunked-dQ (B * Hk = 1) and the in-place-dQ (B * Hk = 8) backward."""
+    prev = torch.get_num_threads()
+    for shape in ((1, 4, 1, 200, 260, 64), (8, 2, 1, 128, 128, 64)):
+        q, k, v = make_qkv(*shape, torch.float32, "cpu", requires_grad=True)
+        grad = randn(*q.shape)
+        runs = []
+        try:
+            for threads in (1, 2, 2):
+                torch.set_num_threads(threads)
+                out = attention(q, k, v, causal=True)
+                runs.append((out, *torch.autograd.grad(out, (q, k, v), grad)))
+        finally:
+            torch.set_num_threads(prev)
+        for other in runs[1:]:
+            for x, y in zip(runs[0], other):
+                assert torch.equal(x, y)
+
+
+def test_cpu_gradcheck_tiles_float64():
+    """gradcheck across tile edges: 65 queries, 70 keys (two tiles each), GQA, bottom-right causal."""
+    q, k, v = make_qkv(1, 2, 1, 65, 70, 3, torch.float64, "cpu", requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b_, c: attention(a, b_, c, causal=True, scale=0.9), (q, k, v),
+                                    fast_mode=True)
+
 @requires_cuda
 def test_errors_cuda():
     q, k, v = make_qkv(1, 4, 2, 8, 8, 64, torch.bfloat16, "cuda")
