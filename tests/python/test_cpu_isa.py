@@ -1,4 +1,4 @@
-"""The CPU kernels are built once per ISA level (baseline, AVX2, AVX-512; csrc/common/cpu_isa.h) and
+"""The CPU kernels (add_mul_act, attention, linear_cross_entropy, AdamW) are built once per ISA level (baseline, AVX2, AVX-512; csrc/common/cpu_isa.h) and
 picked at run time from torch's CPU capability, which ATEN_CPU_CAPABILITY overrides. The other
 test files run whichever build this machine picks; this one runs each build in a subprocess
 (the choice is read once per process) on every op's CPU kernels against float64, and checks that
@@ -39,6 +39,26 @@ for dt, tol in ((torch.float32, 1e-6), (torch.bfloat16, 8e-3), (torch.float64, 1
         refs = torch.autograd.grad(ref, (x64, y64, b64), g.double())
         e = max([rel_err(out, ref)] + [rel_err(a, r) for a, r in zip(grads, refs)])
         assert e <= tol, (dt, act, e)
+def attention_ref(q, k, v, causal):
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    s = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5
+    if causal:
+        sq, sk = s.shape[-2:]
+        s = s.masked_fill(torch.ones(sq, sk, dtype=torch.bool).triu(sk - sq + 1), float("-inf"))
+    return torch.softmax(s, -1) @ v
+for dt, tol in ((torch.float32, 2e-6), (torch.float64, 1e-12)):
+    for causal in (False, True):
+        q = randn(2, 4, 70, 40, dtype=dt, requires_grad=True)
+        k, v = randn(2, 2, 130, 40, dtype=dt, requires_grad=True), randn(2, 2, 130, 40, dtype=dt, requires_grad=True)
+        g = randn(2, 4, 70, 40, dtype=dt)
+        out = fuseforge.attention(q, k, v, causal=causal)
+        grads = torch.autograd.grad(out, (q, k, v), g)
+        q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+        ref = attention_ref(q64, k64, v64, causal)
+        refs = torch.autograd.grad(ref, (q64, k64, v64), g.double())
+        e = max([rel_err(out, ref)] + [rel_err(a, r) for a, r in zip(grads, refs)])
+        assert e <= tol, ("attention", dt, causal, e)
 # Inputs from integers: torch's own randn rounds differently in each of its CPU builds.
 gen = torch.Generator().manual_seed(0)
 def rand(shape):
