@@ -12,6 +12,11 @@ the same bf16 inputs; loss_rel_err the same for the loss. Peers run with their d
 bf16 weight-gradient accumulation; CCE: gradient filtering on).
 The sweep's "compile" is torch.compile(dynamic=True) (one compile for every shape); the main case's
 is dynamic=False.
+
+--device cpu: the CPU cases (CPU_CASES, float32: the demo's shape and a larger one) against eager
+and torch.compile (left out, with the reason printed, where inductor cannot build here); the same
+passes, errors against float64 (rel_err of the gradients and loss_rel_err), wall-clock medians, and
+peak extra memory as the growth of the peak resident set.
 """
 import gc
 import os
@@ -43,6 +48,8 @@ MAIN = "8192x4096x128256/bf16"
 CASES = [MAIN, MAIN + "/lowmem", MAIN + "/peaky"]
 SWEEP = [f"{n}x4096x{v}/bf16" for n in (4096, 16384, 65536) for v in (32000, 128256, 256000)]
 CASES += SWEEP
+CPU_CASES = ["1024x128x256/fp32", "4096x1024x32000/fp32"]
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def eager_loss(x, w, t):
@@ -53,28 +60,28 @@ _compiled_static = torch.compile(eager_loss, dynamic=False)
 _compiled_dynamic = torch.compile(eager_loss, dynamic=True)
 
 
-def make_inputs(n, h, v, peaky, seed=0):
-    g = torch.Generator(device="cuda")
+def make_inputs(n, h, v, peaky, seed=0, device="cuda", dtype=torch.bfloat16):
+    g = torch.Generator(device=device)
     g.manual_seed(seed)
-    w = torch.randn(v, h, device="cuda", generator=g) * 0.02
-    t = torch.randint(0, v, (n,), device="cuda", generator=g)
-    x = torch.randn(n, h, device="cuda", generator=g) * 0.5
+    w = torch.randn(v, h, device=device, generator=g) * 0.02
+    t = torch.randint(0, v, (n,), device=device, generator=g)
+    x = torch.randn(n, h, device=device, generator=g) * 0.5
     if peaky:
         wt = w[t]
         x = 0.1 * x + 14.0 * wt / wt.square().sum(1, keepdim=True)
         del wt
     t[::7] = IGNORE
-    return x.to(torch.bfloat16), w.to(torch.bfloat16), t
+    return x.to(dtype), w.to(dtype), t
 
 
 def fp64_reference(x, w, t, row_chunk=1024):
-    """Loss, grad_x, grad_w of the mean loss in float64 from the bf16 inputs (fp64 GEMMs on the GPU)."""
+    """Loss, grad_x, grad_w of the mean loss in float64 from the given inputs (fp64 GEMMs on x's device)."""
     xd, wd = x.double(), w.double()
     valid = t != IGNORE
     count = valid.sum().clamp_min(1).double()
     gx = torch.empty_like(xd)
     gw = torch.zeros_like(wd)
-    loss = torch.zeros((), dtype=torch.float64, device="cuda")
+    loss = torch.zeros((), dtype=torch.float64, device=x.device)
     for r0 in range(0, x.shape[0], row_chunk):
         z = xd[r0:r0 + row_chunk] @ wd.T
         vc = valid[r0:r0 + row_chunk]
@@ -95,7 +102,29 @@ def rel(a, b):
     return ((a.double() - b).norm() / b.norm()).item()
 
 
+def _cpu_compile_reason():
+    """Why torch.compile cannot run on the CPU here, or None when it can (inductor needs a C++ compiler)."""
+    try:
+        fn = torch.compile(lambda a: (a * 2).sum())
+        fn(torch.ones(4))
+        return None
+    except Exception as e:  # noqa: BLE001  (any failure to build leaves compile out)
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+
+
+def cpu_impls():
+    impls = {"fuseforge": lambda x, w, t: linear_cross_entropy(x, w, t, ignore_index=IGNORE), "eager": eager_loss}
+    reason = _cpu_compile_reason()
+    if reason is None:
+        impls["compile"] = _compiled_static
+    else:
+        harness.log(f"    compile left out: torch.compile cannot build on this CPU machine ({reason})")
+    return impls
+
+
 def impls_for(case):
+    if harness.bench_device() == "cpu":
+        return cpu_impls()
     low = case.endswith("/lowmem")
     sweep = case in SWEEP
     impls = {"fuseforge": lambda x, w, t: linear_cross_entropy(x, w, t, ignore_index=IGNORE, low_memory=low)}
@@ -116,7 +145,9 @@ def setup(case):
     parts = case.split("/")
     n, h, v = (int(s) for s in parts[0].split("x"))
     peaky = "peaky" in parts
-    x, w, t = make_inputs(n, h, v, peaky)
+    device = harness.bench_device()
+    dtype = DTYPES[parts[1]] if len(parts) > 1 and parts[1] in DTYPES else torch.bfloat16
+    x, w, t = make_inputs(n, h, v, peaky, device=device, dtype=dtype)
     xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
     impls = impls_for(case)
     sweep = case in SWEEP
@@ -135,7 +166,8 @@ def setup(case):
             except torch.cuda.OutOfMemoryError:
                 errors[name] = {}
             gc.collect()
-            torch.cuda.empty_cache()
+            if device == "cuda":
+                torch.cuda.empty_cache()
         del ref_gx, ref_gw
     passes = ["fwdbwd"] if (sweep or peaky) else ["fwd", "fwdbwd"]
     flops = {"fwd": 2.0 * n * h * v, "fwdbwd": 6.0 * n * h * v}
@@ -192,17 +224,20 @@ def plot_sweep(result: dict, path: str) -> bool:
 
 
 if __name__ == "__main__":
-    if not torch.cuda.is_available():
-        sys.exit("bench_linear_cross_entropy needs a CUDA GPU")
     # Without --cases: the issue's three cases (~1.5 min). The sweep takes ~6 min more:
     #   --cases 4096x4096,16384x4096,65536x4096   (or both: --cases 4096x)
+    # --device cpu: every CPU case (a few minutes on 2 cores).
     argv = sys.argv[1:]
-    if not any(a == "--cases" or a.startswith("--cases=") for a in argv):
+    cpu = "--device=cpu" in argv or any(a == "--device" and argv[i + 1:i + 2] == ["cpu"] for i, a in enumerate(argv))
+    if not cpu and not torch.cuda.is_available():
+        sys.exit("bench_linear_cross_entropy needs a CUDA GPU (or --device cpu)")
+    if not cpu and not any(a == "--cases" or a.startswith("--cases=") for a in argv):
         argv += ["--cases", MAIN]
     # 5 rounds: the impls of a pass are timed in turn, 5 times (harness.time_interleaved). Each
     # fwd+bwd is ~40 ms of GEMMs at the GPU's power limit; timed one impl after another, drifts of
     # clocks and temperature would fall on whichever impl came last.
-    out = harness.run("linear_cross_entropy", CASES, setup, argv=argv, description=__doc__, rounds=5)
+    out = harness.run("linear_cross_entropy", CASES, setup, argv=argv, description=__doc__, rounds=5,
+                      cpu_cases=CPU_CASES)
     out_dir = sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else harness.RESULTS_DIR
     try:
         if plot_sweep(out, os.path.join(out_dir, "linear_cross_entropy_sweep.png")):

@@ -1,13 +1,18 @@
 // linear_cross_entropy: argument checks shared by every implementation, and the CPU implementation
 // (the reference the CUDA pipeline must match; float64 serves gradcheck). The CPU path works in
-// row chunks with at:: ops in float32 (float64 for float64 inputs).
+// row chunks: ATen's GEMMs into a reused chunk buffer, and between them one fused, vectorised row
+// kernel (linear_cross_entropy_cpu_kernel.h), in float32 (float64 for float64 inputs).
 #include "linear_cross_entropy/linear_cross_entropy.h"
 
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "common/checks.h"
+#include "common/cpu_isa.h"
+#include "common/env.h"
+#include "linear_cross_entropy/linear_cross_entropy_cpu.h"
 
 namespace fuseforge::linear_cross_entropy {
 
@@ -84,82 +89,138 @@ at::Tensor shape_loss(const at::Tensor& row_losses, const at::Tensor& inv_count,
 
 namespace {
 
-constexpr int64_t kCpuChunkRows = 1024;  // bounds the CPU path's logits workspace to 1024 x vocab
+// Rows a chunk: its logits (rows x vocab, float32) should stay in the last-level cache between the
+// GEMM that writes them, the row kernel, and the GEMMs that read the gradients back, yet be tall
+// enough that those GEMMs run at full speed and the weight gradient (V x H, read and written by
+// every chunk's addmm) is not streamed through memory too often. FUSEFORGE_LCE_CPU_CHUNK_ROWS
+// overrides it (tuning).
+constexpr int64_t kCpuChunkBytes = 32ll << 20;
+constexpr int64_t kCpuChunkMinRows = 128;
+constexpr int64_t kCpuChunkMaxRows = 2048;
+
+int64_t cpu_chunk_rows(int64_t vocab, int64_t elem_bytes) {
+  const int64_t fit = kCpuChunkBytes / std::max<int64_t>(1, vocab * elem_bytes);
+  const int64_t rows = std::clamp(fit, kCpuChunkMinRows, kCpuChunkMaxRows);
+  return env_positive_int("FUSEFORGE_LCE_CPU_CHUNK_ROWS", rows);
+}
 
 struct CpuOutputs {
   at::Tensor row_losses, stats, grad_x, grad_weight, grad_bias;  // stats (2, N): lse, nll = -log p(target)
 };
 
-// One pass over row chunks: per-row loss and lse, and when grad_rows is given, the gradients of
-// sum_n grad_rows[n] * loss_n (grad_rows: per-row weights, already holding 1/count for "mean").
-CpuOutputs run_cpu(const Problem& p, const std::optional<at::Tensor>& grad_rows, const GradRequest& want,
+// The gradients' per-row weights: a (N,) tensor, or one number for every row.
+struct RowWeights {
+  at::Tensor per_row;   // defined: per-row weights (reduction "none")
+  double scalar = 1.0;  // else: 1/count for "mean" (grad_loss folded in for the backward)
+};
+
+// The raised error for a target outside [0, vocab) that is not ignore_index (on the CPU a host check
+// costs nothing; CUDA makes such rows NaN instead). Returns 1 / max(1, number of targets that are
+// not ignore_index), inverse_valid_count's value, without its five tensor ops.
+double check_targets(const Problem& p) {
+  const int64_t* t = p.target.data_ptr<int64_t>();
+  int64_t valid = 0;
+  for (int64_t i = 0; i < p.rows; ++i) {
+    const int64_t v = t[i];
+    if (v == p.cfg.ignore_index) continue;
+    TORCH_CHECK(v >= 0 && v < p.vocab, "target must hold class indices in [0, ", p.vocab, ") or ignore_index (",
+                p.cfg.ignore_index, "); got an index out of that range (", v, " at flattened position ", i, ")");
+    ++valid;
+  }
+  return 1.0 / static_cast<double>(std::max<int64_t>(1, valid));
+}
+
+// One pass over row chunks: x_c @ W^T into a reused chunk buffer (ATen's GEMM, its own threads), the
+// fused row kernel (row losses and lse/nll, and when weights are given the logit gradients in place),
+// then grad_x rows = dz @ W and grad_W += dz^T @ x_c. Gradients are of sum_n weight_n * loss_n.
+// stats_in: lse/nll from the forward (the recomputing backward), else computed and returned.
+CpuOutputs run_cpu(const Problem& p, const std::optional<RowWeights>& weights, const GradRequest& want,
                    const std::optional<at::Tensor>& stats_in) {
-  const auto acc = stats_dtype(p.x2d.scalar_type());
-  const LossConfig& c = p.cfg;
-  CpuOutputs o;
-  o.row_losses = at::zeros({p.rows}, p.x2d.options().dtype(acc));
-  o.stats = stats_in.has_value() ? *stats_in : at::zeros({2, p.rows}, p.x2d.options().dtype(acc));
-  const at::Tensor w = p.weight.to(acc);
-  const at::Tensor b = p.bias.defined() ? p.bias.to(acc) : at::Tensor();
-  at::Tensor gx, gw, gb;
-  if (grad_rows.has_value()) {
-    if (want.x) gx = at::zeros({p.rows, p.hidden}, p.x2d.options().dtype(acc));
-    if (want.weight) gw = at::zeros({p.vocab, p.hidden}, p.x2d.options().dtype(acc));
-    if (want.bias) gb = at::zeros({p.vocab}, p.x2d.options().dtype(acc));
-  }
-  const at::Tensor valid = p.target.ne(c.ignore_index);
-  const at::Tensor out_of_range = valid.logical_and(p.target.lt(0).logical_or(p.target.ge(p.vocab)));
-  TORCH_CHECK(!out_of_range.any().item<bool>(), "target must hold class indices in [0, ", p.vocab,
-              ") or ignore_index (", c.ignore_index, "); got an index out of that range");
-  for (int64_t r0 = 0; r0 < p.rows; r0 += kCpuChunkRows) {
-    const int64_t r1 = std::min(p.rows, r0 + kCpuChunkRows);
-    const at::Tensor xc = p.x2d.slice(0, r0, r1).to(acc);
-    const at::Tensor vc = valid.slice(0, r0, r1);
-    const at::Tensor tc = at::where(vc, p.target.slice(0, r0, r1), at::zeros_like(p.target.slice(0, r0, r1)));
-    at::Tensor z = at::mm(xc, w.t());
-    if (b.defined()) z = z + b;
-    at::Tensor capped = c.softcap > 0 ? at::tanh(z / c.softcap) * c.softcap : z;
-    const at::Tensor zt = capped.gather(1, tc.unsqueeze(1)).squeeze(1);
-    at::Tensor lse, nll;
-    if (stats_in.has_value()) {
-      lse = o.stats[0].slice(0, r0, r1);
-      nll = o.stats[1].slice(0, r0, r1);
-    } else {
-      // nll = (max - z_t) + log(sum exp(z - max)): no cancellation of lse against z_t when the target
-      // dominates.
-      const at::Tensor mx = std::get<0>(capped.max(1));
-      const at::Tensor log_sum = at::log(at::exp(capped - mx.unsqueeze(1)).sum(1));
-      lse = mx + log_sum;
-      nll = (mx - zt) + log_sum;
-    }
-    at::Tensor loss = (1.0 - c.label_smoothing) * nll;
-    if (c.label_smoothing > 0) loss = loss + c.label_smoothing * (lse - capped.sum(1) / p.vocab);
-    if (c.z_loss > 0) loss = loss + c.z_loss * lse * lse;
-    const at::Tensor vmask = vc.to(acc);
-    o.row_losses.slice(0, r0, r1).copy_(loss * vmask);
-    if (!stats_in.has_value()) {
-      o.stats[0].slice(0, r0, r1).copy_(lse * vmask);
-      o.stats[1].slice(0, r0, r1).copy_(nll * vmask);
-    }
-    if (!grad_rows.has_value()) continue;
-    const at::Tensor lse_col = lse.unsqueeze(1);
-    const at::Tensor prob = at::exp(capped - lse_col);
-    at::Tensor dz = c.z_loss > 0 ? prob * (1.0 + 2.0 * c.z_loss * lse_col) : prob.clone();
-    // The target's p - 1 as expm1(-nll): exact for a confident model.
-    at::Tensor target_grad = at::expm1(-nll) + c.label_smoothing;
-    if (c.z_loss > 0) target_grad = target_grad + prob.gather(1, tc.unsqueeze(1)).squeeze(1) * (2.0 * c.z_loss) * lse;
-    dz.scatter_(1, tc.unsqueeze(1), target_grad.unsqueeze(1));
-    if (c.label_smoothing > 0) dz = dz - c.label_smoothing / p.vocab;
-    if (c.softcap > 0) dz = dz * (1.0 - (capped / c.softcap).square());
-    dz = dz * (grad_rows->slice(0, r0, r1) * vmask).unsqueeze(1);
-    if (gx.defined()) gx.slice(0, r0, r1).copy_(at::mm(dz, w));
-    if (gw.defined()) gw.add_(at::mm(dz.t(), xc));
-    if (gb.defined()) gb.add_(dz.sum(0));
-  }
   const auto dt = p.x2d.scalar_type();
-  if (gx.defined()) o.grad_x = gx.to(dt);
-  if (gw.defined()) o.grad_weight = gw.to(dt);
-  if (gb.defined()) o.grad_bias = gb.to(dt);
+  const auto acc = stats_dtype(dt);
+  const bool convert = dt != acc;  // bf16/fp16: chunks converted to float32, GEMMs in float32
+  const auto opts = p.x2d.options().dtype(acc);
+  const LossConfig& c = p.cfg;
+  const bool grads = weights.has_value() && want.any();
+
+  CpuOutputs o;
+  if (!stats_in.has_value()) o.row_losses = at::empty({p.rows}, opts);
+  o.stats = stats_in.has_value() ? *stats_in : at::empty({2, p.rows}, opts);
+  const at::Tensor w = convert ? p.weight.to(acc) : p.weight;
+  const at::Tensor b = p.bias.defined() ? p.bias.to(acc).contiguous() : at::Tensor();
+  const int64_t chunk = std::min(p.rows, cpu_chunk_rows(p.vocab, static_cast<int64_t>(at::elementSize(acc))));
+
+  at::Tensor gx, gx_buf, gw, gb, x_buf;
+  if (grads && want.x) {
+    gx = at::empty({p.rows, p.hidden}, p.x2d.options());
+    if (convert) gx_buf = at::empty({chunk, p.hidden}, opts);
+  }
+  // The math type: they accumulate over chunks (the first chunk's GEMM writes, later ones add).
+  if (grads && want.weight) gw = p.rows ? at::empty({p.vocab, p.hidden}, opts) : at::zeros({p.vocab, p.hidden}, opts);
+  if (grads && want.bias) gb = p.rows ? at::empty({p.vocab}, opts) : at::zeros({p.vocab}, opts);
+  if (convert) x_buf = at::empty({chunk, p.hidden}, opts);
+  const at::Tensor logits = at::empty({chunk, p.vocab}, opts);
+  at::Tensor row_weights;
+  int64_t weight_stride = 0;
+  if (grads) {
+    row_weights = weights->per_row.defined() ? weights->per_row.to(acc).contiguous()
+                                             : at::full({1}, weights->scalar, opts);
+    weight_stride = weights->per_row.defined() ? 1 : 0;
+  }
+
+  const at::Tensor lse_all = o.stats[0], nll_all = o.stats[1];
+  for (int64_t r0 = 0; r0 < p.rows; r0 += chunk) {
+    const int64_t r1 = std::min(p.rows, r0 + chunk), n = r1 - r0;
+    const at::Tensor xc = convert ? x_buf.narrow(0, 0, n).copy_(p.x2d.slice(0, r0, r1)) : p.x2d.slice(0, r0, r1);
+    at::Tensor zc = logits.narrow(0, 0, n);
+    at::mm_out(zc, xc, w.t());
+
+    CpuRowArgs a{};
+    a.logits = zc.data_ptr();
+    a.bias = b.defined() ? b.data_ptr() : nullptr;
+    a.target = p.target.data_ptr<int64_t>() + r0;
+    a.row_loss = o.row_losses.defined() ? static_cast<char*>(o.row_losses.data_ptr()) + r0 * zc.element_size()
+                                        : nullptr;
+    a.lse = static_cast<char*>(lse_all.data_ptr()) + r0 * zc.element_size();
+    a.nll = static_cast<char*>(nll_all.data_ptr()) + r0 * zc.element_size();
+    a.stats_in = stats_in.has_value();
+    a.grad_rows = grads ? static_cast<const char*>(row_weights.data_ptr()) + r0 * weight_stride * zc.element_size()
+                        : nullptr;
+    a.grad_rows_stride = weight_stride;
+    a.rows = n;
+    a.vocab = p.vocab;
+    a.ignore_index = c.ignore_index;
+    a.label_smoothing = c.label_smoothing;
+    a.z_loss = c.z_loss;
+    a.softcap = c.softcap;
+    a.dtype = acc;
+    FUSEFORGE_CPU_ISA_CALL(rows, a);
+    if (!grads) continue;
+
+    // zc now holds dz (zero rows for ignored targets).
+    if (gx.defined()) {
+      if (convert) {
+        at::Tensor gxc = gx_buf.narrow(0, 0, n);
+        at::mm_out(gxc, zc, w);
+        gx.slice(0, r0, r1).copy_(gxc);
+      } else {
+        at::Tensor gxc = gx.slice(0, r0, r1);
+        at::mm_out(gxc, zc, w);
+      }
+    }
+    const bool first = r0 == 0;
+    if (gw.defined()) {
+      if (first) at::mm_out(gw, zc.t(), xc);
+      else gw.addmm_(zc.t(), xc);
+    }
+    if (gb.defined()) {
+      if (first) at::sum_out(gb, zc, {0});
+      else gb.add_(zc.sum(0));
+    }
+  }
+  if (gx.defined()) o.grad_x = gx;
+  if (gw.defined()) o.grad_weight = convert ? gw.to(dt) : gw;
+  if (gb.defined()) o.grad_bias = convert ? gb.to(dt) : gb;
   return o;
 }
 
@@ -176,13 +237,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
                             /*allow_double=*/true);
   GradRequest want{grad_x, grad_weight, grad_bias && p.bias.defined()};
   const bool precompute = want.any() && p.cfg.reduction != Reduction::kNone;
-  const at::Tensor inv_count = inverse_valid_count(p);
-  std::optional<at::Tensor> grad_rows;
+  const double inv = check_targets(p);
+  const at::Tensor inv_count = at::scalar_tensor(inv, p.x2d.options().dtype(stats_dtype(x.scalar_type())));
+  std::optional<RowWeights> weights;
   if (precompute) {
-    const at::Tensor one = at::ones({p.rows}, p.x2d.options().dtype(stats_dtype(x.scalar_type())));
-    grad_rows = p.cfg.reduction == Reduction::kMean ? one * inv_count : one;
+    weights = RowWeights{};
+    weights->scalar = p.cfg.reduction == Reduction::kMean ? inv : 1.0;
   }
-  CpuOutputs o = run_cpu(p, grad_rows, want, std::nullopt);
+  CpuOutputs o = run_cpu(p, weights, want, std::nullopt);
   const at::Tensor loss = shape_loss(o.row_losses, inv_count, p);
   at::Tensor gx = o.grad_x.defined() ? o.grad_x.view(x.sizes()) : o.grad_x;
   return {loss,
@@ -206,20 +268,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
               "lse must be the (2, ", p.rows, ") ", acc, " row statistics linear_cross_entropy_fwd returned, got ",
               lse.scalar_type(), " of shape ", lse.sizes());
   const at::Tensor g = grad_loss.to(acc);
-  at::Tensor grad_rows;
+  const double inv = check_targets(p);
+  RowWeights weights;
   if (p.cfg.reduction == Reduction::kNone) {
     TORCH_CHECK(grad_loss.sizes() == p.batch_shape, "grad_loss must have the loss's shape ", p.batch_shape,
                 ", got ", grad_loss.sizes());
-    grad_rows = g.reshape({-1});
+    weights.per_row = g.reshape({-1});
   } else {
     TORCH_CHECK(grad_loss.numel() == 1, "grad_loss must be a scalar for reduction '", std::string(reduction),
                 "', got shape ", grad_loss.sizes());
-    at::Tensor s = g.reshape({});
-    if (p.cfg.reduction == Reduction::kMean) s = s * inverse_valid_count(p);
-    grad_rows = s.expand({p.rows});
+    weights.scalar = g.item<double>();
+    if (p.cfg.reduction == Reduction::kMean) weights.scalar *= inv;
   }
   GradRequest want{grad_x, grad_weight, grad_bias && p.bias.defined()};
-  CpuOutputs o = run_cpu(p, grad_rows, want, lse.contiguous());
+  CpuOutputs o = run_cpu(p, weights, want, lse.contiguous());
   at::Tensor gx = o.grad_x.defined() ? o.grad_x.view(x.sizes()) : o.grad_x;
   return {or_empty(gx, x), or_empty(o.grad_weight, x), or_empty(o.grad_bias, x)};
 }
@@ -235,8 +297,11 @@ void scale_grads_cpu(at::Tensor& grad_x, at::Tensor& grad_weight, at::Tensor& gr
   check_grad_shape(grad_x, "grad_x");
   check_grad_shape(grad_weight, "grad_weight");
   check_grad_shape(grad_bias, "grad_bias");
-  // A 0-dim multiplier keeps each gradient's dtype; the product is formed in float64.
-  const at::Tensor s = grad_loss.reshape({}).to(at::kDouble) * grad_scale.reshape({}).to(at::kDouble);
+  // The product in float64; reading it on the host costs nothing on the CPU, and a factor of 1 (the
+  // usual loss.backward()) skips the passes over the gradients.
+  const double s = grad_loss.reshape({}).to(at::kDouble).item<double>() *
+                   grad_scale.reshape({}).to(at::kDouble).item<double>();
+  if (s == 1.0) return;
   for (at::Tensor* g : {&grad_x, &grad_weight, &grad_bias}) {
     if (g->numel()) g->mul_(s);
   }

@@ -1,0 +1,5 @@
+// linear_cross_entropy's CPU row kernel, AVX-512 build (common/cpu_isa.h).
+#include "common/cpu_isa_prologue_avx512.h"
+#if FUSEFORGE_CPU_ISA_TU
+#include "linear_cross_entropy/linear_cross_entropy_cpu_kernel.h"
+#endif

@@ -1,0 +1,178 @@
+// linear_cross_entropy's fused CPU row kernel, compiled once per CPU build (common/cpu_isa.h). A row
+// of logits (<= vocab * 4 bytes, L2-resident) is read three times at most: (1) bias + softcap in place,
+// max, sum of the logits; (2) sum exp(z - max) (kept in place when no softcap needs z later); (3) the
+// gradient dz in place. Vector arithmetic in M (float; double for float64) with at::vec::Vectorized,
+// per-row scalars in double. Rows are split across threads (each row is independent).
+#pragma once
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "linear_cross_entropy/linear_cross_entropy_cpu.h"
+
+#ifndef FUSEFORGE_CPU_NS
+#error "include a common/cpu_isa_prologue_*.h or define FUSEFORGE_CPU_NS first (see common/cpu_isa.h)"
+#endif
+
+namespace fuseforge::linear_cross_entropy::FUSEFORGE_CPU_NS {
+namespace {
+
+template <typename M>
+using Vec = at::vec::Vectorized<M>;
+
+// Elements a task at least: below this, threads cost more than they save.
+constexpr int64_t kGrainElems = 1 << 15;
+
+template <typename M>
+M hmax(const Vec<M>& v) {
+  alignas(64) M buf[Vec<M>::size()];
+  v.store(buf);
+  M m = buf[0];
+  for (int64_t i = 1; i < Vec<M>::size(); ++i) m = (buf[i] > m || std::isnan(buf[i])) ? buf[i] : m;
+  return m;
+}
+
+template <typename M>
+double hsum(const Vec<M>& v) {
+  alignas(64) M buf[Vec<M>::size()];
+  v.store(buf);
+  double s = 0;
+  for (int64_t i = 0; i < Vec<M>::size(); ++i) s += buf[i];
+  return s;
+}
+
+template <typename M>
+void row(const CpuRowArgs& a, int64_t r) {
+  using V = Vec<M>;
+  constexpr int64_t W = V::size();
+  const int64_t vocab = a.vocab;
+  M* z = static_cast<M*>(a.logits) + r * vocab;
+  M* lse_p = static_cast<M*>(a.lse);
+  M* nll_p = static_cast<M*>(a.nll);
+  const int64_t t = a.target[r];
+  if (t == a.ignore_index) {  // no loss, no gradient (and no arithmetic that could turn 0 * inf into NaN)
+    if (a.row_loss) static_cast<M*>(a.row_loss)[r] = M(0);
+    if (!a.stats_in) lse_p[r] = nll_p[r] = M(0);
+    if (a.grad_rows) std::fill(z, z + vocab, M(0));
+    return;
+  }
+  const M* bias = static_cast<const M*>(a.bias);
+  const bool softcap = a.softcap > 0;
+  const bool smoothing = a.label_smoothing > 0;
+  const V cap(static_cast<M>(a.softcap));
+
+  // (1) bias and softcap in place; max and sum of the capped logits (the forward's statistics).
+  const bool transform = bias || softcap;
+  const bool need_stats = !a.stats_in;
+  V vmax(-std::numeric_limits<M>::infinity()), vsum(M(0));
+  if (transform || need_stats) {
+    for (int64_t i = 0; i < vocab; i += W) {
+      const int64_t n = std::min(W, vocab - i);
+      V v = V::loadu(z + i, n);
+      if (bias) v = v + V::loadu(bias + i, n);
+      if (softcap) v = cap * (v / cap).tanh();
+      if (transform) v.store(z + i, n);
+      if (n == W) {
+        vmax = at::vec::maximum(vmax, v);
+        if (smoothing) vsum = vsum + v;
+      } else {  // the tail: lanes past the row hold no logit
+        vmax = at::vec::maximum(vmax, V::set(V(-std::numeric_limits<M>::infinity()), v, n));
+        if (smoothing) vsum = vsum + V::set(V(M(0)), v, n);
+      }
+    }
+  }
+  const double zt = static_cast<double>(z[t]);  // the target's logit, exactly as the GEMM (+ bias, cap) made it
+  double lse, nll;
+  // Without softcap the gradient needs only exp(z - max), not z: pass (2) keeps it in place, and pass
+  // (3) scales it instead of computing a second exp.
+  const bool keep_exp = need_stats && a.grad_rows && !softcap;
+  double inv_sum = 0;
+  if (need_stats) {
+    // nll = (max - z_t) + log(sum exp(z - max)): no cancellation of lse against z_t when the target dominates.
+    const M mx = hmax(vmax);
+    const V vmx(mx);
+    V vs(M(0));
+    for (int64_t i = 0; i < vocab; i += W) {
+      const int64_t n = std::min(W, vocab - i);
+      const V e = (V::loadu(z + i, n) - vmx).exp();
+      if (keep_exp) e.store(z + i, n);
+      vs = vs + (n == W ? e : V::set(V(M(0)), e, n));
+    }
+    const double sum = hsum(vs);
+    inv_sum = 1.0 / sum;
+    const double log_sum = std::log(sum);
+    lse = static_cast<double>(mx) + log_sum;
+    nll = (static_cast<double>(mx) - zt) + log_sum;
+    lse_p[r] = static_cast<M>(lse);
+    nll_p[r] = static_cast<M>(nll);
+    if (a.row_loss) {
+      double loss = (1.0 - a.label_smoothing) * nll;
+      if (smoothing) loss += a.label_smoothing * (lse - hsum(vsum) / static_cast<double>(vocab));
+      if (a.z_loss > 0) loss += a.z_loss * lse * lse;
+      static_cast<M*>(a.row_loss)[r] = static_cast<M>(loss);
+    }
+  } else {
+    lse = static_cast<double>(lse_p[r]);
+    nll = static_cast<double>(nll_p[r]);
+  }
+  if (!a.grad_rows) return;
+
+  // (3) dz = (softmax * (1 + 2 z_loss lse) - smoothing / V) * (1 - (z / cap)^2) * g, in place; the
+  // target's p - 1 as expm1(-nll) (exact for a confident model), set after the vector pass.
+  const double g = static_cast<double>(static_cast<const M*>(a.grad_rows)[r * a.grad_rows_stride]);
+  const double scale = a.z_loss > 0 ? 1.0 + 2.0 * a.z_loss * lse : 1.0;
+  const double shift = a.label_smoothing / static_cast<double>(vocab);
+  const V vlse(static_cast<M>(lse)), vscale(static_cast<M>(scale)), vshift(static_cast<M>(shift)),
+      vg(static_cast<M>(g)), one(M(1));
+  if (keep_exp) {  // z holds exp(z - max): softmax = that / sum
+    const V vp(static_cast<M>(scale * inv_sum));
+    for (int64_t i = 0; i < vocab; i += W) {
+      const int64_t n = std::min(W, vocab - i);
+      ((V::loadu(z + i, n) * vp - vshift) * vg).store(z + i, n);
+    }
+  } else {
+    for (int64_t i = 0; i < vocab; i += W) {
+      const int64_t n = std::min(W, vocab - i);
+      const V c = V::loadu(z + i, n);
+      V d = (c - vlse).exp() * vscale - vshift;
+      if (softcap) {
+        const V u = c / cap;
+        d = d * (one - u * u);
+      }
+      (d * vg).store(z + i, n);
+    }
+  }
+  double dt = std::expm1(-nll) + a.label_smoothing;
+  if (a.z_loss > 0) dt += std::exp(zt - lse) * (2.0 * a.z_loss) * lse;
+  dt -= shift;
+  if (softcap) {
+    const double u = zt / a.softcap;
+    dt *= 1.0 - u * u;
+  }
+  z[t] = static_cast<M>(dt * g);
+}
+
+template <typename M>
+void rows_typed(const CpuRowArgs& a) {
+  const int64_t grain = std::max<int64_t>(1, kGrainElems / std::max<int64_t>(1, a.vocab));
+  at::parallel_for(0, a.rows, grain, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) row<M>(a, r);
+  });
+}
+
+}  // namespace
+
+void rows(const CpuRowArgs& a) {
+  if (a.rows == 0) return;
+  if (a.dtype == c10::kDouble) {
+    rows_typed<double>(a);
+  } else {
+    TORCH_CHECK(a.dtype == c10::kFloat, "linear_cross_entropy CPU row kernel: math type must be float32 or float64");
+    rows_typed<float>(a);
+  }
+}
+
+}  // namespace fuseforge::linear_cross_entropy::FUSEFORGE_CPU_NS
