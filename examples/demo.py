@@ -1,7 +1,8 @@
 """fuseforge demo: the same small GPT trained twice on the text in examples/data, once written with
 fuseforge ops (attention, add_mul_act, linear_cross_entropy, fuseforge.optim.AdamW) and once in
 plain PyTorch (SDPA, F.gelu, nn.Linear + F.cross_entropy, torch.optim.AdamW), from the same initial
-weights on the same batches. Prints progress and a table (loss, tokens/s, peak memory), and writes
+weights on the same batches, in lockstep (a step of each in turn, so both see the same machine).
+Prints progress and a table (loss, tokens/s, a step's peak memory), and writes
 loss_curves.png and summary.json under --out.
 
     python examples/demo.py                 # CPU: a small model, a few minutes; GPU: a larger one
@@ -102,27 +103,24 @@ def lr_at(step: int, args) -> float:
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-class PeakMemory:
-    """Peak memory of one training run: CUDA: torch.cuda.max_memory_allocated(); CPU: how far the
-    process's peak resident set (VmHWM, reset through /proc/self/clear_refs) rose above its size at
-    the start of the run (Linux only; the model and data already there are not counted)."""
+class StepMemory:
+    """Peak memory of a training step above what was in use before it (activations, grads and
+    temporaries; weights and optimizer states are there before the step). CUDA:
+    torch.cuda.max_memory_allocated(); CPU (Linux): the growth of the process's peak resident set
+    (VmHWM, reset through /proc/self/clear_refs) after glibc has returned its free memory to the
+    system (malloc_trim), so one model's freed memory does not hide the other's."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.kind = "CUDA max allocated" if device.type == "cuda" else "CPU peak RSS growth"
-        self.base = 0.0
-
-    def reset(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            return
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            self.base = self._status_mib("VmRSS:") or 0.0
-        except OSError:
-            self.base = None
+        self.kind = "step peak above allocated, CUDA" if device.type == "cuda" else "step peak RSS growth, CPU"
+        self.base = None
+        self._trim = None
+        if device.type == "cpu":
+            try:
+                import ctypes
+                self._trim = ctypes.CDLL("libc.so.6").malloc_trim
+            except (OSError, AttributeError):
+                self._trim = None
 
     @staticmethod
     def _status_mib(key: str):
@@ -135,12 +133,29 @@ class PeakMemory:
             pass
         return None
 
-    def peak_mib(self):
+    def start(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-            return torch.cuda.max_memory_allocated() / 2**20
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated() / 2**20
+            return
+        if self._trim is not None:
+            self._trim(0)
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.base = self._status_mib("VmRSS:")
+        except OSError:
+            self.base = None
+
+    def peak_mib(self):
+        if self.base is None:
+            return None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated() / 2**20 - self.base
         peak = self._status_mib("VmHWM:")
-        return None if peak is None or self.base is None else max(peak - self.base, 0.0)
+        return None if peak is None else max(peak - self.base, 0.0)
 
 
 @torch.no_grad()
@@ -157,46 +172,58 @@ def evaluate(model, val: torch.Tensor, args, device) -> float:
     return loss
 
 
-def train(name: str, model, optimizer, batches: Batches, val, args, device) -> dict:
-    mem = PeakMemory(device)
-    mem.reset()
-    losses_dev, evals = [], []
+def train(runs: list, batches: Batches, val, args, device) -> list[dict]:
+    """Trains the models in lockstep: every step runs each model's step in turn, on the same batch,
+    so slow drifts of the machine's speed (clocks, other processes) fall on both alike. Each step is
+    timed on its own (synchronized on CUDA); tokens/s leaves out the first steps (allocations,
+    autotuning), whose second and third measure the step's peak memory."""
+    mem = StepMemory(device)
     tokens_per_step = args.batch_size * args.seq_len
-    warm_steps = min(3, len(batches) - 1)  # first steps (allocations, autotuning) left out of tokens/s
-    t_start = t_warm = time.perf_counter()
+    warm_steps = min(3, len(batches) - 1)
+    state = {name: {"losses": [], "val": [], "seconds": 0.0, "peak": None} for name, _, _ in runs}
+    t_start = time.perf_counter()
     for step in range(len(batches)):
-        if step == warm_steps:
+        x, y = batches.get(step, device)
+        last = step == len(batches) - 1
+        for name, model, optimizer in runs:
+            st = state[name]
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(step, args)
+            probe = 1 <= step < max(2, warm_steps)  # memory on untimed steps (step 0 creates the optimizer states)
+            if probe:
+                mem.start()
+            t0 = time.perf_counter()
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.amp):
+                loss = model(x, y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            t_warm = time.perf_counter()
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, args)
-        x, y = batches.get(step, device)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.amp):
-            loss = model(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses_dev.append(loss.detach().float())
-        last = step == len(batches) - 1
-        if (step + 1) % args.log_every == 0 or last:  # one host sync per log line, not per step
-            recent = torch.stack(losses_dev[-args.log_every:]).mean().item()
-            elapsed = time.perf_counter() - t_start
-            print(f"  {name:9s} step {step + 1:5d}/{len(batches)}  loss {recent:.4f}  "
-                  f"lr {lr_at(step, args):.2e}  {elapsed:6.1f} s", flush=True)
-        if val is not None and ((step + 1) % args.eval_every == 0 or last):
-            evals.append((step + 1, evaluate(model, val, args, device)))
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t_end = time.perf_counter()
+            if step >= warm_steps:
+                st["seconds"] += time.perf_counter() - t0
+            peak = mem.peak_mib() if probe else None
+            if peak is not None:
+                st["peak"] = max(st["peak"] or 0.0, peak)
+            st["losses"].append(loss.detach().float())
+            if (step + 1) % args.log_every == 0 or last:  # one host sync per log line, not per step
+                recent = torch.stack(st["losses"][-args.log_every:]).mean().item()
+                print(f"  {name:9s} step {step + 1:5d}/{len(batches)}  loss {recent:.4f}  "
+                      f"lr {lr_at(step, args):.2e}  {time.perf_counter() - t_start:6.1f} s", flush=True)
+            if val is not None and ((step + 1) % args.eval_every == 0 or last):
+                st["val"].append((step + 1, evaluate(model, val, args, device)))
+    results = []
     timed_steps = len(batches) - warm_steps
-    losses = torch.stack(losses_dev).cpu().tolist()
-    tail = losses[-max(1, len(losses) // 10):]
-    return {"name": name, "losses": losses, "val": evals, "final_train_loss": sum(tail) / len(tail),
-            "final_val_loss": evals[-1][1] if evals else None,
-            "tokens_per_s": timed_steps * tokens_per_step / max(t_end - t_warm, 1e-9),
-            "train_seconds": t_end - t_start, "peak_mib": mem.peak_mib(), "peak_kind": mem.kind}
+    for name, _, _ in runs:
+        st = state[name]
+        losses = torch.stack(st["losses"]).cpu().tolist()
+        tail = losses[-max(1, len(losses) // 10):]
+        results.append({"name": name, "losses": losses, "val": st["val"], "final_train_loss": sum(tail) / len(tail),
+                        "final_val_loss": st["val"][-1][1] if st["val"] else None,
+                        "tokens_per_s": timed_steps * tokens_per_step / max(st["seconds"], 1e-9),
+                        "train_seconds": st["seconds"], "peak_mib": st["peak"], "peak_kind": mem.kind})
+    return results
 
 
 @torch.no_grad()
@@ -278,14 +305,12 @@ def main(argv=None) -> dict:
     hyper = dict(lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
     runs = []
     if args.only in (None, "fuseforge"):
-        runs.append(("fuseforge", ff_model, lambda m: FuseforgeAdamW(param_groups(m, 0.1), **hyper)))
+        runs.append(("fuseforge", ff_model, FuseforgeAdamW(param_groups(ff_model, 0.1), **hyper)))
     if args.only in (None, "pytorch"):
         # torch's fastest AdamW on either device: its fused kernel (CUDA and CPU).
-        runs.append(("pytorch", pt_model, lambda m: torch.optim.AdamW(param_groups(m, 0.1), **hyper, fused=True)))
-    results = []
-    for name, model, make_opt in runs:
-        print(f"training {name}:", flush=True)
-        results.append(train(name, model, make_opt(model), batches, val, args, device))
+        runs.append(("pytorch", pt_model, torch.optim.AdamW(param_groups(pt_model, 0.1), **hyper, fused=True)))
+    print(f"training {' and '.join(name for name, _, _ in runs)} in lockstep (one step of each in turn):", flush=True)
+    results = train(runs, batches, val, args, device)
 
     print()
     print(table(results))

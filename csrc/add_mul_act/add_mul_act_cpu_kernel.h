@@ -8,7 +8,6 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <vector>
 
 #include "add_mul_act/add_mul_act_cpu.h"
 #include "common/cpu_vec.h"
@@ -171,11 +170,8 @@ void backward_rows(const CpuBackwardArgs& a, int64_t r0, int64_t r1, typename at
 template <typename T, Activation A>
 void forward_typed(const CpuForwardArgs& a) {
   using M = at::opmath_type<T>;
-  std::vector<M> bias;
-  if (a.bias) {
-    bias.resize(a.cols);
-    for (int64_t c = 0; c < a.cols; ++c) bias[c] = static_cast<M>(static_cast<const T*>(a.bias)[c]);
-  }
+  Buffer<M> bias(a.bias ? a.cols : 0);
+  for (int64_t c = 0; a.bias && c < a.cols; ++c) bias.data()[c] = static_cast<M>(static_cast<const T*>(a.bias)[c]);
   const M* b = a.bias ? bias.data() : nullptr;
   const int64_t grain = std::max<int64_t>(1, kGrainElems / std::max<int64_t>(1, a.cols));
   at::parallel_for(0, a.rows, grain, [&](int64_t r0, int64_t r1) { forward_rows<T, A>(a, b, r0, r1); });
@@ -191,11 +187,12 @@ void backward_typed(const CpuBackwardArgs& a) {
   }
   const int64_t blocks = std::min(a.rows, kBiasBlocks);
   const int64_t rows_per_block = blocks ? (a.rows + blocks - 1) / blocks : 0;
-  std::vector<M> partial(static_cast<size_t>(blocks * a.cols), M(0));
+  M* partial = thread_scratch<M>(blocks * a.cols);
+  fill(partial, blocks * a.cols, M(0));
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t r0 = b * rows_per_block, r1 = std::min(a.rows, r0 + rows_per_block);
-      if (r0 < r1) backward_rows<T, A>(a, r0, r1, partial.data() + b * a.cols);
+      if (r0 < r1) backward_rows<T, A>(a, r0, r1, partial + b * a.cols);
     }
   });
   T* gb = static_cast<T*>(a.grad_bias);

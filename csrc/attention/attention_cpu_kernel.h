@@ -33,10 +33,8 @@
 #include <limits>
 
 #include "attention/attention_cpu.h"
+#include "common/cpu_vec.h"
 
-#ifndef FUSEFORGE_CPU_NS
-#error "include a common/cpu_isa_prologue_*.h or define FUSEFORGE_CPU_NS first (see common/cpu_isa.h)"
-#endif
 
 namespace fuseforge::attention::FUSEFORGE_CPU_NS {
 namespace {
@@ -61,27 +59,6 @@ constexpr int64_t kBlockK = 64;
 // chunks (each with its own dQ buffer). A constant, not the thread count, so results do not depend
 // on the number of threads.
 constexpr int64_t kMinBackwardTasks = 8;
-
-// Scratch memory and fills of our own, not std::vector / std::fill: those are templates with external
-// linkage, instantiated in each ISA build, and the linker keeps one copy of each (possibly the AVX-512
-// one for every build); these live in this file's unnamed namespace, one copy per build.
-template <typename M>
-class Buffer {
- public:
-  explicit Buffer(int64_t n) : p_(n > 0 ? new M[n]() : nullptr) {}  // zero-initialised
-  ~Buffer() { delete[] p_; }
-  Buffer(const Buffer&) = delete;
-  Buffer& operator=(const Buffer&) = delete;
-  M* data() const { return p_; }
-
- private:
-  M* p_;
-};
-
-template <typename M>
-inline void fill(M* p, int64_t n, M value) {
-  for (int64_t i = 0; i < n; ++i) p[i] = value;
-}
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 inline int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }

@@ -1,8 +1,14 @@
 // Helpers of the per-ISA CPU kernels (common/cpu_isa.h): include only from an `<op>_cpu_kernel.h`.
 // Everything here has internal linkage (an unnamed namespace), so the baseline, AVX2 and AVX-512
-// builds of a helper can never be merged by the linker into one copy of the wrong ISA.
+// builds of a helper can never be merged by the linker into one copy of the wrong ISA. For the same
+// reason kernels use Buffer / fill / thread_scratch rather than std::vector / std::fill: library
+// templates have external linkage, are instantiated in every ISA build, and the linker keeps one
+// copy of each (possibly the AVX-512 one, for every build).
 #pragma once
 #include <ATen/cpu/vec/vec.h>
+#include <c10/util/Exception.h>
+
+#include <cstdlib>
 
 #include <cstdint>
 #include <type_traits>
@@ -36,6 +42,47 @@ template <typename T, typename M>
 M* math_dst(T* dst, M* buf) {
   if constexpr (std::is_same_v<T, M>) return dst;
   else return buf;
+}
+
+// Zero-initialised memory of n Ms, freed at scope exit.
+template <typename M>
+class Buffer {
+ public:
+  explicit Buffer(int64_t n) : p_(n > 0 ? new M[n]() : nullptr) {}
+  ~Buffer() { delete[] p_; }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  M* data() const { return p_; }
+
+ private:
+  M* p_;
+};
+
+template <typename M>
+inline void fill(M* p, int64_t n, M value) {
+  for (int64_t i = 0; i < n; ++i) p[i] = value;
+}
+
+// A scratch buffer of n Ms for the calling thread, kept between calls (contents undefined): fresh
+// allocations of 128 KiB and more are mmap'd by glibc, and touching their new pages cost a backward
+// of add_mul_act at the demo's size a third of its time.
+struct ScratchMemory {
+  void* p = nullptr;
+  size_t bytes = 0;
+  ~ScratchMemory() { std::free(p); }
+};
+
+template <typename M>
+M* thread_scratch(int64_t n) {
+  thread_local ScratchMemory mem;
+  const size_t need = static_cast<size_t>(n > 0 ? n : 1) * sizeof(M);
+  if (mem.bytes < need) {
+    std::free(mem.p);
+    mem.p = std::malloc(need);
+    mem.bytes = mem.p ? need : 0;
+    TORCH_CHECK(mem.p != nullptr, "out of memory: a CPU kernel's scratch buffer of ", need, " bytes");
+  }
+  return static_cast<M*>(mem.p);
 }
 
 template <typename T, typename M>

@@ -12,10 +12,8 @@
 #include <limits>
 
 #include "linear_cross_entropy/linear_cross_entropy_cpu.h"
+#include "common/cpu_vec.h"
 
-#ifndef FUSEFORGE_CPU_NS
-#error "include a common/cpu_isa_prologue_*.h or define FUSEFORGE_CPU_NS first (see common/cpu_isa.h)"
-#endif
 
 namespace fuseforge::linear_cross_entropy::FUSEFORGE_CPU_NS {
 namespace {
@@ -56,7 +54,7 @@ void row(const CpuRowArgs& a, int64_t r) {
   if (t == a.ignore_index) {  // no loss, no gradient (and no arithmetic that could turn 0 * inf into NaN)
     if (a.row_loss) static_cast<M*>(a.row_loss)[r] = M(0);
     if (!a.stats_in) lse_p[r] = nll_p[r] = M(0);
-    if (a.grad_rows) std::fill(z, z + vocab, M(0));
+    if (a.grad_rows) fill(z, vocab, M(0));
     return;
   }
   const M* bias = static_cast<const M*>(a.bias);
