@@ -10,7 +10,11 @@ Environment:
 """
 import glob
 import os
+import platform
+import shlex
 import shutil
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
 
 from setuptools import find_packages, setup
 
@@ -59,10 +63,70 @@ def sources(with_cuda: bool):
     for d in op_dirs():
         # *_cuda.cpp: the host side of CUDA implementations (compiled by the C++ compiler, not nvcc).
         cpp = sorted(glob.glob(os.path.join(CSRC, d, "**", "*.cpp"), recursive=True))
-        files += [f for f in cpp if with_cuda or not f.endswith("_cuda.cpp")]
+        files += [f for f in cpp if (with_cuda or not f.endswith("_cuda.cpp")) and isa_of(f) is None]
         if with_cuda:
             files += sorted(glob.glob(os.path.join(CSRC, d, "**", "*.cu"), recursive=True))
     return files
+
+
+# CPU kernels built once per x86 ISA level (csrc/common/cpu_isa.h): `<op>_cpu_<isa>.cpp` files get
+# their own flags, which torch's BuildExtension cannot give one source, so they are compiled here
+# and linked in as extra objects. Other architectures (and other compilers' hosts) build the
+# baseline kernels only.
+ISA_FLAGS = {
+    "avx2": ["-mavx2", "-mfma", "-mf16c", "-mbmi", "-mbmi2", "-mlzcnt", "-mpopcnt",
+             "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c", "-mbmi",
+               "-mbmi2", "-mlzcnt", "-mpopcnt", "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"],
+}
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+
+
+def isa_of(path):
+    for isa in ISA_FLAGS:
+        if path.endswith(f"_cpu_{isa}.cpp"):
+            return isa
+    return None
+
+
+def isa_sources():
+    if not X86:
+        return []
+    return [f for d in op_dirs() for f in sorted(glob.glob(os.path.join(CSRC, d, "**", "*.cpp"), recursive=True))
+            if isa_of(f)]
+
+
+class BuildWithIsaKernels(BuildExtension):
+    """torch's BuildExtension, plus the per-ISA CPU kernel objects (compiled in parallel, each only
+    when it or any header under csrc/ is newer than its object)."""
+
+    def build_extensions(self):
+        from torch.utils.cpp_extension import include_paths
+        import torch
+        for ext in self.extensions:
+            flags = [a for a in ext.extra_compile_args.get("cxx", []) if not a.startswith("-DPy_LIMITED_API")]
+            incs = [f"-I{p}" for p in ext.include_dirs + include_paths()]
+            abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+            cxx = shlex.split(os.environ.get("CXX", "c++"))
+            headers = glob.glob(os.path.join(ROOT, CSRC, "**", "*.h"), recursive=True)
+            newest_header = max((os.path.getmtime(h) for h in headers), default=0)
+            jobs = []
+            for src in isa_sources():
+                obj = os.path.join(os.path.abspath(self.build_temp), "isa", os.path.splitext(src)[0] + ".o")
+                ext.extra_objects.append(obj)
+                if os.path.exists(obj) and os.path.getmtime(obj) >= max(os.path.getmtime(src), newest_header):
+                    continue
+                os.makedirs(os.path.dirname(obj), exist_ok=True)
+                jobs.append(cxx + ["-c", os.path.join(ROOT, src), "-o", obj, "-fPIC", abi] + flags + incs
+                            + ISA_FLAGS[isa_of(src)])
+
+            def compile_one(cmd):
+                print(" ".join(cmd[:4]) + " ...", flush=True)
+                subprocess.run(cmd, check=True)
+
+            with ThreadPoolExecutor(max_workers=int(os.environ.get("MAX_JOBS", os.cpu_count() or 1))) as pool:
+                list(pool.map(compile_one, jobs))
+        super().build_extensions()
 
 
 def extension():
@@ -102,7 +166,7 @@ setup(
     package_dir={"": "python"},
     packages=find_packages("python"),
     ext_modules=[extension()],
-    cmdclass={"build_ext": BuildExtension},
+    cmdclass={"build_ext": BuildWithIsaKernels},
     options={"bdist_wheel": {"py_limited_api": "cp39"}},
     python_requires=">=3.10",
     install_requires=["torch>=2.11"],

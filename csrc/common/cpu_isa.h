@@ -5,7 +5,7 @@
 //
 //   <op>_cpu_default.cpp:  #define FUSEFORGE_CPU_NS cpu_default
 //                          #include "<op>/<op>_cpu_kernel.h"
-//   <op>_cpu_avx2.cpp:     #include "common/cpu_isa_prologue_avx2.h"   // first: target pragma + macros
+//   <op>_cpu_avx2.cpp:     #include "common/cpu_isa_prologue_avx2.h"   // first: the build's ISA
 //                          #if FUSEFORGE_CPU_ISA_TU
 //                          #include "<op>/<op>_cpu_kernel.h"
 //                          #endif
@@ -20,7 +20,9 @@
 // (AVX-512) lanes wide with the target enabled; torch's own kernels on the same machine use the widest.
 #pragma once
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// x86-64: setup.py and CMakeLists.txt compile the `_cpu_avx2.cpp` / `_cpu_avx512.cpp` files with
+// their ISA flags (GCC and Clang take the same -m flags).
+#if defined(__x86_64__) && defined(__GNUC__)
 #define FUSEFORGE_CPU_HAS_ISA_BUILDS 1
 #else
 #define FUSEFORGE_CPU_HAS_ISA_BUILDS 0
