@@ -6,7 +6,7 @@ import torch.nn.functional as F
 import fuseforge
 from fuseforge.ops.add_mul_act import ACTIVATIONS, add_mul_act, add_mul_act_
 from harness import (HAS_CUDA, TOL, assert_compiles, assert_rel_close, device_dtypes, devices, poison_allocations,
-                     randn, requires_cuda, run_opcheck)
+                     randn, rel_err, requires_cuda, run_opcheck)
 
 ops = torch.ops.fuseforge
 
@@ -44,7 +44,22 @@ def test_forward_matches_float64(device, dtype, activation, shape, with_bias):
     poison_allocations(x, x)
     out = add_mul_act(x, y, b, 0.7, activation)
     assert out.shape == x.shape and out.dtype == dtype and out.device == x.device
-    assert_rel_close(out, reference(x, y, b, 0.7, activation), TOL[dtype])
+    ref = reference(x, y, b, 0.7, activation)
+    # A tensor of one or a few elements makes the relative error one element's: gelu's erf form
+    # cancels for z << 0 (1 + erf(z / sqrt 2) ~ 6e-5 at z = -4), and float32 then keeps ~1e-3 of
+    # gelu(z), in eager PyTorch as here. The bound is the dtype's, or twice eager's error at this dtype.
+    eager = reference(x, y, b, 0.7, activation).to(dtype) if dtype == torch.float64 else \
+        _eager_at_dtype(x, y, b, 0.7, activation)
+    assert_rel_close(out, ref, max(TOL[dtype], 2 * rel_err(eager, ref)))
+
+
+def _eager_at_dtype(x, y, bias, alpha, activation):
+    z = x + alpha * y
+    if bias is not None:
+        z = z + bias
+    return {"identity": lambda t: t, "relu": F.relu, "gelu": F.gelu,
+            "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "silu": F.silu,
+            "sigmoid": torch.sigmoid}[activation](z)
 
 
 @pytest.mark.parametrize("device,dtype", device_dtypes())

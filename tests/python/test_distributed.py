@@ -61,6 +61,8 @@ def launch(scenario: str, device: str, timeout: float = 150.0, world: int = WORL
     tmp = tempfile.mkdtemp(prefix="ff_dist_")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), OMP_NUM_THREADS="1",
                PYTHONUNBUFFERED="1")
+    if device == "cpu":  # on a GPU machine too: FSDP2's default mesh would otherwise take the GPU
+        env["CUDA_VISIBLE_DEVICES"] = ""
     procs, logs = [], []
     try:
         for rank in range(world):
@@ -136,7 +138,8 @@ def test_dcp_resume_bitwise_and_torch_interchange(device):
 @pytest.mark.parametrize("dp", ["fsdp", "ddp"])
 def test_example_train_distributed(dp):
     """examples/train_distributed.py under torchrun, 2 CPU processes, a few steps."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), OMP_NUM_THREADS="1",
+               CUDA_VISIBLE_DEVICES="")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
            os.path.join(ROOT, "examples", "train_distributed.py"), "--device", "cpu", "--dp", dp,
            "--steps", "6", "--log-every", "3"]
