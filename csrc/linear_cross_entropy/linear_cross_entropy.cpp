@@ -62,10 +62,12 @@ Problem prepare(const at::Tensor& x, const at::Tensor& weight, const at::Tensor&
   }
   p.hidden = x.size(-1);
   p.vocab = weight.size(0);
-  p.x2d = x.reshape({-1, p.hidden}).contiguous();
+  // (The tests on dim and dtype spare the common case's reshape and to(): each is a dispatcher call.)
+  p.x2d = (x.dim() == 2 ? x : x.reshape({-1, p.hidden})).contiguous();
   p.rows = p.x2d.size(0);
   p.weight = weight.contiguous();
-  p.target = target.reshape({-1}).to(at::kLong).contiguous();
+  const at::Tensor t1 = target.dim() == 1 ? target : target.reshape({-1});
+  p.target = (t1.scalar_type() == at::kLong ? t1 : t1.to(at::kLong)).contiguous();
   p.batch_shape = target.sizes();
   return p;
 }
@@ -162,18 +164,28 @@ CpuOutputs run_cpu(const Problem& p, const std::optional<RowWeights>& weights, c
   const at::Tensor logits = at::empty({chunk, p.vocab}, opts);
   at::Tensor row_weights;
   int64_t weight_stride = 0;
-  if (grads) {
-    row_weights = weights->per_row.defined() ? weights->per_row.to(acc).contiguous()
-                                             : at::full({1}, weights->scalar, opts);
-    weight_stride = weights->per_row.defined() ? 1 : 0;
+  // One weight for every row: kept here in the math type (no tensor for it).
+  const double scalar_weight = grads ? weights->scalar : 0.0;
+  const float scalar_weight_f = static_cast<float>(scalar_weight);
+  const void* scalar_weight_p = acc == at::kDouble ? static_cast<const void*>(&scalar_weight)
+                                                   : static_cast<const void*>(&scalar_weight_f);
+  if (grads && weights->per_row.defined()) {
+    row_weights = weights->per_row.to(acc).contiguous();
+    weight_stride = 1;
   }
 
-  const at::Tensor lse_all = o.stats[0], nll_all = o.stats[1];
+  // Whole tensors rather than slices when one chunk covers every row (each slice, narrow or
+  // transpose is a dispatcher call: a few microseconds a call at the demo's size).
+  const bool one_chunk = chunk == p.rows;
+  const at::Tensor wt = w.t();
+  char* const lse_all = static_cast<char*>(o.stats.data_ptr());
+  char* const nll_all = lse_all + p.rows * static_cast<int64_t>(at::elementSize(acc));
   for (int64_t r0 = 0; r0 < p.rows; r0 += chunk) {
     const int64_t r1 = std::min(p.rows, r0 + chunk), n = r1 - r0;
-    const at::Tensor xc = convert ? x_buf.narrow(0, 0, n).copy_(p.x2d.slice(0, r0, r1)) : p.x2d.slice(0, r0, r1);
-    at::Tensor zc = logits.narrow(0, 0, n);
-    at::mm_out(zc, xc, w.t());
+    const at::Tensor xr = one_chunk ? p.x2d : p.x2d.slice(0, r0, r1);
+    const at::Tensor xc = convert ? (one_chunk ? x_buf : x_buf.narrow(0, 0, n)).copy_(xr) : xr;
+    at::Tensor zc = n == chunk ? logits : logits.narrow(0, 0, n);
+    at::mm_out(zc, xc, wt);
 
     CpuRowArgs a{};
     a.logits = zc.data_ptr();
@@ -181,11 +193,12 @@ CpuOutputs run_cpu(const Problem& p, const std::optional<RowWeights>& weights, c
     a.target = p.target.data_ptr<int64_t>() + r0;
     a.row_loss = o.row_losses.defined() ? static_cast<char*>(o.row_losses.data_ptr()) + r0 * zc.element_size()
                                         : nullptr;
-    a.lse = static_cast<char*>(lse_all.data_ptr()) + r0 * zc.element_size();
-    a.nll = static_cast<char*>(nll_all.data_ptr()) + r0 * zc.element_size();
+    a.lse = lse_all + r0 * zc.element_size();
+    a.nll = nll_all + r0 * zc.element_size();
     a.stats_in = stats_in.has_value();
-    a.grad_rows = grads ? static_cast<const char*>(row_weights.data_ptr()) + r0 * weight_stride * zc.element_size()
-                        : nullptr;
+    a.grad_rows = !grads ? nullptr
+                  : weight_stride ? static_cast<const char*>(row_weights.data_ptr()) + r0 * zc.element_size()
+                                  : scalar_weight_p;
     a.grad_rows_stride = weight_stride;
     a.rows = n;
     a.vocab = p.vocab;
@@ -200,18 +213,19 @@ CpuOutputs run_cpu(const Problem& p, const std::optional<RowWeights>& weights, c
     // zc now holds dz (zero rows for ignored targets).
     if (gx.defined()) {
       if (convert) {
-        at::Tensor gxc = gx_buf.narrow(0, 0, n);
+        at::Tensor gxc = n == chunk ? gx_buf : gx_buf.narrow(0, 0, n);
         at::mm_out(gxc, zc, w);
-        gx.slice(0, r0, r1).copy_(gxc);
+        (one_chunk ? gx : gx.slice(0, r0, r1)).copy_(gxc);
       } else {
-        at::Tensor gxc = gx.slice(0, r0, r1);
+        at::Tensor gxc = one_chunk ? gx : gx.slice(0, r0, r1);
         at::mm_out(gxc, zc, w);
       }
     }
     const bool first = r0 == 0;
     if (gw.defined()) {
-      if (first) at::mm_out(gw, zc.t(), xc);
-      else gw.addmm_(zc.t(), xc);
+      const at::Tensor dzt = zc.t();
+      if (first) at::mm_out(gw, dzt, xc);
+      else gw.addmm_(dzt, xc);
     }
     if (gb.defined()) {
       if (first) at::sum_out(gb, zc, {0});
@@ -222,6 +236,21 @@ CpuOutputs run_cpu(const Problem& p, const std::optional<RowWeights>& weights, c
   if (gw.defined()) o.grad_weight = convert ? gw.to(dt) : gw;
   if (gb.defined()) o.grad_bias = convert ? gb.to(dt) : gb;
   return o;
+}
+
+// shape_loss on the host: the row losses summed in double, in row order (deterministic), and scaled
+// by inv for "mean", without the tensor ops (sum, scalar_tensor, mul) for one number.
+at::Tensor reduce_loss_cpu(const at::Tensor& row_losses, double inv, const Problem& p) {
+  if (p.cfg.reduction == Reduction::kNone) return row_losses.view(p.batch_shape);
+  at::Tensor loss = at::empty({}, row_losses.options());
+  AT_DISPATCH_FLOATING_TYPES(row_losses.scalar_type(), "linear_cross_entropy_cpu_loss", [&] {
+    const scalar_t* l = row_losses.const_data_ptr<scalar_t>();
+    double s = 0;
+    for (int64_t i = 0; i < p.rows; ++i) s += static_cast<double>(l[i]);
+    if (p.cfg.reduction == Reduction::kMean) s *= inv;
+    *loss.data_ptr<scalar_t>() = static_cast<scalar_t>(s);
+  });
+  return loss;
 }
 
 at::Tensor or_empty(const at::Tensor& t, const at::Tensor& like) {
@@ -238,21 +267,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   GradRequest want{grad_x, grad_weight, grad_bias && p.bias.defined()};
   const bool precompute = want.any() && p.cfg.reduction != Reduction::kNone;
   const double inv = check_targets(p);
-  const at::Tensor inv_count = at::scalar_tensor(inv, p.x2d.options().dtype(stats_dtype(x.scalar_type())));
   std::optional<RowWeights> weights;
   if (precompute) {
     weights = RowWeights{};
     weights->scalar = p.cfg.reduction == Reduction::kMean ? inv : 1.0;
   }
   CpuOutputs o = run_cpu(p, weights, want, std::nullopt);
-  const at::Tensor loss = shape_loss(o.row_losses, inv_count, p);
-  at::Tensor gx = o.grad_x.defined() ? o.grad_x.view(x.sizes()) : o.grad_x;
-  return {loss,
-          o.stats,
-          or_empty(gx, x),
-          or_empty(o.grad_weight, x),
-          or_empty(o.grad_bias, x),
-          at::ones({}, x.options().dtype(at::kFloat))};
+  const at::Tensor loss = reduce_loss_cpu(o.row_losses, inv, p);
+  at::Tensor gx = !o.grad_x.defined() || x.dim() == 2 ? o.grad_x : o.grad_x.view(x.sizes());
+  at::Tensor grad_scale = at::empty({}, x.options().dtype(at::kFloat));
+  *grad_scale.data_ptr<float>() = 1.0f;
+  return {loss, o.stats, or_empty(gx, x), or_empty(o.grad_weight, x), or_empty(o.grad_bias, x), grad_scale};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
@@ -282,8 +307,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
   }
   GradRequest want{grad_x, grad_weight, grad_bias && p.bias.defined()};
   CpuOutputs o = run_cpu(p, weights, want, lse.contiguous());
-  at::Tensor gx = o.grad_x.defined() ? o.grad_x.view(x.sizes()) : o.grad_x;
+  at::Tensor gx = !o.grad_x.defined() || x.dim() == 2 ? o.grad_x : o.grad_x.view(x.sizes());
   return {or_empty(gx, x), or_empty(o.grad_weight, x), or_empty(o.grad_bias, x)};
+}
+
+// A one-element CPU tensor's value, read in place (no reshape/to/item dispatcher calls).
+double host_scalar(const at::Tensor& t) {
+  double v = 0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, t.scalar_type(), "linear_cross_entropy_scalar",
+                                  [&] { v = static_cast<double>(*t.const_data_ptr<scalar_t>()); });
+  return v;
 }
 
 void check_grad_shape(const at::Tensor& g, const char* name) {
@@ -299,8 +332,7 @@ void scale_grads_cpu(at::Tensor& grad_x, at::Tensor& grad_weight, at::Tensor& gr
   check_grad_shape(grad_bias, "grad_bias");
   // The product in float64; reading it on the host costs nothing on the CPU, and a factor of 1 (the
   // usual loss.backward()) skips the passes over the gradients.
-  const double s = grad_loss.reshape({}).to(at::kDouble).item<double>() *
-                   grad_scale.reshape({}).to(at::kDouble).item<double>();
+  const double s = host_scalar(grad_loss) * host_scalar(grad_scale);
   if (s == 1.0) return;
   for (at::Tensor* g : {&grad_x, &grad_weight, &grad_bias}) {
     if (g->numel()) g->mul_(s);

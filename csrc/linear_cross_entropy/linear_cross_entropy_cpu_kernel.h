@@ -5,6 +5,7 @@
 // per-row scalars in double. Rows are split across threads (each row is independent).
 #pragma once
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
@@ -24,22 +25,23 @@ using Vec = at::vec::Vectorized<M>;
 // Elements a task at least: below this, threads cost more than they save.
 constexpr int64_t kGrainElems = 1 << 15;
 
+// The lanes' maximum (NaN if a lane is NaN: at::vec::maximum propagates it), by halving shuffles.
 template <typename M>
 M hmax(const Vec<M>& v) {
-  alignas(64) M buf[Vec<M>::size()];
-  v.store(buf);
-  M m = buf[0];
-  for (int64_t i = 1; i < Vec<M>::size(); ++i) m = (buf[i] > m || std::isnan(buf[i])) ? buf[i] : m;
-  return m;
+  return at::vec::vec_reduce_all<M>([](const Vec<M>& a, const Vec<M>& b) { return at::vec::maximum(a, b); }, v);
 }
 
+// The lanes' sum in double, pairwise (a dependency chain of log2(lanes) adds, not one per lane).
 template <typename M>
 double hsum(const Vec<M>& v) {
-  alignas(64) M buf[Vec<M>::size()];
+  constexpr int64_t W = Vec<M>::size();
+  alignas(64) M buf[W];
   v.store(buf);
-  double s = 0;
-  for (int64_t i = 0; i < Vec<M>::size(); ++i) s += buf[i];
-  return s;
+  double s[W];
+  for (int64_t i = 0; i < W; ++i) s[i] = static_cast<double>(buf[i]);
+  for (int64_t h = W / 2; h > 0; h /= 2)
+    for (int64_t i = 0; i < h; ++i) s[i] += s[i + h];
+  return s[0];
 }
 
 template <typename M>
@@ -65,22 +67,33 @@ void row(const CpuRowArgs& a, int64_t r) {
   // (1) bias and softcap in place; max and sum of the capped logits (the forward's statistics).
   const bool transform = bias || softcap;
   const bool need_stats = !a.stats_in;
-  V vmax(-std::numeric_limits<M>::infinity()), vsum(M(0));
+  const V ninf(-std::numeric_limits<M>::infinity()), zero(M(0));
+  V vmax = ninf, vsum = zero;
   if (transform || need_stats) {
-    for (int64_t i = 0; i < vocab; i += W) {
-      const int64_t n = std::min(W, vocab - i);
+    // Two independent accumulators each (a row of a small vocabulary is a few vectors: the chain of
+    // dependent max/add latencies, not the loads, bounds it); combined in a fixed order.
+    V vmax1 = ninf, vsum1 = zero;
+    auto step = [&](int64_t i, int64_t n, V& mx, V& sm) {
       V v = V::loadu(z + i, n);
       if (bias) v = v + V::loadu(bias + i, n);
       if (softcap) v = cap * (v / cap).tanh();
       if (transform) v.store(z + i, n);
       if (n == W) {
-        vmax = at::vec::maximum(vmax, v);
-        if (smoothing) vsum = vsum + v;
+        mx = at::vec::maximum(mx, v);
+        if (smoothing) sm = sm + v;
       } else {  // the tail: lanes past the row hold no logit
-        vmax = at::vec::maximum(vmax, V::set(V(-std::numeric_limits<M>::infinity()), v, n));
-        if (smoothing) vsum = vsum + V::set(V(M(0)), v, n);
+        mx = at::vec::maximum(mx, V::set(ninf, v, n));
+        if (smoothing) sm = sm + V::set(zero, v, n);
       }
+    };
+    int64_t i = 0;
+    for (; i + 2 * W <= vocab; i += 2 * W) {
+      step(i, W, vmax, vsum);
+      step(i + W, W, vmax1, vsum1);
     }
+    for (; i < vocab; i += W) step(i, std::min(W, vocab - i), vmax, vsum);
+    vmax = at::vec::maximum(vmax, vmax1);
+    vsum = vsum + vsum1;
   }
   const double zt = static_cast<double>(z[t]);  // the target's logit, exactly as the GEMM (+ bias, cap) made it
   double lse, nll;
@@ -92,14 +105,25 @@ void row(const CpuRowArgs& a, int64_t r) {
     // nll = (max - z_t) + log(sum exp(z - max)): no cancellation of lse against z_t when the target dominates.
     const M mx = hmax(vmax);
     const V vmx(mx);
-    V vs(M(0));
-    for (int64_t i = 0; i < vocab; i += W) {
+    V vs = zero, vs1 = zero;
+    int64_t i = 0;
+    for (; i + 2 * W <= vocab; i += 2 * W) {  // two accumulators, as pass (1)
+      const V e0 = (V::loadu(z + i) - vmx).exp();
+      const V e1 = (V::loadu(z + i + W) - vmx).exp();
+      if (keep_exp) {
+        e0.store(z + i);
+        e1.store(z + i + W);
+      }
+      vs = vs + e0;
+      vs1 = vs1 + e1;
+    }
+    for (; i < vocab; i += W) {
       const int64_t n = std::min(W, vocab - i);
       const V e = (V::loadu(z + i, n) - vmx).exp();
       if (keep_exp) e.store(z + i, n);
-      vs = vs + (n == W ? e : V::set(V(M(0)), e, n));
+      vs = vs + (n == W ? e : V::set(zero, e, n));
     }
-    const double sum = hsum(vs);
+    const double sum = hsum(vs + vs1);
     inv_sum = 1.0 / sum;
     const double log_sum = std::log(sum);
     lse = static_cast<double>(mx) + log_sum;

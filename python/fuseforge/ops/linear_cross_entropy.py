@@ -65,11 +65,16 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Option
         raise ValueError(f"softcap must be a positive number or None, got {softcap}")
     needs_grad = torch.is_grad_enabled() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
-    return _ops.linear_cross_entropy_fwd(
-        x, weight, target, bias, int(ignore_index), reduction, float(label_smoothing), float(z_loss),
-        float(softcap) if softcap is not None else 0.0, bool(low_memory),
-        needs_grad and x.requires_grad, needs_grad and weight.requires_grad,
-        needs_grad and bias is not None and bias.requires_grad)[0]
+    args = (x, weight, target, bias, int(ignore_index), reduction, float(label_smoothing), float(z_loss),
+            float(softcap) if softcap is not None else 0.0, bool(low_memory),
+            needs_grad and x.requires_grad, needs_grad and weight.requires_grad,
+            needs_grad and bias is not None and bias.requires_grad)
+    if _plain_eager(x, weight, target, bias):
+        if needs_grad:
+            return _EagerFunction.apply(*args)[0]
+        with torch._C._AutoDispatchBelowAutograd():
+            return _ops.linear_cross_entropy_fwd(*args)[0]
+    return _ops.linear_cross_entropy_fwd(*args)[0]
 
 
 def _stats_dtype(x: Tensor) -> torch.dtype:
@@ -162,3 +167,31 @@ def _backward(ctx, grad_loss, *_unused):
 
 
 torch.library.register_autograd("fuseforge::linear_cross_entropy_fwd", _backward, setup_context=_setup_context)
+
+
+def _plain_eager(x, weight, target, bias) -> bool:
+    """Plain tensors, outside torch.compile, functorch transforms and Python modes: the case where
+    linear_cross_entropy may skip the generic autograd wrapper of the custom op (below)."""
+    return (not torch.compiler.is_compiling() and _is_eager(x, weight, target)
+            and (bias is None or type(bias) is torch.Tensor)
+            and torch._C._functorch.maybe_current_level() is None
+            and not torch._C._is_torch_function_mode_enabled() and torch._C._len_torch_dispatch_stack() == 0)
+
+
+class _EagerFunction(torch.autograd.Function):
+    """The autograd of linear_cross_entropy_fwd in plain eager mode: the same setup_context and
+    backward as the registered autograd, without that wrapper's per-call Python work (argument
+    defaults, metadata, a second trip through the dispatcher): ~30 us a forward+backward on the
+    CPU, 3% of the demo's 1024 x 128 x 256 loss. Traced calls (torch.compile, fake tensors,
+    functorch) use the registered autograd."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        with torch._C._AutoDispatchBelowAutograd():
+            output = _ops.linear_cross_entropy_fwd(*inputs)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return _backward(ctx, *grads)
