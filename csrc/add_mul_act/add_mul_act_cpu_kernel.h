@@ -8,6 +8,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "add_mul_act/add_mul_act_cpu.h"
 #include "common/cpu_vec.h"
@@ -44,10 +45,27 @@ struct VecAct<Activation::kGelu> {
     return half * z * (one + (z * Vec<M>(M(0.70710678118654752440))).erf());
   }
   template <typename M> static Vec<M> derivative(Vec<M> z) {
-    const Vec<M> half(M(0.5)), one(M(1));
-    const Vec<M> cdf = half * (one + (z * Vec<M>(M(0.70710678118654752440))).erf());
-    const Vec<M> pdf = (Vec<M>(M(-0.5)) * z * z).exp() * Vec<M>(M(0.39894228040143267794));
-    return cdf + z * pdf;
+    using V = Vec<M>;
+    const V half(M(0.5)), one(M(1));
+    if constexpr (std::is_same_v<M, float>) {
+      // erf(z / sqrt 2) in the form of at::vec's AVX2/AVX-512 float erf (Abramowitz-Stegun 7.1.26,
+      // |error| < 1.5e-7), whose exp(-z^2 / 2) is also the pdf's: one exp a vector instead of two
+      // (the backward was bound by its two exps).
+      const V x = z * V(M(0.70710678118654752440));
+      const V t = one / at::vec::fmadd(V(M(0.3275911f)), x.abs(), one);
+      V r = at::vec::fmadd(V(M(1.061405429f)), t, V(M(-1.453152027f)));
+      r = at::vec::fmadd(r, t, V(M(1.421413741f)));
+      r = at::vec::fmadd(r, t, V(M(-0.284496736f)));
+      r = at::vec::fmadd(r, t, V(M(0.254829592f)));
+      const V e = (x * x).neg().exp();
+      const V erf_abs = one - r * t * e;
+      const V erf = V::blendv(erf_abs, erf_abs.neg(), x < V(M(0)));
+      return half * (one + erf) + z * (e * V(M(0.39894228040143267794)));
+    } else {
+      const V cdf = half * (one + (z * V(M(0.70710678118654752440))).erf());
+      const V pdf = (V(M(-0.5)) * z * z).exp() * V(M(0.39894228040143267794));
+      return cdf + z * pdf;
+    }
   }
 };
 
@@ -129,7 +147,8 @@ void forward_rows(const CpuForwardArgs& a, const typename at::opmath_type<T>* bi
   }
 }
 
-// Rows r0..r1 of the backward; the bias gradient's partial sums (M, cols long) added into bias_acc.
+// Rows r0..r1 of the backward; the bias gradient's partial sums over those rows (M, cols long) written
+// to bias_acc (the first row's gradient stored, the others added).
 template <typename T, Activation A>
 void backward_rows(const CpuBackwardArgs& a, int64_t r0, int64_t r1, typename at::opmath_type<T>* bias_acc) {
   using M = at::opmath_type<T>;
@@ -159,7 +178,7 @@ void backward_rows(const CpuBackwardArgs& a, int64_t r0, int64_t r1, typename at
         const V g = V::loadu(go + i, k) * dv;
         g.store(gx + i, k);
         if (gy) (alpha * g).store(gy + i, k);
-        if (bias_acc) (V::loadu(bias_acc + c0 + i, k) + g).store(bias_acc + c0 + i, k);
+        if (bias_acc) (r == r0 ? g : V::loadu(bias_acc + c0 + i, k) + g).store(bias_acc + c0 + i, k);
       }
       store_math(gx, static_cast<T*>(a.grad_x) + row + c0, n);
       if (gy) store_math(gy, static_cast<T*>(a.grad_y) + row + c0, n);
@@ -187,20 +206,28 @@ void backward_typed(const CpuBackwardArgs& a) {
   }
   const int64_t blocks = std::min(a.rows, kBiasBlocks);
   const int64_t rows_per_block = blocks ? (a.rows + blocks - 1) / blocks : 0;
+  // Blocks that hold rows (ceil(rows / rows_per_block) <= blocks); each writes its whole partial row.
+  const int64_t used = rows_per_block ? (a.rows + rows_per_block - 1) / rows_per_block : 0;
   M* partial = thread_scratch<M>(blocks * a.cols);
-  fill(partial, blocks * a.cols, M(0));
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t r0 = b * rows_per_block, r1 = std::min(a.rows, r0 + rows_per_block);
       if (r0 < r1) backward_rows<T, A>(a, r0, r1, partial + b * a.cols);
     }
   });
+  // Over the blocks in order, a vector of columns at a time (a column at a time was a chain of
+  // dependent scalar adds: 40 us at 512 columns). The same sum, element for element.
   T* gb = static_cast<T*>(a.grad_bias);
   at::parallel_for(0, a.cols, 1024, [&](int64_t c0, int64_t c1) {
-    for (int64_t c = c0; c < c1; ++c) {
-      M s = 0;
-      for (int64_t b = 0; b < blocks; ++b) s += partial[b * a.cols + c];
-      gb[c] = static_cast<T>(s);
+    using V = Vec<M>;
+    constexpr int64_t W = V::size();
+    alignas(64) M buf[W];
+    for (int64_t c = c0; c < c1; c += W) {
+      const int64_t k = std::min(W, c1 - c);
+      V s(M(0));
+      for (int64_t b = 0; b < used; ++b) s = s + V::loadu(partial + b * a.cols + c, k);
+      s.store(buf, k);
+      for (int64_t j = 0; j < k; ++j) gb[c + j] = static_cast<T>(buf[j]);
     }
   });
 }

@@ -27,6 +27,8 @@ def add_mul_act(x: Tensor, y: Tensor, bias: Optional[Tensor] = None, alpha: floa
     needs_grad = torch.is_grad_enabled() and (
         x.requires_grad or y.requires_grad or (bias is not None and bias.requires_grad))
     if needs_grad:
+        if _plain_eager(x, y, bias):
+            return _EagerFunction.apply(x, y, bias, float(alpha), activation)[0]
         return _ops.add_mul_act_fwd(x, y, bias, float(alpha), activation)[0]
     return _ops.add_mul_act(x, y, bias, float(alpha), activation)
 
@@ -99,3 +101,31 @@ def _fwd_backward(ctx, grad_out, _grad_saved):
 
 
 torch.library.register_autograd("fuseforge::add_mul_act_fwd", _fwd_backward, setup_context=_fwd_setup_context)
+
+
+def _plain_eager(x, y, bias) -> bool:
+    """Plain tensors, outside torch.compile, functorch transforms and Python modes: the case where
+    add_mul_act may skip the generic autograd wrapper of the custom op (below)."""
+    return (not torch.compiler.is_compiling() and type(x) is torch.Tensor and type(y) is torch.Tensor
+            and (bias is None or type(bias) is torch.Tensor)
+            and torch._C._functorch.maybe_current_level() is None
+            and not torch._C._is_torch_function_mode_enabled() and torch._C._len_torch_dispatch_stack() == 0)
+
+
+class _EagerFunction(torch.autograd.Function):
+    """add_mul_act_fwd's autograd in plain eager mode: the same setup_context and backward as the
+    registered autograd, without that wrapper's per-call Python work (argument defaults, metadata, a
+    second trip through the dispatcher): ~25 us a forward+backward on the CPU, 6% of the demo's
+    1024 x 512 epilogue. Traced calls (torch.compile, fake tensors, functorch) use the registered
+    autograd."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        with torch._C._AutoDispatchBelowAutograd():
+            output = _ops.add_mul_act_fwd(*inputs)
+        _fwd_setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return _fwd_backward(ctx, *grads)
