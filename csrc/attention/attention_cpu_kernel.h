@@ -3,13 +3,17 @@
 // at::vec::Vectorized<M>.
 //
 // Forward: one task per (batch, query head, block of kBlockQ queries); it walks the key tiles (kBlockK
-// keys) that any of its rows may see, S = Q K^T, online softmax (running row max m and sum l, the
-// output accumulator rescaled when m grows), O += P V. Only the causal tiles at or below the
-// diagonal are visited. lse = m + log l.
+// keys) that any of its rows may see, S = Q K^T, Z = scale S (or softcap tanh(scale S / softcap)),
+// online softmax of Z (running row max m and sum l, the output accumulator rescaled when m grows),
+// O += P V. The mask (attention_cpu.h: a window around the bottom-right diagonal, causal being
+// window (-1, 0)) gives each row a range of keys [lo(i), hi(i)), both ends nondecreasing in i, so a
+// block visits only the tiles of [lo(first row), hi(last row)): O(S w) work for a window of w keys,
+// not O(S^2). lse = m + log l.
 //
 // Backward: one task per (batch, kv head, chunk of key blocks); for each key block it loops over the
-// query heads of its group and the query blocks that see the block, recomputes P = exp(scale S - lse)
-// and builds dS = P (dP - D) scale with D_i = rowsum(dO * O), accumulating dV += P^T dO and
+// query heads of its group and the rows that see the block (a range, from both ends of the window),
+// recomputes P = exp(Z - lse) and builds dS = P (dP - D) dZ/dS with D_i = rowsum(dO * O) and
+// dZ/dS = scale (times 1 - tanh^2 with a softcap), accumulating dV += P^T dO and
 // dK += dS^T Q in tile buffers (so dK, dV of a GQA group are summed in a fixed order, written once),
 // and dQ += dS K into a per-chunk dQ buffer (or into grad_q itself when there is one chunk). The
 // chunk count depends on the shape only, never on the thread count, so every result is bitwise
@@ -178,21 +182,45 @@ const M* padded_rows(const M* src, int64_t ld, int64_t rows, int64_t d, int64_t 
   return buf;
 }
 
-// Keys of tile [j0, j0 + jn) that query row i sees: all jn, or under the causal mask
-// (key j seen when j <= i + off, off = Sk - Sq) the first clamp(i + off + 1 - j0, 0, jn).
-inline int64_t visible_keys(bool causal, int64_t i, int64_t off, int64_t j0, int64_t jn) {
-  return causal ? std::clamp<int64_t>(i + off + 1 - j0, 0, jn) : jn;
+// The mask of attention_cpu.h as ranges: query row i sees keys [lo(i), hi(i)) and key j is seen by
+// rows [row_begin(j), row_end(j + 1)); all four nondecreasing. An unbounded side (-1) or a bound past
+// Sq + Sk becomes Sq + Sk, which masks nothing and keeps the sums far from overflow.
+struct Window {
+  int64_t sq, sk, off, left, right;
+  Window(int64_t window_left, int64_t window_right, int64_t seqlen_q, int64_t seqlen_k)
+      : sq(seqlen_q), sk(seqlen_k), off(seqlen_k - seqlen_q) {
+    const int64_t wide = seqlen_q + seqlen_k;
+    left = window_left < 0 || window_left > wide ? wide : window_left;
+    right = window_right < 0 || window_right > wide ? wide : window_right;
+  }
+  int64_t lo(int64_t i) const { return std::clamp<int64_t>(i + off - left, 0, sk); }
+  int64_t hi(int64_t i) const { return std::clamp<int64_t>(i + off + right + 1, 0, sk); }
+  // Rows that see a key of [j0, j1) (j0 < j1): hi(i) > j0 and lo(i) < j1.
+  int64_t row_begin(int64_t j0) const { return std::clamp<int64_t>(j0 - off - right, 0, sq); }
+  int64_t row_end(int64_t j1) const { return std::clamp<int64_t>(j1 - off + left, 0, sq); }
+};
+
+// x where a <= c + lane < e, else fill (for the vectors at the ends of a row's visible range).
+template <typename M>
+inline Vec<M> keep_between(const Vec<M>& x, int64_t c, int64_t a, int64_t e, M fill) {
+  using V = Vec<M>;
+  const V idx = V::arange(M(c), M(1));
+  const V keep = (idx >= V(M(a))) & (idx < V(M(e)));
+  return V::blendv(V(fill), x, keep);
 }
 
-template <typename M>
+template <typename M, bool kSoftcap>
 void forward_typed(const CpuForwardArgs& a) {
   using V = Vec<M>;
   constexpr int64_t W = V::size();
   const CpuShape& s = a.shape;
   const int64_t D = s.head_dim, Dp = round_up(D, W), Sq = s.seqlen_q, Sk = s.seqlen_k;
-  const int64_t group = s.heads_q / s.heads_kv, off = Sk - Sq;
+  const int64_t group = s.heads_q / s.heads_kv;
   const int64_t nqb = ceil_div(Sq, kBlockQ), tasks = s.batch * s.heads_q * nqb;
+  const Window win(a.window_left, a.window_right, Sq, Sk);
   const M scale = static_cast<M>(a.scale);
+  // Softcap: z = cap * tanh(s * (scale / cap)).
+  const M cap = static_cast<M>(a.softcap), pre = kSoftcap ? static_cast<M>(a.scale / a.softcap) : M(0);
   const M neg_inf = -std::numeric_limits<M>::infinity();
   const M* q = static_cast<const M*>(a.q.ptr);
   const M* k = static_cast<const M*>(a.k.ptr);
@@ -228,25 +256,31 @@ void forward_typed(const CpuForwardArgs& a) {
       const M* qp = q + b * a.q.sb + h * a.q.sh + r0 * a.q.ss;
       const M* ktp = kt_all.data() + (b * s.heads_kv + hk) * D * Skp;
       const M* vp = v + b * a.v.sb + hk * a.v.sh;
-      // Keys any row of the block sees: [0, kend).
-      const int64_t kend = a.causal ? std::clamp<int64_t>(r0 + rn + off, 0, Sk) : Sk;
+      // Keys any row of the block sees: [kbegin, kend), the tiles starting at kbegin rounded down to
+      // the vector width.
+      const int64_t kbegin = win.lo(r0) / W * W, kend = win.hi(r0 + rn - 1);
       fill(m_row, rn, neg_inf);
       fill(l_row, rn, M(0));
       fill(oacc.data(), rn * Dp, M(0));
-      for (int64_t j0 = 0; j0 < kend; j0 += kBlockK) {
+      for (int64_t j0 = kbegin; j0 < kend; j0 += kBlockK) {
         const int64_t jn = std::min(kBlockK, kend - j0), np = round_up(jn, W);
         gemm<M>(rn, np, D, qp, a.q.ss, 1, ktp + j0, Skp, sbuf.data(), np, false);
         for (int64_t r = 0; r < rn; ++r) {
           M* row = sbuf.data() + r * np;
-          const int64_t valid = visible_keys(a.causal, r0 + r, off, j0, jn);
-          if (valid == 0) {  // this tile adds nothing to the row
+          // Columns [ka, ke) of the tile are visible to this row; vectors [ca, ce) hold them.
+          const int64_t ka = std::clamp<int64_t>(win.lo(r0 + r) - j0, 0, jn);
+          const int64_t ke = std::clamp<int64_t>(win.hi(r0 + r) - j0, 0, jn);
+          if (ka >= ke) {  // this tile adds nothing to the row
             fill(row, np, M(0));
             continue;
           }
+          const int64_t ca = ka / W * W, ce = round_up(ke, W);
           V mx(neg_inf);
-          for (int64_t c = 0; c < np; c += W) {
-            V x = V::loadu(row + c) * V(scale);
-            if (c + W > valid) x = V::set(V(neg_inf), x, std::max<int64_t>(0, valid - c));
+          for (int64_t c = ca; c < ce; c += W) {
+            V x;
+            if constexpr (kSoftcap) x = (V::loadu(row + c) * V(pre)).tanh() * V(cap);
+            else x = V::loadu(row + c) * V(scale);
+            if (c < ka || c + W > ke) x = keep_between(x, c, ka, ke, neg_inf);
             x.store(row + c);
             mx = at::vec::maximum(mx, x);
           }
@@ -255,11 +289,13 @@ void forward_typed(const CpuForwardArgs& a) {
           const M alpha = m_new == m_row[r] ? M(1) : std::exp(m_row[r] - m_new);
           V sum(M(0));
           const V mv(m_new);
-          for (int64_t c = 0; c < np; c += W) {
+          for (int64_t c = ca; c < ce; c += W) {
             const V p = (V::loadu(row + c) - mv).exp_u20();  // exp(-inf) = 0 on masked columns
             p.store(row + c);
             sum = sum + p;
           }
+          fill(row, ca, M(0));
+          fill(row + ce, np - ce, M(0));
           l_row[r] = l_row[r] * alpha + reduce_sum(sum);
           m_row[r] = m_new;
           if (alpha != M(1)) {
@@ -272,31 +308,33 @@ void forward_typed(const CpuForwardArgs& a) {
         gemm<M>(rn, Dp, jn, sbuf.data(), np, 1, vb, ldv, oacc.data(), Dp, true);
       }
       M* op = out + b * a.out.sb + h * a.out.sh + r0 * a.out.ss;
-      M* lp = lse + (b * s.heads_q + h) * Sq + r0;
+      M* lp = lse + b * a.lse_sb + h * a.lse_sh + r0 * a.lse_ss;
       for (int64_t r = 0; r < rn; ++r) {
         M* orow = op + r * a.out.ss;
         if (l_row[r] > M(0)) {
           const V inv(M(1) / l_row[r]);
           const M* o = oacc.data() + r * Dp;
           for (int64_t c = 0; c < D; c += W) (V::loadu(o + c) * inv).store(orow + c, std::min<int64_t>(W, D - c));
-          lp[r] = m_row[r] + std::log(l_row[r]);
+          lp[r * a.lse_ss] = m_row[r] + std::log(l_row[r]);
         } else {  // no key visible: zeros, lse -inf
           fill(orow, D, M(0));
-          lp[r] = neg_inf;
+          lp[r * a.lse_ss] = neg_inf;
         }
       }
     }
   });
 }
 
-template <typename M>
+template <typename M, bool kSoftcap>
 void backward_typed(const CpuBackwardArgs& a) {
   using V = Vec<M>;
   constexpr int64_t W = V::size();
   const CpuShape& s = a.shape;
   const int64_t B = s.batch, Hq = s.heads_q, Hk = s.heads_kv, Sq = s.seqlen_q, Sk = s.seqlen_k;
-  const int64_t D = s.head_dim, Dp = round_up(D, W), group = Hq / Hk, off = Sk - Sq;
+  const int64_t D = s.head_dim, Dp = round_up(D, W), group = Hq / Hk;
+  const Window win(a.window_left, a.window_right, Sq, Sk);
   const M scale = static_cast<M>(a.scale);
+  const M cap = static_cast<M>(a.softcap), pre = kSoftcap ? static_cast<M>(a.scale / a.softcap) : M(0);
   const M neg_inf = -std::numeric_limits<M>::infinity();
   const M* q = static_cast<const M*>(a.q.ptr);
   const M* k = static_cast<const M*>(a.k.ptr);
@@ -356,36 +394,51 @@ void backward_typed(const CpuBackwardArgs& a) {
         const M* kb_rows = padded_rows(kp + j0 * a.k.ss, a.k.ss, jn, D, Dp, kpad.data(), ldk);
         fill(dk.data(), jn * Dp, M(0));
         fill(dv.data(), jn * Dp, M(0));
-        // First query row that sees key j0.
-        const int64_t first_row = a.causal ? std::max<int64_t>(0, j0 - off) : 0;
+        // Query rows that see a key of the block: [rbegin, rend), in blocks of kBlockQ from rbegin.
+        const int64_t rbegin = win.row_begin(j0), rend = win.row_end(j0 + jn);
         for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
-          for (int64_t r0 = first_row / kBlockQ * kBlockQ; r0 < Sq; r0 += kBlockQ) {
-            const int64_t rn = std::min(kBlockQ, Sq - r0);
+          for (int64_t r0 = rbegin; r0 < rend; r0 += kBlockQ) {
+            const int64_t rn = std::min(kBlockQ, rend - r0);
             const M* qp = q + b * a.q.sb + h * a.q.sh + r0 * a.q.ss;
             const M* gp = go + b * a.grad_out.sb + h * a.grad_out.sh + r0 * a.grad_out.ss;
             const M* lp = lse + b * a.lse_sb + h * a.lse_sh + r0 * a.lse_ss;
             const M* dp_row = delta.data() + (b * Hq + h) * Sq + r0;
-            // P = exp(scale S - lse), zero where masked or where the row sees nothing.
+            // P = exp(Z - lse), zero where masked or where the row sees nothing.
             gemm<M>(rn, np, D, qp, a.q.ss, 1, kt.data(), np, pbuf.data(), np, false);
             gemm<M>(rn, np, D, gp, a.grad_out.ss, 1, vt.data(), np, dsbuf.data(), np, false);  // dP
             for (int64_t r = 0; r < rn; ++r) {
               M* prow = pbuf.data() + r * np;
               M* dsrow = dsbuf.data() + r * np;
               const M l = lp[r * a.lse_ss];
-              const int64_t valid = l == neg_inf ? 0 : visible_keys(a.causal, r0 + r, off, j0, jn);
-              if (valid == 0) {
+              // Columns [ka, ke) of the tile are visible to this row; vectors [ca, ce) hold them.
+              const int64_t ka = std::clamp<int64_t>(win.lo(r0 + r) - j0, 0, jn);
+              const int64_t ke = std::clamp<int64_t>(win.hi(r0 + r) - j0, 0, jn);
+              if (l == neg_inf || ka >= ke) {
                 fill(prow, np, M(0));
                 fill(dsrow, np, M(0));
                 continue;
               }
+              const int64_t ca = ka / W * W, ce = round_up(ke, W);
               const V lv(l), sv(scale), di(dp_row[r]);
-              for (int64_t cc = 0; cc < np; cc += W) {
-                V p = at::vec::fmsub(V::loadu(prow + cc), sv, lv).exp_u20();
-                if (cc + W > valid) p = V::set(V(M(0)), p, std::max<int64_t>(0, valid - cc));
+              for (int64_t cc = ca; cc < ce; cc += W) {
+                // dS = P (dP - D_i) dZ/dS (folded in here, so dQ and dK need no scale).
+                V p, dzds;
+                if constexpr (kSoftcap) {
+                  const V t = (V::loadu(prow + cc) * V(pre)).tanh();
+                  p = at::vec::fmsub(t, V(cap), lv).exp_u20();
+                  dzds = sv - sv * t * t;
+                } else {
+                  p = at::vec::fmsub(V::loadu(prow + cc), sv, lv).exp_u20();
+                  dzds = sv;
+                }
+                if (cc < ka || cc + W > ke) p = keep_between(p, cc, ka, ke, M(0));
                 p.store(prow + cc);
-                // dS = P (dP - D_i) scale (the scale of S folded in, so dQ and dK need none).
-                (p * (V::loadu(dsrow + cc) - di) * sv).store(dsrow + cc);
+                (p * (V::loadu(dsrow + cc) - di) * dzds).store(dsrow + cc);
               }
+              fill(prow, ca, M(0));
+              fill(prow + ce, np - ce, M(0));
+              fill(dsrow, ca, M(0));
+              fill(dsrow + ce, np - ce, M(0));
             }
             int64_t ldq = 0, ldg = 0;
             const M* q_rows = padded_rows(qp, a.q.ss, rn, D, Dp, qpad.data(), ldq);
@@ -432,22 +485,24 @@ void forward(const CpuForwardArgs& a) {
   const CpuShape& s = a.shape;
   if (s.batch == 0 || s.heads_q == 0 || s.seqlen_q == 0) return;
   TORCH_CHECK(s.seqlen_k > 0 && s.heads_kv > 0, "attention CPU forward: called with no keys");
+  const bool softcap = a.softcap > 0.0;
   if (a.dtype == c10::ScalarType::Double) {
-    forward_typed<double>(a);
+    softcap ? forward_typed<double, true>(a) : forward_typed<double, false>(a);
   } else {
     TORCH_CHECK(a.dtype == c10::ScalarType::Float, "attention CPU kernels take float32 or float64, got ", a.dtype);
-    forward_typed<float>(a);
+    softcap ? forward_typed<float, true>(a) : forward_typed<float, false>(a);
   }
 }
 
 void backward(const CpuBackwardArgs& a) {
   const CpuShape& s = a.shape;
   if (s.batch == 0 || s.heads_kv == 0 || s.seqlen_k == 0) return;
+  const bool softcap = a.softcap > 0.0;
   if (a.dtype == c10::ScalarType::Double) {
-    backward_typed<double>(a);
+    softcap ? backward_typed<double, true>(a) : backward_typed<double, false>(a);
   } else {
     TORCH_CHECK(a.dtype == c10::ScalarType::Float, "attention CPU kernels take float32 or float64, got ", a.dtype);
-    backward_typed<float>(a);
+    softcap ? backward_typed<float, true>(a) : backward_typed<float, false>(a);
   }
 }
 
