@@ -1,5 +1,6 @@
-"""fuseforge.patch / unpatch on tiny random Hugging Face Llama, Mistral and Qwen2 models: patched
-and unpatched losses, gradients, logits and generations agree; unpatch restores the model."""
+"""fuseforge.patch / unpatch on tiny random Hugging Face Llama, Mistral, Qwen2 and Gemma 2 models:
+patched and unpatched losses, gradients, logits and generations agree (packed batches, sliding
+windows and softcapping included); unpatch restores the model."""
 import copy
 
 import pytest
@@ -10,28 +11,66 @@ transformers = pytest.importorskip("transformers")
 import fuseforge  # noqa: F401,E402  (loads the extension)
 # `from fuseforge.patch import ...` reaches the module even where fuseforge/__init__ binds the name
 # fuseforge.patch to the function.
-from fuseforge.patch import is_patched, patch, stats, unpatch  # noqa: E402
+from fuseforge.patch import KernelMask, is_patched, patch, stats, unpatch  # noqa: E402
 from harness import assert_rel_close, generator, requires_cuda  # noqa: E402
 
 VOCAB = 131  # odd
+WINDOW = 8  # a sliding window that binds on every sequence and document below
+
+
+def exact_eager_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
+                          **kwargs):
+    """Gemma 2's eager attention (softcap on the scaled scores, additive mask) with the softmax in the
+    inputs' dtype: transformers' eager function runs it in float32, which would cap a float64
+    comparison at ~1e-7."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    z = query @ key.transpose(2, 3) * scaling
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    if attention_mask is not None:
+        z = z + attention_mask
+    weights = torch.softmax(z, -1)
+    return (weights @ value).transpose(1, 2).contiguous(), weights
+
+
+from transformers.masking_utils import AttentionMaskInterface, eager_mask  # noqa: E402
+
+transformers.AttentionInterface.register("exact_eager", exact_eager_attention)
+AttentionMaskInterface.register("exact_eager", eager_mask)
 
 
 def tiny_config(family: str, head_dim: int = 16, **extra):
+    """family: llama, mistral, qwen2; mistral-swa (every layer sliding), qwen2-swa (layer 0 full,
+    layer 1 sliding); gemma2 (alternating sliding / full layers, attention and final logit softcaps,
+    weights large enough that both caps bind)."""
     common = dict(vocab_size=VOCAB, hidden_size=4 * head_dim, intermediate_size=88, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, head_dim=head_dim,
-                  attn_implementation="sdpa", **extra)
+                  attn_implementation="sdpa")
+    common.update(extra)
     if family == "llama":
         return transformers.LlamaConfig(**common)
-    if family == "mistral":
-        return transformers.MistralConfig(sliding_window=None, **common)
-    if family == "qwen2":
-        return transformers.Qwen2Config(use_sliding_window=False, **common)
+    if family in ("mistral", "mistral-swa"):
+        return transformers.MistralConfig(sliding_window=WINDOW if family == "mistral-swa" else None, **common)
+    if family in ("qwen2", "qwen2-swa"):
+        swa = family == "qwen2-swa"
+        return transformers.Qwen2Config(use_sliding_window=swa, sliding_window=WINDOW if swa else None,
+                                        max_window_layers=1, **common)
+    if family == "gemma2":
+        # transformers' Gemma 2 has no SDPA support (no softcapping there): eager is its reference.
+        common.update(attn_implementation="exact_eager", initializer_range=0.3)
+        common.update(extra)
+        return transformers.Gemma2Config(sliding_window=WINDOW, attn_logit_softcapping=1.0,
+                                         final_logit_softcapping=3.0, query_pre_attn_scalar=head_dim, **common)
     raise ValueError(family)
 
 
+MODEL_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mistral-swa": "MistralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM", "qwen2-swa": "Qwen2ForCausalLM", "gemma2": "Gemma2ForCausalLM"}
+
+
 def make_model(family: str, dtype=torch.float32, device="cpu", **extra):
-    cls = {"llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
-           "qwen2": transformers.Qwen2ForCausalLM}[family]
+    cls = getattr(transformers, MODEL_CLASSES[family])
     torch.manual_seed(0)
     model = cls(tiny_config(family, **extra))
     with torch.no_grad():  # random norms and biases too, so every parameter is exercised
@@ -63,14 +102,16 @@ def reference_loss_and_grads(model, ids, labels):
 
 
 def kernel_calls():
-    return stats["fuseforge"], stats["sdpa"]
+    """(kernel, fallback, varlen) call counts."""
+    return stats["fuseforge"], stats["sdpa"], stats["varlen"]
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "mistral-swa", "qwen2-swa", "gemma2"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 def test_patched_loss_and_gradients_match_unpatched(family, dtype):
+    """An unpacked batch (sliding windows and softcapping by the kernel, no fallback)."""
     model = make_model(family, dtype)
-    ids = tokens(3, 19)
+    ids = tokens(3, 19 if "swa" not in family and family != "gemma2" else 24)
     labels = ids.clone()
     labels[0, :4] = -100  # ignored positions
     ref_loss, ref_grads = reference_loss_and_grads(model, ids, labels)
@@ -84,6 +125,7 @@ def test_patched_loss_and_gradients_match_unpatched(family, dtype):
     after = kernel_calls()
     assert after[0] - before[0] == model.config.num_hidden_layers, "every layer must run fuseforge attention"
     assert after[1] == before[1], "no layer may fall back to SDPA"
+    assert after[2] == before[2], "one document per row: no varlen"
     assert out.logits is None, "with labels, the logits must not be materialised"
 
     tol = 1e-10 if dtype == torch.float64 else 2e-5
@@ -292,5 +334,181 @@ def test_fp32_weights_under_autocast_cuda():
         out, got_grads = loss_and_grads(model, input_ids=ids, labels=ids)
     assert kernel_calls()[0] - before[0] == model.config.num_hidden_layers
     assert abs(out.loss.item() - ref.loss.item()) <= 1e-2 * ref.loss.item()
+    for name, g in ref_grads.items():
+        assert_rel_close(got_grads[name], g, 5e-2, f"grad {name}")
+
+
+# ------------------------------------------------------------------------------------------------
+# Packed batches (DataCollatorWithFlattening: one row, position_ids restarting at 0 per document)
+
+DOC_LENGTHS = (20, 30, 14)  # 64 tokens in one row
+
+
+def packed_batch(lengths=DOC_LENGTHS, device="cpu", **collator_args):
+    features = [{"input_ids": tokens(1, n)[0].tolist()} for n in lengths]
+    batch = transformers.DataCollatorWithFlattening(**collator_args)(features, return_tensors="pt")
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def reference_packed(model, batch):
+    """The unpatched model on the packed batch with use_cache=False (transformers looks for packed
+    documents only without a cache object), its loss in the model's dtype from the logits."""
+    model.zero_grad(set_to_none=True)
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+    labels = batch["labels"]
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                             labels[:, 1:].reshape(-1), ignore_index=-100)
+    loss.backward()
+    return loss, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral-swa", "qwen2-swa", "gemma2"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("use_cache", [False, None], ids=["no_cache", "default_cache"])
+def test_packed_batch_matches_unpatched(family, dtype, use_cache):
+    """Every layer runs attention_varlen on the documents (sliding windows, softcapping included);
+    loss and gradients are the unpatched model's with transformers' block-diagonal mask. With the
+    config's use_cache=True (an empty DynamicCache, where transformers' SDPA and eager paths attend
+    across documents) the patched model finds the documents in position_ids, as transformers' flash
+    path does."""
+    model = make_model(family, dtype)
+    batch = packed_batch()
+    ref_loss, ref_grads = reference_packed(model, batch)
+    patch(model)
+    before = kernel_calls()
+    out, got_grads = loss_and_grads(model, **batch, use_cache=use_cache)
+    after = kernel_calls()
+    layers = model.config.num_hidden_layers
+    assert after[0] - before[0] == layers and after[2] - before[2] == layers, "every layer must run varlen"
+    assert after[1] == before[1], "no layer may fall back to SDPA"
+    tol = 1e-10 if dtype == torch.float64 else 1e-5
+    assert abs(out.loss.item() - ref_loss.item()) <= tol * ref_loss.item()
+    assert set(got_grads) == set(ref_grads)
+    for name, g in ref_grads.items():
+        assert_rel_close(got_grads[name], g, 20 * tol, f"grad {name}")
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral-swa", "gemma2"])
+def test_packed_documents_do_not_see_each_other(family):
+    """The patched model's logits on a packed row are, document by document, the unpatched model's
+    on each document alone (a few steps of training in between: the documents stay apart)."""
+    model = make_model(family, torch.float64)
+    batch = packed_batch()
+    patch(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    for _ in range(3):
+        opt.zero_grad()
+        model(**batch).loss.backward()
+        opt.step()
+    with torch.no_grad():
+        packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+    unpatch(model)
+    start = 0
+    with torch.no_grad():
+        for n in DOC_LENGTHS:
+            alone = model(input_ids=batch["input_ids"][:, start:start + n]).logits
+            assert_rel_close(packed[:, start:start + n], alone, 1e-12, f"document at {start}")
+            start += n
+
+
+def test_flash_attention_kwargs():
+    """DataCollatorWithFlattening(return_flash_attn_kwargs=True): cu_seq_lens_q/k and max_length_q/k
+    reach the attention function and are used as they are (no position_ids: the reference is the
+    unpatched model with the block-diagonal causal 4D mask)."""
+    model = make_model("llama", torch.float64)
+    batch = packed_batch(return_flash_attn_kwargs=True, return_position_ids=False)
+    assert "cu_seq_lens_q" in batch and "position_ids" not in batch
+    cu, total = batch["cu_seq_lens_q"], batch["input_ids"].shape[1]
+    doc = torch.searchsorted(cu[1:], torch.arange(total), right=True)
+    mask = (doc[:, None] == doc[None, :]) & torch.ones(total, total, dtype=torch.bool).tril()
+    with torch.no_grad():
+        ref = model(input_ids=batch["input_ids"], attention_mask=mask[None, None]).logits
+    patch(model)
+    before = kernel_calls()
+    with torch.no_grad():
+        got = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+        loss = model(**batch).loss
+    after = kernel_calls()
+    assert after[2] - before[2] == 2 * model.config.num_hidden_layers and after[1] == before[1]
+    assert_rel_close(got, ref, 1e-12, "logits")
+    assert torch.isfinite(loss)
+    # the fallback (output_attentions) applies the same documents
+    before = kernel_calls()
+    with torch.no_grad():
+        fallback = model(**{k: v for k, v in batch.items() if k != "labels"}, output_attentions=True).logits
+    assert kernel_calls()[1] - before[1] == model.config.num_hidden_layers
+    assert_rel_close(fallback, ref, 1e-12, "fallback logits")
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral-swa", "gemma2"])
+@pytest.mark.parametrize("use_cache", [False, None], ids=["no_cache", "default_cache"])
+def test_fallback_keeps_the_mask(family, use_cache):
+    """Where the kernel does not apply (here output_attentions) the fallback gets the mask the kernel
+    path would apply (a KernelMask materialised: packed documents, sliding window; with a cache
+    object, the documents of position_ids added); for Gemma 2 the model's eager function with the
+    additive mask and the softcap, SDPA having no softcapping."""
+    model = make_model(family, torch.float64).eval()
+    batch = packed_batch()
+    inputs = dict(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
+    with torch.no_grad():
+        ref = model(**inputs, use_cache=False).logits
+    patch(model)
+    before = kernel_calls()
+    with torch.no_grad():
+        got = model(**inputs, use_cache=use_cache, output_attentions=True)
+    after = kernel_calls()
+    assert after[1] - before[1] == model.config.num_hidden_layers and after[0] == before[0]
+    # transformers' Gemma 2 eager function (the fallback) takes the softmax in float32
+    assert_rel_close(got.logits, ref, 1e-6 if family == "gemma2" else 1e-12, "logits")
+    if family == "gemma2":  # eager returns the attention weights: no cross-document weight
+        doc = torch.repeat_interleave(torch.arange(len(DOC_LENGTHS)), torch.tensor(DOC_LENGTHS))
+        cross = doc[:, None] != doc[None, :]
+        assert all(bool((a[..., cross] == 0).all()) for a in got.attentions)
+
+
+def test_kernel_mask_describes_transformers_masks():
+    """The mask function's view of transformers' masks: plain causal -> None without position_ids to
+    check; sliding window -> KernelMask(W); packed -> KernelMask with documents; a padding mask ->
+    SDPA's tensor."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+    config = tiny_config("mistral-swa")
+    config._attn_implementation = "fuseforge"
+    patch(make_model("llama"))  # registers the functions
+    embeds = torch.zeros(1, 64, config.hidden_size)
+    pos = packed_batch()["position_ids"]
+    args = dict(config=config, inputs_embeds=embeds, cache=None)
+    sliding = create_sliding_window_causal_mask(attention_mask=None, position_ids=torch.arange(64)[None], **args)
+    assert isinstance(sliding, KernelMask) and sliding.sliding_window == WINDOW and sliding.window == (WINDOW - 1, 0)
+    assert sliding.doc_ids is None
+    packed = create_causal_mask(attention_mask=None, position_ids=pos, **args)
+    assert isinstance(packed, KernelMask) and packed.sliding_window is None
+    cu, max_len = packed.cu_seqlens()
+    assert cu.tolist() == [0, 20, 50, 64] and max_len == 30 and cu.dtype == torch.int32
+    packed_sliding = create_sliding_window_causal_mask(attention_mask=None, position_ids=pos, **args)
+    assert packed_sliding.sliding_window == WINDOW and packed_sliding.cu_seqlens()[0].tolist() == [0, 20, 50, 64]
+    # materialised: exactly SDPA's mask
+    config_sdpa = copy.deepcopy(config)
+    config_sdpa._attn_implementation = "sdpa"
+    expected = create_sliding_window_causal_mask(config_sdpa, embeds, None, None, position_ids=pos)
+    assert torch.equal(packed_sliding.materialize(), expected)
+    padding = torch.ones(1, 64, dtype=torch.long)
+    padding[0, :3] = 0
+    assert torch.is_tensor(create_causal_mask(attention_mask=padding, **args))
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("family", ["llama", "mistral-swa", "gemma2"])
+def test_packed_bf16_cuda_matches_unpatched(family):
+    """bf16 on CUDA, head_dim 64 (a kernel head dim; Gemma 2's real 256 falls back): varlen."""
+    model = make_model(family, torch.bfloat16, "cuda", head_dim=64)
+    batch = packed_batch(lengths=(100, 300, 60), device="cuda")
+    ref_loss, ref_grads = reference_packed(model, batch)
+    patch(model)
+    before = kernel_calls()
+    out, got_grads = loss_and_grads(model, **batch)
+    after = kernel_calls()
+    assert after[2] - before[2] == model.config.num_hidden_layers and after[1] == before[1]
+    assert abs(out.loss.item() - ref_loss.item()) <= 1e-2 * ref_loss.item()
     for name, g in ref_grads.items():
         assert_rel_close(got_grads[name], g, 5e-2, f"grad {name}")
