@@ -69,7 +69,17 @@ void row(const CpuRowArgs& a, int64_t r) {
   const bool need_stats = !a.stats_in;
   const V ninf(-std::numeric_limits<M>::infinity()), zero(M(0));
   V vmax = ninf, vsum = zero;
-  if (transform || need_stats) {
+  if (!transform && !smoothing && need_stats) {  // the max only: plain loads, no per-vector branches
+    V vmax1 = ninf;
+    int64_t i = 0;
+    for (; i + 2 * W <= vocab; i += 2 * W) {
+      vmax = at::vec::maximum(vmax, V::loadu(z + i));
+      vmax1 = at::vec::maximum(vmax1, V::loadu(z + i + W));
+    }
+    for (; i + W <= vocab; i += W) vmax = at::vec::maximum(vmax, V::loadu(z + i));
+    if (i < vocab) vmax = at::vec::maximum(vmax, V::set(ninf, V::loadu(z + i, vocab - i), vocab - i));
+    vmax = at::vec::maximum(vmax, vmax1);
+  } else if (transform || need_stats) {
     // Two independent accumulators each (a row of a small vocabulary is a few vectors: the chain of
     // dependent max/add latencies, not the loads, bounds it); combined in a fixed order.
     V vmax1 = ninf, vsum1 = zero;
