@@ -74,12 +74,28 @@ TORCH_LIBRARY(fuseforge, m) {
   // ---- end linear_cross_entropy ---------------------------------------------------------------
 
   // ---- attention ------------------------------------------------------------------------------
-  // softmax(scale * q k^T [+ causal mask, aligned bottom-right]) v with SDPA's layout: q (B, Hq, Sq, D),
-  // k and v (B, Hk, Sk, D), Hk dividing Hq. Returns the output (strides of q) and the fp32 (fp64 for
-  // fp64 inputs) log-sum-exp (B, Hq, Sq) of each row (-inf where a row attends to nothing; its output is zero).
-  m.def("attention_fwd(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> (Tensor out, Tensor lse)");
+  // softmax(z) v with z = scale * q k^T (or softcap * tanh(scale * q k^T / softcap) when softcap > 0)
+  // under a mask aligned bottom-right (off = Sk - Sq): query i sees key j when
+  // i + off - window_left <= j <= i + off + window_right, -1 meaning unbounded on that side; causal
+  // is window_right = 0. SDPA's layout: q (B, Hq, Sq, D), k and v (B, Hk, Sk, D), Hk dividing Hq.
+  // Returns the output (strides of q) and the fp32 (fp64 for fp64 inputs) log-sum-exp (B, Hq, Sq) of
+  // each row's z (-inf where a row attends to nothing; its output is zero).
+  m.def("attention_fwd(Tensor q, Tensor k, Tensor v, bool causal, float scale, int window_left=-1,"
+        " int window_right=-1, float softcap=0.0) -> (Tensor out, Tensor lse)");
   // Gradients from the forward's out and lse; deterministic=True avoids floating-point atomics.
   m.def("attention_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal,"
-        " float scale, bool deterministic) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
+        " float scale, bool deterministic, int window_left=-1, int window_right=-1, float softcap=0.0)"
+        " -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
+  // Packed variable-length batches (FlashAttention's varlen layout): q (total_q, Hq, D), k and v
+  // (total_k, Hk, D); sequence b is rows [cu_seqlens[b], cu_seqlens[b + 1]) (int32, B + 1 entries, on
+  // q's device). max_seqlen_q / max_seqlen_k bound every sequence's length (the caller's numbers: the
+  // op never reads cu_seqlens on the host). The mask is per sequence, as above; lse is (Hq, total_q).
+  m.def("attention_varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k,"
+        " int max_seqlen_q, int max_seqlen_k, bool causal, float scale, int window_left=-1,"
+        " int window_right=-1, float softcap=0.0) -> (Tensor out, Tensor lse)");
+  m.def("attention_varlen_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse,"
+        " Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, bool causal,"
+        " float scale, bool deterministic, int window_left=-1, int window_right=-1, float softcap=0.0)"
+        " -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
   // ---- end attention --------------------------------------------------------------------------
 }

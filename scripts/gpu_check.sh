@@ -56,7 +56,7 @@ if [ $rc -ne 0 ]; then grep -E "error|Error" "$LOG/build.log" | head -40; exit 1
 
 test_files=""
 if [ -n "$OPS" ]; then
-  for op in ${OPS//,/ }; do [ -f tests/python/test_$op.py ] && test_files="$test_files tests/python/test_$op.py"; done
+  for op in ${OPS//,/ }; do for f in tests/python/test_$op.py tests/python/test_${op}_*.py; do [ -f "$f" ] && test_files="$test_files $f"; done; done
 else
   test_files="tests/python"
 fi

@@ -24,6 +24,32 @@ inline at::ScalarType lse_type(const at::Tensor& q) {
   return q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }
 
+// The score transform and mask every implementation takes. Query i of a sequence sees key j when
+// i + off - window_left <= j <= i + off + window_right (off = Sk - Sq: aligned bottom-right), -1
+// meaning unbounded on that side; causal is folded in as window_right = 0. softcap > 0 replaces the
+// score z = scale q.k by softcap * tanh(z / softcap).
+struct MaskOptions {
+  int64_t window_left = -1, window_right = -1;
+  double softcap = 0.0;
+  bool local() const { return window_left >= 0 || window_right >= 0; }
+};
+
+// Checks the window and softcap (errors name the argument) and folds causal into the window.
+MaskOptions check_mask_options(bool causal, int64_t window_left, int64_t window_right, double softcap);
+
+// Packed variable-length batches: q (total_q, Hq, D), k and v (total_k, Hk, D), cu_seqlens_q/k int32
+// (B + 1,) on q's device. Checks what can be checked without reading cu_seqlens (dtype, device,
+// length, ranks, max lengths) and returns the shape with batch = B and seqlen_q/k = the max lengths.
+Shape check_varlen_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+                          const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool cuda);
+
+// The varlen backward's extra tensors: grad_out and out like q, lse (Hq, total_q).
+void check_varlen_backward_inputs(const Shape& s, const at::Tensor& q, const at::Tensor& grad_out,
+                                  const at::Tensor& out, const at::Tensor& lse);
+
+// A (total, H, D) varlen operand as the (1, H, total, D) view the fixed-length code takes.
+inline at::Tensor as_batch_of_one(const at::Tensor& t) { return t.transpose(0, 1).unsqueeze(0); }
+
 // Head dims the CUDA kernels are instantiated for.
 inline bool cuda_head_dim_supported(int64_t d) { return d == 64 || d == 128; }
 

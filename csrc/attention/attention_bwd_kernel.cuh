@@ -15,8 +15,6 @@
 
 namespace fuseforge::attention {
 
-constexpr float kLog2e = 1.4426950408889634f;
-
 // LSE (natural log) -> the base-2 value the kernels subtract; rows that saw no key (-inf) and rows
 // past Sq become +inf, so their P is exactly 0.
 __device__ __forceinline__ float lse_to_log2(float lse) { return lse == -INFINITY ? INFINITY : lse * kLog2e; }
@@ -47,10 +45,16 @@ __global__ void attention_row_dot_kernel(const __grid_constant__ BwdParams p) {
 // columns, each stored in mma C-fragment order (lane l's element e at 4 l + e: row l / 4 + 8 (e / 2),
 // column 2 (l % 4) + e % 2). A warp's atomic add of one tile is then 512 contiguous bytes, one
 // 16-byte vector a lane, instead of 8 rows x 32 bytes in two half-used passes.
-__device__ __forceinline__ int dq_accum_rows(int seqlen_q) { return (seqlen_q + 15) & ~15; }
-__device__ __forceinline__ float* dq_accum_tile(const BwdParams& p, int b, int h, int row_tile, int col_tile, int kD) {
-  const int64_t bh = static_cast<int64_t>(b) * p.heads_q + h;
-  return p.dq_accum + ((bh * (dq_accum_rows(p.seqlen_q) / 16) + row_tile) * (kD / 8) + col_tile) * 128;
+// seq_tile0: the sequence's first tile (varlen, attention_params.h), else 0.
+template <bool kVarlen>
+__device__ __forceinline__ int64_t dq_accum_seq_tile0(const BwdParams& p, int b) {
+  if constexpr (kVarlen) return p.cu_seqlens_q[b] / 16 + b;
+  return 0;
+}
+__device__ __forceinline__ float* dq_accum_tile(const BwdParams& p, int b, int h, int64_t seq_tile0, int row_tile,
+                                                int col_tile, int kD) {
+  const int64_t tile = b * p.dq_accum_batch_tiles + h * p.dq_accum_head_tiles + seq_tile0 + row_tile;
+  return p.dq_accum + (tile * (kD / 8) + col_tile) * 128;
 }
 // tile[4 lane + e] += v[e], e = 0..3 (one vector reduction on sm_90).
 __device__ __forceinline__ void dq_accum_add(float* tile, int lane, float v0, float v1, float v2, float v3) {
@@ -65,19 +69,17 @@ __device__ __forceinline__ void dq_accum_add(float* tile, int lane, float v0, fl
 }
 
 // dq = scale * dq_accum in q's dtype and strides, 8 elements (one row of a 16 x 8 tile) a thread.
-template <typename T, int kD>
+// Grid: (rows of the longest sequence x D / 8) / 256, heads, batch (or sequences).
+template <typename T, int kD, bool kVarlen>
 __global__ void attention_dq_convert_kernel(const __grid_constant__ BwdParams p) {
   constexpr int kChunks = kD / 8;
+  const int h = blockIdx.y, b = blockIdx.z;
+  const SeqInfo<kVarlen> seq(p, b);
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t total = static_cast<int64_t>(p.batch) * p.heads_q * p.seqlen_q * kChunks;
-  if (idx >= total) return;
-  const int64_t row = idx / kChunks;
-  const int c = static_cast<int>(idx % kChunks);
-  const int i = static_cast<int>(row % p.seqlen_q);
-  const int64_t bh = row / p.seqlen_q;
-  const int h = static_cast<int>(bh % p.heads_q), b = static_cast<int>(bh / p.heads_q);
+  if (idx >= static_cast<int64_t>(seq.seqlen_q) * kChunks) return;
+  const int i = static_cast<int>(idx / kChunks), c = static_cast<int>(idx % kChunks);
   // Row i % 16 of the tile: lanes 4 (i % 8) + j, elements 2 ((i % 16) / 8) + {0, 1}, j = column pair.
-  const float* tile = dq_accum_tile(p, b, h, i / 16, c, kD) + 16 * (i & 7) + 2 * ((i >> 3) & 1);
+  const float* tile = dq_accum_tile(p, b, h, dq_accum_seq_tile0<kVarlen>(p, b), i / 16, c, kD) + 16 * (i & 7) + 2 * ((i >> 3) & 1);
   float v[8];
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -90,38 +92,52 @@ __global__ void attention_dq_convert_kernel(const __grid_constant__ BwdParams p)
   out.y = pack2<T>(v[2], v[3]);
   out.z = pack2<T>(v[4], v[5]);
   out.w = pack2<T>(v[6], v[7]);
-  T* dst = static_cast<T*>(p.grad_q) + b * p.dq_batch_stride + h * p.dq_head_stride + i * p.dq_row_stride + c * 8;
+  T* dst = static_cast<T*>(p.grad_q) + b * p.dq_batch_stride + h * p.dq_head_stride +
+           static_cast<int64_t>(seq.q_row0 + i) * p.dq_row_stride + c * 8;
   *reinterpret_cast<uint4*>(dst) = out;
 }
 
-// The key tile a dk/dv block owns (kBlockN keys of one (batch, kv head)) and the query tiles it
-// visits: iteration it is query tile row0(it) of query head head(it), over every head of the GQA group.
-// Block order: see launch_attention_bwd (key blocks slowest when the launcher set kv_block_slowest).
-template <int kBlockM, int kBlockN, bool kCausal>
+// The key tile a dk/dv block owns (kBlockN keys of one (batch or sequence, kv head)) and the query
+// tiles it visits: iteration it is query tile row0(it) of query head head(it), over every head of the
+// GQA group, only the tiles with a query that sees one of the keys. rows_k <= 0: the block is past
+// its sequence (varlen) and exits. Block order: see launch_attention_bwd (key blocks slowest when
+// the launcher set kv_block_slowest).
+template <int kBlockM, int kBlockN, int kMask, bool kVarlen>
 struct KeyBlock {
-  int hk, b, n0, rows_k, causal_offset, m_first, m_count, iterations;
+  int hk, b, n0, rows_k, seqlen_q, seqlen_k, offset, m_first, m_count, iterations, q_row0, k_row0;
+  int64_t seq_tile0;
   __device__ __forceinline__ explicit KeyBlock(const BwdParams& p) {
     int n_block = blockIdx.x;
     hk = blockIdx.y, b = blockIdx.z;
-    if constexpr (kCausal) {
+    if constexpr (kMask != kNoMask) {
       if (p.kv_block_slowest) n_block = blockIdx.z, hk = blockIdx.x, b = blockIdx.y;
     }
+    const SeqInfo<kVarlen> seq(p, b);
+    seqlen_q = seq.seqlen_q;
+    seqlen_k = seq.seqlen_k;
+    q_row0 = seq.q_row0;
+    k_row0 = seq.k_row0;
     n0 = n_block * kBlockN;
-    rows_k = min(kBlockN, p.seqlen_k - n0);
-    causal_offset = p.seqlen_k - p.seqlen_q;
-    // Query rows i see key n0 when i >= n0 - (Sk - Sq): earlier query tiles are skipped.
-    m_first = kCausal ? max(0, n0 - causal_offset) / kBlockM : 0;
-    const int m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
-    m_count = max(0, m_blocks - m_first);
+    rows_k = min(kBlockN, seqlen_k - n0);
+    offset = seqlen_k - seqlen_q;
+    // Query i sees key j when j - off - right <= i <= j - off + left: the query rows any key of the
+    // block sees are [first_row, last_row].
+    int first_row = 0, last_row = seqlen_q - 1;
+    if constexpr (kMask != kNoMask) first_row = max(0, n0 - offset - p.window_right);
+    if constexpr (kMask == kWindow) last_row = min(seqlen_q - 1, n0 + rows_k - 1 - offset + p.window_left);
+    m_first = first_row / kBlockM;
+    m_count = last_row < first_row ? 0 : last_row / kBlockM - m_first + 1;
     iterations = p.group * m_count;
+    seq_tile0 = dq_accum_seq_tile0<kVarlen>(p, b);
   }
   __device__ __forceinline__ int head(int it, const BwdParams& p) const { return hk * p.group + it / m_count; }
   __device__ __forceinline__ int row0(int it) const { return (m_first + it % m_count) * kBlockM; }
 };
 
 // The block's K and V rows [n0, n0 + kBlockN) into sK / sV (Tile layout), zero rows past Sk.
+// n0: the row in the (B, H, S, D) view (the sequence's first row added for varlen).
 template <typename T, int kBlockN, int kD, int kThreads, class Tile>
-__device__ __forceinline__ void load_key_tiles(const BwdParams& p, int b, int hk, int n0, int rows_k, uint32_t sK,
+__device__ __forceinline__ void load_key_tiles(const BwdParams& p, int b, int hk, int64_t n0, int rows_k, uint32_t sK,
                                                uint32_t sV, int tid) {
   const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride + n0 * p.k_row_stride;
   const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride + n0 * p.v_row_stride;
@@ -129,31 +145,34 @@ __device__ __forceinline__ void load_key_tiles(const BwdParams& p, int b, int hk
   load_tile_async<kBlockN, kD, kThreads, T, Tile>(sV, v, p.v_row_stride, rows_k, tid);
 }
 
-// Q and dO rows [m0, m0 + kBlockM) of query head h into sQ / sdO (Tile layout, zero rows past Sq), and
-// their lse (base 2; +inf past Sq, so P = 0) and D into floats[0, kBlockM) and floats[kBlockM, 2 kBlockM).
+// Q and dO rows [m0, m0 + kBlockM) of query head h of the sequence (its first row q_row0 in the view,
+// seqlen_q rows) into sQ / sdO (Tile layout, zero rows past Sq), and their lse (base 2; +inf past Sq,
+// so P = 0) and D into floats[0, kBlockM) and floats[kBlockM, 2 kBlockM).
 template <typename T, int kBlockM, int kD, int kThreads, class Tile>
-__device__ __forceinline__ void load_query_tiles(const BwdParams& p, int b, int h, int m0, uint32_t sQ, uint32_t sdO,
-                                                 float* floats, int tid) {
-  const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + m0 * p.q_row_stride;
-  const T* dout = static_cast<const T*>(p.grad_out) + b * p.do_batch_stride + h * p.do_head_stride + m0 * p.do_row_stride;
-  load_tile_async<kBlockM, kD, kThreads, T, Tile>(sQ, q, p.q_row_stride, p.seqlen_q - m0, tid);
-  load_tile_async<kBlockM, kD, kThreads, T, Tile>(sdO, dout, p.do_row_stride, p.seqlen_q - m0, tid);
-  const int64_t row_base = (static_cast<int64_t>(b) * p.heads_q + h) * p.seqlen_q;
+__device__ __forceinline__ void load_query_tiles(const BwdParams& p, int b, int h, int q_row0, int seqlen_q, int m0,
+                                                 uint32_t sQ, uint32_t sdO, float* floats, int tid) {
+  const int64_t row = q_row0 + m0;
+  const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + row * p.q_row_stride;
+  const T* dout = static_cast<const T*>(p.grad_out) + b * p.do_batch_stride + h * p.do_head_stride + row * p.do_row_stride;
+  load_tile_async<kBlockM, kD, kThreads, T, Tile>(sQ, q, p.q_row_stride, seqlen_q - m0, tid);
+  load_tile_async<kBlockM, kD, kThreads, T, Tile>(sdO, dout, p.do_row_stride, seqlen_q - m0, tid);
+  const int64_t row_base = b * p.lse_batch_stride + h * p.lse_head_stride + q_row0;
   for (int r = tid; r < kBlockM; r += kThreads) {
-    const bool valid = m0 + r < p.seqlen_q;
+    const bool valid = m0 + r < seqlen_q;
     floats[r] = valid ? lse_to_log2(p.lse[row_base + m0 + r]) : INFINITY;
     floats[kBlockM + r] = valid ? p.row_dot[row_base + m0 + r] : 0.f;
   }
 }
 
 // mma.sync body (GPUs other than sm_90a): each of the 8 warps owns 16 keys.
-template <class Tr, bool kCausal, bool kAtomicDq>
+template <class Tr, int kMask, bool kSoftcap, bool kVarlen, bool kAtomicDq>
 __device__ __forceinline__ void attention_bwd_dkdv_mma_body(const BwdParams& p) {
   using T = typename Tr::T;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kNT = Tr::kNTiles, kD = Tr::kHeadDim;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const KeyBlock<kBlockM, kBlockN, kCausal> blk(p);
-  const int hk = blk.hk, b = blk.b, n0 = blk.n0, rows_k = blk.rows_k, causal_offset = blk.causal_offset,
+  const KeyBlock<kBlockM, kBlockN, kMask, kVarlen> blk(p);
+  if (blk.rows_k <= 0) return;  // past its sequence (varlen)
+  const int hk = blk.hk, b = blk.b, n0 = blk.n0, rows_k = blk.rows_k, offset = blk.offset, seqlen_k = blk.seqlen_k,
             iterations = blk.iterations;
 
   unsigned char* smem = attention_smem;
@@ -165,12 +184,12 @@ __device__ __forceinline__ void attention_bwd_dkdv_mma_body(const BwdParams& p) 
   float* stage_floats0 = reinterpret_cast<float*>(smem + 2 * Tr::kTileKVBytes + 2 * Tr::kTileQBytes);
 
   using Tile = SwizzledTile<kD>;
-  load_key_tiles<T, kBlockN, kD, Tr::kThreads, Tile>(p, b, hk, n0, rows_k, sK, sV, tid);
+  load_key_tiles<T, kBlockN, kD, Tr::kThreads, Tile>(p, b, hk, blk.k_row0 + n0, rows_k, sK, sV, tid);
   // Q, dO, lse and D of iteration `it` into stage `it % 2`.
   auto prefetch = [&](int it) {
     const uint32_t stage = sStage0 + (it & 1) * kStageBytes;
-    load_query_tiles<T, kBlockM, kD, Tr::kThreads, Tile>(p, b, blk.head(it, p), blk.row0(it), stage,
-                                                         stage + Tr::kTileQBytes,
+    load_query_tiles<T, kBlockM, kD, Tr::kThreads, Tile>(p, b, blk.head(it, p), blk.q_row0, blk.seqlen_q,
+                                                         blk.row0(it), stage, stage + Tr::kTileQBytes,
                                                          stage_floats0 + (it & 1) * (kStageBytes / 4), tid);
   };
 
@@ -207,7 +226,21 @@ __device__ __forceinline__ void attention_bwd_dkdv_mma_body(const BwdParams& p) 
 #pragma unroll
         for (int e = 0; e < 4; ++e) pt[mt][nt][e] = 0.f;
     warp_gemm_abt<T, kD, kNT, kBlockM>(pt, sK, warp_row0, sQ, lane);
-    const bool needs_mask = n0 + kBlockN > p.seqlen_k || (kCausal && n0 + kBlockN - 1 > m0 + causal_offset);
+    // Softcap: s' = out tanh(in s), and its derivative 1 - tanh^2 for dS.
+    float dtanh[kSoftcap ? kNT : 1][kSoftcap ? kBlockM / 8 : 1][4];
+    if constexpr (kSoftcap) {
+#pragma unroll
+      for (int mt = 0; mt < kNT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < kBlockM / 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float t = fast_tanh(p.softcap_in * pt[mt][nt][e]);
+            pt[mt][nt][e] = p.softcap_out * t;
+            dtanh[mt][nt][e] = fmaf(-t, t, 1.f);
+          }
+    }
+    const bool needs_mask = tile_needs_mask<kMask, kBlockM, kBlockN>(m0, n0, seqlen_k, offset, p);
 #pragma unroll
     for (int mt = 0; mt < kNT; ++mt)
 #pragma unroll
@@ -218,7 +251,7 @@ __device__ __forceinline__ void attention_bwd_dkdv_mma_body(const BwdParams& p) 
           float val = fast_exp2(fmaf(pt[mt][nt][e], scale_log2, -s_lse[col]));
           if (needs_mask) {
             const int key = n0 + warp_row0 + mt * 16 + (lane >> 2) + (e >> 1) * 8;
-            if (key >= p.seqlen_k || (kCausal && key > m0 + col + causal_offset)) val = 0.f;
+            if (!key_visible<kMask>(key, m0 + col, seqlen_k, offset, p)) val = 0.f;
           }
           pt[mt][nt][e] = val;
         }
@@ -241,6 +274,7 @@ __device__ __forceinline__ void attention_bwd_dkdv_mma_body(const BwdParams& p) 
         for (int e = 0; e < 4; ++e) {
           const int col = nt * 8 + (lane & 3) * 2 + (e & 1);
           ds[mt][nt][e] = pt[mt][nt][e] * (ds[mt][nt][e] - s_row_dot[col]);
+          if constexpr (kSoftcap) ds[mt][nt][e] *= dtanh[mt][nt][e];
         }
     warp_gemm_pb<T, kD, kNT, kBlockM>(dk, ds, sQ, lane);
 
@@ -293,11 +327,11 @@ __device__ __forceinline__ void attention_bwd_dkdv_mma_body(const BwdParams& p) 
 #pragma unroll
       for (int rt = 0; rt < kRT; ++rt) {
         const int row_tile = (m0 + q_row0) / 16 + rt;
-        if (row_tile * 16 < p.seqlen_q) {
+        if (row_tile * 16 < blk.seqlen_q) {
 #pragma unroll
           for (int dt = 0; dt < kCols / 8; ++dt)
-            dq_accum_add(dq_accum_tile(p, b, h, row_tile, (d_col0 >> 3) + dt, kD), lane, dq[rt][dt][0], dq[rt][dt][1],
-                         dq[rt][dt][2], dq[rt][dt][3]);
+            dq_accum_add(dq_accum_tile(p, b, h, blk.seq_tile0, row_tile, (d_col0 >> 3) + dt, kD), lane, dq[rt][dt][0],
+                         dq[rt][dt][1], dq[rt][dt][2], dq[rt][dt][3]);
         }
       }
     }
@@ -309,8 +343,9 @@ __device__ __forceinline__ void attention_bwd_dkdv_mma_body(const BwdParams& p) 
   float ones[kNT][2], scales[kNT][2];
 #pragma unroll
   for (int mt = 0; mt < kNT; ++mt) ones[mt][0] = ones[mt][1] = 1.f, scales[mt][0] = scales[mt][1] = p.scale;
-  T* gk = static_cast<T*>(p.grad_k) + b * p.dk_batch_stride + hk * p.dk_head_stride + n0 * p.dk_row_stride;
-  T* gv = static_cast<T*>(p.grad_v) + b * p.dv_batch_stride + hk * p.dv_head_stride + n0 * p.dv_row_stride;
+  const int64_t key_row = blk.k_row0 + n0;
+  T* gk = static_cast<T*>(p.grad_k) + b * p.dk_batch_stride + hk * p.dk_head_stride + key_row * p.dk_row_stride;
+  T* gv = static_cast<T*>(p.grad_v) + b * p.dv_batch_stride + hk * p.dv_head_stride + key_row * p.dv_row_stride;
   store_rows<T, kD, kNT>(dk, scales, smem, warp_row0, gk, p.dk_row_stride, rows_k, lane);
   store_rows<T, kD, kNT>(dv, ones, smem + Tr::kTileKVBytes, warp_row0, gv, p.dv_row_stride, rows_k, lane);
 }
@@ -322,7 +357,7 @@ __device__ __forceinline__ void attention_bwd_dkdv_mma_body(const BwdParams& p) 
 // dK += dS^T Q with P^T / dS^T from registers, and on the atomic path dQ = dS K from dS^T written to
 // shared memory: each warpgroup computes a 64 x 64 block of it over all 128 keys, the columns split
 // for D = 128 (64-query tiles), the query rows for D = 64 (128-query tiles).
-template <class Tr, bool kCausal, bool kAtomicDq>
+template <class Tr, int kMask, bool kSoftcap, bool kVarlen, bool kAtomicDq>
 __device__ __forceinline__ void attention_bwd_dkdv_wgmma_body(const BwdParams& p) {
   using T = typename Tr::T;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kD = Tr::kHeadDim;
@@ -333,8 +368,9 @@ __device__ __forceinline__ void attention_bwd_dkdv_wgmma_body(const BwdParams& p
   using QTile = PanelTile<kBlockM>;
   using DsTile = PanelTile<kBlockN>;  // dS^T: kBlockN keys x kBlockM queries
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
-  const KeyBlock<kBlockM, kBlockN, kCausal> blk(p);
-  const int hk = blk.hk, b = blk.b, n0 = blk.n0, rows_k = blk.rows_k, causal_offset = blk.causal_offset,
+  const KeyBlock<kBlockM, kBlockN, kMask, kVarlen> blk(p);
+  if (blk.rows_k <= 0) return;  // past its sequence (varlen)
+  const int hk = blk.hk, b = blk.b, n0 = blk.n0, rows_k = blk.rows_k, offset = blk.offset, seqlen_k = blk.seqlen_k,
             iterations = blk.iterations;
 
   // Tiles start on 1024-byte boundaries (the 128-byte swizzle); the launch adds 1 KB for this.
@@ -346,12 +382,12 @@ __device__ __forceinline__ void attention_bwd_dkdv_wgmma_body(const BwdParams& p
   const uint32_t sDs = sStage0 + 4 * Tr::kTileQBytes;
   float* stage_floats0 = reinterpret_cast<float*>(smem + (sDs - sK) + Tr::kTileDsBytes);  // stage s: lse, D
 
-  load_key_tiles<T, kBlockN, kD, Tr::kThreads, KVTile>(p, b, hk, n0, rows_k, sK, sV, tid);
+  load_key_tiles<T, kBlockN, kD, Tr::kThreads, KVTile>(p, b, hk, blk.k_row0 + n0, rows_k, sK, sV, tid);
   auto prefetch = [&](int it) {
     const uint32_t sQ = sStage0 + (it & 1) * 2 * Tr::kTileQBytes;
-    load_query_tiles<T, kBlockM, kD, Tr::kThreads, QTile>(p, b, blk.head(it, p), blk.row0(it), sQ,
-                                                          sQ + Tr::kTileQBytes, stage_floats0 + (it & 1) * 2 * kBlockM,
-                                                          tid);
+    load_query_tiles<T, kBlockM, kD, Tr::kThreads, QTile>(p, b, blk.head(it, p), blk.q_row0, blk.seqlen_q,
+                                                          blk.row0(it), sQ, sQ + Tr::kTileQBytes,
+                                                          stage_floats0 + (it & 1) * 2 * kBlockM, tid);
   };
 
   float dk[kD / 2], dv[kD / 2];
@@ -386,16 +422,26 @@ __device__ __forceinline__ void attention_bwd_dkdv_wgmma_body(const BwdParams& p
     wgmma_wait<1>();
     wgmma_fence_operands(st);
 
+    // Softcap: s' = out tanh(in s), and its derivative 1 - tanh^2 for dS.
+    float dtanh[kSoftcap ? kSN : 1];
+    if constexpr (kSoftcap) {
+#pragma unroll
+      for (int i = 0; i < kSN; ++i) {
+        const float t = fast_tanh(p.softcap_in * st[i]);
+        st[i] = p.softcap_out * t;
+        dtanh[i] = fmaf(-t, t, 1.f);
+      }
+    }
     // P^T = exp2(S^T * scale_log2 - lse_log2[query]); element i: query column 8 (i / 4) + 2 t + i % 2,
     // key row warp_row0 + g + 8 ((i % 4) / 2).
-    const bool needs_mask = n0 + kBlockN > p.seqlen_k || (kCausal && n0 + kBlockN - 1 > m0 + causal_offset);
+    const bool needs_mask = tile_needs_mask<kMask, kBlockM, kBlockN>(m0, n0, seqlen_k, offset, p);
 #pragma unroll
     for (int i = 0; i < kSN; ++i) {
       const int col = (i >> 2) * 8 + (lane & 3) * 2 + (i & 1);
       float val = fast_exp2(fmaf(st[i], scale_log2, -s_lse[col]));
       if (needs_mask) {
         const int key = n0 + warp_row0 + (lane >> 2) + ((i >> 1) & 1) * 8;
-        if (key >= p.seqlen_k || (kCausal && key > m0 + col + causal_offset)) val = 0.f;
+        if (!key_visible<kMask>(key, m0 + col, seqlen_k, offset, p)) val = 0.f;
       }
       st[i] = val;
     }
@@ -414,6 +460,7 @@ __device__ __forceinline__ void attention_bwd_dkdv_wgmma_body(const BwdParams& p
     for (int i = 0; i < kSN; ++i) {
       const int col = (i >> 2) * 8 + (lane & 3) * 2 + (i & 1);
       dpt[i] = st[i] * (dpt[i] - s_row_dot[col]);
+      if constexpr (kSoftcap) dpt[i] *= dtanh[i];
     }
     auto& dpt4 = reinterpret_cast<const float(&)[kSN / 4][4]>(dpt);
 #pragma unroll
@@ -452,11 +499,11 @@ __device__ __forceinline__ void attention_bwd_dkdv_wgmma_body(const BwdParams& p
       wgmma_wait<0>();
       wgmma_fence_operands(dq);
       const int row_tile = (m0 + q0) / 16 + (warp & 3);
-      if (row_tile * 16 < p.seqlen_q) {
+      if (row_tile * 16 < blk.seqlen_q) {
 #pragma unroll
         for (int j = 0; j < 8; ++j)
-          dq_accum_add(dq_accum_tile(p, b, h, row_tile, (col0 >> 3) + j, kD), lane, dq[4 * j], dq[4 * j + 1],
-                       dq[4 * j + 2], dq[4 * j + 3]);
+          dq_accum_add(dq_accum_tile(p, b, h, blk.seq_tile0, row_tile, (col0 >> 3) + j, kD), lane, dq[4 * j],
+                       dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
       }
     } else {
       wgmma_wait<0>();
@@ -469,8 +516,9 @@ __device__ __forceinline__ void attention_bwd_dkdv_wgmma_body(const BwdParams& p
   cp_async_wait<0>();
   __syncthreads();  // every warpgroup is done reading sK / sV
   float ones[1][2] = {{1.f, 1.f}}, scales[1][2] = {{p.scale, p.scale}};
-  T* gk = static_cast<T*>(p.grad_k) + b * p.dk_batch_stride + hk * p.dk_head_stride + n0 * p.dk_row_stride;
-  T* gv = static_cast<T*>(p.grad_v) + b * p.dv_batch_stride + hk * p.dv_head_stride + n0 * p.dv_row_stride;
+  const int64_t key_row = blk.k_row0 + n0;
+  T* gk = static_cast<T*>(p.grad_k) + b * p.dk_batch_stride + hk * p.dk_head_stride + key_row * p.dk_row_stride;
+  T* gv = static_cast<T*>(p.grad_v) + b * p.dv_batch_stride + hk * p.dv_head_stride + key_row * p.dv_row_stride;
   store_rows<T, kD, 1>(reinterpret_cast<const float(&)[1][kD / 8][4]>(dk), scales, smem, warp_row0, gk,
                        p.dk_row_stride, rows_k, lane);
   store_rows<T, kD, 1>(reinterpret_cast<const float(&)[1][kD / 8][4]>(dv), ones, smem + Tr::kTileKVBytes, warp_row0,
@@ -480,14 +528,15 @@ __device__ __forceinline__ void attention_bwd_dkdv_wgmma_body(const BwdParams& p
 
 // Deterministic dq: a block owns kBlockM queries of one (batch, head) and loops over key tiles;
 // K/V tiles are double-buffered (K is read twice per tile: S = Q K^T and dQ += dS K).
-template <class Tr, bool kCausal>
+template <class Tr, int kMask, bool kSoftcap, bool kVarlen>
 __device__ __forceinline__ void attention_bwd_dq_body(const BwdParams& p) {
   using T = typename Tr::T;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kMT = Tr::kMTiles, kD = Tr::kHeadDim;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const QueryBlock<T, kBlockM, kBlockN, kCausal> blk(p);
-  const int h = blk.h, b = blk.b, m0 = blk.m0, rows_q = blk.rows_q, causal_offset = blk.causal_offset,
-            n_blocks = blk.n_blocks;
+  const QueryBlock<T, kBlockM, kBlockN, kMask, kVarlen> blk(p);
+  if (blk.rows_q <= 0) return;  // past its sequence (varlen)
+  const int m0 = blk.m0, rows_q = blk.rows_q, offset = blk.offset, seqlen_k = blk.seqlen_k, n_begin = blk.n_begin,
+            n_end = blk.n_end;
   const T *q = blk.q, *k = blk.k, *v = blk.v;
 
   unsigned char* smem = attention_smem;
@@ -495,29 +544,30 @@ __device__ __forceinline__ void attention_bwd_dq_body(const BwdParams& p) {
   const uint32_t sdO = sQ + Tr::kTileQBytes;
   const uint32_t sKV0 = sdO + Tr::kTileQBytes;  // stage s: K at sKV0 + s * 2 * tile, V after it
 
-  const T* dout = static_cast<const T*>(p.grad_out) + b * p.do_batch_stride + h * p.do_head_stride + m0 * p.do_row_stride;
+  const T* dout = blk.template rows<const T>(const_cast<void*>(p.grad_out), p.do_batch_stride, p.do_head_stride,
+                                             p.do_row_stride, p);
   load_tile_async<kBlockM, kD, Tr::kThreads>(sQ, q, p.q_row_stride, rows_q, tid);
   load_tile_async<kBlockM, kD, Tr::kThreads>(sdO, dout, p.do_row_stride, rows_q, tid);
   auto prefetch = [&](int nb) {
     const int n0 = nb * kBlockN;
     const uint32_t sK = sKV0 + (nb & 1) * 2 * Tr::kTileKVBytes;
-    load_tile_async<kBlockN, kD, Tr::kThreads>(sK, k + n0 * p.k_row_stride, p.k_row_stride, p.seqlen_k - n0, tid);
+    load_tile_async<kBlockN, kD, Tr::kThreads>(sK, k + n0 * p.k_row_stride, p.k_row_stride, seqlen_k - n0, tid);
     load_tile_async<kBlockN, kD, Tr::kThreads>(sK + Tr::kTileKVBytes, v + n0 * p.v_row_stride, p.v_row_stride,
-                                               p.seqlen_k - n0, tid);
+                                               seqlen_k - n0, tid);
   };
-  if (n_blocks > 0) prefetch(0);
+  if (n_begin < n_end) prefetch(n_begin);
   cp_async_commit();
 
   const int warp_row0 = warp * Tr::kRowsPerWarp;
   float lse_log2[kMT][2], row_dot[kMT][2];
-  const int64_t row_base = (static_cast<int64_t>(b) * p.heads_q + h) * p.seqlen_q;
+  const int64_t row_base = blk.lse_row0;
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const int row = m0 + warp_row0 + mt * 16 + (lane >> 2) + hh * 8;
-      lse_log2[mt][hh] = row < p.seqlen_q ? lse_to_log2(p.lse[row_base + row]) : INFINITY;
-      row_dot[mt][hh] = row < p.seqlen_q ? p.row_dot[row_base + row] : 0.f;
+      lse_log2[mt][hh] = row < blk.seqlen_q ? lse_to_log2(p.lse[row_base + row]) : INFINITY;
+      row_dot[mt][hh] = row < blk.seqlen_q ? p.row_dot[row_base + row] : 0.f;
     }
   float dq[kMT][kD / 8][4];
 #pragma unroll
@@ -528,11 +578,11 @@ __device__ __forceinline__ void attention_bwd_dq_body(const BwdParams& p) {
       for (int e = 0; e < 4; ++e) dq[mt][dt][e] = 0.f;
   const float scale_log2 = p.scale_log2;
 
-  for (int nb = 0; nb < n_blocks; ++nb) {
+  for (int nb = n_begin; nb < n_end; ++nb) {
     const int n0 = nb * kBlockN;
     cp_async_wait<0>();
     __syncthreads();  // K/V[nb] landed; every warp is done with stage (nb + 1) % 2
-    if (nb + 1 < n_blocks) prefetch(nb + 1);
+    if (nb + 1 < n_end) prefetch(nb + 1);
     cp_async_commit();
     const uint32_t sK = sKV0 + (nb & 1) * 2 * Tr::kTileKVBytes;
     const uint32_t sV = sK + Tr::kTileKVBytes;
@@ -545,8 +595,22 @@ __device__ __forceinline__ void attention_bwd_dq_body(const BwdParams& p) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[mt][nt][e] = dp[mt][nt][e] = 0.f;
     warp_gemm_abt<T, kD, kMT, kBlockN>(s, sQ, warp_row0, sK, lane);
-    const bool needs_mask = n0 + kBlockN > p.seqlen_k || (kCausal && n0 + kBlockN - 1 > m0 + causal_offset);
-    if (needs_mask) apply_mask<kCausal, kMT, kBlockN>(s, m0 + warp_row0, n0, p.seqlen_k, causal_offset, lane);
+    // Softcap: s' = out tanh(in s), and its derivative 1 - tanh^2 for dS.
+    float dtanh[kSoftcap ? kMT : 1][kSoftcap ? kBlockN / 8 : 1][4];
+    if constexpr (kSoftcap) {
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < kBlockN / 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float t = fast_tanh(p.softcap_in * s[mt][nt][e]);
+            s[mt][nt][e] = p.softcap_out * t;
+            dtanh[mt][nt][e] = fmaf(-t, t, 1.f);
+          }
+    }
+    if (tile_needs_mask<kMask, kBlockM, kBlockN>(m0, n0, seqlen_k, offset, p))
+      apply_mask<kMask, kMT, kBlockN>(s, m0 + warp_row0, n0, seqlen_k, offset, p, lane);
     warp_gemm_abt<T, kD, kMT, kBlockN>(dp, sdO, warp_row0, sV, lane);
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt)
@@ -557,6 +621,7 @@ __device__ __forceinline__ void attention_bwd_dq_body(const BwdParams& p) {
           const int hh = e >> 1;
           const float pr = fast_exp2(fmaf(s[mt][nt][e], scale_log2, -lse_log2[mt][hh]));
           s[mt][nt][e] = pr * (dp[mt][nt][e] - row_dot[mt][hh]);
+          if constexpr (kSoftcap) s[mt][nt][e] *= dtanh[mt][nt][e];
         }
     warp_gemm_pb<T, kD, kMT, kBlockN>(dq, s, sK, lane);
   }
@@ -566,22 +631,22 @@ __device__ __forceinline__ void attention_bwd_dq_body(const BwdParams& p) {
   float scales[kMT][2];
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt) scales[mt][0] = scales[mt][1] = p.scale;
-  T* gq = static_cast<T*>(p.grad_q) + b * p.dq_batch_stride + h * p.dq_head_stride + m0 * p.dq_row_stride;
+  T* gq = blk.template rows<T>(p.grad_q, p.dq_batch_stride, p.dq_head_stride, p.dq_row_stride, p);
   store_rows<T, kD, kMT>(dq, scales, smem, warp_row0, gq, p.dq_row_stride, rows_q, lane);
 }
 
-template <class Tr, bool kCausal, bool kAtomicDq>
+template <class Tr, int kMask, bool kSoftcap, bool kVarlen, bool kAtomicDq>
 __global__ void __launch_bounds__(Tr::kThreads) attention_bwd_dkdv_kernel(const __grid_constant__ BwdParams params) {
 #if FUSEFORGE_ATTENTION_WGMMA
-  attention_bwd_dkdv_wgmma_body<Tr, kCausal, kAtomicDq>(params);
+  attention_bwd_dkdv_wgmma_body<Tr, kMask, kSoftcap, kVarlen, kAtomicDq>(params);
 #else
-  attention_bwd_dkdv_mma_body<Tr, kCausal, kAtomicDq>(params);
+  attention_bwd_dkdv_mma_body<Tr, kMask, kSoftcap, kVarlen, kAtomicDq>(params);
 #endif
 }
 
-template <class Tr, bool kCausal>
+template <class Tr, int kMask, bool kSoftcap, bool kVarlen>
 __global__ void __launch_bounds__(Tr::kThreads) attention_bwd_dq_kernel(const __grid_constant__ BwdParams params) {
-  attention_bwd_dq_body<Tr, kCausal>(params);
+  attention_bwd_dq_body<Tr, kMask, kSoftcap, kVarlen>(params);
 }
 
 // The dq kernel's tiles: Q and dO resident, two stages of K and V.
@@ -590,21 +655,24 @@ constexpr int dq_smem_bytes() {
   return 2 * Tr::kTileQBytes + 4 * Tr::kTileKVBytes;
 }
 
-template <class DkdvTr, class DqTr>
-void launch_attention_bwd(const BwdParams& params, bool causal, bool deterministic) {
+// row_dot_params: the problem as the row_dot kernel sees it (varlen: one sequence of total_q rows,
+// whose row index is the lse layout's).
+template <class DkdvTr, class DqTr, bool kSoftcap>
+void launch_attention_bwd(const BwdParams& params, const BwdParams& row_dot_params, bool local, bool deterministic) {
   using T = typename DkdvTr::T;
   constexpr int kD = DkdvTr::kHeadDim;
   static_assert(dq_smem_bytes<DqTr>() <= 227 * 1024, "fits an H100 SM's shared memory");
-  const int64_t rows = static_cast<int64_t>(params.batch) * params.heads_q * params.seqlen_q;
+  const int64_t rows = static_cast<int64_t>(row_dot_params.batch) * row_dot_params.heads_q * row_dot_params.seqlen_q;
   launch_kernel(attention_row_dot_kernel<T, kD>, dim3(static_cast<unsigned>(ceil_div(rows, 8))), dim3(256), 0,
-                params);
+                row_dot_params);
   // Causal: key block 0 of a head sees every query, the last one few. When the grid is a few waves
   // (GQA: each block loops over the group's heads, so the grid is small and its blocks long), the
   // launch order decides the tail: key blocks slowest (grid z) starts every head's heaviest block
   // first and leaves the short ones for the last wave. Measured on the H100 (docs/notes_attention.md):
   // the 1.2B Llama's step (2.9 waves) 29.5 -> 24.0 ms in this kernel; on the benchmark's 31-wave
   // grids the default order (a head's key blocks side by side, sharing its Q/dO tiles in L2) is 3-5%
-  // faster. The crossover between 3 and 31 waves was not measured: 8 is a guess.
+  // faster. The crossover between 3 and 31 waves was not measured: 8 is a guess. (Applied to every
+  // local mask; a sliding window's key blocks weigh about the same, so the order matters little.)
   const int64_t kv_blocks = ceil_div(params.seqlen_k, DkdvTr::kBlockN);
   const int64_t blocks = kv_blocks * params.heads_kv * params.batch;
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
@@ -612,25 +680,26 @@ void launch_attention_bwd(const BwdParams& params, bool causal, bool determinist
       static_cast<int64_t>(prop->multiProcessorCount) *
       std::max<int64_t>(1, prop->sharedMemPerMultiprocessor / (DkdvTr::kSmemBytes + prop->reservedSharedMemPerBlock));
   BwdParams p = params;
-  p.kv_block_slowest = causal && blocks <= 8 * resident;
+  p.kv_block_slowest = local && blocks <= 8 * resident && kv_blocks <= 65535;
   const dim3 grid_kv = p.kv_block_slowest
                            ? dim3(static_cast<unsigned>(params.heads_kv), static_cast<unsigned>(params.batch),
                                   static_cast<unsigned>(kv_blocks))
                            : dim3(static_cast<unsigned>(kv_blocks), static_cast<unsigned>(params.heads_kv),
                                   static_cast<unsigned>(params.batch));
-  FUSEFORGE_BOOL_SWITCH(causal, kCausal, [&] {
+  dispatch_mask_varlen(params, local, [&]<int kMask, bool kVarlen>() {
     if (deterministic) {
-      launch_kernel(attention_bwd_dkdv_kernel<DkdvTr, kCausal, false>, grid_kv, dim3(DkdvTr::kThreads),
-                    DkdvTr::kSmemBytes, p);
+      launch_kernel(attention_bwd_dkdv_kernel<DkdvTr, kMask, kSoftcap, kVarlen, false>, grid_kv,
+                    dim3(DkdvTr::kThreads), DkdvTr::kSmemBytes, p);
       const dim3 grid_q(static_cast<unsigned>(ceil_div(params.seqlen_q, DqTr::kBlockM)),
                         static_cast<unsigned>(params.heads_q), static_cast<unsigned>(params.batch));
-      launch_kernel(attention_bwd_dq_kernel<DqTr, kCausal>, grid_q, dim3(DqTr::kThreads), dq_smem_bytes<DqTr>(),
-                    params);
+      launch_kernel(attention_bwd_dq_kernel<DqTr, kMask, kSoftcap, kVarlen>, grid_q, dim3(DqTr::kThreads),
+                    dq_smem_bytes<DqTr>(), params);
     } else {
-      launch_kernel(attention_bwd_dkdv_kernel<DkdvTr, kCausal, true>, grid_kv, dim3(DkdvTr::kThreads),
-                    DkdvTr::kSmemBytes, p);
-      launch_kernel(attention_dq_convert_kernel<T, kD>, dim3(static_cast<unsigned>(ceil_div(rows * (kD / 8), 256))),
-                    dim3(256), 0, params);
+      launch_kernel(attention_bwd_dkdv_kernel<DkdvTr, kMask, kSoftcap, kVarlen, true>, grid_kv,
+                    dim3(DkdvTr::kThreads), DkdvTr::kSmemBytes, p);
+      const dim3 grid_convert(static_cast<unsigned>(ceil_div(static_cast<int64_t>(params.seqlen_q) * (kD / 8), 256)),
+                              static_cast<unsigned>(params.heads_q), static_cast<unsigned>(params.batch));
+      launch_kernel(attention_dq_convert_kernel<T, kD, kVarlen>, grid_convert, dim3(256), 0, params);
     }
   });
 }

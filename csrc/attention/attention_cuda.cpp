@@ -4,6 +4,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "attention/attention.h"
@@ -24,8 +25,9 @@ at::Tensor kernel_ready(const at::Tensor& t) {
 void check_grid_limits(const Shape& s) {
   TORCH_CHECK(s.batch <= 65535 && s.heads_q <= 65535, "attention on CUDA supports batch and heads up to 65535, got ",
               s.batch, " and ", s.heads_q);
-  TORCH_CHECK(s.seqlen_q < (int64_t(1) << 31) && s.seqlen_k < (int64_t(1) << 31),
-              "attention on CUDA supports sequence lengths below 2^31");
+  // The kernels add row, offset and window bounds in 32-bit ints.
+  TORCH_CHECK(s.seqlen_q < (int64_t(1) << 29) && s.seqlen_k < (int64_t(1) << 29),
+              "attention on CUDA supports sequence lengths below 2^29, got ", s.seqlen_q, " and ", s.seqlen_k);
 }
 
 void set_strides(const at::Tensor& t, int64_t& batch, int64_t& head, int64_t& row) {
@@ -34,13 +36,17 @@ void set_strides(const at::Tensor& t, int64_t& batch, int64_t& head, int64_t& ro
   row = t.stride(2);
 }
 
+// q, k, v, out are (B, H, S, D) tensors (varlen: the (1, H, total, D) views), lse (B, Hq, S) or
+// (Hq, total); s.batch, s.seqlen_q/k: the batch (number of sequences) and the max lengths.
 void fill_forward(FwdParams& p, const Shape& s, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                  const at::Tensor& out, const at::Tensor& lse, double scale) {
+                  const at::Tensor& out, const at::Tensor& lse, double scale, const MaskOptions& o) {
   p.q = q.data_ptr();
   p.k = k.data_ptr();
   p.v = v.data_ptr();
   p.out = out.data_ptr();
   p.lse = lse.data_ptr<float>();
+  p.lse_head_stride = lse.stride(lse.dim() - 2);
+  p.lse_batch_stride = lse.dim() == 3 ? lse.stride(0) : 0;
   set_strides(q, p.q_batch_stride, p.q_head_stride, p.q_row_stride);
   set_strides(k, p.k_batch_stride, p.k_head_stride, p.k_row_stride);
   set_strides(v, p.v_batch_stride, p.v_head_stride, p.v_row_stride);
@@ -53,17 +59,39 @@ void fill_forward(FwdParams& p, const Shape& s, const at::Tensor& q, const at::T
   p.seqlen_k = static_cast<int>(s.seqlen_k);
   p.scale = static_cast<float>(scale);
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+  // Unbounded sides become the max lengths: as good as infinite, and no 32-bit sum overflows.
+  p.window_left = static_cast<int>(o.window_left < 0 ? s.seqlen_k : std::min(o.window_left, s.seqlen_k));
+  p.window_right = static_cast<int>(o.window_right < 0 ? s.seqlen_q : std::min(o.window_right, s.seqlen_q));
+  if (o.softcap > 0.0) {
+    p.softcap_in = static_cast<float>(scale / o.softcap);
+    p.softcap_out = static_cast<float>(o.softcap / scale);
+  }
 }
 
-// Calls f.template operator()<T, kHeadDim>() for the tensor's dtype and head dim.
+// Varlen: batch strides 0 (the views are a batch of one), the sequences from cu_seqlens.
+void set_varlen(FwdParams& p, const at::Tensor& cu_q, const at::Tensor& cu_k) {
+  p.cu_seqlens_q = cu_q.data_ptr<int>();
+  p.cu_seqlens_k = cu_k.data_ptr<int>();
+  p.q_batch_stride = p.k_batch_stride = p.v_batch_stride = p.out_batch_stride = 0;
+  p.lse_batch_stride = 0;
+}
+
+// Calls f.template operator()<T, kHeadDim, kSoftcap>() for the tensor's dtype, the head dim and softcap.
 template <typename F>
-void dispatch_dtype_head_dim(at::ScalarType dtype, int64_t head_dim, F&& f) {
+void dispatch_dtype_head_dim(at::ScalarType dtype, int64_t head_dim, bool softcap, F&& f) {
   auto by_dim = [&](auto tag) {
     using T = decltype(tag);
+    auto by_cap = [&]<int kD>() {
+      if (softcap) {
+        f.template operator()<T, kD, true>();
+      } else {
+        f.template operator()<T, kD, false>();
+      }
+    };
     if (head_dim == 64) {
-      f.template operator()<T, 64>();
+      by_cap.template operator()<64>();
     } else {
-      f.template operator()<T, 128>();
+      by_cap.template operator()<128>();
     }
   };
   if (dtype == at::kHalf) {
@@ -73,40 +101,26 @@ void dispatch_dtype_head_dim(at::ScalarType dtype, int64_t head_dim, F&& f) {
   }
 }
 
-std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
-                                                      const at::Tensor& v_in, bool causal, double scale) {
-  const Shape s = check_inputs(q_in, k_in, v_in, /*cuda=*/true);
-  check_grid_limits(s);
-  const c10::cuda::CUDAGuard guard(q_in.device());
+// The forward on (B, H, S, D) views; lse preallocated. Shared by the fixed-length and varlen ops.
+void forward(const Shape& s, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+             const at::Tensor& out, const at::Tensor& lse, double scale, const MaskOptions& o,
+             const at::Tensor* cu_q, const at::Tensor* cu_k) {
+  if (out.numel() == 0) return;
   const at::Tensor q = kernel_ready(q_in), k = kernel_ready(k_in), v = kernel_ready(v_in);
-  at::Tensor out = at::empty_like(q_in);
-  at::Tensor lse = at::empty({s.batch, s.heads_q, s.seqlen_q}, q.options().dtype(at::kFloat));
-  if (out.numel() == 0) return {out, lse};
   at::Tensor out_k = kernel_ready(out);
   FwdParams p;
-  fill_forward(p, s, q, k, v, out_k, lse, scale);
-  dispatch_dtype_head_dim(q.scalar_type(), s.head_dim,
-                          [&]<typename T, int kD>() { run_attention_fwd<T, kD>(p, causal); });
+  fill_forward(p, s, q, k, v, out_k, lse, scale, o);
+  if (cu_q != nullptr) set_varlen(p, *cu_q, *cu_k);
+  dispatch_dtype_head_dim(q.scalar_type(), s.head_dim, o.softcap > 0.0,
+                          [&]<typename T, int kD, bool kSoftcap>() { run_attention_fwd<T, kD, kSoftcap>(p, o.local()); });
   if (!out_k.is_same(out)) out.copy_(out_k);
-  return {out, lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(const at::Tensor& grad_out_in,
-                                                                  const at::Tensor& q_in, const at::Tensor& k_in,
-                                                                  const at::Tensor& v_in, const at::Tensor& out_in,
-                                                                  const at::Tensor& lse_in, bool causal, double scale,
-                                                                  bool deterministic) {
-  const Shape s = check_inputs(q_in, k_in, v_in, /*cuda=*/true);
-  check_backward_inputs(s, q_in, grad_out_in, out_in, lse_in);
-  check_grid_limits(s);
-  const c10::cuda::CUDAGuard guard(q_in.device());
-  at::Tensor grad_q = at::empty_like(q_in), grad_k = at::empty_like(k_in), grad_v = at::empty_like(v_in);
-  if (s.batch == 0 || s.heads_q == 0 || s.seqlen_q == 0 || s.seqlen_k == 0) {
-    grad_q.zero_();
-    grad_k.zero_();
-    grad_v.zero_();
-    return {grad_q, grad_k, grad_v};
-  }
+// The backward on (B, H, S, D) views into grad_q, grad_k, grad_v (views of the results).
+void backward(const Shape& s, const at::Tensor& grad_out_in, const at::Tensor& q_in, const at::Tensor& k_in,
+              const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& lse_in, double scale,
+              const MaskOptions& o, bool deterministic, const at::Tensor& grad_q, const at::Tensor& grad_k,
+              const at::Tensor& grad_v, const at::Tensor* cu_q, const at::Tensor* cu_k) {
   // grad_out may come with any strides (an expanded ones_like, a transposed view): copy if needed.
   const at::Tensor grad_out = kernel_ready(grad_out_in.stride(3) == 1 ? grad_out_in : grad_out_in.contiguous());
   const at::Tensor q = kernel_ready(q_in), k = kernel_ready(k_in), v = kernel_ready(v_in);
@@ -114,7 +128,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(const at::Tens
   at::Tensor dq = kernel_ready(grad_q), dk = kernel_ready(grad_k), dv = kernel_ready(grad_v);
 
   BwdParams p;
-  fill_forward(p, s, q, k, v, out, lse, scale);
+  fill_forward(p, s, q, k, v, out, lse, scale, o);
   p.grad_out = grad_out.data_ptr();
   set_strides(grad_out, p.do_batch_stride, p.do_head_stride, p.do_row_stride);
   p.grad_q = dq.data_ptr();
@@ -123,20 +137,116 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(const at::Tens
   set_strides(dq, p.dq_batch_stride, p.dq_head_stride, p.dq_row_stride);
   set_strides(dk, p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride);
   set_strides(dv, p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride);
-  at::Tensor row_dot = at::empty({s.batch, s.heads_q, s.seqlen_q}, q.options().dtype(at::kFloat));
+  at::Tensor row_dot = at::empty(lse.sizes(), q.options().dtype(at::kFloat));  // lse's layout
   p.row_dot = row_dot.data_ptr<float>();
+  // The row_dot kernel's view: every row of q once (varlen: one sequence of total_q rows).
+  BwdParams row_dot_params = p;
+  if (cu_q != nullptr) {
+    set_varlen(p, *cu_q, *cu_k);
+    p.do_batch_stride = p.dq_batch_stride = p.dk_batch_stride = p.dv_batch_stride = 0;
+    row_dot_params.batch = 1;
+    row_dot_params.seqlen_q = static_cast<int>(q.size(2));
+  }
   at::Tensor dq_accum;
   if (!deterministic) {
-    // Rows padded to a multiple of 16: the kernels add whole 16 x 8 tiles (attention_bwd_kernel.cuh).
-    const int64_t rows = (s.seqlen_q + 15) / 16 * 16;
-    dq_accum = at::zeros({s.batch, s.heads_q, rows, s.head_dim}, q.options().dtype(at::kFloat));
+    // Whole 16-row tiles (the kernels add 16 x 8 tiles, attention_bwd_kernel.cuh); varlen: sequence b
+    // from tile cu[b] / 16 + b, so R = 16 (total / 16 + B + 1) rows a head.
+    const int64_t rows = cu_q != nullptr ? 16 * (q.size(2) / 16 + s.batch + 1) : (s.seqlen_q + 15) / 16 * 16;
+    const int64_t batches = cu_q != nullptr ? 1 : s.batch;
+    dq_accum = at::zeros({batches, s.heads_q, rows, s.head_dim}, q.options().dtype(at::kFloat));
     p.dq_accum = dq_accum.data_ptr<float>();
+    p.dq_accum_head_tiles = rows / 16;
+    p.dq_accum_batch_tiles = cu_q != nullptr ? 0 : s.heads_q * rows / 16;
   }
-  dispatch_dtype_head_dim(q.scalar_type(), s.head_dim,
-                          [&]<typename T, int kD>() { run_attention_bwd<T, kD>(p, causal, deterministic); });
+  dispatch_dtype_head_dim(q.scalar_type(), s.head_dim, o.softcap > 0.0, [&]<typename T, int kD, bool kSoftcap>() {
+    run_attention_bwd<T, kD, kSoftcap>(p, row_dot_params, o.local(), deterministic);
+  });
   if (!dq.is_same(grad_q)) grad_q.copy_(dq);
   if (!dk.is_same(grad_k)) grad_k.copy_(dk);
   if (!dv.is_same(grad_v)) grad_v.copy_(dv);
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                      bool causal, double scale, int64_t window_left,
+                                                      int64_t window_right, double softcap) {
+  const Shape s = check_inputs(q, k, v, /*cuda=*/true);
+  const MaskOptions o = check_mask_options(causal, window_left, window_right, softcap);
+  check_grid_limits(s);
+  const c10::cuda::CUDAGuard guard(q.device());
+  at::Tensor out = at::empty_like(q);
+  at::Tensor lse = at::empty({s.batch, s.heads_q, s.seqlen_q}, q.options().dtype(at::kFloat));
+  forward(s, q, k, v, out, lse, scale, o, nullptr, nullptr);
+  return {out, lse};
+}
+
+// Gradients that are zero or empty without running a kernel: no keys, no queries, no heads.
+bool backward_is_trivial(const Shape& s, at::Tensor& grad_q, at::Tensor& grad_k, at::Tensor& grad_v) {
+  if (s.batch == 0 || s.heads_q == 0 || s.seqlen_q == 0 || s.seqlen_k == 0) {
+    grad_q.zero_();
+    grad_k.zero_();
+    grad_v.zero_();
+    return true;
+  }
+  return false;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(const at::Tensor& grad_out, const at::Tensor& q,
+                                                                  const at::Tensor& k, const at::Tensor& v,
+                                                                  const at::Tensor& out, const at::Tensor& lse,
+                                                                  bool causal, double scale, bool deterministic,
+                                                                  int64_t window_left, int64_t window_right,
+                                                                  double softcap) {
+  const Shape s = check_inputs(q, k, v, /*cuda=*/true);
+  check_backward_inputs(s, q, grad_out, out, lse);
+  const MaskOptions o = check_mask_options(causal, window_left, window_right, softcap);
+  check_grid_limits(s);
+  const c10::cuda::CUDAGuard guard(q.device());
+  at::Tensor grad_q = at::empty_like(q), grad_k = at::empty_like(k), grad_v = at::empty_like(v);
+  if (backward_is_trivial(s, grad_q, grad_k, grad_v)) return {grad_q, grad_k, grad_v};
+  backward(s, grad_out, q, k, v, out, lse, scale, o, deterministic, grad_q, grad_k, grad_v, nullptr, nullptr);
+  return {grad_q, grad_k, grad_v};
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_varlen_fwd_cuda(const at::Tensor& q, const at::Tensor& k,
+                                                             const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+                                                             const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+                                                             int64_t max_seqlen_k, bool causal, double scale,
+                                                             int64_t window_left, int64_t window_right,
+                                                             double softcap) {
+  const Shape s = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, true);
+  const MaskOptions o = check_mask_options(causal, window_left, window_right, softcap);
+  check_grid_limits(s);
+  const c10::cuda::CUDAGuard guard(q.device());
+  const at::Tensor cu_q = cu_seqlens_q.contiguous(), cu_k = cu_seqlens_k.contiguous();
+  check_cu_seqlens_async(cu_q.data_ptr<int>(), cu_k.data_ptr<int>(), static_cast<int>(s.batch), q.size(0), k.size(0),
+                         max_seqlen_q, max_seqlen_k);
+  at::Tensor out = at::empty_like(q);
+  at::Tensor lse = at::empty({s.heads_q, q.size(0)}, q.options().dtype(at::kFloat));
+  if (s.batch > 0) {
+    forward(s, as_batch_of_one(q), as_batch_of_one(k), as_batch_of_one(v), as_batch_of_one(out), lse, scale, o, &cu_q,
+            &cu_k);
+  }
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_bwd_cuda(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+    int64_t max_seqlen_k, bool causal, double scale, bool deterministic, int64_t window_left, int64_t window_right,
+    double softcap) {
+  const Shape s = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, true);
+  check_varlen_backward_inputs(s, q, grad_out, out, lse);
+  const MaskOptions o = check_mask_options(causal, window_left, window_right, softcap);
+  check_grid_limits(s);
+  const c10::cuda::CUDAGuard guard(q.device());
+  at::Tensor grad_q = at::empty_like(q), grad_k = at::empty_like(k), grad_v = at::empty_like(v);
+  if (backward_is_trivial(s, grad_q, grad_k, grad_v)) return {grad_q, grad_k, grad_v};
+  const at::Tensor cu_q = cu_seqlens_q.contiguous(), cu_k = cu_seqlens_k.contiguous();
+  check_cu_seqlens_async(cu_q.data_ptr<int>(), cu_k.data_ptr<int>(), static_cast<int>(s.batch), q.size(0), k.size(0),
+                         max_seqlen_q, max_seqlen_k);
+  backward(s, as_batch_of_one(grad_out), as_batch_of_one(q), as_batch_of_one(k), as_batch_of_one(v),
+           as_batch_of_one(out), lse.unsqueeze(0), scale, o, deterministic, as_batch_of_one(grad_q),
+           as_batch_of_one(grad_k), as_batch_of_one(grad_v), &cu_q, &cu_k);
   return {grad_q, grad_k, grad_v};
 }
 
@@ -146,4 +256,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(const at::Tens
 TORCH_LIBRARY_IMPL(fuseforge, CUDA, m) {
   m.impl("attention_fwd", &fuseforge::attention::attention_fwd_cuda);
   m.impl("attention_bwd", &fuseforge::attention::attention_bwd_cuda);
+  m.impl("attention_varlen_fwd", &fuseforge::attention::attention_varlen_fwd_cuda);
+  m.impl("attention_varlen_bwd", &fuseforge::attention::attention_varlen_bwd_cuda);
 }

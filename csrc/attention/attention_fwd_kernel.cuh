@@ -16,11 +16,55 @@ namespace fuseforge::attention {
 
 extern __shared__ __align__(128) unsigned char attention_smem[];
 
-// Last key (exclusive) query rows [m0, m0 + rows) may see: causal masks are bottom-right aligned,
-// query i sees key j when j <= i + Sk - Sq.
-__device__ __forceinline__ int causal_key_end(int m0, int rows, int seqlen_q, int seqlen_k) {
-  const int end = m0 + rows + seqlen_k - seqlen_q;
-  return end < 0 ? 0 : (end < seqlen_k ? end : seqlen_k);
+// The sequence a block works on: its first query and key rows in the (B, H, S, D) view (0 unless
+// varlen: sequence b is rows [cu[b], cu[b + 1]) of a batch of one) and its lengths. kVarlen is a
+// template flag, not a test of cu_seqlens: lengths loaded from memory stay live in registers, and
+// the fixed-length kernels had none to spare (the causal backward ran 40% slower at D = 64).
+template <bool kVarlen>
+struct SeqInfo {
+  int q_row0, k_row0, seqlen_q, seqlen_k;
+  __device__ __forceinline__ SeqInfo(const FwdParams& p, int b) {
+    if constexpr (kVarlen) {
+      q_row0 = p.cu_seqlens_q[b];
+      seqlen_q = p.cu_seqlens_q[b + 1] - q_row0;
+      k_row0 = p.cu_seqlens_k[b];
+      seqlen_k = p.cu_seqlens_k[b + 1] - k_row0;
+    } else {
+      q_row0 = k_row0 = 0;
+      seqlen_q = p.seqlen_q;
+      seqlen_k = p.seqlen_k;
+    }
+  }
+};
+
+// Mask modes, a template parameter kMask of every kernel: kNoMask; kRightBound, keys past
+// i + off + window_right masked (causal); kWindow, keys before i + off - window_left too (sliding
+// windows). Causal keeps its own mode: the extra left-bound test made the causal backward 37% slower
+// at D = 64 (the dk/dv kernel at 255 registers).
+constexpr int kNoMask = 0, kRightBound = 1, kWindow = 2;
+
+// Whether a kBlockM x kBlockN tile (query rows from m0, keys from n0) has masked elements: keys past
+// Sk or outside some row's window [i + off - left, i + off + right].
+template <int kMask, int kBlockM, int kBlockN>
+__device__ __forceinline__ bool tile_needs_mask(int m0, int n0, int seqlen_k, int offset, const FwdParams& p) {
+  return n0 + kBlockN > seqlen_k || (kMask != kNoMask && n0 + kBlockN - 1 > m0 + offset + p.window_right) ||
+         (kMask == kWindow && n0 < m0 + kBlockM - 1 + offset - p.window_left);
+}
+
+// Whether query row `row` of a sequence sees key `key` (both sequence-relative).
+template <int kMask>
+__device__ __forceinline__ bool key_visible(int key, int row, int seqlen_k, int offset, const FwdParams& p) {
+  return key < seqlen_k && (kMask == kNoMask || key <= row + offset + p.window_right) &&
+         (kMask != kWindow || key >= row + offset - p.window_left);
+}
+
+// Softcap: s' = softcap_out * tanh(softcap_in * s) on every score of the tile (FwdParams).
+template <bool kSoftcap, int kN>
+__device__ __forceinline__ void apply_softcap(float (&s)[kN], const FwdParams& p) {
+  if constexpr (kSoftcap) {
+#pragma unroll
+    for (int i = 0; i < kN; ++i) s[i] = p.softcap_out * fast_tanh(p.softcap_in * s[i]);
+  }
 }
 
 // S (kMTiles x 16 rows of this warp) x kBlockN = A (rows of sA, kHeadDim wide) * B^T (kBlockN rows of sB):
@@ -72,10 +116,10 @@ __device__ __forceinline__ void warp_gemm_pb(float (&acc)[kMT][kD / 8][4], const
   }
 }
 
-// -inf where key col (n0-relative) is past Sk or, with kCausal, past the row's diagonal.
-template <bool kCausal, int kMT, int kNCols>
+// -inf where key col is past Sk or outside the row's window.
+template <int kMask, int kMT, int kNCols>
 __device__ __forceinline__ void apply_mask(float (&s)[kMT][kNCols / 8][4], int row0, int n0, int seqlen_k,
-                                           int causal_offset, int lane) {
+                                           int offset, const FwdParams& p, int lane) {
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
@@ -84,8 +128,7 @@ __device__ __forceinline__ void apply_mask(float (&s)[kMT][kNCols / 8][4], int r
       for (int e = 0; e < 4; ++e) {
         const int row = row0 + mt * 16 + (lane >> 2) + (e >> 1) * 8;
         const int col = n0 + nt * 8 + (lane & 3) * 2 + (e & 1);
-        const bool masked = col >= seqlen_k || (kCausal && col > row + causal_offset);
-        if (masked) s[mt][nt][e] = -INFINITY;
+        if (!key_visible<kMask>(col, row, seqlen_k, offset, p)) s[mt][nt][e] = -INFINITY;
       }
 }
 
@@ -122,23 +165,42 @@ __device__ __forceinline__ void store_rows(const float (&acc)[kMT][kD / 8][4], c
   }
 }
 
-// The query tile a forward (or deterministic dq) block owns: kBlockM rows of one (batch, head),
-// heaviest causal blocks first (the last query rows see the most keys), and its key tile count.
-template <typename T, int kBlockM, int kBlockN, bool kCausal>
+// The query tile a forward (or deterministic dq) block owns: kBlockM rows of one (batch or sequence,
+// head), heaviest causal blocks first (the last query rows see the most keys), and the key tiles
+// [n_begin, n_end) its rows may see. rows_q <= 0: the block is past its sequence (varlen) and exits.
+template <typename T, int kBlockM, int kBlockN, int kMask, bool kVarlen>
 struct QueryBlock {
-  int h, b, hk, m0, rows_q, causal_offset, n_blocks;
-  const T *q, *k, *v;  // q at the tile's first row; k, v at the head's first key
+  int h, b, hk, m0, rows_q, seqlen_q, seqlen_k, offset, n_begin, n_end, q_row0;
+  int64_t lse_row0;    // index of the sequence's row 0 in lse (and row_dot)
+  const T *q, *k, *v;  // q at the tile's first row; k, v at the sequence's first key of the head
   __device__ __forceinline__ explicit QueryBlock(const FwdParams& p) {
     const int m_block = gridDim.x - 1 - blockIdx.x;
     h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
+    const SeqInfo<kVarlen> seq(p, b);
+    seqlen_q = seq.seqlen_q;
+    seqlen_k = seq.seqlen_k;
+    q_row0 = seq.q_row0;
     m0 = m_block * kBlockM;
-    rows_q = min(kBlockM, p.seqlen_q - m0);
-    causal_offset = p.seqlen_k - p.seqlen_q;
-    const int key_end = kCausal ? causal_key_end(m0, kBlockM, p.seqlen_q, p.seqlen_k) : p.seqlen_k;
-    n_blocks = (key_end + kBlockN - 1) / kBlockN;
-    q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + m0 * p.q_row_stride;
-    k = static_cast<const T*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
-    v = static_cast<const T*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
+    rows_q = min(kBlockM, seqlen_q - m0);
+    offset = seqlen_k - seqlen_q;
+    int key_begin = 0, key_end = seqlen_k;
+    if constexpr (kMask == kWindow) key_begin = max(0, m0 + offset - p.window_left);
+    if constexpr (kMask != kNoMask) key_end = min(seqlen_k, max(0, m0 + rows_q + offset + p.window_right));
+    n_begin = key_begin / kBlockN;
+    n_end = max(n_begin, (key_end + kBlockN - 1) / kBlockN);
+    lse_row0 = b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_row0;
+    q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
+        static_cast<int64_t>(seq.q_row0 + m0) * p.q_row_stride;
+    k = static_cast<const T*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride +
+        static_cast<int64_t>(seq.k_row0) * p.k_row_stride;
+    v = static_cast<const T*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride +
+        static_cast<int64_t>(seq.k_row0) * p.v_row_stride;
+  }
+  // The output-like row pointer (out, dq) of the tile's first row.
+  template <typename U>
+  __device__ __forceinline__ U* rows(void* base, int64_t batch_stride, int64_t head_stride, int64_t row_stride,
+                                     const FwdParams& p) const {
+    return static_cast<U*>(base) + b * batch_stride + h * head_stride + static_cast<int64_t>(q_row0 + m0) * row_stride;
   }
 };
 
@@ -177,11 +239,12 @@ __device__ __forceinline__ void online_softmax(float (&s)[kMT][kNCols / 8][4], f
 }
 
 // Epilogue of the online softmax: inv_sum = 1 / l per row (0 where no key was seen) and, for rows
-// below Sq, lse = max * scale + ln(l) (-inf where no key was seen). row0: the warp's first row in Sq.
+// below Sq, lse = max * scale + ln(l) (-inf where no key was seen). row0: the warp's first row in the
+// sequence; lse at the sequence's row 0.
 template <int kMT>
 __device__ __forceinline__ void finish_rows(const float (&row_max)[kMT][2], const float (&row_sum)[kMT][2],
-                                            float (&inv_sum)[kMT][2], float* lse, int row0, const FwdParams& p,
-                                            int lane) {
+                                            float (&inv_sum)[kMT][2], float* lse, int row0, int seqlen_q,
+                                            const FwdParams& p, int lane) {
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
@@ -189,21 +252,22 @@ __device__ __forceinline__ void finish_rows(const float (&row_max)[kMT][2], cons
       const float l = warp_sum4(row_sum[mt][hh]);
       inv_sum[mt][hh] = l > 0.f ? 1.f / l : 0.f;
       const int row = row0 + mt * 16 + (lane >> 2) + hh * 8;
-      if ((lane & 3) == 0 && row < p.seqlen_q) {
+      if ((lane & 3) == 0 && row < seqlen_q) {
         lse[row] = l > 0.f ? row_max[mt][hh] * p.scale + logf(l) : -INFINITY;
       }
     }
 }
 
 // mma.sync body (GPUs other than sm_90a): each warp owns kRowsPerWarp query rows.
-template <class Tr, bool kCausal>
+template <class Tr, int kMask, bool kSoftcap, bool kVarlen>
 __device__ __forceinline__ void attention_fwd_mma_body(const FwdParams& p) {
   using T = typename Tr::T;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kMT = Tr::kMTiles, kD = Tr::kHeadDim;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const QueryBlock<T, kBlockM, kBlockN, kCausal> blk(p);
-  const int h = blk.h, b = blk.b, m0 = blk.m0, rows_q = blk.rows_q, causal_offset = blk.causal_offset,
-            n_blocks = blk.n_blocks;
+  const QueryBlock<T, kBlockM, kBlockN, kMask, kVarlen> blk(p);
+  if (blk.rows_q <= 0) return;  // past its sequence (varlen)
+  const int m0 = blk.m0, rows_q = blk.rows_q, offset = blk.offset, seqlen_k = blk.seqlen_k, n_begin = blk.n_begin,
+            n_end = blk.n_end;
   const T *q = blk.q, *k = blk.k, *v = blk.v;
 
   unsigned char* smem = attention_smem;
@@ -212,7 +276,10 @@ __device__ __forceinline__ void attention_fwd_mma_body(const FwdParams& p) {
   const uint32_t sV = sK + Tr::kTileKVBytes;
 
   load_tile_async<kBlockM, kD, Tr::kThreads>(sQ, q, p.q_row_stride, rows_q, tid);
-  if (n_blocks > 0) load_tile_async<kBlockN, kD, Tr::kThreads>(sK, k, p.k_row_stride, p.seqlen_k, tid);
+  if (n_begin < n_end) {
+    const int n0 = n_begin * kBlockN;
+    load_tile_async<kBlockN, kD, Tr::kThreads>(sK, k + n0 * p.k_row_stride, p.k_row_stride, seqlen_k - n0, tid);
+  }
   cp_async_commit();
 
   float o[kMT][kD / 8][4];
@@ -229,11 +296,11 @@ __device__ __forceinline__ void attention_fwd_mma_body(const FwdParams& p) {
   const int warp_row0 = warp * Tr::kRowsPerWarp;
   const float scale_log2 = p.scale_log2;
 
-  for (int nb = 0; nb < n_blocks; ++nb) {
+  for (int nb = n_begin; nb < n_end; ++nb) {
     const int n0 = nb * kBlockN;
     cp_async_wait<0>();
     __syncthreads();  // K[nb] (and Q) landed; every warp is done with V[nb - 1]
-    load_tile_async<kBlockN, kD, Tr::kThreads>(sV, v + n0 * p.v_row_stride, p.v_row_stride, p.seqlen_k - n0, tid);
+    load_tile_async<kBlockN, kD, Tr::kThreads>(sV, v + n0 * p.v_row_stride, p.v_row_stride, seqlen_k - n0, tid);
     cp_async_commit();
 
     float s[kMT][kBlockN / 8][4];
@@ -244,17 +311,18 @@ __device__ __forceinline__ void attention_fwd_mma_body(const FwdParams& p) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
     warp_gemm_abt<T, kD, kMT, kBlockN>(s, sQ, warp_row0, sK, lane);
+    apply_softcap<kSoftcap>(reinterpret_cast<float(&)[kMT * kBlockN / 2]>(s), p);
 
-    const bool needs_mask = n0 + kBlockN > p.seqlen_k || (kCausal && n0 + kBlockN - 1 > m0 + causal_offset);
-    if (needs_mask) apply_mask<kCausal, kMT, kBlockN>(s, m0 + warp_row0, n0, p.seqlen_k, causal_offset, lane);
+    if (tile_needs_mask<kMask, kBlockM, kBlockN>(m0, n0, seqlen_k, offset, p))
+      apply_mask<kMask, kMT, kBlockN>(s, m0 + warp_row0, n0, seqlen_k, offset, p, lane);
 
     online_softmax<kMT, kBlockN, kD>(s, o, row_max, row_sum, scale_log2);
 
     cp_async_wait<0>();
     __syncthreads();  // V[nb] landed; every warp is done with K[nb]
-    if (nb + 1 < n_blocks) {
+    if (nb + 1 < n_end) {
       load_tile_async<kBlockN, kD, Tr::kThreads>(sK, k + (n0 + kBlockN) * p.k_row_stride, p.k_row_stride,
-                                                 p.seqlen_k - n0 - kBlockN, tid);
+                                                 seqlen_k - n0 - kBlockN, tid);
     }
     cp_async_commit();
     warp_gemm_pb<T, kD, kMT, kBlockN>(o, s, sV, lane);
@@ -262,12 +330,11 @@ __device__ __forceinline__ void attention_fwd_mma_body(const FwdParams& p) {
 
   // Epilogue: O / l, and lse = max * scale + ln(l) (-inf and a zero row where no key was seen).
   float inv_sum[kMT][2];
-  float* lse = p.lse + (static_cast<int64_t>(b) * p.heads_q + h) * p.seqlen_q;
-  finish_rows<kMT>(row_max, row_sum, inv_sum, lse, m0 + warp_row0, p, lane);
+  finish_rows<kMT>(row_max, row_sum, inv_sum, p.lse + blk.lse_row0, m0 + warp_row0, blk.seqlen_q, p, lane);
   cp_async_wait<0>();
   __syncthreads();  // every thread's Q copies landed (when no key tile ran, nothing else waited for them)
   // Each warp reads only its own rows of sQ, so it may reuse them to stage its output.
-  T* out = static_cast<T*>(p.out) + b * p.out_batch_stride + h * p.out_head_stride + m0 * p.out_row_stride;
+  T* out = blk.template rows<T>(p.out, p.out_batch_stride, p.out_head_stride, p.out_row_stride, p);
   store_rows<T, kD, kMT>(o, inv_sum, smem, warp_row0, out, p.out_row_stride, rows_q, lane);
 }
 
@@ -276,7 +343,7 @@ __device__ __forceinline__ void attention_fwd_mma_body(const FwdParams& p) {
 // the same 16 rows as in the mma.sync body with kMTiles = 1. S = Q K^T (both K-major in shared
 // memory), then O += P V with P from registers and V MN-major. K/V tiles are double-buffered: the next
 // tile's cp.async runs under this tile's products and softmax.
-template <class Tr, bool kCausal>
+template <class Tr, int kMask, bool kSoftcap, bool kVarlen>
 __device__ __forceinline__ void attention_fwd_wgmma_body(const FwdParams& p) {
   using T = typename Tr::T;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kD = Tr::kHeadDim;
@@ -285,9 +352,10 @@ __device__ __forceinline__ void attention_fwd_wgmma_body(const FwdParams& p) {
   using QTile = PanelTile<kBlockM>;
   using KVTile = PanelTile<kBlockN>;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
-  const QueryBlock<T, kBlockM, kBlockN, kCausal> blk(p);
-  const int h = blk.h, b = blk.b, m0 = blk.m0, rows_q = blk.rows_q, causal_offset = blk.causal_offset,
-            n_blocks = blk.n_blocks;
+  const QueryBlock<T, kBlockM, kBlockN, kMask, kVarlen> blk(p);
+  if (blk.rows_q <= 0) return;  // past its sequence (varlen)
+  const int m0 = blk.m0, rows_q = blk.rows_q, offset = blk.offset, seqlen_k = blk.seqlen_k, n_begin = blk.n_begin,
+            n_end = blk.n_end;
   const T *q = blk.q, *k = blk.k, *v = blk.v;
 
   // Tiles on 1024-byte boundaries (the 128-byte swizzle); the launch adds 1 KB for this.
@@ -299,12 +367,12 @@ __device__ __forceinline__ void attention_fwd_wgmma_body(const FwdParams& p) {
     const int n0 = nb * kBlockN;
     const uint32_t sK = sKV0 + (nb & 1) * 2 * Tr::kTileKVBytes;
     load_tile_async<kBlockN, kD, Tr::kThreads, T, KVTile>(sK, k + n0 * p.k_row_stride, p.k_row_stride,
-                                                          p.seqlen_k - n0, tid);
+                                                          seqlen_k - n0, tid);
     load_tile_async<kBlockN, kD, Tr::kThreads, T, KVTile>(sK + Tr::kTileKVBytes, v + n0 * p.v_row_stride,
-                                                          p.v_row_stride, p.seqlen_k - n0, tid);
+                                                          p.v_row_stride, seqlen_k - n0, tid);
   };
   load_tile_async<kBlockM, kD, Tr::kThreads, T, QTile>(sQ, q, p.q_row_stride, rows_q, tid);
-  if (n_blocks > 0) load_kv(0);
+  if (n_begin < n_end) load_kv(n_begin);
   cp_async_commit();
 
   float o[kD / 2];
@@ -316,12 +384,12 @@ __device__ __forceinline__ void attention_fwd_wgmma_body(const FwdParams& p) {
   const float scale_log2 = p.scale_log2;
   auto& o3 = reinterpret_cast<float(&)[1][kD / 8][4]>(o);
 
-  for (int nb = 0; nb < n_blocks; ++nb) {
+  for (int nb = n_begin; nb < n_end; ++nb) {
     const int n0 = nb * kBlockN;
     cp_async_wait<0>();
     fence_proxy_async_shared();  // this thread's cp.async writes, visible to wgmma's reads
     __syncthreads();             // K/V[nb] (and Q) landed; both warpgroups are done with K/V[nb - 1]
-    if (nb + 1 < n_blocks) load_kv(nb + 1);
+    if (nb + 1 < n_end) load_kv(nb + 1);
     cp_async_commit();
     const uint32_t sK = sKV0 + (nb & 1) * 2 * Tr::kTileKVBytes;
     const uint32_t sV = sK + Tr::kTileKVBytes;
@@ -333,10 +401,11 @@ __device__ __forceinline__ void attention_fwd_wgmma_body(const FwdParams& p) {
     wgmma_ss_k_major<T, kBlockN, kD / 16>(s, sQ + wg_rows, QTile::kPanelBytes, sK, KVTile::kPanelBytes);
     wgmma_wait<0>();
     wgmma_fence_operands(s);
+    apply_softcap<kSoftcap>(s, p);
     auto& s3 = reinterpret_cast<float(&)[1][kBlockN / 8][4]>(s);
 
-    const bool needs_mask = n0 + kBlockN > p.seqlen_k || (kCausal && n0 + kBlockN - 1 > m0 + causal_offset);
-    if (needs_mask) apply_mask<kCausal, 1, kBlockN>(s3, m0 + warp_row0, n0, p.seqlen_k, causal_offset, lane);
+    if (tile_needs_mask<kMask, kBlockM, kBlockN>(m0, n0, seqlen_k, offset, p))
+      apply_mask<kMask, 1, kBlockN>(s3, m0 + warp_row0, n0, seqlen_k, offset, p, lane);
 
     online_softmax<1, kBlockN, kD>(s3, o3, row_max, row_sum, scale_log2);
 
@@ -351,30 +420,46 @@ __device__ __forceinline__ void attention_fwd_wgmma_body(const FwdParams& p) {
 
   // Epilogue: O / l, and lse = max * scale + ln(l) (-inf and a zero row where no key was seen).
   float inv_sum[1][2];
-  float* lse = p.lse + (static_cast<int64_t>(b) * p.heads_q + h) * p.seqlen_q;
-  finish_rows<1>(row_max, row_sum, inv_sum, lse, m0 + warp_row0, p, lane);
+  finish_rows<1>(row_max, row_sum, inv_sum, p.lse + blk.lse_row0, m0 + warp_row0, blk.seqlen_q, p, lane);
   cp_async_wait<0>();
   __syncthreads();  // both warpgroups are done reading sQ; staging rows overlap the other warpgroup's
-  T* out = static_cast<T*>(p.out) + b * p.out_batch_stride + h * p.out_head_stride + m0 * p.out_row_stride;
+  T* out = blk.template rows<T>(p.out, p.out_batch_stride, p.out_head_stride, p.out_row_stride, p);
   store_rows<T, kD, 1>(o3, inv_sum, smem, warp_row0, out, p.out_row_stride, rows_q, lane);
 }
 #endif  // FUSEFORGE_ATTENTION_WGMMA
 
-template <class Tr, bool kCausal>
+template <class Tr, int kMask, bool kSoftcap, bool kVarlen>
 __global__ void __launch_bounds__(Tr::kThreads) attention_fwd_kernel(const __grid_constant__ FwdParams params) {
 #if FUSEFORGE_ATTENTION_WGMMA
-  attention_fwd_wgmma_body<Tr, kCausal>(params);
+  attention_fwd_wgmma_body<Tr, kMask, kSoftcap, kVarlen>(params);
 #else
-  attention_fwd_mma_body<Tr, kCausal>(params);
+  attention_fwd_mma_body<Tr, kMask, kSoftcap, kVarlen>(params);
 #endif
 }
 
-template <class Tr>
-void launch_attention_fwd(const FwdParams& params, bool causal) {
+// Calls f.template operator()<kMask, kVarlen>() for the params' mask mode (a local mask whose left
+// bound reaches past every key is kRightBound) and layout.
+template <typename F>
+void dispatch_mask_varlen(const FwdParams& params, bool local, F&& f) {
+  auto by_varlen = [&]<int kMask>() {
+    FUSEFORGE_BOOL_SWITCH(params.cu_seqlens_q != nullptr, kVarlen, [&] { f.template operator()<kMask, kVarlen>(); });
+  };
+  if (!local) {
+    by_varlen.template operator()<kNoMask>();
+  } else if (params.window_left >= params.seqlen_k) {
+    by_varlen.template operator()<kRightBound>();
+  } else {
+    by_varlen.template operator()<kWindow>();
+  }
+}
+
+// Grid: query blocks (of the longest sequence) x heads x batch (or sequences).
+template <class Tr, bool kSoftcap>
+void launch_attention_fwd(const FwdParams& params, bool local) {
   const dim3 grid(static_cast<unsigned>((params.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM),
                   static_cast<unsigned>(params.heads_q), static_cast<unsigned>(params.batch));
-  FUSEFORGE_BOOL_SWITCH(causal, kCausal, [&] {
-    launch_kernel(attention_fwd_kernel<Tr, kCausal>, grid, dim3(Tr::kThreads), Tr::kSmemBytes, params);
+  dispatch_mask_varlen(params, local, [&]<int kMask, bool kVarlen>() {
+    launch_kernel(attention_fwd_kernel<Tr, kMask, kSoftcap, kVarlen>, grid, dim3(Tr::kThreads), Tr::kSmemBytes, params);
   });
 }
 

@@ -1,6 +1,6 @@
 // The tile shape each (element type, head dim) runs with, and the launcher templates the generated
-// files in instantiations/ instantiate (one file per dtype x head dim x pass, so they compile in
-// parallel).
+// files in instantiations/ instantiate (one file per dtype x head dim x softcap x pass, so they
+// compile in parallel).
 #pragma once
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -41,15 +41,16 @@ struct BwdConfig {
   using DqTraits = FwdTraits<T, kHeadDim, 64, 64, 4>;
 };
 
-template <typename T, int kHeadDim>
-void run_attention_fwd(const FwdParams& params, bool causal) {
-  launch_attention_fwd<typename FwdConfig<typename CudaElement<T>::type, kHeadDim>::Traits>(params, causal);
+template <typename T, int kHeadDim, bool kSoftcap>
+void run_attention_fwd(const FwdParams& params, bool local) {
+  launch_attention_fwd<typename FwdConfig<typename CudaElement<T>::type, kHeadDim>::Traits, kSoftcap>(params, local);
 }
 
-template <typename T, int kHeadDim>
-void run_attention_bwd(const BwdParams& params, bool causal, bool deterministic) {
+template <typename T, int kHeadDim, bool kSoftcap>
+void run_attention_bwd(const BwdParams& params, const BwdParams& row_dot_params, bool local, bool deterministic) {
   using C = BwdConfig<typename CudaElement<T>::type, kHeadDim>;
-  launch_attention_bwd<typename C::DkdvTraits, typename C::DqTraits>(params, causal, deterministic);
+  launch_attention_bwd<typename C::DkdvTraits, typename C::DqTraits, kSoftcap>(params, row_dot_params, local,
+                                                                              deterministic);
 }
 
 }  // namespace fuseforge::attention

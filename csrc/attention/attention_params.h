@@ -12,15 +12,30 @@ struct FwdParams {
   const void* k = nullptr;
   const void* v = nullptr;
   void* out = nullptr;
-  float* lse = nullptr;  // (B, Hq, Sq) contiguous, natural log; -inf for rows that see no key
+  // Row r of (batch b, head h) at lse[b * lse_batch_stride + h * lse_head_stride + r]: (B, Hq, Sq)
+  // contiguous, or (Hq, total_q) for varlen; natural log; -inf for rows that see no key. The backward's
+  // row_dot has the same layout.
+  float* lse = nullptr;
+  int64_t lse_batch_stride = 0, lse_head_stride = 0;
   int64_t q_batch_stride = 0, q_head_stride = 0, q_row_stride = 0;
   int64_t k_batch_stride = 0, k_head_stride = 0, k_row_stride = 0;
   int64_t v_batch_stride = 0, v_head_stride = 0, v_row_stride = 0;
   int64_t out_batch_stride = 0, out_head_stride = 0, out_row_stride = 0;
   int batch = 0, heads_q = 0, heads_kv = 0, group = 1;  // group = Hq / Hk
-  int seqlen_q = 0, seqlen_k = 0;
+  int seqlen_q = 0, seqlen_k = 0;  // the max over sequences for varlen
+  // Packed variable-length batches: sequence b is rows [cu[b], cu[b + 1]) of a (1, H, total, D) view
+  // (batch strides 0, `batch` sequences); null for fixed-length batches.
+  const int* cu_seqlens_q = nullptr;
+  const int* cu_seqlens_k = nullptr;
+  // The local mask (kernels instantiated with a kMask mode): query i sees key j when
+  // i + off - window_left <= j <= i + off + window_right, off = Sk - Sq of the sequence. The host
+  // clamps unbounded sides to the max lengths (causal: window_right = 0), so no sum overflows.
+  int window_left = 0, window_right = 0;
   float scale = 1.f;       // on q k^T
   float scale_log2 = 1.f;  // scale * log2(e): the kernels use exp2
+  // Softcap (kernels instantiated with kSoftcap): the score z = softcap * tanh(scale s / softcap) is
+  // kept as s' = z / scale = softcap_out * tanh(softcap_in * s), so the softmax code is unchanged.
+  float softcap_in = 0.f, softcap_out = 0.f;
 };
 
 struct BwdParams : FwdParams {
@@ -33,19 +48,29 @@ struct BwdParams : FwdParams {
   int64_t dk_batch_stride = 0, dk_head_stride = 0, dk_row_stride = 0;
   int64_t dv_batch_stride = 0, dv_head_stride = 0, dv_row_stride = 0;
   float* row_dot = nullptr;   // (B, Hq, Sq) fp32: D_i = sum_d dO * O, from the preprocessing kernel
-  // fp32, zeroed, for the atomic dq path (null when deterministic): (B, Hq, Sq rounded up to 16, D)
-  // elements in 16 x 8 tiles of mma C-fragment order (attention_bwd_kernel.cuh, dq_accum_tile).
+  // fp32, zeroed, for the atomic dq path (null when deterministic): per (batch, head) rows in 16 x 8
+  // tiles of mma C-fragment order (attention_bwd_kernel.cuh, dq_accum_tile); tile strides below.
+  // Fixed length: (B, Hq, Sq rounded up to 16, D). Varlen: (Hq, R, D), sequence b starting at the
+  // 16-row tile cu[b] / 16 + b (R = 16 (total / 16 + B + 1): sequences never share a tile).
   float* dq_accum = nullptr;
+  int64_t dq_accum_batch_tiles = 0, dq_accum_head_tiles = 0;  // in 16-row tiles
   bool kv_block_slowest = false;  // set by the launcher: the dk/dv grid is (Hk, B, key blocks), heaviest first
 };
 
-// Launchers, one explicit instantiation per (element type, head dim) in instantiations/*.cu; they
-// launch on the current stream of the current device (the caller holds the device guard) and never
-// synchronize. T is at::Half or at::BFloat16: c10's names, so this header and the host code that
-// calls it (attention_cuda.cpp, compiled by the C++ compiler) need no CUDA headers.
-template <typename T, int kHeadDim>
-void run_attention_fwd(const FwdParams& params, bool causal);
-template <typename T, int kHeadDim>
-void run_attention_bwd(const BwdParams& params, bool causal, bool deterministic);
+// Launchers, one explicit instantiation per (element type, head dim, softcap) in instantiations/*.cu;
+// they launch on the current stream of the current device (the caller holds the device guard) and
+// never synchronize. T is at::Half or at::BFloat16: c10's names, so this header and the host code that
+// calls it (attention_cuda.cpp, compiled by the C++ compiler) need no CUDA headers. local: the window
+// mask (causal included); kSoftcap: params.softcap_* apply. The backward's row_dot_params is the
+// problem as the row_dot kernel sees it (varlen: one sequence of all total_q rows).
+// Varlen: checks cu_seqlens on the device (attention_varlen_check.cu): a device-side assert names
+// what is wrong; launched ahead of the attention kernels on the current stream.
+void check_cu_seqlens_async(const int* cu_q, const int* cu_k, int batch, int64_t total_q, int64_t total_k,
+                            int64_t max_q, int64_t max_k);
+
+template <typename T, int kHeadDim, bool kSoftcap>
+void run_attention_fwd(const FwdParams& params, bool local);
+template <typename T, int kHeadDim, bool kSoftcap>
+void run_attention_bwd(const BwdParams& params, const BwdParams& row_dot_params, bool local, bool deterministic);
 
 }  // namespace fuseforge::attention

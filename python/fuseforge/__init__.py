@@ -9,12 +9,14 @@ from fuseforge._library import cuda_built, load as _load
 _load()
 
 from fuseforge.ops.add_mul_act import ACTIVATIONS, add_mul_act, add_mul_act_  # noqa: E402
-from fuseforge.ops.attention import attention  # noqa: E402
+from fuseforge.ops.attention import (attention, attention_varlen, cu_seqlens_from_lengths,  # noqa: E402
+                                     cu_seqlens_from_position_ids)
 from fuseforge.ops.linear_cross_entropy import linear_cross_entropy  # noqa: E402
 from fuseforge import nn, optim  # noqa: E402
 from fuseforge.optim import AdamW  # noqa: E402
 from fuseforge.patch import patch, unpatch  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["ACTIVATIONS", "AdamW", "add_mul_act", "add_mul_act_", "attention", "cuda_built", "linear_cross_entropy",
-           "nn", "optim", "patch", "unpatch"]
+__all__ = ["ACTIVATIONS", "AdamW", "add_mul_act", "add_mul_act_", "attention", "attention_varlen", "cuda_built",
+           "cu_seqlens_from_lengths", "cu_seqlens_from_position_ids", "linear_cross_entropy", "nn", "optim", "patch",
+           "unpatch"]

@@ -21,19 +21,27 @@ requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA GPU or fuseforg
 ops = torch.ops.fuseforge
 
 
-def reference(q, k, v, causal=False, scale=None, dtype=torch.float64):
-    """Differentiable attention in `dtype`, bottom-right causal mask, zero rows where nothing is seen."""
+def reference(q, k, v, causal=False, scale=None, dtype=torch.float64, window=None, softcap=None):
+    """Differentiable attention in `dtype`: bottom-right causal mask and (left, right) window (-1 or None
+    for no bound), optional softcap (z = c tanh(z / c)), zero rows where nothing is seen."""
     q, k, v = (t.to(dtype) for t in (q, k, v))
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     s = (q @ k.transpose(-2, -1)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
     sq, sk = q.shape[-2], k.shape[-2]
+    left, right = (-1, -1) if window is None else (-1 if w is None else w for w in window)
     if causal:
-        i = torch.arange(sq, device=q.device)[:, None]
-        j = torch.arange(sk, device=q.device)[None, :]
-        s = s.masked_fill(j > i + sk - sq, float("-inf"))
+        right = 0
+    i = torch.arange(sq, device=q.device)[:, None] + (sk - sq)
+    j = torch.arange(sk, device=q.device)[None, :]
+    if right >= 0:
+        s = s.masked_fill(j > i + right, float("-inf"))
+    if left >= 0:
+        s = s.masked_fill(j < i - left, float("-inf"))
     m = s.amax(-1, keepdim=True).detach() if sk else s.new_zeros(s.shape[:-1] + (1,))
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
     e = torch.exp(s - m)
@@ -43,11 +51,11 @@ def reference(q, k, v, causal=False, scale=None, dtype=torch.float64):
     return out, lse
 
 
-def reference_with_grads(q, k, v, grad, causal=False, dtype=torch.float64):
+def reference_with_grads(q, k, v, grad, causal=False, dtype=torch.float64, **kw):
     """Reference output and gradients, differentiated on `dtype` copies of q, k, v (gradients taken
-    on the low-precision leaves would come back rounded to that precision)."""
+    on the low-precision leaves would come back rounded to that precision). kw: window, softcap, scale."""
     leaves = [t.detach().to(dtype).requires_grad_(True) for t in (q, k, v)]
-    out = reference(*leaves, causal=causal, dtype=dtype)[0]
+    out = reference(*leaves, causal=causal, dtype=dtype, **kw)[0]
     return (out, *torch.autograd.grad(out, leaves, grad.to(dtype)))
 
 

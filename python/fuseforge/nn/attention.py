@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 from torch import Tensor, nn
 
@@ -29,7 +29,8 @@ class Attention(nn.Module):
     """
 
     def __init__(self, causal: bool = False, scale: Optional[float] = None, layout: str = "bhsd",
-                 deterministic: bool = False):
+                 deterministic: bool = False, window: Optional[Tuple[int, int]] = None,
+                 softcap: Optional[float] = None):
         super().__init__()
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -37,13 +38,16 @@ class Attention(nn.Module):
         self.scale = scale
         self.layout = layout
         self.deterministic = bool(deterministic)
+        self.window = tuple(window) if window is not None else None
+        self.softcap = softcap
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        kw = dict(causal=self.causal, scale=self.scale, deterministic=self.deterministic, window=self.window,
+                  softcap=self.softcap)
         if self.layout == "bshd":
-            out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=self.causal,
-                            scale=self.scale, deterministic=self.deterministic)
-            return out.transpose(1, 2)
-        return attention(q, k, v, causal=self.causal, scale=self.scale, deterministic=self.deterministic)
+            return attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **kw).transpose(1, 2)
+        return attention(q, k, v, **kw)
 
     def extra_repr(self) -> str:
-        return f"causal={self.causal}, scale={self.scale}, layout={self.layout!r}, deterministic={self.deterministic}"
+        return (f"causal={self.causal}, scale={self.scale}, layout={self.layout!r}, deterministic={self.deterministic}, "
+                f"window={self.window}, softcap={self.softcap}")

@@ -1,0 +1,311 @@
+"""attention's sliding windows, softcap and packed variable-length batches (attention_varlen): forward
+and backward against the float64 reference of test_attention.py, per sequence for varlen; errors,
+opcheck, gradcheck, compile; on CUDA the device-side check of cu_seqlens and sanitizer cases."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fuseforge
+from fuseforge.ops.attention import attention, attention_varlen, cu_seqlens_from_lengths, cu_seqlens_from_position_ids
+from harness import assert_compiles, poison_allocations, randn, rel_err, run_opcheck
+from test_attention import CPU_DTYPES, CUDA_DTYPES, DEVICE_DTYPES, TOL, make_qkv, reference, reference_with_grads, \
+    requires_cuda
+
+ops = torch.ops.fuseforge
+
+# (B, Hq, Hk, Sq, Sk, D, causal, window, softcap)
+MASK_CASES = [
+    (2, 4, 4, 300, 300, 64, True, (40, 0), None),       # sliding window (Mistral: causal, W - 1 = 40)
+    (1, 4, 2, 257, 257, 128, False, (33, 70), None),    # two-sided window, GQA
+    (1, 2, 2, 130, 130, 64, False, (0, 0), None),       # each query sees only its own key
+    (1, 2, 2, 100, 100, 64, True, (500, 0), None),      # window wider than the sequence = causal
+    (1, 2, 1, 90, 200, 64, True, (64, 0), None),        # Sq < Sk: bottom-right
+    (1, 2, 2, 200, 90, 128, False, (10, 5), None),      # Sq > Sk: rows that see nothing
+    (2, 4, 4, 150, 150, 64, False, None, 5.0),          # softcap, full
+    (1, 4, 2, 200, 200, 128, True, None, 2.0),          # softcap, causal, GQA
+    (1, 2, 2, 190, 190, 64, True, (50, 0), 3.0),        # softcap + window
+    (1, 2, 2, 64, 64, 64, False, (-1, 7), None),        # right bound only
+]
+
+
+def case_id(c):
+    b, hq, hk, sq, sk, d, causal, window, cap = c
+    return (f"b{b}h{hq}k{hk}q{sq}k{sk}d{d}{'c' if causal else ''}" + (f"w{window[0]}_{window[1]}" if window else "")
+            + (f"cap{cap:g}" if cap else ""))
+
+
+@pytest.mark.parametrize("case", MASK_CASES, ids=case_id)
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+def test_window_softcap_forward_backward(device, dtype, case):
+    b, hq, hk, sq, sk, d, causal, window, cap = case
+    q, k, v = make_qkv(b, hq, hk, sq, sk, d, dtype, device)
+    # With a softcap, scores scaled up so the cap bites (|z| well past it for many pairs).
+    q = (q.float() * (3.0 if cap else 1.0)).to(dtype).requires_grad_(True)
+    k, v = k.requires_grad_(True), v.requires_grad_(True)
+    poison_allocations(q, q, q)
+    out, lse = attention(q, k, v, causal=causal, window=window, softcap=cap, return_lse=True)
+    grad = randn(*out.shape, dtype=dtype, device=device)
+    ref_out, ref_lse = reference(q, k, v, causal, window=window, softcap=cap)
+    assert rel_err(out, ref_out) <= TOL[dtype], rel_err(out, ref_out)
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse).cpu(), seen.cpu())
+    assert rel_err(lse[seen], ref_lse[seen]) <= max(TOL[dtype], 1e-6)
+    poison_allocations(q, k, v, q)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad)
+    _, rq, rk, rv = reference_with_grads(q, k, v, grad, causal, window=window, softcap=cap)
+    for name, g, r in (("dq", dq, rq), ("dk", dk, rk), ("dv", dv, rv)):
+        assert rel_err(g, r) <= 2 * TOL[dtype], f"{name}: {rel_err(g, r):.3e}"
+
+
+@pytest.mark.parametrize("device,dtype", [CPU_DTYPES[0], CUDA_DTYPES[1]])
+def test_window_matches_explicit_causal(device, dtype):
+    """causal=True is window (-1, 0): the same numbers, bit for bit."""
+    q, k, v = make_qkv(1, 4, 2, 200, 200, 64, dtype, device)
+    a = attention(q, k, v, causal=True)
+    b = attention(q, k, v, window=(-1, 0))
+    c = attention(q, k, v, window=(None, 0))
+    assert torch.equal(a, b) and torch.equal(a, c)
+
+
+# Sequence lengths of packed batches: empty sequences, one token, tile edges, long ones.
+LENGTHS = [[1, 17, 64, 130, 0, 255, 3], [513], [0, 0, 7]]
+
+
+def pack(seqs):
+    return torch.cat(seqs, 0) if seqs else seqs
+
+
+def varlen_case(lengths_q, lengths_k, hq, hk, d, dtype, device):
+    cu_q, max_q = cu_seqlens_from_lengths(lengths_q, device)
+    cu_k, max_k = cu_seqlens_from_lengths(lengths_k, device)
+    tq, tk = sum(lengths_q), sum(lengths_k)
+    q = randn(tq, hq, d, dtype=dtype, device=device, requires_grad=True)
+    k = randn(tk, hk, d, dtype=dtype, device=device, requires_grad=True)
+    v = randn(tk, hk, d, dtype=dtype, device=device, requires_grad=True)
+    return q, k, v, cu_q, cu_k, max_q, max_k
+
+
+def per_sequence_reference(q, k, v, grad, lengths_q, lengths_k, causal, window, cap):
+    """Reference output, lse and gradients of each sequence on its own, packed back."""
+    outs, lses, gqs, gks, gvs = [], [], [], [], []
+    oq = ok = 0
+    for lq, lk in zip(lengths_q, lengths_k):
+        seq = [t.detach()[o:o + n].transpose(0, 1).unsqueeze(0) for t, o, n in ((q, oq, lq), (k, ok, lk), (v, ok, lk))]
+        g = grad[oq:oq + lq].transpose(0, 1).unsqueeze(0)
+        out, rq, rk, rv = reference_with_grads(*seq, g, causal, window=window, softcap=cap)
+        lse = reference(*seq, causal, window=window, softcap=cap)[1]
+        outs.append(out[0].transpose(0, 1))
+        lses.append(lse[0])
+        gqs.append(rq[0].transpose(0, 1))
+        gks.append(rk[0].transpose(0, 1))
+        gvs.append(rv[0].transpose(0, 1))
+        oq += lq
+        ok += lk
+    return torch.cat(outs), torch.cat(lses, 1), torch.cat(gqs), torch.cat(gks), torch.cat(gvs)
+
+
+VARLEN_OPTIONS = [(False, None, None), (True, None, None), (True, (31, 0), None), (False, (20, 9), 4.0),
+                  (True, None, 3.0)]
+
+
+def options_id(o):
+    causal, window, cap = o
+    return ("causal" if causal else "full") + (f"-w{window[0]}_{window[1]}" if window else "") + (
+        f"-cap{cap:g}" if cap else "")
+
+
+@pytest.mark.parametrize("options", VARLEN_OPTIONS, ids=options_id)
+@pytest.mark.parametrize("lengths", LENGTHS, ids=lambda ls: "len" + "_".join(map(str, ls)))
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+def test_varlen_matches_each_sequence(device, dtype, lengths, options):
+    causal, window, cap = options
+    d = 64 if len(lengths) > 1 else 128
+    q, k, v, cu_q, cu_k, max_q, max_k = varlen_case(lengths, lengths, 4, 2, d, dtype, device)
+    grad = randn(*q.shape, dtype=dtype, device=device)
+    poison_allocations(q, q, q)
+    out, lse = attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, window=window, softcap=cap,
+                                return_lse=True)
+    assert out.shape == q.shape and lse.shape == (4, q.shape[0])
+    r_out, r_lse, rq, rk, rv = per_sequence_reference(q, k, v, grad, lengths, lengths, causal, window, cap)
+    assert rel_err(out, r_out) <= TOL[dtype], rel_err(out, r_out)
+    seen = torch.isfinite(r_lse)
+    assert torch.equal(torch.isfinite(lse).cpu(), seen.cpu())
+    assert rel_err(lse[seen], r_lse[seen]) <= max(TOL[dtype], 1e-6)
+    for deterministic in (False, True):
+        out = attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, window=window, softcap=cap,
+                               deterministic=deterministic)
+        poison_allocations(q, k, v, q)
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad)
+        for name, g, r in (("dq", dq, rq), ("dk", dk, rk), ("dv", dv, rv)):
+            assert rel_err(g, r) <= 2 * TOL[dtype], f"{name} (deterministic={deterministic}): {rel_err(g, r):.3e}"
+
+
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+def test_varlen_cross_lengths_and_loose_max(device, dtype):
+    """q and k lengths differ per sequence (bottom-right causal within each); max_seqlen larger than needed."""
+    lq, lk = [5, 70, 0, 129], [9, 40, 3, 200]
+    q, k, v, cu_q, cu_k, max_q, max_k = varlen_case(lq, lk, 2, 1, 64, dtype, device)
+    grad = randn(*q.shape, dtype=dtype, device=device)
+    out = attention_varlen(q, k, v, cu_q, cu_k, max_q + 100, max_k + 3, causal=True)
+    r_out, _, rq, rk, rv = per_sequence_reference(q, k, v, grad, lq, lk, True, None, None)
+    assert rel_err(out, r_out) <= TOL[dtype]
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad)
+    for name, g, r in (("dq", dq, rq), ("dk", dk, rk), ("dv", dv, rv)):
+        assert rel_err(g, r) <= 2 * TOL[dtype], f"{name}: {rel_err(g, r):.3e}"
+
+
+def test_cu_seqlens_from_position_ids():
+    pos = torch.tensor([[0, 1, 2, 0, 0, 1, 2, 3, 0]])
+    cu, max_len = cu_seqlens_from_position_ids(pos)
+    assert cu.tolist() == [0, 3, 4, 8, 9] and cu.dtype == torch.int32 and max_len == 4
+    with pytest.raises(ValueError, match="start at 0"):
+        cu_seqlens_from_position_ids(torch.tensor([1, 2, 0]))
+
+
+def test_gradcheck_cpu_float64_window_softcap_varlen():
+    q, k, v = make_qkv(1, 2, 1, 7, 9, 8, torch.float64, "cpu", requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda a, b_, c: attention(a, b_, c, causal=True, window=(3, 0), softcap=1.5, scale=0.9), (q, k, v))
+    q, k, v, cu_q, cu_k, max_q, max_k = varlen_case([3, 0, 5], [4, 2, 5], 2, 2, 8, torch.float64, "cpu")
+    assert torch.autograd.gradcheck(
+        lambda a, b_, c: attention_varlen(a, b_, c, cu_q, cu_k, max_q, max_k, window=(2, 1), softcap=2.0),
+        (q, k, v))
+
+
+@pytest.mark.parametrize("device,dtype", [CPU_DTYPES[0], CUDA_DTYPES[1]])
+def test_opcheck_window_softcap_varlen(device, dtype):
+    q, k, v = make_qkv(1, 4, 2, 40, 50, 64, dtype, device, requires_grad=True)
+    run_opcheck(ops.attention_fwd, (q, k, v, True, 0.125, 9, 0, 4.0))
+    out, lse = ops.attention_fwd(q.detach(), k.detach(), v.detach(), True, 0.125, 9, 0, 4.0)
+    grad = randn(*q.shape, dtype=dtype, device=device)
+    run_opcheck(ops.attention_bwd, (grad, q.detach(), k.detach(), v.detach(), out, lse, True, 0.125, False, 9, 0, 4.0))
+    q, k, v, cu_q, cu_k, max_q, max_k = varlen_case([30, 0, 45], [30, 0, 45], 4, 2, 64, dtype, device)
+    args = (cu_q, cu_k, max_q, max_k, True, 0.125, 11, 0, 3.0)
+    run_opcheck(ops.attention_varlen_fwd, (q, k, v) + args)
+    out, lse = ops.attention_varlen_fwd(q.detach(), k.detach(), v.detach(), *args)
+    grad = randn(*q.shape, dtype=dtype, device=device)
+    run_opcheck(ops.attention_varlen_bwd, (grad, q.detach(), k.detach(), v.detach(), out, lse, cu_q, cu_k, max_q,
+                                           max_k, True, 0.125, False, 11, 0, 3.0))
+
+
+@pytest.mark.parametrize("device,dtype", [CPU_DTYPES[0], CUDA_DTYPES[1]])
+def test_compile_fullgraph_window_softcap_varlen(device, dtype):
+    q, k, v, cu_q, cu_k, max_q, max_k = varlen_case([20, 45, 1], [20, 45, 1], 4, 2, 64, dtype, device)
+
+    def f(q, k, v, cu_q, cu_k):
+        a = attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, window=(15, 0), softcap=5.0)
+        b = attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], window=(4, 4))
+        return a.float().square().sum() + b.float().sum()
+
+    loss = assert_compiles(f, q, k, v, cu_q, cu_k, device=device)
+    loss.backward()
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))
+    eager = f(q, k, v, cu_q, cu_k)
+    assert abs(loss.item() - eager.item()) <= 3 * TOL[dtype] * abs(eager.item())
+
+
+def test_errors_cpu():
+    q, k, v, cu_q, cu_k, max_q, max_k = varlen_case([3, 5], [3, 5], 2, 2, 16, torch.float32, "cpu")
+    f = attention_varlen
+    with pytest.raises(RuntimeError, match="cu_seqlens_q must be an int32"):
+        f(q, k, v, cu_q.long(), cu_k, max_q, max_k)
+    with pytest.raises(RuntimeError, match="cu_seqlens_k must have as many entries"):
+        f(q, k, v, cu_q, cu_k[:2], max_q, max_k)
+    with pytest.raises(RuntimeError, match="cu_seqlens_q must be 1-D"):
+        f(q, k, v, cu_q[None], cu_k, max_q, max_k)
+    with pytest.raises(RuntimeError, match="non-decreasing"):
+        f(q, k, v, torch.tensor([0, 6, 5, 8], dtype=torch.int32), torch.tensor([0, 3, 5, 8], dtype=torch.int32), 8, 8)
+    with pytest.raises(RuntimeError, match=r"cu_seqlens_q\[-1\] must equal the packed length"):
+        f(q, k, v, torch.tensor([0, 3, 7], dtype=torch.int32), cu_k, max_q, max_k)
+    with pytest.raises(RuntimeError, match=r"cu_seqlens_k\[0\] must be 0"):
+        f(q, k, v, cu_q, torch.tensor([1, 3, 8], dtype=torch.int32), max_q, max_k)
+    with pytest.raises(RuntimeError, match="more than max_seqlen_q"):
+        f(q, k, v, cu_q, cu_k, 4, max_k)
+    with pytest.raises(RuntimeError, match="max_seqlen_k must be >= 0"):
+        f(q, k, v, cu_q, cu_k, max_q, -1)
+    with pytest.raises(RuntimeError, match="q must be 3-D"):
+        f(q[None], k, v, cu_q, cu_k, max_q, max_k)
+    with pytest.raises(RuntimeError, match="window_left must be >= 0"):
+        f(q, k, v, cu_q, cu_k, max_q, max_k, window=(-2, 0))
+    with pytest.raises(RuntimeError, match="window_right must be >= 0"):
+        attention(*make_qkv(1, 2, 2, 4, 4, 8, torch.float32, "cpu"), window=(3, -5))
+    with pytest.raises(RuntimeError, match="softcap must be a positive number"):
+        attention(*make_qkv(1, 2, 2, 4, 4, 8, torch.float32, "cpu"), softcap=-1.0)
+    with pytest.raises(ValueError, match="window must be a pair"):
+        attention(*make_qkv(1, 2, 2, 4, 4, 8, torch.float32, "cpu"), window=(3,))
+    out, lse = ops.attention_varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, False, 0.25)
+    with pytest.raises(RuntimeError, match=r"lse must have shape \(2, 8\)"):
+        ops.attention_varlen_bwd(out, q, k, v, out, lse[:, :4], cu_q, cu_k, max_q, max_k, False, 0.25, False)
+
+
+@requires_cuda
+def test_errors_cuda_unsupported():
+    q, k, v, cu_q, cu_k, max_q, max_k = varlen_case([3, 5], [3, 5], 2, 2, 32, torch.bfloat16, "cuda")
+    with pytest.raises(RuntimeError, match="head dims 64 and 128"):
+        attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k)
+    q, k, v, cu_q, cu_k, max_q, max_k = varlen_case([3, 5], [3, 5], 2, 2, 64, torch.bfloat16, "cuda")
+    with pytest.raises(RuntimeError, match="cu_seqlens_q must be on the device of q"):
+        attention_varlen(q, k, v, cu_q.cpu(), cu_k, max_q, max_k)
+
+
+BAD_CU_SCRIPT = r"""
+import sys, torch, fuseforge
+q = torch.randn(8, 2, 64, device="cuda", dtype=torch.bfloat16)
+cu_q = torch.tensor({cu}, dtype=torch.int32, device="cuda")
+out = fuseforge.attention_varlen(q, q, q, cu_q, cu_q, {max_len}, {max_len})
+torch.cuda.synchronize()
+print("NO ERROR")
+"""
+
+
+@requires_cuda
+@pytest.mark.parametrize("cu,max_len,message", [
+    ([0, 6, 5, 8], 8, "non-decreasing"),
+    ([0, 3, 8], 4, "more than (max_seqlen_q, max_seqlen_k)"),
+    ([0, 3, 7], 8, "must equal the packed lengths"),
+])
+def test_cuda_bad_cu_seqlens_stop_with_a_named_error(cu, max_len, message):
+    """The device-side check (no host sync) stops the stream with an assert; run in a subprocess since
+    a device-side assert ends the CUDA context."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    r = subprocess.run([sys.executable, "-c", BAD_CU_SCRIPT.format(cu=cu, max_len=max_len)], capture_output=True,
+                       text=True, env=env, timeout=300)
+    assert r.returncode != 0 and "NO ERROR" not in r.stdout
+    assert message in r.stdout + r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
+
+
+@requires_cuda
+def test_cuda_varlen_deterministic_is_bitwise_repeatable():
+    q, k, v, cu_q, cu_k, max_q, max_k = varlen_case([700, 1, 300, 1200], [700, 1, 300, 1200], 8, 2, 128,
+                                                    torch.bfloat16, "cuda")
+    grad = randn(*q.shape, dtype=torch.bfloat16, device="cuda")
+    runs = []
+    for _ in range(2):
+        out = attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, window=(256, 0), softcap=30.0,
+                               deterministic=True)
+        runs.append(torch.autograd.grad(out, (q, k, v), grad))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+# ---- small cases for compute-sanitizer (memcheck, racecheck) ------------------------------------
+@requires_cuda
+@pytest.mark.sanitize
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_cuda_sanitize_varlen_window_softcap(d, deterministic):
+    lengths = [70, 0, 150, 1]
+    q, k, v, cu_q, cu_k, max_q, max_k = varlen_case(lengths, lengths, 4, 2, d, torch.float16, "cuda")
+    out = attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, window=(40, 0), softcap=5.0,
+                           deterministic=deterministic)
+    grad = torch.ones_like(out)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad)
+    r_out, _, rq, rk, rv = per_sequence_reference(q, k, v, grad, lengths, lengths, True, (40, 0), 5.0)
+    assert rel_err(out, r_out) <= TOL[torch.float16]
+    for g, r in ((dq, rq), (dk, rk), (dv, rv)):
+        assert rel_err(g, r) <= 2 * TOL[torch.float16]
