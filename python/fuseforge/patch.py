@@ -12,8 +12,9 @@ patch() does two things to one model instance and nothing else:
    restricted to the documents of a packed row (`find_packed_sequence_indices`: a new document where
    position_ids do not step by 1, as `DataCollatorWithFlattening` builds them), with no padding, no
    cache offsets and as many queries as keys. It recognises them by the mask factory functions
-   transformers passes it (their names in transformers.masking_utils); anything else goes to SDPA's
-   mask function unchanged. transformers looks for packed documents only without a cache object
+   transformers passes it (their names in transformers.masking_utils; packed masks in the
+   form of transformers 5.17, and with the later remap_positions_for_packed_sequence); anything else
+   goes to SDPA's mask function unchanged. transformers looks for packed documents only without a cache object
    (use_cache=True, the config default, gives an empty DynamicCache even in training, and its SDPA and
    eager paths then attend across documents); without a 2D mask the attention function looks at the
    `position_ids` keyword itself, as transformers' flash-attention path does. Plain causal attention
@@ -108,9 +109,16 @@ def _kernel_dtype(query: Tensor, key: Tensor, value: Tensor) -> Optional[torch.d
 # The masks: which of transformers' masks the kernel computes itself
 
 
+_MISSING = object()
+
+
 def _closure(fn, name: str):
-    """The value of the free variable `name` of a transformers mask closure."""
-    return fn.__closure__[fn.__code__.co_freevars.index(name)].cell_contents
+    """The value of the free variable `name` of a transformers mask closure (_MISSING when it has none:
+    a release whose closure differs is not recognised, and its mask goes to SDPA)."""
+    try:
+        return fn.__closure__[fn.__code__.co_freevars.index(name)].cell_contents
+    except (AttributeError, TypeError, ValueError, IndexError):
+        return _MISSING
 
 
 def _made_by(fn, factory: str, inner: str = "inner_mask") -> bool:
@@ -120,6 +128,25 @@ def _made_by(fn, factory: str, inner: str = "inner_mask") -> bool:
             and getattr(fn, "__closure__", None) is not None)
 
 
+def _describe_unpacked(mask_function):
+    """(sliding_window,) for causal_mask_function (None) or and_masks(sliding_window_overlay(W),
+    causal_mask_function) (W), else None."""
+    from transformers.masking_utils import causal_mask_function
+    if mask_function is causal_mask_function:
+        return (None,)
+    if not _made_by(mask_function, "and_masks", "and_mask"):
+        return None
+    parts = _closure(mask_function, "mask_functions")
+    if not isinstance(parts, tuple) or len(parts) != 2:
+        return None
+    first, second = parts
+    if _made_by(first, "sliding_window_overlay") and second is causal_mask_function:
+        window = _closure(first, "sliding_window")
+        if isinstance(window, int) and not isinstance(window, bool) and window >= 1:
+            return (window,)
+    return None
+
+
 def _describe_mask(mask_function):
     """(sliding_window, doc_ids) when `mask_function` is one of the mask factories transformers builds
     for these models, else None. sliding_window: W of `sliding_window_overlay(W)` or None; doc_ids: the
@@ -127,29 +154,32 @@ def _describe_mask(mask_function):
     (create_causal_mask / create_sliding_window_causal_mask in transformers.masking_utils):
       causal_mask_function
       and_masks(sliding_window_overlay(W), causal_mask_function)
-      and_masks(remap_positions_for_packed_sequence(<either above>, position_ids),
-                packed_sequence_mask_function(doc_ids))
-    Within a document position_ids step by 1 (that is where transformers splits documents), so the
-    remapped positions differ as the indices do: the kernel's causal mask and window per document."""
-    from transformers.masking_utils import causal_mask_function
-    if mask_function is causal_mask_function:
-        return None, None
+    and, for packed documents (find_packed_sequence_indices), either one as
+      and_masks(<it>, packed_sequence_mask_function(doc_ids))                  (transformers <= 5.17)
+      and_masks(remap_positions_for_packed_sequence(<it>, position_ids),
+                packed_sequence_mask_function(doc_ids))                        (later releases)
+    A document is a contiguous run of equal indices (doc_ids is a cumulative sum) within which
+    position_ids step by 1 (that is where transformers splits documents): both the packed row's own
+    indices and the remapped positions differ within a document as the document's own indices do, so
+    either form is the kernel's causal mask and window per document."""
+    described = _describe_unpacked(mask_function)
+    if described is not None:
+        return described[0], None
     if not _made_by(mask_function, "and_masks", "and_mask"):
         return None
     parts = _closure(mask_function, "mask_functions")
-    if len(parts) != 2:
+    if not isinstance(parts, tuple) or len(parts) != 2:
         return None
     first, second = parts
-    if _made_by(first, "sliding_window_overlay") and second is causal_mask_function:
-        window = _closure(first, "sliding_window")
-        return (window, None) if isinstance(window, int) and window >= 1 else None
-    if _made_by(first, "remap_positions_for_packed_sequence") and _made_by(second, "packed_sequence_mask_function"):
-        inner = _describe_mask(_closure(first, "mask_function"))
-        doc_ids = _closure(second, "packed_sequence_mask")
-        if inner is None or inner[1] is not None or not torch.is_tensor(doc_ids) or doc_ids.dim() != 2:
-            return None
-        return inner[0], doc_ids
-    return None
+    if not _made_by(second, "packed_sequence_mask_function"):
+        return None
+    if _made_by(first, "remap_positions_for_packed_sequence"):
+        first = _closure(first, "mask_function")
+    inner = _describe_unpacked(first)
+    doc_ids = _closure(second, "packed_sequence_mask")
+    if inner is None or not torch.is_tensor(doc_ids) or doc_ids.dim() != 2:
+        return None
+    return inner[0], doc_ids
 
 
 def _cu_seqlens_from_doc_ids(doc_ids: Tensor):

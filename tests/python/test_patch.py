@@ -2,6 +2,7 @@
 patched and unpatched losses, gradients, logits and generations agree (packed batches, sliding
 windows and softcapping included); unpatch restores the model."""
 import copy
+import inspect
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ import fuseforge  # noqa: F401,E402  (loads the extension)
 # `from fuseforge.patch import ...` reaches the module even where fuseforge/__init__ binds the name
 # fuseforge.patch to the function.
 from fuseforge.patch import KernelMask, is_patched, patch, stats, unpatch  # noqa: E402
-from harness import assert_rel_close, generator, requires_cuda  # noqa: E402
+from harness import assert_rel_close, generator, rel_err, requires_cuda  # noqa: E402
 
 VOCAB = 131  # odd
 WINDOW = 8  # a sliding window that binds on every sequence and document below
@@ -476,7 +477,10 @@ def test_kernel_mask_describes_transformers_masks():
     patch(make_model("llama"))  # registers the functions
     embeds = torch.zeros(1, 64, config.hidden_size)
     pos = packed_batch()["position_ids"]
-    args = dict(config=config, inputs_embeds=embeds, cache=None)
+    # the cache argument is `cache` since transformers renamed `past_key_values` (5.17 takes the old name)
+    params = inspect.signature(create_causal_mask).parameters
+    cache_name = "cache" if "cache" in params else "past_key_values"
+    args = dict(config=config, inputs_embeds=embeds, **{cache_name: None})
     sliding = create_sliding_window_causal_mask(attention_mask=None, position_ids=torch.arange(64)[None], **args)
     assert isinstance(sliding, KernelMask) and sliding.sliding_window == WINDOW and sliding.window == (WINDOW - 1, 0)
     assert sliding.doc_ids is None
@@ -496,13 +500,50 @@ def test_kernel_mask_describes_transformers_masks():
     assert torch.is_tensor(create_causal_mask(attention_mask=padding, **args))
 
 
+def test_describe_mask_structures():
+    """The mask closures of either release form are recognised, independently of the one installed:
+    packed as and_masks(<causal or sliding>, packed_sequence_mask_function) (transformers <= 5.17) and
+    with remap_positions_for_packed_sequence around the first (later releases); anything else (an
+    extra and/or mask, a bidirectional one, a 1D index) is not, and goes to SDPA."""
+    from transformers import masking_utils as mu
+    from fuseforge.patch import _describe_mask
+    doc_ids = torch.tensor([[0, 0, 1, 1, 1, 2]])
+    sliding = mu.and_masks(mu.sliding_window_overlay(WINDOW), mu.causal_mask_function)
+    assert _describe_mask(mu.causal_mask_function) == (None, None)
+    assert _describe_mask(sliding) == (WINDOW, None)
+    for inner, window in ((mu.causal_mask_function, None), (sliding, WINDOW)):
+        forms = [inner]
+        if hasattr(mu, "remap_positions_for_packed_sequence"):
+            forms.append(mu.remap_positions_for_packed_sequence(inner, torch.tensor([[0, 1, 0, 1, 2, 0]])))
+        for first in forms:
+            got = _describe_mask(mu.and_masks(first, mu.packed_sequence_mask_function(doc_ids)))
+            assert got is not None and got[0] == window and got[1] is doc_ids
+    extra = mu.and_masks(mu.causal_mask_function, lambda b, h, q, kv: q >= 0)
+    for fn in (extra, mu.or_masks(mu.causal_mask_function, mu.causal_mask_function),
+               mu.bidirectional_mask_function,
+               mu.and_masks(extra, mu.packed_sequence_mask_function(doc_ids)),
+               mu.and_masks(mu.causal_mask_function, mu.packed_sequence_mask_function(doc_ids[0])),
+               mu.and_masks(mu.sliding_window_overlay(WINDOW), mu.causal_mask_function, mu.causal_mask_function),
+               None):
+        assert _describe_mask(fn) is None
+
+
 @requires_cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize("family", ["llama", "mistral-swa", "gemma2"])
 def test_packed_bf16_cuda_matches_unpatched(family):
-    """bf16 on CUDA, head_dim 64 (a kernel head dim; Gemma 2's real 256 falls back): varlen."""
+    """bf16 on CUDA, head_dim 64 (a kernel head dim; Gemma 2's real 256 falls back): varlen. Gradients
+    are held to a float64 truth (the same bf16 weights in float64, on the CPU): the patched model's
+    error within 1.5x the unpatched bf16 model's own. Gemma 2's bf16 reference (eager attention,
+    softcap 1.0 on the scores, softmax and tanh in bf16) is itself far off: on the CPU, 15-23% on the
+    attention projections' gradients and 7-10% on the embedding's against float64 (Llama, Mistral:
+    1.2-1.4%), the patched model's 0.94-1.05x that, and patched vs reference up to 13%: a fixed bound
+    between the two bf16 models measures the reference's rounding, not the kernel's. Llama and Mistral
+    keep the direct 5e-2 bound as well."""
     model = make_model(family, torch.bfloat16, "cuda", head_dim=64)
     batch = packed_batch(lengths=(100, 300, 60), device="cuda")
+    exact = copy.deepcopy(model).to(device="cpu", dtype=torch.float64)
+    _, exact_grads = reference_packed(exact, {k: v.cpu() if torch.is_tensor(v) else v for k, v in batch.items()})
     ref_loss, ref_grads = reference_packed(model, batch)
     patch(model)
     before = kernel_calls()
@@ -511,4 +552,8 @@ def test_packed_bf16_cuda_matches_unpatched(family):
     assert after[2] - before[2] == model.config.num_hidden_layers and after[1] == before[1]
     assert abs(out.loss.item() - ref_loss.item()) <= 1e-2 * ref_loss.item()
     for name, g in ref_grads.items():
-        assert_rel_close(got_grads[name], g, 5e-2, f"grad {name}")
+        ref_err = rel_err(g, exact_grads[name])
+        assert_rel_close(got_grads[name], exact_grads[name], 1.5 * ref_err + 1e-3,
+                         f"grad {name} vs float64 (bf16 reference's own error {ref_err:.3e})")
+        if family != "gemma2":
+            assert_rel_close(got_grads[name], g, 5e-2, f"grad {name}")
