@@ -47,7 +47,8 @@ Shape check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
               ") must be a multiple of the heads of k and v (", s.heads_kv, ") for grouped-query attention");
   TORCH_CHECK(s.head_dim > 0, "q, k, v must have a positive head dim, got ", s.head_dim);
   if (cuda) {
-    TORCH_CHECK(cuda_head_dim_supported(s.head_dim), "attention on CUDA supports head dims 64 and 128, got ",
+    TORCH_CHECK(cuda_head_dim_supported(s.head_dim),
+                "attention on CUDA supports head dims that are multiples of 8 up to 128 (e.g. 64, 96, 128), got ",
                 s.head_dim);
   }
   TORCH_CHECK(q.stride(3) == 1 || q.size(3) == 1, "q must have a contiguous last dim (stride 1), got strides ",

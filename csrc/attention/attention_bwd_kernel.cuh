@@ -33,6 +33,7 @@ __global__ void attention_row_dot_kernel(const __grid_constant__ BwdParams p) {
   float sum = 0.f;
 #pragma unroll
   for (int d = lane * 2; d < kD; d += 64) {
+    if (d >= p.head_dim) break;
     sum += static_cast<float>(dout[d]) * static_cast<float>(out[d]) +
            static_cast<float>(dout[d + 1]) * static_cast<float>(out[d + 1]);
   }
@@ -78,6 +79,7 @@ __global__ void attention_dq_convert_kernel(const __grid_constant__ BwdParams p)
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= static_cast<int64_t>(seq.seqlen_q) * kChunks) return;
   const int i = static_cast<int>(idx / kChunks), c = static_cast<int>(idx % kChunks);
+  if (c * 8 >= p.head_dim) return;  // the zero columns past the head dim (attention_params.h)
   // Row i % 16 of the tile: lanes 4 (i % 8) + j, elements 2 ((i % 16) / 8) + {0, 1}, j = column pair.
   const float* tile = dq_accum_tile(p, b, h, dq_accum_seq_tile0<kVarlen>(p, b), i / 16, c, kD) + 16 * (i & 7) + 2 * ((i >> 3) & 1);
   float v[8];
@@ -138,11 +140,11 @@ struct KeyBlock {
 // n0: the row in the (B, H, S, D) view (the sequence's first row added for varlen).
 template <typename T, int kBlockN, int kD, int kThreads, class Tile>
 __device__ __forceinline__ void load_key_tiles(const BwdParams& p, int b, int hk, int64_t n0, int rows_k, uint32_t sK,
-                                               uint32_t sV, int tid) {
+                                               uint32_t sV, int head_dim, int tid) {
   const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride + n0 * p.k_row_stride;
   const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride + n0 * p.v_row_stride;
-  load_tile_async<kBlockN, kD, kThreads, T, Tile>(sK, k, p.k_row_stride, rows_k, tid);
-  load_tile_async<kBlockN, kD, kThreads, T, Tile>(sV, v, p.v_row_stride, rows_k, tid);
+  load_tile_async<kBlockN, kD, kThreads, T, Tile>(sK, k, p.k_row_stride, rows_k, head_dim, tid);
+  load_tile_async<kBlockN, kD, kThreads, T, Tile>(sV, v, p.v_row_stride, rows_k, head_dim, tid);
 }
 
 // Q and dO rows [m0, m0 + kBlockM) of query head h of the sequence (its first row q_row0 in the view,
@@ -150,12 +152,12 @@ __device__ __forceinline__ void load_key_tiles(const BwdParams& p, int b, int hk
 // so P = 0) and D into floats[0, kBlockM) and floats[kBlockM, 2 kBlockM).
 template <typename T, int kBlockM, int kD, int kThreads, class Tile>
 __device__ __forceinline__ void load_query_tiles(const BwdParams& p, int b, int h, int q_row0, int seqlen_q, int m0,
-                                                 uint32_t sQ, uint32_t sdO, float* floats, int tid) {
+                                                 uint32_t sQ, uint32_t sdO, float* floats, int head_dim, int tid) {
   const int64_t row = q_row0 + m0;
   const T* q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride + row * p.q_row_stride;
   const T* dout = static_cast<const T*>(p.grad_out) + b * p.do_batch_stride + h * p.do_head_stride + row * p.do_row_stride;
-  load_tile_async<kBlockM, kD, kThreads, T, Tile>(sQ, q, p.q_row_stride, seqlen_q - m0, tid);
-  load_tile_async<kBlockM, kD, kThreads, T, Tile>(sdO, dout, p.do_row_stride, seqlen_q - m0, tid);
+  load_tile_async<kBlockM, kD, kThreads, T, Tile>(sQ, q, p.q_row_stride, seqlen_q - m0, head_dim, tid);
+  load_tile_async<kBlockM, kD, kThreads, T, Tile>(sdO, dout, p.do_row_stride, seqlen_q - m0, head_dim, tid);
   const int64_t row_base = b * p.lse_batch_stride + h * p.lse_head_stride + q_row0;
   for (int r = tid; r < kBlockM; r += kThreads) {
     const bool valid = m0 + r < seqlen_q;
@@ -169,6 +171,7 @@ template <class Tr, int kMask, bool kSoftcap, bool kVarlen, bool kAtomicDq>
 __device__ __forceinline__ void attention_bwd_dkdv_mma_body(const BwdParams& p) {
   using T = typename Tr::T;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kNT = Tr::kNTiles, kD = Tr::kHeadDim;
+  const int head_dim = valid_head_dim<Tr>(p);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const KeyBlock<kBlockM, kBlockN, kMask, kVarlen> blk(p);
   if (blk.rows_k <= 0) return;  // past its sequence (varlen)
@@ -184,13 +187,13 @@ __device__ __forceinline__ void attention_bwd_dkdv_mma_body(const BwdParams& p) 
   float* stage_floats0 = reinterpret_cast<float*>(smem + 2 * Tr::kTileKVBytes + 2 * Tr::kTileQBytes);
 
   using Tile = SwizzledTile<kD>;
-  load_key_tiles<T, kBlockN, kD, Tr::kThreads, Tile>(p, b, hk, blk.k_row0 + n0, rows_k, sK, sV, tid);
+  load_key_tiles<T, kBlockN, kD, Tr::kThreads, Tile>(p, b, hk, blk.k_row0 + n0, rows_k, sK, sV, head_dim, tid);
   // Q, dO, lse and D of iteration `it` into stage `it % 2`.
   auto prefetch = [&](int it) {
     const uint32_t stage = sStage0 + (it & 1) * kStageBytes;
     load_query_tiles<T, kBlockM, kD, Tr::kThreads, Tile>(p, b, blk.head(it, p), blk.q_row0, blk.seqlen_q,
                                                          blk.row0(it), stage, stage + Tr::kTileQBytes,
-                                                         stage_floats0 + (it & 1) * (kStageBytes / 4), tid);
+                                                         stage_floats0 + (it & 1) * (kStageBytes / 4), head_dim, tid);
   };
 
   float dk[kNT][kD / 8][4], dv[kNT][kD / 8][4];
@@ -346,8 +349,8 @@ __device__ __forceinline__ void attention_bwd_dkdv_mma_body(const BwdParams& p) 
   const int64_t key_row = blk.k_row0 + n0;
   T* gk = static_cast<T*>(p.grad_k) + b * p.dk_batch_stride + hk * p.dk_head_stride + key_row * p.dk_row_stride;
   T* gv = static_cast<T*>(p.grad_v) + b * p.dv_batch_stride + hk * p.dv_head_stride + key_row * p.dv_row_stride;
-  store_rows<T, kD, kNT>(dk, scales, smem, warp_row0, gk, p.dk_row_stride, rows_k, lane);
-  store_rows<T, kD, kNT>(dv, ones, smem + Tr::kTileKVBytes, warp_row0, gv, p.dv_row_stride, rows_k, lane);
+  store_rows<T, kD, kNT>(dk, scales, smem, warp_row0, gk, p.dk_row_stride, rows_k, head_dim, lane);
+  store_rows<T, kD, kNT>(dv, ones, smem + Tr::kTileKVBytes, warp_row0, gv, p.dv_row_stride, rows_k, head_dim, lane);
 }
 
 #if FUSEFORGE_ATTENTION_WGMMA
@@ -361,6 +364,7 @@ template <class Tr, int kMask, bool kSoftcap, bool kVarlen, bool kAtomicDq>
 __device__ __forceinline__ void attention_bwd_dkdv_wgmma_body(const BwdParams& p) {
   using T = typename Tr::T;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kD = Tr::kHeadDim;
+  const int head_dim = valid_head_dim<Tr>(p);
   static_assert(kBlockN == 128 && Tr::kNWarps == 8, "2 warpgroups of 64 keys");
   static_assert((kD == 128 && kBlockM == 64) || (kD == 64 && kBlockM == 128), "dQ splits one dimension in two");
   constexpr int kSN = kBlockM / 2;  // S^T accumulator floats a thread (64 keys x kBlockM queries)
@@ -382,12 +386,12 @@ __device__ __forceinline__ void attention_bwd_dkdv_wgmma_body(const BwdParams& p
   const uint32_t sDs = sStage0 + 4 * Tr::kTileQBytes;
   float* stage_floats0 = reinterpret_cast<float*>(smem + (sDs - sK) + Tr::kTileDsBytes);  // stage s: lse, D
 
-  load_key_tiles<T, kBlockN, kD, Tr::kThreads, KVTile>(p, b, hk, blk.k_row0 + n0, rows_k, sK, sV, tid);
+  load_key_tiles<T, kBlockN, kD, Tr::kThreads, KVTile>(p, b, hk, blk.k_row0 + n0, rows_k, sK, sV, head_dim, tid);
   auto prefetch = [&](int it) {
     const uint32_t sQ = sStage0 + (it & 1) * 2 * Tr::kTileQBytes;
     load_query_tiles<T, kBlockM, kD, Tr::kThreads, QTile>(p, b, blk.head(it, p), blk.q_row0, blk.seqlen_q,
                                                           blk.row0(it), sQ, sQ + Tr::kTileQBytes,
-                                                          stage_floats0 + (it & 1) * 2 * kBlockM, tid);
+                                                          stage_floats0 + (it & 1) * 2 * kBlockM, head_dim, tid);
   };
 
   float dk[kD / 2], dv[kD / 2];
@@ -520,9 +524,9 @@ __device__ __forceinline__ void attention_bwd_dkdv_wgmma_body(const BwdParams& p
   T* gk = static_cast<T*>(p.grad_k) + b * p.dk_batch_stride + hk * p.dk_head_stride + key_row * p.dk_row_stride;
   T* gv = static_cast<T*>(p.grad_v) + b * p.dv_batch_stride + hk * p.dv_head_stride + key_row * p.dv_row_stride;
   store_rows<T, kD, 1>(reinterpret_cast<const float(&)[1][kD / 8][4]>(dk), scales, smem, warp_row0, gk,
-                       p.dk_row_stride, rows_k, lane);
+                       p.dk_row_stride, rows_k, head_dim, lane);
   store_rows<T, kD, 1>(reinterpret_cast<const float(&)[1][kD / 8][4]>(dv), ones, smem + Tr::kTileKVBytes, warp_row0,
-                       gv, p.dv_row_stride, rows_k, lane);
+                       gv, p.dv_row_stride, rows_k, head_dim, lane);
 }
 #endif  // FUSEFORGE_ATTENTION_WGMMA
 
@@ -532,6 +536,7 @@ template <class Tr, int kMask, bool kSoftcap, bool kVarlen>
 __device__ __forceinline__ void attention_bwd_dq_body(const BwdParams& p) {
   using T = typename Tr::T;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kMT = Tr::kMTiles, kD = Tr::kHeadDim;
+  const int head_dim = valid_head_dim<Tr>(p);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const QueryBlock<T, kBlockM, kBlockN, kMask, kVarlen> blk(p);
   if (blk.rows_q <= 0) return;  // past its sequence (varlen)
@@ -546,14 +551,14 @@ __device__ __forceinline__ void attention_bwd_dq_body(const BwdParams& p) {
 
   const T* dout = blk.template rows<const T>(const_cast<void*>(p.grad_out), p.do_batch_stride, p.do_head_stride,
                                              p.do_row_stride, p);
-  load_tile_async<kBlockM, kD, Tr::kThreads>(sQ, q, p.q_row_stride, rows_q, tid);
-  load_tile_async<kBlockM, kD, Tr::kThreads>(sdO, dout, p.do_row_stride, rows_q, tid);
+  load_tile_async<kBlockM, kD, Tr::kThreads>(sQ, q, p.q_row_stride, rows_q, head_dim, tid);
+  load_tile_async<kBlockM, kD, Tr::kThreads>(sdO, dout, p.do_row_stride, rows_q, head_dim, tid);
   auto prefetch = [&](int nb) {
     const int n0 = nb * kBlockN;
     const uint32_t sK = sKV0 + (nb & 1) * 2 * Tr::kTileKVBytes;
-    load_tile_async<kBlockN, kD, Tr::kThreads>(sK, k + n0 * p.k_row_stride, p.k_row_stride, seqlen_k - n0, tid);
+    load_tile_async<kBlockN, kD, Tr::kThreads>(sK, k + n0 * p.k_row_stride, p.k_row_stride, seqlen_k - n0, head_dim, tid);
     load_tile_async<kBlockN, kD, Tr::kThreads>(sK + Tr::kTileKVBytes, v + n0 * p.v_row_stride, p.v_row_stride,
-                                               seqlen_k - n0, tid);
+                                               seqlen_k - n0, head_dim, tid);
   };
   if (n_begin < n_end) prefetch(n_begin);
   cp_async_commit();
@@ -632,7 +637,7 @@ __device__ __forceinline__ void attention_bwd_dq_body(const BwdParams& p) {
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt) scales[mt][0] = scales[mt][1] = p.scale;
   T* gq = blk.template rows<T>(p.grad_q, p.dq_batch_stride, p.dq_head_stride, p.dq_row_stride, p);
-  store_rows<T, kD, kMT>(dq, scales, smem, warp_row0, gq, p.dq_row_stride, rows_q, lane);
+  store_rows<T, kD, kMT>(dq, scales, smem, warp_row0, gq, p.dq_row_stride, rows_q, head_dim, lane);
 }
 
 template <class Tr, int kMask, bool kSoftcap, bool kVarlen, bool kAtomicDq>

@@ -15,7 +15,7 @@ namespace {
 
 // The kernels copy rows with 16-byte cp.async: every stride of a dim with more than one element
 // must be a multiple of 8 elements and the data 16-byte aligned. Dense tensors always are (the head
-// dim is 64 or 128); anything else (an odd slice) is copied once.
+// dim is a multiple of 8); anything else (an odd slice) is copied once.
 at::Tensor kernel_ready(const at::Tensor& t) {
   bool ok = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(3) == 1;
   for (int d = 0; d < 3; ++d) ok = ok && (t.size(d) <= 1 || t.stride(d) % 8 == 0);
@@ -57,6 +57,7 @@ void fill_forward(FwdParams& p, const Shape& s, const at::Tensor& q, const at::T
   p.group = static_cast<int>(s.group());
   p.seqlen_q = static_cast<int>(s.seqlen_q);
   p.seqlen_k = static_cast<int>(s.seqlen_k);
+  p.head_dim = static_cast<int>(s.head_dim);
   p.scale = static_cast<float>(scale);
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   // Unbounded sides become the max lengths: as good as infinite, and no 32-bit sum overflows.
@@ -76,22 +77,25 @@ void set_varlen(FwdParams& p, const at::Tensor& cu_q, const at::Tensor& cu_k) {
   p.lse_batch_stride = 0;
 }
 
-// Calls f.template operator()<T, kHeadDim, kSoftcap>() for the tensor's dtype, the head dim and softcap.
+// Calls f.template operator()<T, kHeadDim, kSoftcap, kPadHeadDim>() for the tensor's dtype, the
+// kernel head dim (cuda_kernel_head_dim), softcap and whether the head dim is below the kernel's.
 template <typename F>
 void dispatch_dtype_head_dim(at::ScalarType dtype, int64_t head_dim, bool softcap, F&& f) {
   auto by_dim = [&](auto tag) {
     using T = decltype(tag);
-    auto by_cap = [&]<int kD>() {
+    auto by_cap = [&]<int kD, bool kPad>() {
       if (softcap) {
-        f.template operator()<T, kD, true>();
+        f.template operator()<T, kD, true, kPad>();
       } else {
-        f.template operator()<T, kD, false>();
+        f.template operator()<T, kD, false, kPad>();
       }
     };
     if (head_dim == 64) {
-      by_cap.template operator()<64>();
+      by_cap.template operator()<64, false>();
+    } else if (head_dim == 128) {
+      by_cap.template operator()<128, false>();
     } else {
-      by_cap.template operator()<128>();
+      by_cap.template operator()<128, true>();
     }
   };
   if (dtype == at::kHalf) {
@@ -112,7 +116,9 @@ void forward(const Shape& s, const at::Tensor& q_in, const at::Tensor& k_in, con
   fill_forward(p, s, q, k, v, out_k, lse, scale, o);
   if (cu_q != nullptr) set_varlen(p, *cu_q, *cu_k);
   dispatch_dtype_head_dim(q.scalar_type(), s.head_dim, o.softcap > 0.0,
-                          [&]<typename T, int kD, bool kSoftcap>() { run_attention_fwd<T, kD, kSoftcap>(p, o.local()); });
+                          [&]<typename T, int kD, bool kSoftcap, bool kPad>() {
+                            run_attention_fwd<T, kD, kSoftcap, kPad>(p, o.local());
+                          });
   if (!out_k.is_same(out)) out.copy_(out_k);
 }
 
@@ -153,13 +159,14 @@ void backward(const Shape& s, const at::Tensor& grad_out_in, const at::Tensor& q
     // from tile cu[b] / 16 + b, so R = 16 (total / 16 + B + 1) rows a head.
     const int64_t rows = cu_q != nullptr ? 16 * (q.size(2) / 16 + s.batch + 1) : (s.seqlen_q + 15) / 16 * 16;
     const int64_t batches = cu_q != nullptr ? 1 : s.batch;
-    dq_accum = at::zeros({batches, s.heads_q, rows, s.head_dim}, q.options().dtype(at::kFloat));
+    // The kernel head dim's columns: the kernels add the zero columns past the head dim too.
+    dq_accum = at::zeros({batches, s.heads_q, rows, cuda_kernel_head_dim(s.head_dim)}, q.options().dtype(at::kFloat));
     p.dq_accum = dq_accum.data_ptr<float>();
     p.dq_accum_head_tiles = rows / 16;
     p.dq_accum_batch_tiles = cu_q != nullptr ? 0 : s.heads_q * rows / 16;
   }
-  dispatch_dtype_head_dim(q.scalar_type(), s.head_dim, o.softcap > 0.0, [&]<typename T, int kD, bool kSoftcap>() {
-    run_attention_bwd<T, kD, kSoftcap>(p, row_dot_params, o.local(), deterministic);
+  dispatch_dtype_head_dim(q.scalar_type(), s.head_dim, o.softcap > 0.0, [&]<typename T, int kD, bool kSoftcap, bool kPad>() {
+    run_attention_bwd<T, kD, kSoftcap, kPad>(p, row_dot_params, o.local(), deterministic);
   });
   if (!dq.is_same(grad_q)) grad_q.copy_(dq);
   if (!dk.is_same(grad_k)) grad_k.copy_(dk);

@@ -43,6 +43,13 @@ struct SeqInfo {
 // at D = 64 (the dk/dv kernel at 255 registers).
 constexpr int kNoMask = 0, kRightBound = 1, kWindow = 2;
 
+// The head dim the loads and stores cover: the kernel's kHeadDim (a constant), or the tensors' smaller
+// one in the kernels built for it (Traits::kPadHeadDim).
+template <class Tr>
+__device__ __forceinline__ int valid_head_dim(const FwdParams& p) {
+  return Tr::kPadHeadDim ? p.head_dim : Tr::kHeadDim;
+}
+
 // Whether a kBlockM x kBlockN tile (query rows from m0, keys from n0) has masked elements: keys past
 // Sk or outside some row's window [i + off - left, i + off + right].
 template <int kMask, int kBlockM, int kBlockN>
@@ -134,11 +141,12 @@ __device__ __forceinline__ void apply_mask(float (&s)[kMT][kNCols / 8][4], int r
 
 // Writes a warp's kMTiles x 16 rows x kHeadDim fp32 accumulator, times row_scale[mt][half], as T
 // rows of a strided global matrix: staged through the warp's own rows of the swizzled smem tile
-// sStage (so the global stores are 16-byte and coalesced). Rows at or past rows_valid are skipped.
+// sStage (so the global stores are 16-byte and coalesced). Rows at or past rows_valid and columns at
+// or past cols_valid (the head dim, a multiple of 8) are skipped.
 template <typename T, int kD, int kMT>
 __device__ __forceinline__ void store_rows(const float (&acc)[kMT][kD / 8][4], const float (&row_scale)[kMT][2],
                                            unsigned char* sStage, int warp_row0, T* gmem, int64_t row_stride,
-                                           int rows_valid, int lane) {
+                                           int rows_valid, int cols_valid, int lane) {
   using Tile = SwizzledTile<kD>;
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
@@ -158,7 +166,7 @@ __device__ __forceinline__ void store_rows(const float (&acc)[kMT][kD / 8][4], c
     const int idx = i * 32 + lane;
     const int r = idx / kChunks, c = idx % kChunks;
     const int row = warp_row0 + r;
-    if (row < rows_valid) {
+    if (row < rows_valid && c * 8 < cols_valid) {
       const uint4 v = *reinterpret_cast<const uint4*>(sStage + Tile::offset(row, c * 8));
       *reinterpret_cast<uint4*>(gmem + row * row_stride + c * 8) = v;
     }
@@ -263,6 +271,7 @@ template <class Tr, int kMask, bool kSoftcap, bool kVarlen>
 __device__ __forceinline__ void attention_fwd_mma_body(const FwdParams& p) {
   using T = typename Tr::T;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kMT = Tr::kMTiles, kD = Tr::kHeadDim;
+  const int head_dim = valid_head_dim<Tr>(p);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const QueryBlock<T, kBlockM, kBlockN, kMask, kVarlen> blk(p);
   if (blk.rows_q <= 0) return;  // past its sequence (varlen)
@@ -275,10 +284,10 @@ __device__ __forceinline__ void attention_fwd_mma_body(const FwdParams& p) {
   const uint32_t sK = sQ + Tr::kTileQBytes;
   const uint32_t sV = sK + Tr::kTileKVBytes;
 
-  load_tile_async<kBlockM, kD, Tr::kThreads>(sQ, q, p.q_row_stride, rows_q, tid);
+  load_tile_async<kBlockM, kD, Tr::kThreads>(sQ, q, p.q_row_stride, rows_q, head_dim, tid);
   if (n_begin < n_end) {
     const int n0 = n_begin * kBlockN;
-    load_tile_async<kBlockN, kD, Tr::kThreads>(sK, k + n0 * p.k_row_stride, p.k_row_stride, seqlen_k - n0, tid);
+    load_tile_async<kBlockN, kD, Tr::kThreads>(sK, k + n0 * p.k_row_stride, p.k_row_stride, seqlen_k - n0, head_dim, tid);
   }
   cp_async_commit();
 
@@ -300,7 +309,7 @@ __device__ __forceinline__ void attention_fwd_mma_body(const FwdParams& p) {
     const int n0 = nb * kBlockN;
     cp_async_wait<0>();
     __syncthreads();  // K[nb] (and Q) landed; every warp is done with V[nb - 1]
-    load_tile_async<kBlockN, kD, Tr::kThreads>(sV, v + n0 * p.v_row_stride, p.v_row_stride, seqlen_k - n0, tid);
+    load_tile_async<kBlockN, kD, Tr::kThreads>(sV, v + n0 * p.v_row_stride, p.v_row_stride, seqlen_k - n0, head_dim, tid);
     cp_async_commit();
 
     float s[kMT][kBlockN / 8][4];
@@ -322,7 +331,7 @@ __device__ __forceinline__ void attention_fwd_mma_body(const FwdParams& p) {
     __syncthreads();  // V[nb] landed; every warp is done with K[nb]
     if (nb + 1 < n_end) {
       load_tile_async<kBlockN, kD, Tr::kThreads>(sK, k + (n0 + kBlockN) * p.k_row_stride, p.k_row_stride,
-                                                 seqlen_k - n0 - kBlockN, tid);
+                                                 seqlen_k - n0 - kBlockN, head_dim, tid);
     }
     cp_async_commit();
     warp_gemm_pb<T, kD, kMT, kBlockN>(o, s, sV, lane);
@@ -335,7 +344,7 @@ __device__ __forceinline__ void attention_fwd_mma_body(const FwdParams& p) {
   __syncthreads();  // every thread's Q copies landed (when no key tile ran, nothing else waited for them)
   // Each warp reads only its own rows of sQ, so it may reuse them to stage its output.
   T* out = blk.template rows<T>(p.out, p.out_batch_stride, p.out_head_stride, p.out_row_stride, p);
-  store_rows<T, kD, kMT>(o, inv_sum, smem, warp_row0, out, p.out_row_stride, rows_q, lane);
+  store_rows<T, kD, kMT>(o, inv_sum, smem, warp_row0, out, p.out_row_stride, rows_q, head_dim, lane);
 }
 
 #if FUSEFORGE_ATTENTION_WGMMA
@@ -347,6 +356,7 @@ template <class Tr, int kMask, bool kSoftcap, bool kVarlen>
 __device__ __forceinline__ void attention_fwd_wgmma_body(const FwdParams& p) {
   using T = typename Tr::T;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kD = Tr::kHeadDim;
+  const int head_dim = valid_head_dim<Tr>(p);
   static_assert(kBlockM == 128 && kBlockN == 128 && Tr::kNWarps == 8, "2 warpgroups of 64 rows, 128-key tiles");
   static_assert(kD == 64 || kD == 128, "wgmma N = head dim");
   using QTile = PanelTile<kBlockM>;
@@ -367,11 +377,11 @@ __device__ __forceinline__ void attention_fwd_wgmma_body(const FwdParams& p) {
     const int n0 = nb * kBlockN;
     const uint32_t sK = sKV0 + (nb & 1) * 2 * Tr::kTileKVBytes;
     load_tile_async<kBlockN, kD, Tr::kThreads, T, KVTile>(sK, k + n0 * p.k_row_stride, p.k_row_stride,
-                                                          seqlen_k - n0, tid);
+                                                          seqlen_k - n0, head_dim, tid);
     load_tile_async<kBlockN, kD, Tr::kThreads, T, KVTile>(sK + Tr::kTileKVBytes, v + n0 * p.v_row_stride,
-                                                          p.v_row_stride, seqlen_k - n0, tid);
+                                                          p.v_row_stride, seqlen_k - n0, head_dim, tid);
   };
-  load_tile_async<kBlockM, kD, Tr::kThreads, T, QTile>(sQ, q, p.q_row_stride, rows_q, tid);
+  load_tile_async<kBlockM, kD, Tr::kThreads, T, QTile>(sQ, q, p.q_row_stride, rows_q, head_dim, tid);
   if (n_begin < n_end) load_kv(n_begin);
   cp_async_commit();
 
@@ -424,7 +434,7 @@ __device__ __forceinline__ void attention_fwd_wgmma_body(const FwdParams& p) {
   cp_async_wait<0>();
   __syncthreads();  // both warpgroups are done reading sQ; staging rows overlap the other warpgroup's
   T* out = blk.template rows<T>(p.out, p.out_batch_stride, p.out_head_stride, p.out_row_stride, p);
-  store_rows<T, kD, 1>(o3, inv_sum, smem, warp_row0, out, p.out_row_stride, rows_q, lane);
+  store_rows<T, kD, 1>(o3, inv_sum, smem, warp_row0, out, p.out_row_stride, rows_q, head_dim, lane);
 }
 #endif  // FUSEFORGE_ATTENTION_WGMMA
 

@@ -8,10 +8,15 @@ namespace fuseforge::attention {
 // Forward (and the deterministic dq kernel, same shape of work): a block owns kBlockM query rows of
 // one (batch, head); each of kNWarps warps owns kBlockM / kNWarps rows (kMTiles m16 tiles, so each
 // K/V fragment read from shared memory feeds kMTiles mma's) and loops over kBlockN-key tiles.
-template <typename T_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_>
+//
+// kPadHeadDim: the tensors' head dim (FwdParams::head_dim) is smaller than kHeadDim; loads zero-fill
+// the shared-memory columns past it and stores skip them. Without it the head dim is kHeadDim and
+// the column tests compile away (the exact-dim kernels are the same code as before the flag).
+template <typename T_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, bool kPadHeadDim_ = false>
 struct FwdTraits {
   using T = T_;
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr bool kPadHeadDim = kPadHeadDim_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kNWarps = kNWarps_;
@@ -33,10 +38,11 @@ struct FwdTraits {
 // keys and loops over the kBlockM-query tiles of every query head of the group (the GQA reduction
 // happens in registers). Q and dO tiles are double-buffered; dS goes through shared memory for the
 // dq = dS K product (atomic path).
-template <typename T_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_>
+template <typename T_, int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, bool kPadHeadDim_ = false>
 struct BwdTraits {
   using T = T_;
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr bool kPadHeadDim = kPadHeadDim_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kNWarps = kNWarps_;

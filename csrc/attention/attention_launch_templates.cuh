@@ -1,6 +1,7 @@
 // The tile shape each (element type, head dim) runs with, and the launcher templates the generated
 // files in instantiations/ instantiate (one file per dtype x head dim x softcap x pass, so they
-// compile in parallel).
+// compile in parallel). kPadHeadDim: the tensors' head dim is below kHeadDim (attention_kernel_traits.h);
+// built for kHeadDim = 128 only, so every head dim up to 128 that is not 64 or 128 costs what 128 does.
 #pragma once
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -26,29 +27,30 @@ struct CudaElement<at::BFloat16> {
 // Forward: 128 query rows a block, 8 warps of 16 rows (two warpgroups of 64 on sm_90a), key tiles of
 // 128. (The mma.sync-only kernel measured best at 4 warps of 32 rows and 64-key tiles on the H100,
 // docs/notes_attention.md; the wgmma body needs 64-row warpgroups and both share one launch shape.)
-template <typename T, int kHeadDim>
+template <typename T, int kHeadDim, bool kPadHeadDim>
 struct FwdConfig {
-  using Traits = FwdTraits<T, kHeadDim, 128, 128, 8>;
+  using Traits = FwdTraits<T, kHeadDim, 128, 128, 8, kPadHeadDim>;
 };
 
 // Backward dk/dv: 128 keys a block, 8 warps of 16 keys (two warpgroups of 64 on sm_90a), query tiles
 // of 64 for D = 128 and 128 for D = 64 (twice the products a tile for the same softmax, barrier and
 // atomic overhead; dQ's 64 x 64 blocks then split the rows instead of the keys). Deterministic dq:
 // 64 query rows a block, 4 warps of 16 rows, key tiles of 64.
-template <typename T, int kHeadDim>
+template <typename T, int kHeadDim, bool kPadHeadDim>
 struct BwdConfig {
-  using DkdvTraits = BwdTraits<T, kHeadDim, kHeadDim == 64 ? 128 : 64, 128, 8>;
-  using DqTraits = FwdTraits<T, kHeadDim, 64, 64, 4>;
+  using DkdvTraits = BwdTraits<T, kHeadDim, kHeadDim == 64 ? 128 : 64, 128, 8, kPadHeadDim>;
+  using DqTraits = FwdTraits<T, kHeadDim, 64, 64, 4, kPadHeadDim>;
 };
 
-template <typename T, int kHeadDim, bool kSoftcap>
+template <typename T, int kHeadDim, bool kSoftcap, bool kPadHeadDim>
 void run_attention_fwd(const FwdParams& params, bool local) {
-  launch_attention_fwd<typename FwdConfig<typename CudaElement<T>::type, kHeadDim>::Traits, kSoftcap>(params, local);
+  launch_attention_fwd<typename FwdConfig<typename CudaElement<T>::type, kHeadDim, kPadHeadDim>::Traits, kSoftcap>(
+      params, local);
 }
 
-template <typename T, int kHeadDim, bool kSoftcap>
+template <typename T, int kHeadDim, bool kSoftcap, bool kPadHeadDim>
 void run_attention_bwd(const BwdParams& params, const BwdParams& row_dot_params, bool local, bool deterministic) {
-  using C = BwdConfig<typename CudaElement<T>::type, kHeadDim>;
+  using C = BwdConfig<typename CudaElement<T>::type, kHeadDim, kPadHeadDim>;
   launch_attention_bwd<typename C::DkdvTraits, typename C::DqTraits, kSoftcap>(params, row_dot_params, local,
                                                                               deterministic);
 }

@@ -114,10 +114,11 @@ struct SwizzledBases {
 
 // Rows [row0, row0 + kRows) x kCols of a global matrix (row stride in elements) into a swizzled
 // shared tile (Tile::offset: SwizzledTile, or the wgmma kernels' PanelTile) with cp.async,
-// zero-filling rows at or past `rows_valid`. All kThreads threads take part.
+// zero-filling rows at or past `rows_valid` and columns at or past `cols_valid` (a multiple of 8: the
+// head dim, FwdParams::head_dim). All kThreads threads take part.
 template <int kRows, int kCols, int kThreads, typename T, class Tile = SwizzledTile<kCols>>
 __device__ __forceinline__ void load_tile_async(uint32_t smem_base, const T* gmem, int64_t row_stride,
-                                                int rows_valid, int tid) {
+                                                int rows_valid, int cols_valid, int tid) {
   constexpr int kChunks = kCols / 8;
   constexpr int kTotal = kRows * kChunks;
   static_assert(kTotal % kThreads == 0, "every thread copies the same number of chunks");
@@ -125,9 +126,10 @@ __device__ __forceinline__ void load_tile_async(uint32_t smem_base, const T* gme
   for (int i = 0; i < kTotal / kThreads; ++i) {
     const int idx = i * kThreads + tid;
     const int row = idx / kChunks, chunk = idx % kChunks;
-    const bool valid = row < rows_valid;
-    // Invalid rows point at the tile's first row (always mapped), with a zero-byte read.
-    const T* src = gmem + (valid ? row : 0) * row_stride + chunk * 8;
+    const bool row_ok = row < rows_valid, col_ok = chunk * 8 < cols_valid;
+    // Invalid chunks point into the tile's first row (always mapped), with a zero-byte read.
+    const T* src = gmem + (row_ok ? row : 0) * row_stride + (col_ok ? chunk * 8 : 0);
+    const bool valid = row_ok && col_ok;
     cp_async_16(smem_base + Tile::offset(row, chunk * 8), src, valid);
   }
 }

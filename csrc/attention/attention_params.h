@@ -23,6 +23,10 @@ struct FwdParams {
   int64_t out_batch_stride = 0, out_head_stride = 0, out_row_stride = 0;
   int batch = 0, heads_q = 0, heads_kv = 0, group = 1;  // group = Hq / Hk
   int seqlen_q = 0, seqlen_k = 0;  // the max over sequences for varlen
+  // The tensors' head dim, a multiple of 8 up to the kernel's kHeadDim (64 or 128). The kernels built
+  // with kPadHeadDim zero-fill the shared-memory columns past it on load and skip them on store, so a
+  // head dim of 96 runs the 128 kernels (products over zeros, nothing else changes).
+  int head_dim = 0;
   // Packed variable-length batches: sequence b is rows [cu[b], cu[b + 1]) of a (1, H, total, D) view
   // (batch strides 0, `batch` sequences); null for fixed-length batches.
   const int* cu_seqlens_q = nullptr;
@@ -57,20 +61,21 @@ struct BwdParams : FwdParams {
   bool kv_block_slowest = false;  // set by the launcher: the dk/dv grid is (Hk, B, key blocks), heaviest first
 };
 
-// Launchers, one explicit instantiation per (element type, head dim, softcap) in instantiations/*.cu;
-// they launch on the current stream of the current device (the caller holds the device guard) and
-// never synchronize. T is at::Half or at::BFloat16: c10's names, so this header and the host code that
-// calls it (attention_cuda.cpp, compiled by the C++ compiler) need no CUDA headers. local: the window
-// mask (causal included); kSoftcap: params.softcap_* apply. The backward's row_dot_params is the
+// Launchers, one explicit instantiation per (element type, head dim, softcap, padded head dim) in
+// instantiations/*.cu; they launch on the current stream of the current device (the caller holds the
+// device guard) and never synchronize. T is at::Half or at::BFloat16: c10's names, so this header and
+// the host code that calls it (attention_cuda.cpp, compiled by the C++ compiler) need no CUDA headers.
+// local: the window mask (causal included); kSoftcap: params.softcap_* apply; kPadHeadDim:
+// params.head_dim < kHeadDim (attention_kernel_traits.h). The backward's row_dot_params is the
 // problem as the row_dot kernel sees it (varlen: one sequence of all total_q rows).
 // Varlen: checks cu_seqlens on the device (attention_varlen_check.cu): a device-side assert names
 // what is wrong; launched ahead of the attention kernels on the current stream.
 void check_cu_seqlens_async(const int* cu_q, const int* cu_k, int batch, int64_t total_q, int64_t total_k,
                             int64_t max_q, int64_t max_k);
 
-template <typename T, int kHeadDim, bool kSoftcap>
+template <typename T, int kHeadDim, bool kSoftcap, bool kPadHeadDim>
 void run_attention_fwd(const FwdParams& params, bool local);
-template <typename T, int kHeadDim, bool kSoftcap>
+template <typename T, int kHeadDim, bool kSoftcap, bool kPadHeadDim>
 void run_attention_bwd(const BwdParams& params, const BwdParams& row_dot_params, bool local, bool deterministic);
 
 }  // namespace fuseforge::attention

@@ -29,8 +29,8 @@ patch() does two things to one model instance and nothing else:
    packed position_ids are left to SDPA's mask (cu_seqlens need the host). Everything the kernel does
    not do goes to transformers' SDPA function with the mask transformers would have built (the
    KernelMask materialises it, once per mask): an explicit mask (padding, a user's 4D mask), dropout,
-   a paged cache, output_attentions, and on CUDA float32 without autocast or head dims other than 64
-   and 128 (Gemma 2's 256); with softcapping, which SDPA lacks, it goes to the model's own eager
+   a paged cache, output_attentions, and on CUDA float32 without autocast or head dims the kernels
+   lack (above 128, e.g. Gemma 2's 256, or not a multiple of 8); with softcapping, which SDPA lacks, it goes to the model's own eager
    attention function with the additive form of that mask.
 2. With `labels`, the causal-LM forward computes the loss with
    `fuseforge.ops.linear_cross_entropy.linear_cross_entropy` from the last hidden states and
@@ -59,7 +59,13 @@ from fuseforge.ops.linear_cross_entropy import linear_cross_entropy
 ATTN_IMPLEMENTATION = "fuseforge"
 SUPPORTED_MODELS = ("LlamaForCausalLM", "LlamaModel", "MistralForCausalLM", "MistralModel",
                     "Qwen2ForCausalLM", "Qwen2Model", "Gemma2ForCausalLM", "Gemma2Model")
-_CUDA_HEAD_DIMS = (64, 128)
+
+
+def _cuda_head_dim_supported(d: int) -> bool:
+    # attention.h's cuda_head_dim_supported: multiples of 8 up to 128.
+    return 0 < d <= 128 and d % 8 == 0
+
+
 _STATE = "_fuseforge_patch"
 _MASKING_UTILS = "transformers.masking_utils"
 
@@ -91,7 +97,7 @@ def _kernel_dtype(query: Tensor, key: Tensor, value: Tensor) -> Optional[torch.d
         return None
     dtype = autocast_dtype or query.dtype
     if query.device.type == "cuda":
-        if dtype not in (torch.float16, torch.bfloat16) or query.shape[-1] not in _CUDA_HEAD_DIMS:
+        if dtype not in (torch.float16, torch.bfloat16) or not _cuda_head_dim_supported(query.shape[-1]):
             return None
     elif query.device.type == "cpu":
         if not dtype.is_floating_point:

@@ -88,6 +88,11 @@ SHAPES = [
     (2, 4, 1, 33, 70, 128, True),      # MQA, Sq < Sk: bottom-right mask
     (1, 2, 2, 70, 33, 64, True),       # Sq > Sk: the first 37 rows see nothing -> zeros
     (1, 3, 3, 200, 77, 64, False),
+    # Head dims other than 64 and 128 run the next kernel up with zero columns past the head dim.
+    (1, 4, 2, 90, 90, 96, True),       # 96 (-> 128), GQA
+    (2, 2, 2, 65, 130, 32, False),     # 32 (-> 64)
+    (1, 2, 1, 40, 70, 72, True),       # 72 (-> 128), MQA, Sq < Sk
+    (1, 2, 2, 33, 33, 8, False),       # the smallest: one 16-byte chunk a row
 ]
 
 
@@ -338,8 +343,9 @@ def test_cpu_gradcheck_tiles_float64():
 @requires_cuda
 def test_errors_cuda():
     q, k, v = make_qkv(1, 4, 2, 8, 8, 64, torch.bfloat16, "cuda")
-    with pytest.raises(RuntimeError, match="head dims 64 and 128"):
-        attention(*make_qkv(1, 2, 2, 8, 8, 80, torch.bfloat16, "cuda"))
+    for d in (136, 100, 256):
+        with pytest.raises(RuntimeError, match="multiples of 8 up to 128"):
+            attention(*make_qkv(1, 2, 2, 8, 8, d, torch.bfloat16, "cuda"))
     with pytest.raises(RuntimeError, match="float16 or bfloat16"):
         attention(q.float(), k.float(), v.float())
     with pytest.raises(RuntimeError, match="k must be on the device of q"):
@@ -436,7 +442,7 @@ def test_cuda_forward_peak_memory_is_output_plus_lse():
 # ---- small cases for compute-sanitizer (memcheck, racecheck): every kernel of both passes ----------
 @requires_cuda
 @pytest.mark.sanitize
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 96, 128])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 def test_cuda_sanitize_small(d, deterministic):
     for causal, (hq, hk, sq, sk) in ((True, (4, 2, 70, 150)), (False, (2, 2, 150, 33))):

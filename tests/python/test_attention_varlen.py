@@ -30,6 +30,7 @@ MASK_CASES = [
     (1, 4, 2, 200, 200, 128, True, None, 2.0),          # softcap, causal, GQA
     (1, 2, 2, 190, 190, 64, True, (50, 0), 3.0),        # softcap + window
     (1, 2, 2, 64, 64, 64, False, (-1, 7), None),        # right bound only
+    (1, 4, 2, 150, 150, 96, True, (60, 0), 4.0),        # head dim 96 (the 128 kernels), window + softcap
 ]
 
 
@@ -145,11 +146,12 @@ def test_varlen_matches_each_sequence(device, dtype, lengths, options):
             assert rel_err(g, r) <= 2 * TOL[dtype], f"{name} (deterministic={deterministic}): {rel_err(g, r):.3e}"
 
 
+@pytest.mark.parametrize("d", [64, 96])
 @pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
-def test_varlen_cross_lengths_and_loose_max(device, dtype):
+def test_varlen_cross_lengths_and_loose_max(device, dtype, d):
     """q and k lengths differ per sequence (bottom-right causal within each); max_seqlen larger than needed."""
     lq, lk = [5, 70, 0, 129], [9, 40, 3, 200]
-    q, k, v, cu_q, cu_k, max_q, max_k = varlen_case(lq, lk, 2, 1, 64, dtype, device)
+    q, k, v, cu_q, cu_k, max_q, max_k = varlen_case(lq, lk, 2, 1, d, dtype, device)
     grad = randn(*q.shape, dtype=dtype, device=device)
     out = attention_varlen(q, k, v, cu_q, cu_k, max_q + 100, max_k + 3, causal=True)
     r_out, _, rq, rk, rv = per_sequence_reference(q, k, v, grad, lq, lk, True, None, None)
@@ -245,8 +247,8 @@ def test_errors_cpu():
 
 @requires_cuda
 def test_errors_cuda_unsupported():
-    q, k, v, cu_q, cu_k, max_q, max_k = varlen_case([3, 5], [3, 5], 2, 2, 32, torch.bfloat16, "cuda")
-    with pytest.raises(RuntimeError, match="head dims 64 and 128"):
+    q, k, v, cu_q, cu_k, max_q, max_k = varlen_case([3, 5], [3, 5], 2, 2, 136, torch.bfloat16, "cuda")
+    with pytest.raises(RuntimeError, match="multiples of 8 up to 128"):
         attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k)
     q, k, v, cu_q, cu_k, max_q, max_k = varlen_case([3, 5], [3, 5], 2, 2, 64, torch.bfloat16, "cuda")
     with pytest.raises(RuntimeError, match="cu_seqlens_q must be on the device of q"):
@@ -296,7 +298,7 @@ def test_cuda_varlen_deterministic_is_bitwise_repeatable():
 # ---- small cases for compute-sanitizer (memcheck, racecheck) ------------------------------------
 @requires_cuda
 @pytest.mark.sanitize
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 96, 128])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 def test_cuda_sanitize_varlen_window_softcap(d, deterministic):
     lengths = [70, 0, 150, 1]

@@ -2,5 +2,5 @@
 #include "attention/attention_launch_templates.cuh"
 
 namespace fuseforge::attention {
-template void run_attention_bwd<at::Half, 128, false>(const BwdParams&, const BwdParams&, bool, bool);
+template void run_attention_bwd<at::Half, 128, false, false>(const BwdParams&, const BwdParams&, bool, bool);
 }  // namespace fuseforge::attention

@@ -2,5 +2,5 @@
 #include "attention/attention_launch_templates.cuh"
 
 namespace fuseforge::attention {
-template void run_attention_fwd<at::Half, 128, false>(const FwdParams&, bool);
+template void run_attention_fwd<at::Half, 128, false, false>(const FwdParams&, bool);
 }  // namespace fuseforge::attention
