@@ -212,13 +212,11 @@ struct QueryBlock {
   }
 };
 
-// One key tile of the online softmax, for a warp's kMT x 16 rows: new running max, the factor
-// (correction) by which O and the running sum shrink, the running sum, and P = exp2(S * scale_log2 -
-// max) in place of S. O is left alone (rescale_rows), so the pipelined wgmma forward can run this
-// while O's product is still in flight.
-template <int kMT, int kNCols>
-__device__ __forceinline__ void softmax_rows(float (&s)[kMT][kNCols / 8][4], float (&row_max)[kMT][2],
-                                             float (&row_sum)[kMT][2], float (&correction)[kMT][2], float scale_log2) {
+// One key tile of the online softmax, for a warp's kMT x 16 rows: new running max, rescale O and the
+// running sum, P = exp2(S * scale_log2 - max) in place of S.
+template <int kMT, int kNCols, int kD>
+__device__ __forceinline__ void online_softmax(float (&s)[kMT][kNCols / 8][4], float (&o)[kMT][kD / 8][4],
+                                               float (&row_max)[kMT][2], float (&row_sum)[kMT][2], float scale_log2) {
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
@@ -229,7 +227,7 @@ __device__ __forceinline__ void softmax_rows(float (&s)[kMT][kNCols / 8][4], flo
       mx = warp_max4(mx);
       // A row with every key masked so far keeps max -inf: subtract 0 instead (no inf - inf).
       const float max_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
-      correction[mt][hh] = fast_exp2(row_max[mt][hh] * scale_log2 - max_scaled);
+      const float correction = fast_exp2(row_max[mt][hh] * scale_log2 - max_scaled);
       row_max[mt][hh] = mx;
       float sum = 0.f;
 #pragma unroll
@@ -239,30 +237,13 @@ __device__ __forceinline__ void softmax_rows(float (&s)[kMT][kNCols / 8][4], flo
           s[mt][nt][e] = fast_exp2(fmaf(s[mt][nt][e], scale_log2, -max_scaled));
           sum += s[mt][nt][e];
         }
-      row_sum[mt][hh] = row_sum[mt][hh] * correction[mt][hh] + sum;  // per-thread partial; reduced at the end
-    }
-}
-
-template <int kMT, int kD>
-__device__ __forceinline__ void rescale_rows(float (&o)[kMT][kD / 8][4], const float (&correction)[kMT][2]) {
-#pragma unroll
-  for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh)
+      row_sum[mt][hh] = row_sum[mt][hh] * correction + sum;  // per-thread partial; reduced at the end
 #pragma unroll
       for (int dt = 0; dt < kD / 8; ++dt) {
-        o[mt][dt][2 * hh] *= correction[mt][hh];
-        o[mt][dt][2 * hh + 1] *= correction[mt][hh];
+        o[mt][dt][2 * hh] *= correction;
+        o[mt][dt][2 * hh + 1] *= correction;
       }
-}
-
-// Both, for a tile whose O product has finished.
-template <int kMT, int kNCols, int kD>
-__device__ __forceinline__ void online_softmax(float (&s)[kMT][kNCols / 8][4], float (&o)[kMT][kD / 8][4],
-                                               float (&row_max)[kMT][2], float (&row_sum)[kMT][2], float scale_log2) {
-  float correction[kMT][2];
-  softmax_rows<kMT, kNCols>(s, row_max, row_sum, correction, scale_log2);
-  rescale_rows<kMT, kD>(o, correction);
+    }
 }
 
 // Epilogue of the online softmax: inv_sum = 1 / l per row (0 where no key was seen) and, for rows
@@ -369,8 +350,8 @@ __device__ __forceinline__ void attention_fwd_mma_body(const FwdParams& p) {
 #if FUSEFORGE_ATTENTION_WGMMA
 // wgmma body (sm_90a): warpgroup g owns query rows [64 g, 64 g + 64) of the block, so each warp holds
 // the same 16 rows as in the mma.sync body with kMTiles = 1. S = Q K^T (both K-major in shared
-// memory), then O += P V with P from registers and V MN-major, software-pipelined so that a tile's
-// softmax runs under the previous tile's P V (below).
+// memory), then O += P V with P from registers and V MN-major. K/V tiles are double-buffered: the next
+// tile's cp.async runs under this tile's products and softmax.
 template <class Tr, int kMask, bool kSoftcap, bool kVarlen>
 __device__ __forceinline__ void attention_fwd_wgmma_body(const FwdParams& p) {
   using T = typename Tr::T;
@@ -391,19 +372,19 @@ __device__ __forceinline__ void attention_fwd_wgmma_body(const FwdParams& p) {
   const uint32_t raw = smem_addr(attention_smem);
   const uint32_t sQ = (raw + 1023) & ~1023u;
   unsigned char* smem = attention_smem + (sQ - raw);
-  const uint32_t sKV0 = sQ + Tr::kTileQBytes;  // slot s: K at sKV0 + 2 s tileKV, V after it
-  auto sK_of = [&](int nb) { return sKV0 + (nb & 1) * 2 * Tr::kTileKVBytes; };
-  auto sV_of = [&](int nb) { return sK_of(nb) + Tr::kTileKVBytes; };
-  auto load_k = [&](int nb) {
+  const uint32_t sKV0 = sQ + Tr::kTileQBytes;  // stage s: K at sKV0 + 2 s tileKV, V after it
+  auto load_kv = [&](int nb) {
     const int n0 = nb * kBlockN;
-    load_tile_async<kBlockN, kD, Tr::kThreads, T, KVTile>(sK_of(nb), k + n0 * p.k_row_stride, p.k_row_stride,
+    const uint32_t sK = sKV0 + (nb & 1) * 2 * Tr::kTileKVBytes;
+    load_tile_async<kBlockN, kD, Tr::kThreads, T, KVTile>(sK, k + n0 * p.k_row_stride, p.k_row_stride,
                                                           seqlen_k - n0, head_dim, tid);
+    load_tile_async<kBlockN, kD, Tr::kThreads, T, KVTile>(sK + Tr::kTileKVBytes, v + n0 * p.v_row_stride,
+                                                          p.v_row_stride, seqlen_k - n0, head_dim, tid);
   };
-  auto load_v = [&](int nb) {
-    const int n0 = nb * kBlockN;
-    load_tile_async<kBlockN, kD, Tr::kThreads, T, KVTile>(sV_of(nb), v + n0 * p.v_row_stride, p.v_row_stride,
-                                                          seqlen_k - n0, head_dim, tid);
-  };
+  load_tile_async<kBlockM, kD, Tr::kThreads, T, QTile>(sQ, q, p.q_row_stride, rows_q, head_dim, tid);
+  if (n_begin < n_end) load_kv(n_begin);
+  cp_async_commit();
+
   float o[kD / 2];
 #pragma unroll
   for (int i = 0; i < kD / 2; ++i) o[i] = 0.f;
@@ -412,74 +393,37 @@ __device__ __forceinline__ void attention_fwd_wgmma_body(const FwdParams& p) {
   const uint32_t wg_rows = wg * 64 * 128;  // byte offset of the warpgroup's first row in a Q panel
   const float scale_log2 = p.scale_log2;
   auto& o3 = reinterpret_cast<float(&)[1][kD / 8][4]>(o);
-  float s[kBlockN / 2];
-  auto& s3 = reinterpret_cast<float(&)[1][kBlockN / 8][4]>(s);
-  uint32_t pa[kBlockN / 16][4];  // P of the previous key tile as A fragments (k = 16 keys a step)
 
-  // S = Q K^T of tile nb into s (issued, not waited for).
-  auto issue_s = [&](int nb) {
+  for (int nb = n_begin; nb < n_end; ++nb) {
+    const int n0 = nb * kBlockN;
+    cp_async_wait<0>();
+    fence_proxy_async_shared();  // this thread's cp.async writes, visible to wgmma's reads
+    __syncthreads();             // K/V[nb] (and Q) landed; both warpgroups are done with K/V[nb - 1]
+    if (nb + 1 < n_end) load_kv(nb + 1);
+    cp_async_commit();
+    const uint32_t sK = sKV0 + (nb & 1) * 2 * Tr::kTileKVBytes;
+    const uint32_t sV = sK + Tr::kTileKVBytes;
+
+    float s[kBlockN / 2];
 #pragma unroll
     for (int i = 0; i < kBlockN / 2; ++i) s[i] = 0.f;
     wgmma_fence();
-    wgmma_ss_k_major<T, kBlockN, kD / 16>(s, sQ + wg_rows, QTile::kPanelBytes, sK_of(nb), KVTile::kPanelBytes);
-  };
-  // Softcap and mask of S (tile nb), then P and the per-row correction of O.
-  auto softmax_tile = [&](int nb, float (&correction)[1][2]) {
+    wgmma_ss_k_major<T, kBlockN, kD / 16>(s, sQ + wg_rows, QTile::kPanelBytes, sK, KVTile::kPanelBytes);
+    wgmma_wait<0>();
     wgmma_fence_operands(s);
     apply_softcap<kSoftcap>(s, p);
-    const int n0 = nb * kBlockN;
+    auto& s3 = reinterpret_cast<float(&)[1][kBlockN / 8][4]>(s);
+
     if (tile_needs_mask<kMask, kBlockM, kBlockN>(m0, n0, seqlen_k, offset, p))
       apply_mask<kMask, 1, kBlockN>(s3, m0 + warp_row0, n0, seqlen_k, offset, p, lane);
-    softmax_rows<1, kBlockN>(s3, row_max, row_sum, correction, scale_log2);
-  };
-  auto to_pa = [&]() {
+
+    online_softmax<1, kBlockN, kD>(s3, o3, row_max, row_sum, scale_log2);
+
+    // O += P V: P as A fragments (k = 16 keys a step), V MN-major (rows = keys).
+    uint32_t pa[kBlockN / 16][4];
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) c_to_a_fragment<T>(s3[0][2 * kk], s3[0][2 * kk + 1], pa[kk]);
-  };
-
-  // Software pipeline (FlashAttention-3's intra-warpgroup overlap): in iteration nb the warpgroup
-  // issues S(nb) = Q K(nb)^T and O += P(nb - 1) V(nb - 1) back to back, waits for S only, and runs
-  // the softmax of tile nb while the tensor cores still work on P V. Shared memory: K and V of two
-  // tiles in two slots; at the top of iteration nb (after the barrier, when every thread is done with
-  // S(nb - 1) and P V(nb - 2)) the loads of K(nb + 1) and V(nb) start, one iteration ahead of use.
-  load_tile_async<kBlockM, kD, Tr::kThreads, T, QTile>(sQ, q, p.q_row_stride, rows_q, head_dim, tid);
-  if (n_begin < n_end) load_k(n_begin);
-  cp_async_commit();
-  // Top of iteration nb: K(nb) and V(nb - 1) (and Q) landed, visible to wgmma and to every thread;
-  // every thread is done with S(nb - 1) and P V(nb - 2), so their slots take K(nb + 1) and V(nb).
-  auto next_tiles = [&](int nb) {
-    cp_async_wait<0>();
-    fence_proxy_async_shared();  // this thread's cp.async writes, visible to wgmma's reads
-    __syncthreads();
-    if (nb + 1 < n_end) load_k(nb + 1);
-    load_v(nb);
-    cp_async_commit();
-  };
-  if (n_begin < n_end) {
-    float correction[1][2];
-    next_tiles(n_begin);
-    issue_s(n_begin);
-    wgmma_wait<0>();
-    softmax_tile(n_begin, correction);  // O is zero: no rescale
-    to_pa();
-  }
-  for (int nb = n_begin + 1; nb < n_end; ++nb) {
-    next_tiles(nb);
-    issue_s(nb);
-    wgmma_rs_mn_major<T, kD, kBlockN / 16>(o, pa, sV_of(nb - 1), KVTile::kPanelBytes);
-    wgmma_wait<1>();  // S(nb) done; P V(nb - 1) may still run
-    float correction[1][2];
-    softmax_tile(nb, correction);
-    wgmma_wait<0>();
-    wgmma_fence_operands(o);
-    rescale_rows<1, kD>(o3, correction);
-    to_pa();
-  }
-  if (n_begin < n_end) {  // O += P V of the last tile
-    cp_async_wait<0>();
-    fence_proxy_async_shared();
-    __syncthreads();  // V(n_end - 1) landed
-    wgmma_rs_mn_major<T, kD, kBlockN / 16>(o, pa, sV_of(n_end - 1), KVTile::kPanelBytes);
+    wgmma_rs_mn_major<T, kD, kBlockN / 16>(o, pa, sV, KVTile::kPanelBytes);
     wgmma_wait<0>();
     wgmma_fence_operands(o);
   }
