@@ -365,6 +365,22 @@ def test_cpu_ignored_rows_with_huge_logits(low_memory):
     check_against_reference(x, w, t, b, low_memory=low_memory)
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["max-only-pass", "bias-pass"])
+def test_cpu_nan_logit_makes_row_nan(bias):
+    """One NaN logit in every row (a NaN weight row), in the first vector, the middle, or the tail:
+    the row kernel's max pass may drop a NaN, but the exp sum over the same logits does not, so every
+    row that is not ignored has a NaN loss and NaN gradients, as in eager PyTorch."""
+    for col in (0, 5, 20, 36):
+        x, w, t, b = make_inputs((9,), 16, 37, torch.float32, "cpu", bias=bias, ignore_every=4)
+        with torch.no_grad():
+            w[col] = float("nan")
+        loss = linear_cross_entropy(x, w, t, b, reduction="none")
+        valid = t != IGNORE
+        assert torch.isnan(loss[valid]).all() and (loss[~valid] == 0).all(), (col, loss)
+        (gx,) = torch.autograd.grad(linear_cross_entropy(x, w, t, b), (x,))
+        assert torch.isnan(gx).all(), col
+
+
 def test_cpu_out_of_range_target_names_position(monkeypatch):
     x, w, t, _ = make_inputs((9,), 8, 10, torch.float32, "cpu", ignore_every=0)
     for bad_value in (-1, 10):
