@@ -57,6 +57,8 @@ void fill_forward(FwdParams& p, const Shape& s, const at::Tensor& q, const at::T
   p.group = static_cast<int>(s.group());
   p.seqlen_q = static_cast<int>(s.seqlen_q);
   p.seqlen_k = static_cast<int>(s.seqlen_k);
+  p.rows_q = q.size(2);
+  p.rows_k = k.size(2);
   p.head_dim = static_cast<int>(s.head_dim);
   p.scale = static_cast<float>(scale);
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);

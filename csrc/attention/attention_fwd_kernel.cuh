@@ -178,7 +178,7 @@ __device__ __forceinline__ void store_rows(const float (&acc)[kMT][kD / 8][4], c
 // [n_begin, n_end) its rows may see. rows_q <= 0: the block is past its sequence (varlen) and exits.
 template <typename T, int kBlockM, int kBlockN, int kMask, bool kVarlen>
 struct QueryBlock {
-  int h, b, hk, m0, rows_q, seqlen_q, seqlen_k, offset, n_begin, n_end, q_row0;
+  int h, b, hk, m0, rows_q, seqlen_q, seqlen_k, offset, n_begin, n_end, q_row0, k_row0;
   int64_t lse_row0;    // index of the sequence's row 0 in lse (and row_dot)
   const T *q, *k, *v;  // q at the tile's first row; k, v at the sequence's first key of the head
   __device__ __forceinline__ explicit QueryBlock(const FwdParams& p) {
@@ -188,6 +188,7 @@ struct QueryBlock {
     seqlen_q = seq.seqlen_q;
     seqlen_k = seq.seqlen_k;
     q_row0 = seq.q_row0;
+    k_row0 = seq.k_row0;
     m0 = m_block * kBlockM;
     rows_q = min(kBlockM, seqlen_q - m0);
     offset = seqlen_k - seqlen_q;
@@ -461,16 +462,6 @@ void dispatch_mask_varlen(const FwdParams& params, bool local, F&& f) {
   } else {
     by_varlen.template operator()<kWindow>();
   }
-}
-
-// Grid: query blocks (of the longest sequence) x heads x batch (or sequences).
-template <class Tr, bool kSoftcap>
-void launch_attention_fwd(const FwdParams& params, bool local) {
-  const dim3 grid(static_cast<unsigned>((params.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM),
-                  static_cast<unsigned>(params.heads_q), static_cast<unsigned>(params.batch));
-  dispatch_mask_varlen(params, local, [&]<int kMask, bool kVarlen>() {
-    launch_kernel(attention_fwd_kernel<Tr, kMask, kSoftcap, kVarlen>, grid, dim3(Tr::kThreads), Tr::kSmemBytes, params);
-  });
 }
 
 }  // namespace fuseforge::attention

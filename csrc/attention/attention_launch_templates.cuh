@@ -7,7 +7,7 @@
 #include <c10/util/Half.h>
 
 #include "attention/attention_bwd_kernel.cuh"
-#include "attention/attention_fwd_kernel.cuh"
+#include "attention/attention_fwd_warpspec.cuh"
 
 namespace fuseforge::attention {
 

@@ -23,6 +23,7 @@ struct FwdParams {
   int64_t out_batch_stride = 0, out_head_stride = 0, out_row_stride = 0;
   int batch = 0, heads_q = 0, heads_kv = 0, group = 1;  // group = Hq / Hk
   int seqlen_q = 0, seqlen_k = 0;  // the max over sequences for varlen
+  int64_t rows_q = 0, rows_k = 0;  // the views' row counts: seqlen_q/k, or the totals for varlen (TMA bounds)
   // The tensors' head dim, a multiple of 8 up to the kernel's kHeadDim (64 or 128). The kernels built
   // with kPadHeadDim zero-fill the shared-memory columns past it on load and skip them on store, so a
   // head dim of 96 runs the 128 kernels (products over zeros, nothing else changes).

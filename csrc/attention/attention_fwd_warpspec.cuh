@@ -1,0 +1,271 @@
+// Attention forward for sm_90a, warp-specialized (FlashAttention-3's structure, our code): a
+// producer warpgroup issues TMA copies of Q and a 2-stage ring of K/V tiles, tracked by mbarriers,
+// and gives its registers to two consumer warpgroups (setmaxnreg) that run wgmma and the online
+// softmax on 64 query rows each. No block-wide barrier per key tile: a consumer waits only for the
+// stage it reads, and frees it with one arrive a warp. Optionally the consumers ping-pong (named
+// barriers): one warpgroup issues its products while the other runs its softmax.
+//
+// A consumer warpgroup over key tiles 0..n-1: S(0), softmax(0); for each i >= 1 the products S(i)
+// and O += P(i-1) V(i-1) issued together, then softmax(i); last, O += P(n-1) V(n-1).
+// The mma.sync/cp.async forward (attention_fwd_kernel.cuh) remains for shapes TMA cannot describe
+// (strides or addresses not multiples of 16 bytes) and for FUSEFORGE_ATTENTION_TMA=0.
+#pragma once
+#include "attention/attention_fwd_kernel.cuh"
+#include "common/env.h"
+#include "common/tma.cuh"
+
+namespace fuseforge::attention {
+
+// The kernel's second parameter: tensor maps of q, k, v as (head dim, rows, heads, batch) and the
+// schedule knob.
+struct FwdTmaParams {
+  CUtensorMap q, k, v;
+  int pingpong = 1;  // consumers take turns issuing their products
+};
+
+template <class Tr>
+struct WarpSpecFwdLayout {
+  static constexpr int kStages = 2;
+  static constexpr int kConsumers = Tr::kBlockM / 64;  // warpgroups of 64 query rows
+  static constexpr int kThreads = 128 * (1 + kConsumers);
+  static constexpr int kConsumerThreads = 128 * kConsumers;
+  static constexpr int kPanels = Tr::kHeadDim / 64;
+  // Q, kStages x (K, V), the mbarriers (full_q, full_k[s], full_v[s], empty[s]); 1 KB to align the
+  // tiles on 1024 bytes (the 128-byte swizzle's period).
+  static constexpr int kBarriersOffset = Tr::kTileQBytes + kStages * 2 * Tr::kTileKVBytes;
+  static constexpr int kSmemBytes = 1024 + kBarriersOffset + 8 * (1 + 3 * kStages);
+  static_assert(kSmemBytes <= 227 * 1024, "fits an H100 SM's shared memory");
+  // Registers a thread (setmaxnreg): 128 x 24 + 256 x 240 = 64512 of the SM's 65536.
+  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  static_assert(kConsumers == 2, "register split written for two consumer warpgroups");
+};
+
+#if FUSEFORGE_ATTENTION_WGMMA
+template <class Tr, int kMask, bool kSoftcap, bool kVarlen>
+__device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, const FwdTmaParams& tma) {
+  using T = typename Tr::T;
+  using L = WarpSpecFwdLayout<Tr>;
+  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kD = Tr::kHeadDim, kStages = L::kStages;
+  static_assert(kBlockM == 128 && kBlockN == 128, "two consumer warpgroups of 64 rows, 128-key tiles");
+  static_assert(kD == 64 || kD == 128, "wgmma N = head dim");
+  using QTile = PanelTile<kBlockM>;
+  using KVTile = PanelTile<kBlockN>;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
+  const QueryBlock<T, kBlockM, kBlockN, kMask, kVarlen> blk(p);
+  if (blk.rows_q <= 0) return;  // past its sequence (varlen): the whole block leaves before any barrier
+  const int n_begin = blk.n_begin, n_end = blk.n_end;
+
+  const uint32_t raw = smem_addr(attention_smem);
+  const uint32_t sQ = (raw + 1023) & ~1023u;
+  unsigned char* smem = attention_smem + (sQ - raw);
+  auto sK = [&](int s) { return sQ + Tr::kTileQBytes + s * 2 * Tr::kTileKVBytes; };
+  const uint32_t bars = sQ + L::kBarriersOffset;
+  const uint32_t full_q = bars;
+  auto full_k = [&](int s) { return bars + 8 * (1 + s); };
+  auto full_v = [&](int s) { return bars + 8 * (1 + kStages + s); };
+  auto empty = [&](int s) { return bars + 8 * (1 + 2 * kStages + s); };
+  if (tid == 0) {
+    mbarrier_init(full_q, 1);
+    for (int s = 0; s < kStages; ++s) {
+      mbarrier_init(full_k(s), 1);
+      mbarrier_init(full_v(s), 1);
+      mbarrier_init(empty(s), L::kConsumers * 4);  // one arrive a consumer warp
+    }
+    fence_mbarrier_init();
+  }
+  __syncthreads();
+
+  if (wg == 0) {  // producer: one thread issues every copy
+    setmaxnreg_dec<L::kProducerRegs>();
+    if (tid == 0) {
+      prefetch_tma_map(&tma.q);
+      prefetch_tma_map(&tma.k);
+      prefetch_tma_map(&tma.v);
+      const int batch = kVarlen ? 0 : blk.b;
+      mbarrier_arrive_expect_tx(full_q, Tr::kTileQBytes);
+#pragma unroll
+      for (int c = 0; c < L::kPanels; ++c)
+        tma_load_4d(sQ + c * QTile::kPanelBytes, &tma.q, full_q, c * 64, blk.q_row0 + blk.m0, blk.h, batch);
+      for (int nb = n_begin, i = 0; nb < n_end; ++nb, ++i) {
+        const int s = i % kStages;
+        mbarrier_wait(empty(s), ((i / kStages) & 1) ^ 1);
+        const int row = blk.k_row0 + nb * kBlockN;
+        mbarrier_arrive_expect_tx(full_k(s), Tr::kTileKVBytes);
+#pragma unroll
+        for (int c = 0; c < L::kPanels; ++c)
+          tma_load_4d(sK(s) + c * KVTile::kPanelBytes, &tma.k, full_k(s), c * 64, row, blk.hk, batch);
+        mbarrier_arrive_expect_tx(full_v(s), Tr::kTileKVBytes);
+#pragma unroll
+        for (int c = 0; c < L::kPanels; ++c)
+          tma_load_4d(sK(s) + Tr::kTileKVBytes + c * KVTile::kPanelBytes, &tma.v, full_v(s), c * 64, row, blk.hk,
+                      batch);
+      }
+    }
+    return;
+  }
+
+  setmaxnreg_inc<L::kConsumerRegs>();
+  const int cwarp = warp - 4, cwg = cwarp >> 2;  // consumer warp 0..7, warpgroup 0..1
+  const int m0 = blk.m0, offset = blk.offset, seqlen_k = blk.seqlen_k;
+  const int warp_row0 = cwarp * 16;
+  const uint32_t wg_rows = cwg * 64 * 128;  // byte offset of the warpgroup's first row in a Q panel
+  const float scale_log2 = p.scale_log2;
+  const bool pingpong = tma.pingpong != 0;
+  constexpr int kMyTurn = 2, kThreads2 = L::kConsumerThreads;  // named barriers 2, 3: "warpgroup g may issue"
+
+  float o[kD / 2];
+#pragma unroll
+  for (int i = 0; i < kD / 2; ++i) o[i] = 0.f;
+  float row_max[1][2] = {{-INFINITY, -INFINITY}}, row_sum[1][2] = {{0.f, 0.f}};
+  auto& o3 = reinterpret_cast<float(&)[1][kD / 8][4]>(o);
+  uint32_t pa[kBlockN / 16][4];  // P of the previous tile as wgmma A fragments
+
+  // Tile i's softmax: softcap, mask, online update of max / sum / O, P into pa.
+  auto softmax_tile = [&](int i, float (&sacc)[kBlockN / 2]) {
+    const int n0 = (n_begin + i) * kBlockN;
+    apply_softcap<kSoftcap>(sacc, p);
+    auto& s3 = reinterpret_cast<float(&)[1][kBlockN / 8][4]>(sacc);
+    if (tile_needs_mask<kMask, kBlockM, kBlockN>(m0, n0, seqlen_k, offset, p))
+      apply_mask<kMask, 1, kBlockN>(s3, m0 + warp_row0, n0, seqlen_k, offset, p, lane);
+    online_softmax<1, kBlockN, kD>(s3, o3, row_max, row_sum, scale_log2);
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) c_to_a_fragment<T>(s3[0][2 * kk], s3[0][2 * kk + 1], pa[kk]);
+  };
+  // Ping-pong: warpgroup g issues its products between a sync on barrier kMyTurn + g and an arrive
+  // on the other's; warpgroup 1 lets 0 go first and skips its last arrive, so the counts match.
+  auto turn_begin = [&] {
+    if (pingpong) named_barrier_sync(kMyTurn + cwg, kThreads2);
+  };
+  auto turn_end = [&](bool last) {
+    if (pingpong && !(cwg == 1 && last)) named_barrier_arrive(kMyTurn + (cwg ^ 1), kThreads2);
+  };
+  auto release = [&](int s) {  // this warp is done with stage s's K and V
+    __syncwarp();
+    if (lane == 0) mbarrier_arrive(empty(s));
+  };
+  auto sV = [&](int s) { return sK(s) + Tr::kTileKVBytes; };
+
+  // The first and the last tile are peeled: a product under a condition inside the loop makes ptxas
+  // serialize every wgmma of the kernel.
+  const int n_tiles = n_end - n_begin;
+  mbarrier_wait(full_q, 0);  // also when no tile runs: the copy must land before the block exits
+  if (n_tiles > 0) {
+    if (pingpong && cwg == 1) named_barrier_arrive(kMyTurn + 0, kThreads2);
+    {
+      float sacc[kBlockN / 2];
+#pragma unroll
+      for (int j = 0; j < kBlockN / 2; ++j) sacc[j] = 0.f;
+      mbarrier_wait(full_k(0), 0);
+      turn_begin();
+      wgmma_fence();
+      wgmma_ss_k_major<T, kBlockN, kD / 16>(sacc, sQ + wg_rows, QTile::kPanelBytes, sK(0), KVTile::kPanelBytes);
+      turn_end(false);
+      wgmma_wait<0>();
+      wgmma_fence_operands(sacc);
+      softmax_tile(0, sacc);
+    }
+    for (int i = 1; i < n_tiles; ++i) {
+      const int s = i % kStages, s_prev = (i - 1) % kStages;
+      float sacc[kBlockN / 2];
+#pragma unroll
+      for (int j = 0; j < kBlockN / 2; ++j) sacc[j] = 0.f;
+      mbarrier_wait(full_k(s), (i / kStages) & 1);
+      mbarrier_wait(full_v(s_prev), ((i - 1) / kStages) & 1);
+      turn_begin();
+      wgmma_fence();
+      wgmma_ss_k_major<T, kBlockN, kD / 16>(sacc, sQ + wg_rows, QTile::kPanelBytes, sK(s), KVTile::kPanelBytes);
+      wgmma_rs_mn_major<T, kD, kBlockN / 16>(o, pa, sV(s_prev), KVTile::kPanelBytes);
+      turn_end(false);
+      wgmma_wait<0>();
+      wgmma_fence_operands(sacc);
+      wgmma_fence_operands(o);
+      release(s_prev);
+      softmax_tile(i, sacc);
+    }
+    const int s_last = (n_tiles - 1) % kStages;
+    mbarrier_wait(full_v(s_last), ((n_tiles - 1) / kStages) & 1);
+    turn_begin();
+    wgmma_rs_mn_major<T, kD, kBlockN / 16>(o, pa, sV(s_last), KVTile::kPanelBytes);
+    turn_end(true);
+    wgmma_wait<0>();
+    wgmma_fence_operands(o);
+    release(s_last);
+  }
+
+  // Epilogue: O / l, and lse = max * scale + ln(l) (-inf and a zero row where no key was seen). The
+  // output is staged in sQ, so both consumer warpgroups must be done reading it.
+  float inv_sum[1][2];
+  finish_rows<1>(row_max, row_sum, inv_sum, p.lse + blk.lse_row0, m0 + warp_row0, blk.seqlen_q, p, lane);
+  named_barrier_sync(1, kThreads2);
+  T* out = blk.template rows<T>(p.out, p.out_batch_stride, p.out_head_stride, p.out_row_stride, p);
+  store_rows<T, kD, 1>(o3, inv_sum, smem, warp_row0, out, p.out_row_stride, blk.rows_q, valid_head_dim<Tr>(p), lane);
+}
+#endif  // FUSEFORGE_ATTENTION_WGMMA
+
+template <class Tr, int kMask, bool kSoftcap, bool kVarlen>
+__global__ void __launch_bounds__(WarpSpecFwdLayout<Tr>::kThreads, 1)
+    attention_fwd_warpspec_kernel(const __grid_constant__ FwdParams params, const __grid_constant__ FwdTmaParams tma) {
+#if FUSEFORGE_ATTENTION_WGMMA
+  attention_fwd_warpspec_body<Tr, kMask, kSoftcap, kVarlen>(params, tma);
+#endif
+}
+
+// Tensor maps of q, k, v for boxes of (64 columns x rows of a tile); false when TMA cannot describe
+// a tensor (then the cp.async kernel runs).
+template <class Tr>
+bool make_fwd_tma_params(const FwdParams& p, FwdTmaParams* tma) {
+  constexpr bool kBf16 = MmaType<typename Tr::T>::kIsBf16;
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  auto encode = [&](CUtensorMap* map, const void* base, int64_t rows, int heads, int64_t row_stride,
+                    int64_t head_stride, int64_t batch_stride, uint32_t box_rows) {
+    const uint64_t dims[4] = {static_cast<uint64_t>(p.head_dim), static_cast<uint64_t>(rows),
+                              static_cast<uint64_t>(heads), static_cast<uint64_t>(varlen ? 1 : p.batch)};
+    const uint64_t strides[3] = {static_cast<uint64_t>(row_stride) * 2, static_cast<uint64_t>(head_stride) * 2,
+                                 static_cast<uint64_t>(batch_stride) * 2};
+    return row_stride > 0 && head_stride >= 0 && batch_stride >= 0 &&
+           encode_tma_tile_map(map, kBf16, base, dims, strides, 64, box_rows);
+  };
+  // Varlen: the rows of every sequence (a batch of one).
+  return encode(&tma->q, p.q, p.rows_q, p.heads_q, p.q_row_stride, p.q_head_stride, p.q_batch_stride, Tr::kBlockM) &&
+         encode(&tma->k, p.k, p.rows_k, p.heads_kv, p.k_row_stride, p.k_head_stride, p.k_batch_stride, Tr::kBlockN) &&
+         encode(&tma->v, p.v, p.rows_k, p.heads_kv, p.v_row_stride, p.v_head_stride, p.v_batch_stride, Tr::kBlockN);
+}
+
+// Whether the warp-specialized kernel serves this call: an sm_90 device (the build's sm_90a code),
+// and tensors TMA can describe (tma filled in then). FUSEFORGE_ATTENTION_TMA=0 never takes it; =1
+// raises where it cannot (so a benchmark knows which kernel it timed); unset takes it where it can.
+template <class Tr>
+bool use_fwd_warpspec(const FwdParams& p, FwdTmaParams* tma) {
+  const std::string mode = env_string("FUSEFORGE_ATTENTION_TMA");
+  TORCH_CHECK(mode.empty() || mode == "0" || mode == "1", "FUSEFORGE_ATTENTION_TMA: expected 0 or 1, got '", mode,
+              "'");
+  if (mode == "0") return false;
+  const bool hopper = at::cuda::getCurrentDeviceProperties()->major == 9;
+  tma->pingpong = env_flag("FUSEFORGE_ATTENTION_PINGPONG", true) ? 1 : 0;
+  const bool ok = hopper && make_fwd_tma_params<Tr>(p, tma);
+  TORCH_CHECK(ok || mode.empty(), "FUSEFORGE_ATTENTION_TMA=1: the TMA forward cannot run here (",
+              hopper ? "q, k or v: strides or address not multiples of 16 bytes" : "not an sm_90 GPU", ")");
+  return ok;
+}
+
+// Grid: query blocks (of the longest sequence) x heads x batch (or sequences); the warp-specialized
+// kernel where use_fwd_warpspec says so, else the cp.async one.
+template <class Tr, bool kSoftcap>
+void launch_attention_fwd(const FwdParams& params, bool local) {
+  const dim3 grid(static_cast<unsigned>((params.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM),
+                  static_cast<unsigned>(params.heads_q), static_cast<unsigned>(params.batch));
+  FwdTmaParams tma;
+  const bool warpspec = use_fwd_warpspec<Tr>(params, &tma);
+  dispatch_mask_varlen(params, local, [&]<int kMask, bool kVarlen>() {
+    if (warpspec) {
+      using L = WarpSpecFwdLayout<Tr>;
+      launch_kernel(attention_fwd_warpspec_kernel<Tr, kMask, kSoftcap, kVarlen>, grid, dim3(L::kThreads),
+                    L::kSmemBytes, params, tma);
+    } else {
+      launch_kernel(attention_fwd_kernel<Tr, kMask, kSoftcap, kVarlen>, grid, dim3(Tr::kThreads), Tr::kSmemBytes,
+                    params);
+    }
+  });
+}
+
+}  // namespace fuseforge::attention
