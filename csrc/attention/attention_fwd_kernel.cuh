@@ -213,11 +213,13 @@ struct QueryBlock {
   }
 };
 
-// One key tile of the online softmax, for a warp's kMT x 16 rows: new running max, rescale O and the
-// running sum, P = exp2(S * scale_log2 - max) in place of S.
-template <int kMT, int kNCols, int kD>
-__device__ __forceinline__ void online_softmax(float (&s)[kMT][kNCols / 8][4], float (&o)[kMT][kD / 8][4],
-                                               float (&row_max)[kMT][2], float (&row_sum)[kMT][2], float scale_log2) {
+// One key tile of the online softmax, for a warp's kMT x 16 rows: new running max, the factor
+// (correction) by which O and the running sum shrink, the running sum, and P = exp2(S * scale_log2 -
+// max) in place of S. O is left alone (rescale_rows), so the warp-specialized forward can run this
+// while O's product is still in flight.
+template <int kMT, int kNCols>
+__device__ __forceinline__ void softmax_rows(float (&s)[kMT][kNCols / 8][4], float (&row_max)[kMT][2],
+                                             float (&row_sum)[kMT][2], float (&correction)[kMT][2], float scale_log2) {
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
@@ -228,7 +230,7 @@ __device__ __forceinline__ void online_softmax(float (&s)[kMT][kNCols / 8][4], f
       mx = warp_max4(mx);
       // A row with every key masked so far keeps max -inf: subtract 0 instead (no inf - inf).
       const float max_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
-      const float correction = fast_exp2(row_max[mt][hh] * scale_log2 - max_scaled);
+      correction[mt][hh] = fast_exp2(row_max[mt][hh] * scale_log2 - max_scaled);
       row_max[mt][hh] = mx;
       float sum = 0.f;
 #pragma unroll
@@ -238,13 +240,30 @@ __device__ __forceinline__ void online_softmax(float (&s)[kMT][kNCols / 8][4], f
           s[mt][nt][e] = fast_exp2(fmaf(s[mt][nt][e], scale_log2, -max_scaled));
           sum += s[mt][nt][e];
         }
-      row_sum[mt][hh] = row_sum[mt][hh] * correction + sum;  // per-thread partial; reduced at the end
+      row_sum[mt][hh] = row_sum[mt][hh] * correction[mt][hh] + sum;  // per-thread partial; reduced at the end
+    }
+}
+
+template <int kMT, int kD>
+__device__ __forceinline__ void rescale_rows(float (&o)[kMT][kD / 8][4], const float (&correction)[kMT][2]) {
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh)
 #pragma unroll
       for (int dt = 0; dt < kD / 8; ++dt) {
-        o[mt][dt][2 * hh] *= correction;
-        o[mt][dt][2 * hh + 1] *= correction;
+        o[mt][dt][2 * hh] *= correction[mt][hh];
+        o[mt][dt][2 * hh + 1] *= correction[mt][hh];
       }
-    }
+}
+
+// Both, for a tile whose O product has finished.
+template <int kMT, int kNCols, int kD>
+__device__ __forceinline__ void online_softmax(float (&s)[kMT][kNCols / 8][4], float (&o)[kMT][kD / 8][4],
+                                               float (&row_max)[kMT][2], float (&row_sum)[kMT][2], float scale_log2) {
+  float correction[kMT][2];
+  softmax_rows<kMT, kNCols>(s, row_max, row_sum, correction, scale_log2);
+  rescale_rows<kMT, kD>(o, correction);
 }
 
 // Epilogue of the online softmax: inv_sum = 1 / l per row (0 where no key was seen) and, for rows
