@@ -354,6 +354,128 @@ __device__ __forceinline__ void attention_bwd_dkdv_mma_body(const BwdParams& p) 
 }
 
 #if FUSEFORGE_ATTENTION_WGMMA
+// One query tile of the wgmma dk/dv body, for warp `warp` (0..7: warpgroup warp / 4 owns keys
+// [64 (warp / 4), +64) of the block): S^T, dP^T, dV += P^T dO, dK += dS^T Q, and on the atomic path
+// dS^T into sDs (generic pointer ds), sync_ds() (every warp of both warpgroups has written its keys),
+// dQ = dS K added to dq_accum. Returns with every product of the tile complete.
+template <class Tr, int kMask, bool kSoftcap, bool kAtomicDq, class Blk, class SyncDs>
+__device__ __forceinline__ void dkdv_wgmma_tile(const BwdParams& p, const Blk& blk, int it, uint32_t sK, uint32_t sV,
+                                                uint32_t sQ, uint32_t sdO, const float* s_lse,
+                                                const float* s_row_dot, uint32_t sDs, unsigned char* ds, int warp,
+                                                int lane, float (&dk)[Tr::kHeadDim / 2], float (&dv)[Tr::kHeadDim / 2],
+                                                SyncDs&& sync_ds) {
+  using T = typename Tr::T;
+  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kD = Tr::kHeadDim;
+  constexpr int kSN = kBlockM / 2;  // S^T accumulator floats a thread (64 keys x kBlockM queries)
+  using KVTile = PanelTile<kBlockN>;
+  using QTile = PanelTile<kBlockM>;
+  using DsTile = PanelTile<kBlockN>;  // dS^T: kBlockN keys x kBlockM queries
+  const int wg = warp >> 2, warp_row0 = warp * 16;
+  const uint32_t wg_rows = wg * 64 * 128;  // byte offset of the warpgroup's first key row in a K/V panel
+  const int h = blk.head(it, p), m0 = blk.row0(it), n0 = blk.n0, b = blk.b, offset = blk.offset,
+            seqlen_k = blk.seqlen_k;
+  const float scale_log2 = p.scale_log2;
+
+  // S^T = K Q^T and dP^T = V dO^T: 64 keys x kBlockM queries each, both operands K-major.
+  float st[kSN], dpt[kSN];
+#pragma unroll
+  for (int i = 0; i < kSN; ++i) st[i] = dpt[i] = 0.f;
+  wgmma_fence();
+  wgmma_ss_k_major<T, kBlockM, kD / 16>(st, sK + wg_rows, KVTile::kPanelBytes, sQ, QTile::kPanelBytes);
+  wgmma_ss_k_major<T, kBlockM, kD / 16>(dpt, sV + wg_rows, KVTile::kPanelBytes, sdO, QTile::kPanelBytes);
+  wgmma_wait<1>();
+  wgmma_fence_operands(st);
+
+  // Softcap: s' = out tanh(in s), and its derivative 1 - tanh^2 for dS.
+  float dtanh[kSoftcap ? kSN : 1];
+  if constexpr (kSoftcap) {
+#pragma unroll
+    for (int i = 0; i < kSN; ++i) {
+      const float t = fast_tanh(p.softcap_in * st[i]);
+      st[i] = p.softcap_out * t;
+      dtanh[i] = fmaf(-t, t, 1.f);
+    }
+  }
+  // P^T = exp2(S^T * scale_log2 - lse_log2[query]); element i: query column 8 (i / 4) + 2 t + i % 2,
+  // key row warp_row0 + g + 8 ((i % 4) / 2).
+  const bool needs_mask = tile_needs_mask<kMask, kBlockM, kBlockN>(m0, n0, seqlen_k, offset, p);
+#pragma unroll
+  for (int i = 0; i < kSN; ++i) {
+    const int col = (i >> 2) * 8 + (lane & 3) * 2 + (i & 1);
+    float val = fast_exp2(fmaf(st[i], scale_log2, -s_lse[col]));
+    if (needs_mask) {
+      const int key = n0 + warp_row0 + (lane >> 2) + ((i >> 1) & 1) * 8;
+      if (!key_visible<kMask>(key, m0 + col, seqlen_k, offset, p)) val = 0.f;
+    }
+    st[i] = val;
+  }
+  // dV += P^T dO: P^T as A fragments (k = 16 queries a step), dO MN-major (rows = queries).
+  auto& st4 = reinterpret_cast<const float(&)[kSN / 4][4]>(st);
+  uint32_t pa[kBlockM / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < kBlockM / 16; ++kk) c_to_a_fragment<T>(st4[2 * kk], st4[2 * kk + 1], pa[kk]);
+  wgmma_rs_mn_major<T, kD, kBlockM / 16>(dv, pa, sdO, QTile::kPanelBytes);
+  wgmma_wait<1>();  // dP^T done (dV may still run: pa stays untouched)
+  wgmma_fence_operands(dpt);
+
+  // dS^T = P^T (dP^T - D[query]); dK += dS^T Q (Q MN-major).
+  uint32_t dsa[kBlockM / 16][4];
+#pragma unroll
+  for (int i = 0; i < kSN; ++i) {
+    const int col = (i >> 2) * 8 + (lane & 3) * 2 + (i & 1);
+    dpt[i] = st[i] * (dpt[i] - s_row_dot[col]);
+    if constexpr (kSoftcap) dpt[i] *= dtanh[i];
+  }
+  auto& dpt4 = reinterpret_cast<const float(&)[kSN / 4][4]>(dpt);
+#pragma unroll
+  for (int kk = 0; kk < kBlockM / 16; ++kk) c_to_a_fragment<T>(dpt4[2 * kk], dpt4[2 * kk + 1], dsa[kk]);
+  wgmma_rs_mn_major<T, kD, kBlockM / 16>(dk, dsa, sQ, QTile::kPanelBytes);
+
+  if constexpr (kAtomicDq) {
+    // dS^T to shared memory ([key][query]); element pair (2t, 2t + 1) of query block j, key row
+    // g + 8 hh is register dsa[j / 2][2 (j % 2) + hh].
+#pragma unroll
+    for (int j = 0; j < kBlockM / 8; ++j)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int row = warp_row0 + (lane >> 2) + hh * 8;
+        const int col = j * 8 + (lane & 3) * 2;
+        *reinterpret_cast<uint32_t*>(ds + DsTile::offset(row, col) + (col & 7) * 2) =
+            dsa[j >> 1][2 * (j & 1) + hh];
+      }
+    fence_proxy_async_shared();
+    sync_ds();  // all 128 keys of dS^T written
+    // dQ = dS K, a 64 x 64 block a warpgroup (queries q0.., columns col0..) over all 128 keys: dS
+    // from sDs MN-major (rows = keys, queries along the row), K MN-major (rows = keys).
+    const int q0 = kBlockM == 128 ? wg * 64 : 0;
+    const int col0 = kD == 128 ? wg * 64 : 0;
+    float dq[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) dq[i] = 0.f;
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      const uint32_t row_off = kk * 16 * 128;
+      wgmma_m64n64k16_ss<T, 1, 1>(dq, wgmma_desc(sDs + (q0 >> 6) * DsTile::kPanelBytes + row_off, DsTile::kPanelBytes),
+                                  wgmma_desc(sK + (col0 >> 6) * KVTile::kPanelBytes + row_off, KVTile::kPanelBytes));
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operands(dq);
+    const int row_tile = (m0 + q0) / 16 + (warp & 3);
+    if (row_tile * 16 < blk.seqlen_q) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        dq_accum_add(dq_accum_tile(p, b, h, blk.seq_tile0, row_tile, (col0 >> 3) + j, kD), lane, dq[4 * j],
+                     dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
+    }
+  } else {
+    wgmma_wait<0>();
+  }
+  wgmma_fence_operands(dv);
+  wgmma_fence_operands(dk);
+}
+
 // wgmma body (sm_90a): warpgroup g (warps 4g..4g+3) owns keys [64 g, 64 g + 64) of the block, so each
 // warp's accumulator rows are the same 16 keys as in the mma.sync body and the softmax code matches.
 // Per query tile: S^T = K Q^T and dP^T = V dO^T (operands in shared memory), then dV += P^T dO and
@@ -367,15 +489,12 @@ __device__ __forceinline__ void attention_bwd_dkdv_wgmma_body(const BwdParams& p
   const int head_dim = valid_head_dim<Tr>(p);
   static_assert(kBlockN == 128 && Tr::kNWarps == 8, "2 warpgroups of 64 keys");
   static_assert((kD == 128 && kBlockM == 64) || (kD == 64 && kBlockM == 128), "dQ splits one dimension in two");
-  constexpr int kSN = kBlockM / 2;  // S^T accumulator floats a thread (64 keys x kBlockM queries)
   using KVTile = PanelTile<kBlockN>;
   using QTile = PanelTile<kBlockM>;
-  using DsTile = PanelTile<kBlockN>;  // dS^T: kBlockN keys x kBlockM queries
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const KeyBlock<kBlockM, kBlockN, kMask, kVarlen> blk(p);
   if (blk.rows_k <= 0) return;  // past its sequence (varlen)
-  const int hk = blk.hk, b = blk.b, n0 = blk.n0, rows_k = blk.rows_k, offset = blk.offset, seqlen_k = blk.seqlen_k,
-            iterations = blk.iterations;
+  const int hk = blk.hk, b = blk.b, n0 = blk.n0, rows_k = blk.rows_k, iterations = blk.iterations;
 
   // Tiles start on 1024-byte boundaries (the 128-byte swizzle); the launch adds 1 KB for this.
   const uint32_t raw = smem_addr(attention_smem);
@@ -401,8 +520,6 @@ __device__ __forceinline__ void attention_bwd_dkdv_wgmma_body(const BwdParams& p
   if (iterations > 0) prefetch(0);
   cp_async_commit();
   const int warp_row0 = warp * 16;  // this warp's keys within the block
-  const uint32_t wg_rows = wg * 64 * 128;  // byte offset of the warpgroup's first key row in a K/V panel
-  const float scale_log2 = p.scale_log2;
 
   for (int it = 0; it < iterations; ++it) {
     cp_async_wait<0>();
@@ -410,110 +527,13 @@ __device__ __forceinline__ void attention_bwd_dkdv_wgmma_body(const BwdParams& p
     __syncthreads();             // stage it % 2 landed; every warpgroup is done with iteration it - 1
     if (it + 1 < iterations) prefetch(it + 1);
     cp_async_commit();
-    const int h = blk.head(it, p), m0 = blk.row0(it);
     const uint32_t sQ = sStage0 + (it & 1) * 2 * Tr::kTileQBytes;
     const uint32_t sdO = sQ + Tr::kTileQBytes;
     const float* s_lse = stage_floats0 + (it & 1) * 2 * kBlockM;
     const float* s_row_dot = s_lse + kBlockM;
 
-    // S^T = K Q^T and dP^T = V dO^T: 64 keys x kBlockM queries each, both operands K-major.
-    float st[kSN], dpt[kSN];
-#pragma unroll
-    for (int i = 0; i < kSN; ++i) st[i] = dpt[i] = 0.f;
-    wgmma_fence();
-    wgmma_ss_k_major<T, kBlockM, kD / 16>(st, sK + wg_rows, KVTile::kPanelBytes, sQ, QTile::kPanelBytes);
-    wgmma_ss_k_major<T, kBlockM, kD / 16>(dpt, sV + wg_rows, KVTile::kPanelBytes, sdO, QTile::kPanelBytes);
-    wgmma_wait<1>();
-    wgmma_fence_operands(st);
-
-    // Softcap: s' = out tanh(in s), and its derivative 1 - tanh^2 for dS.
-    float dtanh[kSoftcap ? kSN : 1];
-    if constexpr (kSoftcap) {
-#pragma unroll
-      for (int i = 0; i < kSN; ++i) {
-        const float t = fast_tanh(p.softcap_in * st[i]);
-        st[i] = p.softcap_out * t;
-        dtanh[i] = fmaf(-t, t, 1.f);
-      }
-    }
-    // P^T = exp2(S^T * scale_log2 - lse_log2[query]); element i: query column 8 (i / 4) + 2 t + i % 2,
-    // key row warp_row0 + g + 8 ((i % 4) / 2).
-    const bool needs_mask = tile_needs_mask<kMask, kBlockM, kBlockN>(m0, n0, seqlen_k, offset, p);
-#pragma unroll
-    for (int i = 0; i < kSN; ++i) {
-      const int col = (i >> 2) * 8 + (lane & 3) * 2 + (i & 1);
-      float val = fast_exp2(fmaf(st[i], scale_log2, -s_lse[col]));
-      if (needs_mask) {
-        const int key = n0 + warp_row0 + (lane >> 2) + ((i >> 1) & 1) * 8;
-        if (!key_visible<kMask>(key, m0 + col, seqlen_k, offset, p)) val = 0.f;
-      }
-      st[i] = val;
-    }
-    // dV += P^T dO: P^T as A fragments (k = 16 queries a step), dO MN-major (rows = queries).
-    auto& st4 = reinterpret_cast<const float(&)[kSN / 4][4]>(st);
-    uint32_t pa[kBlockM / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < kBlockM / 16; ++kk) c_to_a_fragment<T>(st4[2 * kk], st4[2 * kk + 1], pa[kk]);
-    wgmma_rs_mn_major<T, kD, kBlockM / 16>(dv, pa, sdO, QTile::kPanelBytes);
-    wgmma_wait<1>();  // dP^T done (dV may still run: pa stays untouched)
-    wgmma_fence_operands(dpt);
-
-    // dS^T = P^T (dP^T - D[query]); dK += dS^T Q (Q MN-major).
-    uint32_t dsa[kBlockM / 16][4];
-#pragma unroll
-    for (int i = 0; i < kSN; ++i) {
-      const int col = (i >> 2) * 8 + (lane & 3) * 2 + (i & 1);
-      dpt[i] = st[i] * (dpt[i] - s_row_dot[col]);
-      if constexpr (kSoftcap) dpt[i] *= dtanh[i];
-    }
-    auto& dpt4 = reinterpret_cast<const float(&)[kSN / 4][4]>(dpt);
-#pragma unroll
-    for (int kk = 0; kk < kBlockM / 16; ++kk) c_to_a_fragment<T>(dpt4[2 * kk], dpt4[2 * kk + 1], dsa[kk]);
-    wgmma_rs_mn_major<T, kD, kBlockM / 16>(dk, dsa, sQ, QTile::kPanelBytes);
-
-    if constexpr (kAtomicDq) {
-      // dS^T to shared memory ([key][query]); element pair (2t, 2t + 1) of query block j, key row
-      // g + 8 hh is register dsa[j / 2][2 (j % 2) + hh].
-#pragma unroll
-      for (int j = 0; j < kBlockM / 8; ++j)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int row = warp_row0 + (lane >> 2) + hh * 8;
-          const int col = j * 8 + (lane & 3) * 2;
-          *reinterpret_cast<uint32_t*>(smem + (sDs - sK) + DsTile::offset(row, col) + (col & 7) * 2) =
-              dsa[j >> 1][2 * (j & 1) + hh];
-        }
-      fence_proxy_async_shared();
-      __syncthreads();  // all 128 keys of dS^T written
-      // dQ = dS K, a 64 x 64 block a warpgroup (queries q0.., columns col0..) over all 128 keys: dS
-      // from sDs MN-major (rows = keys, queries along the row), K MN-major (rows = keys).
-      const int q0 = kBlockM == 128 ? wg * 64 : 0;
-      const int col0 = kD == 128 ? wg * 64 : 0;
-      float dq[32];
-#pragma unroll
-      for (int i = 0; i < 32; ++i) dq[i] = 0.f;
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk) {
-        const uint32_t row_off = kk * 16 * 128;
-        wgmma_m64n64k16_ss<T, 1, 1>(dq, wgmma_desc(sDs + (q0 >> 6) * DsTile::kPanelBytes + row_off, DsTile::kPanelBytes),
-                                    wgmma_desc(sK + (col0 >> 6) * KVTile::kPanelBytes + row_off, KVTile::kPanelBytes));
-      }
-      wgmma_commit();
-      wgmma_wait<0>();
-      wgmma_fence_operands(dq);
-      const int row_tile = (m0 + q0) / 16 + (warp & 3);
-      if (row_tile * 16 < blk.seqlen_q) {
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-          dq_accum_add(dq_accum_tile(p, b, h, blk.seq_tile0, row_tile, (col0 >> 3) + j, kD), lane, dq[4 * j],
-                       dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
-      }
-    } else {
-      wgmma_wait<0>();
-    }
-    wgmma_fence_operands(dv);
-    wgmma_fence_operands(dk);
+    dkdv_wgmma_tile<Tr, kMask, kSoftcap, kAtomicDq>(p, blk, it, sK, sV, sQ, sdO, s_lse, s_row_dot, sDs,
+                                                     smem + (sDs - sK), warp, lane, dk, dv, [] { __syncthreads(); });
   }
 
   // dK = scale * sum dS^T Q, dV = sum P^T dO: staged through this warp's own rows of the first tile.
@@ -658,55 +678,6 @@ __global__ void __launch_bounds__(Tr::kThreads) attention_bwd_dq_kernel(const __
 template <class Tr>
 constexpr int dq_smem_bytes() {
   return 2 * Tr::kTileQBytes + 4 * Tr::kTileKVBytes;
-}
-
-// row_dot_params: the problem as the row_dot kernel sees it (varlen: one sequence of total_q rows,
-// whose row index is the lse layout's).
-template <class DkdvTr, class DqTr, bool kSoftcap>
-void launch_attention_bwd(const BwdParams& params, const BwdParams& row_dot_params, bool local, bool deterministic) {
-  using T = typename DkdvTr::T;
-  constexpr int kD = DkdvTr::kHeadDim;
-  static_assert(dq_smem_bytes<DqTr>() <= 227 * 1024, "fits an H100 SM's shared memory");
-  const int64_t rows = static_cast<int64_t>(row_dot_params.batch) * row_dot_params.heads_q * row_dot_params.seqlen_q;
-  launch_kernel(attention_row_dot_kernel<T, kD>, dim3(static_cast<unsigned>(ceil_div(rows, 8))), dim3(256), 0,
-                row_dot_params);
-  // Causal: key block 0 of a head sees every query, the last one few. When the grid is a few waves
-  // (GQA: each block loops over the group's heads, so the grid is small and its blocks long), the
-  // launch order decides the tail: key blocks slowest (grid z) starts every head's heaviest block
-  // first and leaves the short ones for the last wave. Measured on the H100 (docs/notes_attention.md):
-  // the 1.2B Llama's step (2.9 waves) 29.5 -> 24.0 ms in this kernel; on the benchmark's 31-wave
-  // grids the default order (a head's key blocks side by side, sharing its Q/dO tiles in L2) is 3-5%
-  // faster. The crossover between 3 and 31 waves was not measured: 8 is a guess. (Applied to every
-  // local mask; a sliding window's key blocks weigh about the same, so the order matters little.)
-  const int64_t kv_blocks = ceil_div(params.seqlen_k, DkdvTr::kBlockN);
-  const int64_t blocks = kv_blocks * params.heads_kv * params.batch;
-  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
-  const int64_t resident =
-      static_cast<int64_t>(prop->multiProcessorCount) *
-      std::max<int64_t>(1, prop->sharedMemPerMultiprocessor / (DkdvTr::kSmemBytes + prop->reservedSharedMemPerBlock));
-  BwdParams p = params;
-  p.kv_block_slowest = local && blocks <= 8 * resident && kv_blocks <= 65535;
-  const dim3 grid_kv = p.kv_block_slowest
-                           ? dim3(static_cast<unsigned>(params.heads_kv), static_cast<unsigned>(params.batch),
-                                  static_cast<unsigned>(kv_blocks))
-                           : dim3(static_cast<unsigned>(kv_blocks), static_cast<unsigned>(params.heads_kv),
-                                  static_cast<unsigned>(params.batch));
-  dispatch_mask_varlen(params, local, [&]<int kMask, bool kVarlen>() {
-    if (deterministic) {
-      launch_kernel(attention_bwd_dkdv_kernel<DkdvTr, kMask, kSoftcap, kVarlen, false>, grid_kv,
-                    dim3(DkdvTr::kThreads), DkdvTr::kSmemBytes, p);
-      const dim3 grid_q(static_cast<unsigned>(ceil_div(params.seqlen_q, DqTr::kBlockM)),
-                        static_cast<unsigned>(params.heads_q), static_cast<unsigned>(params.batch));
-      launch_kernel(attention_bwd_dq_kernel<DqTr, kMask, kSoftcap, kVarlen>, grid_q, dim3(DqTr::kThreads),
-                    dq_smem_bytes<DqTr>(), params);
-    } else {
-      launch_kernel(attention_bwd_dkdv_kernel<DkdvTr, kMask, kSoftcap, kVarlen, true>, grid_kv,
-                    dim3(DkdvTr::kThreads), DkdvTr::kSmemBytes, p);
-      const dim3 grid_convert(static_cast<unsigned>(ceil_div(static_cast<int64_t>(params.seqlen_q) * (kD / 8), 256)),
-                              static_cast<unsigned>(params.heads_q), static_cast<unsigned>(params.batch));
-      launch_kernel(attention_dq_convert_kernel<T, kD, kVarlen>, grid_convert, dim3(256), 0, params);
-    }
-  });
 }
 
 }  // namespace fuseforge::attention

@@ -42,9 +42,10 @@ struct WarpSpecFwdLayout {
   static constexpr int kBarriersOffset = Tr::kTileQBytes + kStages * 2 * Tr::kTileKVBytes;
   static constexpr int kSmemBytes = 1024 + kBarriersOffset + 8 * (1 + 3 * kStages);
   static_assert(kSmemBytes <= 227 * 1024, "fits an H100 SM's shared memory");
-  // Registers a thread (setmaxnreg): 128 x 24 + 256 x 240 = 64512 of the SM's 65536.
+  // The block starts with 384 x 168; the consumers' increase comes out of what the producer gives back.
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
   static_assert(kConsumers == 2, "register split written for two consumer warpgroups");
+  static_assert(128 * kProducerRegs + kConsumerThreads * kConsumerRegs <= kThreads * 168, "register pool");
 };
 
 #if FUSEFORGE_ATTENTION_WGMMA
@@ -238,42 +239,53 @@ __global__ void __launch_bounds__(WarpSpecFwdLayout<Tr>::kThreads, 1)
 #endif
 }
 
-// Tensor maps of q, k, v for boxes of (64 columns x rows of a tile); false when TMA cannot describe
-// a tensor (then the cp.async kernel runs).
-template <class Tr>
-bool make_fwd_tma_params(const FwdParams& p, FwdTmaParams* tma) {
-  constexpr bool kBf16 = MmaType<typename Tr::T>::kIsBf16;
+// A tensor map over one operand's (head dim, rows, heads, batch) view (element strides as in the
+// params; varlen: a batch of one), boxes of 64 columns x box_rows rows; false when TMA cannot describe
+// it (then the cp.async kernels run).
+template <typename T>
+bool encode_rows_map(CUtensorMap* map, const FwdParams& p, const void* base, int64_t rows, int heads,
+                     int64_t row_stride, int64_t head_stride, int64_t batch_stride, uint32_t box_rows) {
   const bool varlen = p.cu_seqlens_q != nullptr;
-  auto encode = [&](CUtensorMap* map, const void* base, int64_t rows, int heads, int64_t row_stride,
-                    int64_t head_stride, int64_t batch_stride, uint32_t box_rows) {
-    const uint64_t dims[4] = {static_cast<uint64_t>(p.head_dim), static_cast<uint64_t>(rows),
-                              static_cast<uint64_t>(heads), static_cast<uint64_t>(varlen ? 1 : p.batch)};
-    const uint64_t strides[3] = {static_cast<uint64_t>(row_stride) * 2, static_cast<uint64_t>(head_stride) * 2,
-                                 static_cast<uint64_t>(batch_stride) * 2};
-    return row_stride > 0 && head_stride >= 0 && batch_stride >= 0 &&
-           encode_tma_tile_map(map, kBf16, base, dims, strides, 64, box_rows);
-  };
-  // Varlen: the rows of every sequence (a batch of one).
-  return encode(&tma->q, p.q, p.rows_q, p.heads_q, p.q_row_stride, p.q_head_stride, p.q_batch_stride, Tr::kBlockM) &&
-         encode(&tma->k, p.k, p.rows_k, p.heads_kv, p.k_row_stride, p.k_head_stride, p.k_batch_stride, Tr::kBlockN) &&
-         encode(&tma->v, p.v, p.rows_k, p.heads_kv, p.v_row_stride, p.v_head_stride, p.v_batch_stride, Tr::kBlockN);
+  const uint64_t dims[4] = {static_cast<uint64_t>(p.head_dim), static_cast<uint64_t>(rows),
+                            static_cast<uint64_t>(heads), static_cast<uint64_t>(varlen ? 1 : p.batch)};
+  const uint64_t strides[3] = {static_cast<uint64_t>(row_stride) * 2, static_cast<uint64_t>(head_stride) * 2,
+                               static_cast<uint64_t>(batch_stride) * 2};
+  return row_stride > 0 && head_stride >= 0 && batch_stride >= 0 &&
+         encode_tma_tile_map(map, MmaType<T>::kIsBf16, base, dims, strides, 64, box_rows);
 }
 
-// Whether the warp-specialized kernel serves this call: an sm_90 device (the build's sm_90a code),
-// and tensors TMA can describe (tma filled in then). FUSEFORGE_ATTENTION_TMA=0 never takes it; =1
-// raises where it cannot (so a benchmark knows which kernel it timed); unset takes it where it can.
-template <class Tr>
-bool use_fwd_warpspec(const FwdParams& p, FwdTmaParams* tma) {
+// Whether the TMA kernels may run: an sm_90 device (the build's sm_90a code) and
+// FUSEFORGE_ATTENTION_TMA not 0. =1 makes them a requirement: require_tma raises where they cannot
+// run (so a benchmark knows which kernel it timed); unset takes them where they can.
+inline bool tma_kernels_allowed() {
   const std::string mode = env_string("FUSEFORGE_ATTENTION_TMA");
   TORCH_CHECK(mode.empty() || mode == "0" || mode == "1", "FUSEFORGE_ATTENTION_TMA: expected 0 or 1, got '", mode,
               "'");
-  if (mode == "0") return false;
-  const bool hopper = at::cuda::getCurrentDeviceProperties()->major == 9;
+  return mode != "0" && at::cuda::getCurrentDeviceProperties()->major == 9;
+}
+inline bool require_tma(bool maps_ok) {
+  if (env_string("FUSEFORGE_ATTENTION_TMA") == "1") {
+    TORCH_CHECK(at::cuda::getCurrentDeviceProperties()->major == 9,
+                "FUSEFORGE_ATTENTION_TMA=1: the TMA kernels cannot run here (not an sm_90 GPU)");
+    TORCH_CHECK(maps_ok, "FUSEFORGE_ATTENTION_TMA=1: the TMA kernels cannot run here (an operand's strides or "
+                "address are not multiples of 16 bytes)");
+  }
+  return maps_ok;
+}
+
+// Whether the warp-specialized forward serves this call (tma filled in then).
+template <class Tr>
+bool use_fwd_warpspec(const FwdParams& p, FwdTmaParams* tma) {
+  using T = typename Tr::T;
+  if (!tma_kernels_allowed()) return require_tma(false);
   tma->pingpong = env_flag("FUSEFORGE_ATTENTION_PINGPONG", true) ? 1 : 0;
-  const bool ok = hopper && make_fwd_tma_params<Tr>(p, tma);
-  TORCH_CHECK(ok || mode.empty(), "FUSEFORGE_ATTENTION_TMA=1: the TMA forward cannot run here (",
-              hopper ? "q, k or v: strides or address not multiples of 16 bytes" : "not an sm_90 GPU", ")");
-  return ok;
+  return require_tma(
+      encode_rows_map<T>(&tma->q, p, p.q, p.rows_q, p.heads_q, p.q_row_stride, p.q_head_stride, p.q_batch_stride,
+                         Tr::kBlockM) &&
+      encode_rows_map<T>(&tma->k, p, p.k, p.rows_k, p.heads_kv, p.k_row_stride, p.k_head_stride, p.k_batch_stride,
+                         Tr::kBlockN) &&
+      encode_rows_map<T>(&tma->v, p, p.v, p.rows_k, p.heads_kv, p.v_row_stride, p.v_head_stride, p.v_batch_stride,
+                         Tr::kBlockN));
 }
 
 // Grid: query blocks (of the longest sequence) x heads x batch (or sequences); the warp-specialized

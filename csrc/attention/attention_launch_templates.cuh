@@ -6,8 +6,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
-#include "attention/attention_bwd_kernel.cuh"
-#include "attention/attention_fwd_warpspec.cuh"
+#include "attention/attention_bwd_warpspec.cuh"
 
 namespace fuseforge::attention {
 

@@ -354,8 +354,8 @@ def test_errors_cuda():
         attention(q, k[:, :1].expand(1, 3, 8, 64), v[:, :1].expand(1, 3, 8, 64))
 
 
-# ---- the two sm_90 forward kernels: warp-specialized TMA (the default where TMA can describe the
-# tensors; FUSEFORGE_ATTENTION_TMA=1 makes that a requirement) and the cp.async one (=0) ---------------
+# ---- the two sm_90 kernel sets: warp-specialized TMA (the default where TMA can describe the tensors;
+# FUSEFORGE_ATTENTION_TMA=1 makes that a requirement) and cp.async (=0); the forward's ping-pong knob --
 FORWARD_KERNELS = {"tma_pingpong": {"FUSEFORGE_ATTENTION_TMA": "1"},
                    "tma_no_pingpong": {"FUSEFORGE_ATTENTION_TMA": "1", "FUSEFORGE_ATTENTION_PINGPONG": "0"},
                    "cp_async": {"FUSEFORGE_ATTENTION_TMA": "0"}}
@@ -371,23 +371,30 @@ def requires_hopper_for(kernel):
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 @pytest.mark.parametrize("shape", [(2, 8, 2, 300, 300, 128, True), (1, 4, 4, 129, 520, 64, False),
                                    (1, 4, 1, 200, 77, 96, True)], ids=shape_id)
-def test_cuda_forward_kernels(kernel, layout, shape, monkeypatch):
+def test_cuda_kernels(kernel, layout, shape, monkeypatch):
     if not requires_hopper_for(kernel):
-        pytest.skip("the TMA forward runs on sm_90 GPUs only")
+        pytest.skip("the TMA kernels run on sm_90 GPUs only")
     for name, value in FORWARD_KERNELS[kernel].items():
         monkeypatch.setenv(name, value)
     b, hq, hk, sq, sk, d, causal = shape
-    q, k, v = make_qkv(b, hq, hk, sq, sk, d, torch.bfloat16, "cuda", layout=layout)
+    q, k, v = make_qkv(b, hq, hk, sq, sk, d, torch.bfloat16, "cuda", layout=layout, requires_grad=True)
+    grad = randn(*q.shape, dtype=torch.bfloat16, device="cuda")
     out, lse = attention(q, k, v, causal=causal, return_lse=True)
     ref_out, ref_lse = reference(q, k, v, causal)
     assert rel_err(out, ref_out) <= TOL[torch.bfloat16]
     seen = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), seen.to(lse.device))
     assert rel_err(lse[seen], ref_lse[seen]) <= 1e-6
+    _, *ref_grads = reference_with_grads(q, k, v, grad, causal)
+    for deterministic in (False, True):
+        out = attention(q, k, v, causal=causal, deterministic=deterministic)
+        grads = torch.autograd.grad(out, (q, k, v), grad)
+        for g, r in zip(grads, ref_grads):
+            assert rel_err(g, r) <= 2 * TOL[torch.bfloat16], (deterministic, rel_err(g, r))
 
 
 @requires_cuda
-def test_cuda_forward_kernel_knob_errors(monkeypatch):
+def test_cuda_kernel_knob_errors(monkeypatch):
     q, k, v = make_qkv(1, 2, 2, 64, 64, 64, torch.bfloat16, "cuda")
     monkeypatch.setenv("FUSEFORGE_ATTENTION_TMA", "yes")
     with pytest.raises(RuntimeError, match="FUSEFORGE_ATTENTION_TMA: expected 0 or 1, got 'yes'"):
@@ -401,13 +408,18 @@ def test_cuda_forward_kernel_knob_errors(monkeypatch):
 @requires_cuda
 @pytest.mark.sanitize
 @pytest.mark.parametrize("kernel", ["tma_no_pingpong", "cp_async"])
-def test_cuda_sanitize_forward_kernels(kernel, monkeypatch):
+def test_cuda_sanitize_kernels(kernel, monkeypatch):
     if not requires_hopper_for(kernel):
-        pytest.skip("the TMA forward runs on sm_90 GPUs only")
+        pytest.skip("the TMA kernels run on sm_90 GPUs only")
     for name, value in FORWARD_KERNELS[kernel].items():
         monkeypatch.setenv(name, value)
-    q, k, v = make_qkv(1, 4, 2, 150, 70, 128, torch.float16, "cuda")
-    assert rel_err(attention(q, k, v, causal=True), reference(q, k, v, True)[0]) <= TOL[torch.float16]
+    q, k, v = make_qkv(1, 4, 2, 150, 70, 128, torch.float16, "cuda", requires_grad=True)
+    out = attention(q, k, v, causal=True)
+    grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    ref, *ref_grads = reference_with_grads(q, k, v, torch.ones_like(out), True)
+    assert rel_err(out, ref) <= TOL[torch.float16]
+    for g, r in zip(grads, ref_grads):
+        assert rel_err(g, r) <= 2 * TOL[torch.float16]
 
 
 # ---- CUDA accuracy bar: within 2x the error of SDPA's math path, both against an fp32 reference --------

@@ -1,0 +1,240 @@
+// Attention backward dk/dv kernel for sm_90a, warp-specialized like the forward
+// (attention_fwd_warpspec.cuh): a producer warp issues TMA copies of the block's K and V once and of
+// each query tile's Q and dO into a 2-stage ring, and copies the tile's lse and row_dot; two consumer
+// warpgroups (64 keys each, registers raised) run the tile's products (dkdv_wgmma_tile, the same
+// code as the cp.async kernel) and free the stage with one arrive a thread. dS^T is double-buffered,
+// so the one barrier a tile left is the named barrier between the consumers before dQ = dS K reads
+// both warpgroups' keys. The row_dot, dq-convert and deterministic dq kernels are unchanged.
+#pragma once
+#include "attention/attention_bwd_kernel.cuh"
+#include "attention/attention_fwd_warpspec.cuh"
+
+namespace fuseforge::attention {
+
+struct BwdTmaParams {
+  CUtensorMap q, k, v, dout;
+};
+
+template <class Tr>
+struct WarpSpecBwdLayout {
+  static constexpr int kStages = 2;
+  static constexpr int kThreads = 384, kConsumerThreads = 256;
+  static constexpr int kPanels = Tr::kHeadDim / 64;
+  // From the 1024-byte-aligned base: K, V; kStages x (Q, dO); kStages x (lse, row_dot); 2 x dS^T;
+  // the mbarriers (full_kv, full[s], empty[s]).
+  static constexpr int kStagesOffset = 2 * Tr::kTileKVBytes;
+  static constexpr int kStageBytes = 2 * Tr::kTileQBytes;
+  static constexpr int kFloatsOffset = kStagesOffset + kStages * kStageBytes;
+  static constexpr int kFloatsBytes = 2 * Tr::kBlockM * 4;
+  static constexpr int kDsOffset = (kFloatsOffset + kStages * kFloatsBytes + 1023) / 1024 * 1024;
+  static constexpr int kBarriersOffset = kDsOffset + 2 * Tr::kTileDsBytes;
+  static constexpr int kSmemBytes = 1024 + kBarriersOffset + 8 * (1 + 2 * kStages);
+  static_assert(kSmemBytes <= 227 * 1024, "fits an H100 SM's shared memory");
+  // Registers a thread (setmaxnreg): the block starts with 384 x 168; the consumers' increase must
+  // come out of what the producer gives back, or setmaxnreg.inc waits forever.
+  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  static_assert(128 * kProducerRegs + kConsumerThreads * kConsumerRegs <= kThreads * 168, "register pool");
+};
+
+#if FUSEFORGE_ATTENTION_WGMMA
+template <class Tr, int kMask, bool kSoftcap, bool kVarlen, bool kAtomicDq>
+__device__ __forceinline__ void attention_bwd_dkdv_warpspec_body(const BwdParams& p, const BwdTmaParams& tma) {
+  using T = typename Tr::T;
+  using L = WarpSpecBwdLayout<Tr>;
+  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kD = Tr::kHeadDim, kStages = L::kStages;
+  static_assert(kBlockN == 128 && Tr::kNWarps == 8, "2 consumer warpgroups of 64 keys");
+  static_assert((kD == 128 && kBlockM == 64) || (kD == 64 && kBlockM == 128), "dQ splits one dimension in two");
+  using KVTile = PanelTile<kBlockN>;
+  using QTile = PanelTile<kBlockM>;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const KeyBlock<kBlockM, kBlockN, kMask, kVarlen> blk(p);
+  if (blk.rows_k <= 0) return;  // past its sequence (varlen): the whole block leaves before any barrier
+  const int iterations = blk.iterations;
+
+  const uint32_t raw = smem_addr(attention_smem);
+  const uint32_t sK = (raw + 1023) & ~1023u;
+  unsigned char* smem = attention_smem + (sK - raw);
+  const uint32_t sV = sK + Tr::kTileKVBytes;
+  auto sQ = [&](int s) { return sK + L::kStagesOffset + s * L::kStageBytes; };
+  auto floats = [&](int s) { return reinterpret_cast<float*>(smem + L::kFloatsOffset + s * L::kFloatsBytes); };
+  const uint32_t bars = sK + L::kBarriersOffset;
+  const uint32_t full_kv = bars;
+  auto full = [&](int s) { return bars + 8 * (1 + s); };
+  auto empty = [&](int s) { return bars + 8 * (1 + kStages + s); };
+  if (tid == 0) {
+    mbarrier_init(full_kv, 1);
+    for (int s = 0; s < kStages; ++s) {
+      mbarrier_init(full(s), 32);   // the producer warp's lanes, after their lse / row_dot stores
+      // Every consumer thread arrives after its last read of the stage (its lse / row_dot reads are
+      // generic loads of what the producer wrote with generic stores).
+      mbarrier_init(empty(s), L::kConsumerThreads);
+    }
+    fence_mbarrier_init();
+  }
+  __syncthreads();
+
+  if (warp < 4) {  // producer warpgroup: warp 0 works, the others leave
+    setmaxnreg_dec<L::kProducerRegs>();
+    if (warp != 0) return;
+    const int batch = kVarlen ? 0 : blk.b;
+    if (lane == 0) {
+      prefetch_tma_map(&tma.q);
+      prefetch_tma_map(&tma.dout);
+      mbarrier_arrive_expect_tx(full_kv, 2 * Tr::kTileKVBytes);
+      const int key_row = blk.k_row0 + blk.n0;
+#pragma unroll
+      for (int c = 0; c < L::kPanels; ++c) {
+        tma_load_4d(sK + c * KVTile::kPanelBytes, &tma.k, full_kv, c * 64, key_row, blk.hk, batch);
+        tma_load_4d(sV + c * KVTile::kPanelBytes, &tma.v, full_kv, c * 64, key_row, blk.hk, batch);
+      }
+    }
+    for (int it = 0; it < iterations; ++it) {
+      const int s = it % kStages;
+      mbarrier_wait(empty(s), ((it / kStages) & 1) ^ 1);
+      const int h = blk.head(it, p), m0 = blk.row0(it);
+      if (lane == 0) {
+        mbarrier_expect_tx(full(s), 2 * Tr::kTileQBytes);
+        const int row = blk.q_row0 + m0;
+#pragma unroll
+        for (int c = 0; c < L::kPanels; ++c) {
+          tma_load_4d(sQ(s) + c * QTile::kPanelBytes, &tma.q, full(s), c * 64, row, h, batch);
+          tma_load_4d(sQ(s) + Tr::kTileQBytes + c * QTile::kPanelBytes, &tma.dout, full(s), c * 64, row, h, batch);
+        }
+      }
+      // lse in base 2 (+inf past Sq, so P = 0 there: TMA rows past a varlen sequence hold the next
+      // one's queries) and row_dot.
+      float* f = floats(s);
+      const int64_t row_base = blk.b * p.lse_batch_stride + h * p.lse_head_stride + blk.q_row0 + m0;
+      for (int r = lane; r < kBlockM; r += 32) {
+        const bool valid = m0 + r < blk.seqlen_q;
+        f[r] = valid ? lse_to_log2(p.lse[row_base + r]) : INFINITY;
+        f[kBlockM + r] = valid ? p.row_dot[row_base + r] : 0.f;
+      }
+      mbarrier_arrive(full(s));
+    }
+    return;
+  }
+
+  setmaxnreg_inc<L::kConsumerRegs>();
+  const int cwarp = warp - 4;  // consumer warp 0..7: keys [16 cwarp, +16) of the block
+  float dk[kD / 2], dv[kD / 2];
+#pragma unroll
+  for (int i = 0; i < kD / 2; ++i) dk[i] = dv[i] = 0.f;
+  mbarrier_wait(full_kv, 0);  // also when no tile runs: the copies must land before the stores below
+  for (int it = 0; it < iterations; ++it) {
+    const int s = it % kStages;
+    mbarrier_wait(full(s), (it / kStages) & 1);
+    const uint32_t sDs = sK + L::kDsOffset + (it & 1) * Tr::kTileDsBytes;
+    dkdv_wgmma_tile<Tr, kMask, kSoftcap, kAtomicDq>(
+        p, blk, it, sK, sV, sQ(s), sQ(s) + Tr::kTileQBytes, floats(s), floats(s) + kBlockM, sDs,
+        smem + (sDs - sK), cwarp, lane, dk, dv, [] { named_barrier_sync(1, L::kConsumerThreads); });
+    mbarrier_arrive(empty(s));  // this thread is done with stage s
+  }
+
+  // dK = scale * sum dS^T Q, dV = sum P^T dO: staged through this warp's own rows of sK / sV, once both
+  // consumer warpgroups are done reading them (dQ = dS K reads all of sK).
+  named_barrier_sync(1, L::kConsumerThreads);
+  const int head_dim = valid_head_dim<Tr>(p);
+  float ones[1][2] = {{1.f, 1.f}}, scales[1][2] = {{p.scale, p.scale}};
+  const int64_t key_row = blk.k_row0 + blk.n0;
+  T* gk = static_cast<T*>(p.grad_k) + blk.b * p.dk_batch_stride + blk.hk * p.dk_head_stride + key_row * p.dk_row_stride;
+  T* gv = static_cast<T*>(p.grad_v) + blk.b * p.dv_batch_stride + blk.hk * p.dv_head_stride + key_row * p.dv_row_stride;
+  store_rows<T, kD, 1>(reinterpret_cast<const float(&)[1][kD / 8][4]>(dk), scales, smem, cwarp * 16, gk,
+                       p.dk_row_stride, blk.rows_k, head_dim, lane);
+  store_rows<T, kD, 1>(reinterpret_cast<const float(&)[1][kD / 8][4]>(dv), ones, smem + Tr::kTileKVBytes, cwarp * 16,
+                       gv, p.dv_row_stride, blk.rows_k, head_dim, lane);
+}
+#endif  // FUSEFORGE_ATTENTION_WGMMA
+
+template <class Tr, int kMask, bool kSoftcap, bool kVarlen, bool kAtomicDq>
+__global__ void __launch_bounds__(WarpSpecBwdLayout<Tr>::kThreads, 1)
+    attention_bwd_dkdv_warpspec_kernel(const __grid_constant__ BwdParams params,
+                                       const __grid_constant__ BwdTmaParams tma) {
+#if FUSEFORGE_ATTENTION_WGMMA
+  attention_bwd_dkdv_warpspec_body<Tr, kMask, kSoftcap, kVarlen, kAtomicDq>(params, tma);
+#endif
+}
+
+// Whether the warp-specialized dk/dv kernel serves this call (tma filled in then).
+// Head dim 128 only: at 64 (128-query tiles, S^T and dP^T of 64 floats a thread) the consumers
+// spill at 240 registers (384 bytes) and the kernel measured slower than the cp.async one
+// (docs/notes_attention.md).
+template <class Tr>
+bool use_bwd_warpspec(const BwdParams& p, BwdTmaParams* tma) {
+  using T = typename Tr::T;
+  if (Tr::kHeadDim != 128) return false;
+  if (!tma_kernels_allowed()) return require_tma(false);
+  return require_tma(
+      encode_rows_map<T>(&tma->q, p, p.q, p.rows_q, p.heads_q, p.q_row_stride, p.q_head_stride, p.q_batch_stride,
+                         Tr::kBlockM) &&
+      encode_rows_map<T>(&tma->dout, p, p.grad_out, p.rows_q, p.heads_q, p.do_row_stride, p.do_head_stride,
+                         p.do_batch_stride, Tr::kBlockM) &&
+      encode_rows_map<T>(&tma->k, p, p.k, p.rows_k, p.heads_kv, p.k_row_stride, p.k_head_stride, p.k_batch_stride,
+                         Tr::kBlockN) &&
+      encode_rows_map<T>(&tma->v, p, p.v, p.rows_k, p.heads_kv, p.v_row_stride, p.v_head_stride, p.v_batch_stride,
+                         Tr::kBlockN));
+}
+
+// row_dot_params: the problem as the row_dot kernel sees it (varlen: one sequence of total_q rows,
+// whose row index is the lse layout's). The dk/dv kernel is the warp-specialized one where
+// use_bwd_warpspec says so, else the cp.async one.
+template <class DkdvTr, class DqTr, bool kSoftcap>
+void launch_attention_bwd(const BwdParams& params, const BwdParams& row_dot_params, bool local, bool deterministic) {
+  using T = typename DkdvTr::T;
+  constexpr int kD = DkdvTr::kHeadDim;
+  static_assert(dq_smem_bytes<DqTr>() <= 227 * 1024, "fits an H100 SM's shared memory");
+  const int64_t rows = static_cast<int64_t>(row_dot_params.batch) * row_dot_params.heads_q * row_dot_params.seqlen_q;
+  launch_kernel(attention_row_dot_kernel<T, kD>, dim3(static_cast<unsigned>(ceil_div(rows, 8))), dim3(256), 0,
+                row_dot_params);
+  // Causal: key block 0 of a head sees every query, the last one few. When the grid is a few waves
+  // (GQA: each block loops over the group's heads, so the grid is small and its blocks long), the
+  // launch order decides the tail: key blocks slowest (grid z) starts every head's heaviest block
+  // first and leaves the short ones for the last wave. Measured on the H100 (docs/notes_attention.md):
+  // the 1.2B Llama's step (2.9 waves) 29.5 -> 24.0 ms in this kernel; on the benchmark's 31-wave
+  // grids the default order (a head's key blocks side by side, sharing its Q/dO tiles in L2) is 3-5%
+  // faster. The crossover between 3 and 31 waves was not measured: 8 is a guess. (Applied to every
+  // local mask; a sliding window's key blocks weigh about the same, so the order matters little.)
+  const int64_t kv_blocks = ceil_div(params.seqlen_k, DkdvTr::kBlockN);
+  const int64_t blocks = kv_blocks * params.heads_kv * params.batch;
+  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
+  const int64_t resident =
+      static_cast<int64_t>(prop->multiProcessorCount) *
+      std::max<int64_t>(1, prop->sharedMemPerMultiprocessor / (DkdvTr::kSmemBytes + prop->reservedSharedMemPerBlock));
+  BwdParams p = params;
+  p.kv_block_slowest = local && blocks <= 8 * resident && kv_blocks <= 65535;
+  const dim3 grid_kv = p.kv_block_slowest
+                           ? dim3(static_cast<unsigned>(params.heads_kv), static_cast<unsigned>(params.batch),
+                                  static_cast<unsigned>(kv_blocks))
+                           : dim3(static_cast<unsigned>(kv_blocks), static_cast<unsigned>(params.heads_kv),
+                                  static_cast<unsigned>(params.batch));
+  BwdTmaParams tma;
+  const bool warpspec = use_bwd_warpspec<DkdvTr>(p, &tma);
+  auto launch_dkdv = [&]<int kMask, bool kVarlen, bool kAtomicDq>() {
+    if constexpr (kD == 128) {
+      if (warpspec) {
+        using L = WarpSpecBwdLayout<DkdvTr>;
+        launch_kernel(attention_bwd_dkdv_warpspec_kernel<DkdvTr, kMask, kSoftcap, kVarlen, kAtomicDq>, grid_kv,
+                      dim3(L::kThreads), L::kSmemBytes, p, tma);
+        return;
+      }
+    }
+    launch_kernel(attention_bwd_dkdv_kernel<DkdvTr, kMask, kSoftcap, kVarlen, kAtomicDq>, grid_kv,
+                  dim3(DkdvTr::kThreads), DkdvTr::kSmemBytes, p);
+  };
+  dispatch_mask_varlen(params, local, [&]<int kMask, bool kVarlen>() {
+    if (deterministic) {
+      launch_dkdv.template operator()<kMask, kVarlen, false>();
+      const dim3 grid_q(static_cast<unsigned>(ceil_div(params.seqlen_q, DqTr::kBlockM)),
+                        static_cast<unsigned>(params.heads_q), static_cast<unsigned>(params.batch));
+      launch_kernel(attention_bwd_dq_kernel<DqTr, kMask, kSoftcap, kVarlen>, grid_q, dim3(DqTr::kThreads),
+                    dq_smem_bytes<DqTr>(), params);
+    } else {
+      launch_dkdv.template operator()<kMask, kVarlen, true>();
+      const dim3 grid_convert(static_cast<unsigned>(ceil_div(static_cast<int64_t>(params.seqlen_q) * (kD / 8), 256)),
+                              static_cast<unsigned>(params.heads_q), static_cast<unsigned>(params.batch));
+      launch_kernel(attention_dq_convert_kernel<T, kD, kVarlen>, grid_convert, dim3(256), 0, params);
+    }
+  });
+}
+
+}  // namespace fuseforge::attention
