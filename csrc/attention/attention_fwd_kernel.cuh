@@ -215,8 +215,7 @@ struct QueryBlock {
 
 // One key tile of the online softmax, for a warp's kMT x 16 rows: new running max, the factor
 // (correction) by which O and the running sum shrink, the running sum, and P = exp2(S * scale_log2 -
-// max) in place of S. O is left alone (rescale_rows), so the warp-specialized forward can run this
-// while O's product is still in flight.
+// max) in place of S. O is left alone: rescale_rows applies the correction (online_softmax does both).
 template <int kMT, int kNCols>
 __device__ __forceinline__ void softmax_rows(float (&s)[kMT][kNCols / 8][4], float (&row_max)[kMT][2],
                                              float (&row_sum)[kMT][2], float (&correction)[kMT][2], float scale_log2) {

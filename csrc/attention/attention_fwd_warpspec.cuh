@@ -16,13 +16,6 @@
 
 namespace fuseforge::attention {
 
-// 1: a consumer waits for S(i) only, runs the softmax of tile i while O += P(i-1) V(i-1) is still on
-// the tensor cores, then rescales O once that product lands (FlashAttention-3's intra-warpgroup
-// overlap). 0: it waits for both products first.
-#ifndef FUSEFORGE_ATTENTION_FWD_OVERLAP
-#define FUSEFORGE_ATTENTION_FWD_OVERLAP 0
-#endif
-
 // The kernel's second parameter: tensor maps of q, k, v as (head dim, rows, heads, batch) and the
 // schedule knob.
 struct FwdTmaParams {
@@ -128,24 +121,17 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
   auto& o3 = reinterpret_cast<float(&)[1][kD / 8][4]>(o);
   uint32_t pa[kBlockN / 16][4];  // P of the previous tile as wgmma A fragments
 
-  // Tile i's scores: softcap and mask applied in place, as the (1 x kBlockN/8 x 4) fragment view.
-  auto scores_tile = [&](int i, float (&sacc)[kBlockN / 2]) -> float(&)[1][kBlockN / 8][4] {
+  // Tile i's softmax after O's product landed: softcap, mask, online update of max / sum / O, P
+  // into pa.
+  auto softmax_tile = [&](int i, float (&sacc)[kBlockN / 2]) {
     const int n0 = (n_begin + i) * kBlockN;
     apply_softcap<kSoftcap>(sacc, p);
     auto& s3 = reinterpret_cast<float(&)[1][kBlockN / 8][4]>(sacc);
     if (tile_needs_mask<kMask, kBlockM, kBlockN>(m0, n0, seqlen_k, offset, p))
       apply_mask<kMask, 1, kBlockN>(s3, m0 + warp_row0, n0, seqlen_k, offset, p, lane);
-    return s3;
-  };
-  auto to_pa = [&](float (&s3)[1][kBlockN / 8][4]) {
+    online_softmax<1, kBlockN, kD>(s3, o3, row_max, row_sum, scale_log2);
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) c_to_a_fragment<T>(s3[0][2 * kk], s3[0][2 * kk + 1], pa[kk]);
-  };
-  // Tile i's softmax after O's product landed: online update of max / sum / O, P into pa.
-  auto softmax_tile = [&](int i, float (&sacc)[kBlockN / 2]) {
-    auto& s3 = scores_tile(i, sacc);
-    online_softmax<1, kBlockN, kD>(s3, o3, row_max, row_sum, scale_log2);
-    to_pa(s3);
   };
   // Ping-pong: warpgroup g issues its products between a sync on barrier kMyTurn + g and an arrive
   // on the other's; warpgroup 1 lets 0 go first and skips its last arrive, so the counts match.
@@ -192,24 +178,11 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
       wgmma_ss_k_major<T, kBlockN, kD / 16>(sacc, sQ + wg_rows, QTile::kPanelBytes, sK(s), KVTile::kPanelBytes);
       wgmma_rs_mn_major<T, kD, kBlockN / 16>(o, pa, sV(s_prev), KVTile::kPanelBytes);
       turn_end(false);
-#if FUSEFORGE_ATTENTION_FWD_OVERLAP
-      wgmma_wait<1>();  // S(i) landed; P(i-1) V(i-1) may still run
-      wgmma_fence_operands(sacc);
-      float correction[1][2];
-      auto& s3 = scores_tile(i, sacc);
-      softmax_rows<1, kBlockN>(s3, row_max, row_sum, correction, scale_log2);
-      wgmma_wait<0>();
-      wgmma_fence_operands(o);
-      release(s_prev);
-      rescale_rows<1, kD>(o3, correction);
-      to_pa(s3);
-#else
       wgmma_wait<0>();
       wgmma_fence_operands(sacc);
       wgmma_fence_operands(o);
       release(s_prev);
       softmax_tile(i, sacc);
-#endif
     }
     const int s_last = (n_tiles - 1) % kStages;
     mbarrier_wait(full_v(s_last), ((n_tiles - 1) / kStages) & 1);
