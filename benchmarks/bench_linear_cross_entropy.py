@@ -2,7 +2,7 @@
 Cross-Entropy on the issue's cases.
 
 Case "NxHxV/bf16": x = randn(N, H) * 0.5, weight = randn(V, H) * 0.02, every 7th target ignored,
-reduction mean. "/lowmem": fuseforge's low-memory strategy. "/peaky": x leans towards its target's
+reduction mean. "/lowmem": fuseforge's low-memory strategy (in the sweep, "fuseforge_lowmem"). "/peaky": x leans towards its target's
 weight row so that the target has probability ~0.99 (accuracy on a confident model).
 Passes: fwd = the loss under torch.no_grad(); fwdbwd = the loss and grad_x, grad_weight (the
 gradients are outputs: peak_extra_mib includes them).
@@ -128,6 +128,8 @@ def impls_for(case):
     low = case.endswith("/lowmem")
     sweep = case in SWEEP
     impls = {"fuseforge": lambda x, w, t: linear_cross_entropy(x, w, t, ignore_index=IGNORE, low_memory=low)}
+    if sweep:  # both strategies over the sweep (issue 20: the low-memory one against CCE)
+        impls["fuseforge_lowmem"] = lambda x, w, t: linear_cross_entropy(x, w, t, ignore_index=IGNORE, low_memory=True)
     if low:
         if cce_linear_cross_entropy is not None:
             impls["cce"] = lambda x, w, t: cce_linear_cross_entropy(x, w, t, ignore_index=IGNORE)

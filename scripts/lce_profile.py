@@ -63,18 +63,17 @@ def profile(n, h, v, low_memory):
         print(f"  {ms:8.2f} ms  {cnt:5d}x  {name}")
 
 
-def variants(n, h, v):
-    """Step time and peak memory of chunk plans (sub-chunk rows, workspace MiB)."""
+def variants(n, h, v, low_memory, settings):
+    """Step time and peak memory under each setting of the development knobs (a dict of env vars)."""
     x = (torch.randn(n, h, device="cuda") * 0.5).bfloat16().requires_grad_()
     w = (torch.randn(v, h, device="cuda") * 0.02).bfloat16().requires_grad_()
     t = torch.randint(0, v, (n,), device="cuda")
     t[::7] = -100
-    for sub, mib in ((512, 768), (640, 960), (1024, 1024)):
-        os.environ["FUSEFORGE_LCE_SUB_ROWS"] = str(sub)
-        os.environ["FUSEFORGE_LCE_WORKSPACE_MIB"] = str(mib)
+    for env in settings:
+        os.environ.update(env)
 
         def step():
-            loss = linear_cross_entropy(x, w, t)
+            loss = linear_cross_entropy(x, w, t, low_memory=low_memory)
             return torch.autograd.grad(loss, (x, w))
 
         step()
@@ -86,18 +85,27 @@ def variants(n, h, v):
         peak = (torch.cuda.max_memory_allocated() - before) / 2**20
         del out
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
         start.record()
         for _ in range(5):
             step()
         end.record()
+        host = (time.perf_counter() - t0) * 1000 / 5
         torch.cuda.synchronize()
-        print(f"  plan sub_rows={sub} workspace={mib} MiB: {start.elapsed_time(end) / 5:.2f} ms, peak extra {peak:.0f} MiB")
-    os.environ.pop("FUSEFORGE_LCE_SUB_ROWS")
-    os.environ.pop("FUSEFORGE_LCE_WORKSPACE_MIB")
+        print(f"  low_memory={low_memory} {env}: {start.elapsed_time(end) / 5:.2f} ms a step (host {host:.2f} ms), "
+              f"peak extra {peak:.0f} MiB")
+        for k in env:
+            os.environ.pop(k)
 
 
 if __name__ == "__main__":
+    if "--lowmem" in sys.argv:  # --lowmem: the low-memory strategy only (its column chunk's variants)
+        variants(8192, 4096, 128256, True, [{"FUSEFORGE_LCE_LOWMEM_COLS": str(c)} for c in (4096, 8192, 16384)])
+        profile(8192, 4096, 128256, True)
+        sys.exit(0)
     profile(8192, 4096, 128256, False)
     if "--quick" not in sys.argv:  # --quick: the default strategy's profile only
-        variants(8192, 4096, 128256)
+        variants(8192, 4096, 128256, False, [
+            {"FUSEFORGE_LCE_SUB_ROWS": str(sub), "FUSEFORGE_LCE_WORKSPACE_MIB": str(mib)}
+            for sub, mib in ((512, 768), (640, 960), (1024, 1024))])
         profile(8192, 4096, 128256, True)

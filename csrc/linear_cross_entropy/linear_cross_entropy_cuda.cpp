@@ -14,10 +14,14 @@
 // accumulates in cuBLAS (float32 inside, one rounding to T a super-chunk): at most
 // kMaxRoundedPasses passes, else a float32 V x H accumulator.
 //
-// Low-memory strategy (vocabulary tiles, recomputation): pass 1 over (row, vocab) tiles merges
-// running per-row statistics into lse; pass 2, vocabulary-outer, recomputes each tile's logits and
-// accumulates grad_W's rows of that vocabulary chunk over all rows in float32 (Cv x H) and grad_x in
-// a float32 N x H accumulator.
+// Low-memory strategy (recomputation; workspace a few percent of the gradients): pass 1 over
+// (row, vocab) tiles of float32 logits merges running per-row statistics into lse and the loss,
+// before the gradients are allocated. Pass 2, in at most kMaxRoundedPasses row blocks of B rows:
+//   for each vocabulary chunk of C columns:  logits(B x C) = x_B @ W_C^T in T, dz in place (lse known)
+//                                            grad_W[C rows] (+)= dz^T @ x_B   (one rounding a block)
+//                                            acc(B x H, float32) (+)= dz @ W_C
+//   grad_x[B rows] = acc
+// Four GEMMs instead of three; workspace B x H float32 + B x C in T (48 MiB at N = 8192, H = 4096).
 #include <ATen/ops/addmm.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/mv.h>
@@ -41,8 +45,10 @@ namespace {
 constexpr int64_t kWorkspaceBudget = int64_t{768} << 20;  // bytes, default strategy
 constexpr int64_t kMaxRoundedPasses = 4;                  // low-precision roundings of grad_W per element
 constexpr int64_t kMaxSuperRows = 8192;
-constexpr int64_t kLowMemRows = 2048;                     // low-memory tile: rows x vocab columns
-constexpr int64_t kLowMemCols = 512;
+constexpr int64_t kLowMemStatsBytes = int64_t{64} << 20;  // low-memory pass 1: float32 logits tile
+constexpr int64_t kLowMemStatsCols = 8192;
+constexpr int64_t kLowMemCols = 4096;                     // low-memory pass 2: vocabulary chunk
+constexpr int64_t kLowMemMinRows = 1024;                  // ... and smallest row block
 
 struct Plan {
   int64_t sub_rows = 0, super_rows = 0;
@@ -66,7 +72,7 @@ at::Tensor target_logits(const Problem& p) {
 }
 
 // Development knobs (benchmarking the chunk plan, common/env.h): FUSEFORGE_LCE_SUB_ROWS,
-// FUSEFORGE_LCE_WORKSPACE_MIB.
+// FUSEFORGE_LCE_WORKSPACE_MIB (default strategy), FUSEFORGE_LCE_LOWMEM_COLS (low-memory strategy).
 Plan plan_rows(const Problem& p, bool want_weight_grad, bool bf16_logits, bool in_place) {
   Plan plan;
   plan.bf16_logits = bf16_logits;
@@ -167,6 +173,7 @@ void allocate_grads(const Problem& p, const GradSpec& g, Outputs& o) {
 
 template <typename T>
 void run_default(const Problem& p, const GradSpec& g, Outputs& o) {
+  allocate_grads(p, g, o);
   const bool cluster = p.vocab % 4 == 0 && p.vocab <= kClusterMaxVocab && !g.stats_in.has_value();
   // Development knob FUSEFORGE_LCE_PERSISTENT: 1, as many clusters as the GPU holds, each looping over
   // rows; 0, one cluster a row.
@@ -276,13 +283,15 @@ void run_default(const Problem& p, const GradSpec& g, Outputs& o) {
 template <typename T>
 void run_low_memory(const Problem& p, const GradSpec& g, Outputs& o) {
   const auto f32 = p.x2d.options().dtype(at::kFloat);
-  const int64_t tile_rows = std::min<int64_t>(kLowMemRows, std::max<int64_t>(p.rows, 1));
-  const int64_t tile_cols = std::min<int64_t>(kLowMemCols, p.vocab);
-  at::Tensor tile = at::empty({tile_rows * tile_cols}, f32);
   const at::Tensor exact_zt = target_logits<T>(p);
   RowParams<T> rp = base_params<T>(p, g.row_scale, g.scalar_scale, exact_zt);
 
   if (!g.stats_in.has_value()) {  // pass 1: lse and loss from running per-row statistics
+    // Large enough tiles for full-speed products (2048 x 8192 at most); freed before the gradients
+    // are allocated, so they do not add to the peak.
+    const int64_t tile_cols = std::min<int64_t>(kLowMemStatsCols, p.vocab);
+    const int64_t tile_rows = std::clamp<int64_t>(kLowMemStatsBytes / (4 * tile_cols), 1, std::max<int64_t>(p.rows, 1));
+    at::Tensor tile = at::empty({tile_rows * tile_cols}, f32);
     at::Tensor run = at::empty({4, p.rows}, f32);
     for (int64_t n0 = 0; n0 < p.rows; n0 += tile_rows) {
       const int64_t rn = std::min(tile_rows, p.rows - n0);
@@ -310,27 +319,39 @@ void run_low_memory(const Problem& p, const GradSpec& g, Outputs& o) {
     }
   }
   if (!g.enabled) return;
+  allocate_grads(p, g, o);
   const at::Tensor& stats = g.stats_in.has_value() ? *g.stats_in : o.stats;
   const float* lse = stats[0].const_data_ptr<float>();
   const float* nll = stats[1].const_data_ptr<float>();
-  const bool fp32_in = p.x2d.scalar_type() == at::kFloat;
-  at::Tensor dz_tile = at::empty({tile_rows * tile_cols}, p.x2d.options());
-  at::Tensor gx_acc, gw_acc, b_acc;
-  if (g.want.x) gx_acc = fp32_in ? o.grad_x : at::empty({p.rows, p.hidden}, f32);
-  if (g.want.weight) gw_acc = at::empty({tile_cols, p.hidden}, f32);
-  if (g.want.bias) b_acc = at::empty({p.vocab}, f32);
-  for (int64_t v0 = 0; v0 < p.vocab; v0 += tile_cols) {  // pass 2: vocabulary-outer
-    const int64_t vc = std::min(tile_cols, p.vocab - v0);
-    const at::Tensor w_rows = p.weight.narrow(0, v0, vc);
-    at::Tensor gw_rows = g.want.weight ? gw_acc.narrow(0, 0, vc) : at::Tensor();
-    for (int64_t n0 = 0; n0 < p.rows; n0 += tile_rows) {
-      const int64_t rn = std::min(tile_rows, p.rows - n0);
-      const at::Tensor x_rows = p.x2d.narrow(0, n0, rn);
-      at::Tensor logits = tile.narrow(0, 0, rn * vc).view({rn, vc});
-      logits_gemm(logits, x_rows, w_rows);
-      at::Tensor dz = dz_tile.narrow(0, 0, rn * vc).view({rn, vc});
+  constexpr bool kFp32 = std::is_same_v<T, float>;
+  // Row blocks: grad_W gets one rounding to T a block (cuBLAS beta = 1, float32 inside), so at most
+  // kMaxRoundedPasses blocks, the default strategy's bound; grad_x is exact per block (float32
+  // accumulator over the vocabulary chunks). The logits of a chunk are cuBLAS's T output (float32
+  // accumulation, one rounding; the target's logit is the exact float32 one), turned into dz in place.
+  const int64_t rows = std::max<int64_t>(p.rows, 1);
+  const int64_t block = std::min(rows, std::max(ceil_div(ceil_div(rows, kMaxRoundedPasses), 128) * 128, kLowMemMinRows));
+  // Development knob FUSEFORGE_LCE_LOWMEM_COLS: the vocabulary chunk.
+  const int64_t cols = std::min<int64_t>(env_positive_int("FUSEFORGE_LCE_LOWMEM_COLS", kLowMemCols), p.vocab);
+  at::Tensor tile = at::empty({block * cols}, p.x2d.options());
+  at::Tensor gx_acc, b_acc;
+  if (g.want.x && !kFp32) gx_acc = at::empty({block, p.hidden}, f32);
+  if (g.want.bias) b_acc = at::zeros({p.vocab}, f32);
+  for (int64_t n0 = 0; n0 < p.rows; n0 += block) {
+    const int64_t rn = std::min(block, p.rows - n0);
+    const at::Tensor x_rows = p.x2d.narrow(0, n0, rn);
+    at::Tensor gx_rows;
+    if (g.want.x) gx_rows = kFp32 ? o.grad_x.narrow(0, n0, rn) : gx_acc.narrow(0, 0, rn);
+    for (int64_t v0 = 0; v0 < p.vocab; v0 += cols) {
+      const int64_t vc = std::min(cols, p.vocab - v0);
+      const at::Tensor w_rows = p.weight.narrow(0, v0, vc);
+      at::Tensor dz = tile.narrow(0, 0, rn * vc).view({rn, vc});
+      at::mm_out(dz, x_rows, w_rows.t());  // the logits, until the kernel below
       RowParams<T> q = at_row(rp, n0);
-      q.logits = logits.const_data_ptr<float>();
+      if constexpr (kFp32) {
+        q.logits = dz.const_data_ptr<float>();
+      } else {
+        q.logits_lowp = dz.const_data_ptr<T>();
+      }
       q.ld_logits = vc;
       q.dz = dz.mutable_data_ptr<T>();
       q.ld_dz = vc;
@@ -340,24 +361,17 @@ void run_low_memory(const Problem& p, const GradSpec& g, Outputs& o) {
       q.lse_in = lse + n0;
       q.nll_in = nll + n0;
       launch_row_softmax_stream<T>(q);
-      if (g.want.weight) gemm_accumulate_fp32(gw_rows, dz.t(), x_rows, n0 == 0);
-      if (g.want.x) {
-        at::Tensor gx_rows = gx_acc.narrow(0, n0, rn);
-        gemm_accumulate_fp32(gx_rows, dz, w_rows, v0 == 0);
+      if (g.want.weight) {
+        at::Tensor gw_rows = o.grad_weight.narrow(0, v0, vc);
+        if (n0 == 0) at::mm_out(gw_rows, dz.t(), x_rows);
+        else gw_rows.addmm_(dz.t(), x_rows);
       }
-      if (g.want.bias) {
-        at::Tensor b_rows = b_acc.narrow(0, v0, vc);
-        if (n0 == 0) at::sum_out(b_rows, dz, {0}, false, at::kFloat);
-        else b_rows.add_(at::sum(dz, {0}, false, at::kFloat));
-      }
+      if (g.want.x) gemm_accumulate_fp32(gx_rows, dz, w_rows, v0 == 0);
+      if (g.want.bias) b_acc.narrow(0, v0, vc).add_(at::sum(dz, {0}, false, at::kFloat));
     }
-    if (g.want.weight) {
-      if (p.rows == 0) o.grad_weight.narrow(0, v0, vc).zero_();
-      else o.grad_weight.narrow(0, v0, vc).copy_(gw_rows);
-    }
-    if (g.want.bias && p.rows == 0) b_acc.narrow(0, v0, vc).zero_();
+    if (g.want.x && !kFp32) o.grad_x.narrow(0, n0, rn).copy_(gx_rows);
   }
-  if (g.want.x && !fp32_in) o.grad_x.copy_(gx_acc);
+  if (g.want.weight && p.rows == 0) o.grad_weight.zero_();
   if (g.want.bias) o.grad_bias.copy_(b_acc);
 }
 
@@ -366,7 +380,6 @@ Outputs run(const Problem& p, const GradSpec& g, bool low_memory) {
   const auto f32 = p.x2d.options().dtype(at::kFloat);
   o.row_losses = at::empty({p.rows}, f32);
   o.stats = g.stats_in.has_value() ? *g.stats_in : at::empty({2, p.rows}, f32);
-  allocate_grads(p, g, o);
   FUSEFORGE_DISPATCH_HALF_FLOAT(p.x2d.scalar_type(), "linear_cross_entropy_cuda", [&] {
     if (low_memory) run_low_memory<scalar_t>(p, g, o);
     else run_default<scalar_t>(p, g, o);

@@ -10,7 +10,7 @@
 //    written over the bf16 logits in place; float32 logits: 4 read + sizeof(T) written.
 //  - row_softmax_stream_kernel: one CTA streams a row (or a tile of one): statistics (optionally
 //    merged with running per-row statistics of earlier vocabulary tiles), and/or dz given a known
-//    lse. Serves the loss-only forward, the recomputing backward, the low-memory strategy and
+//    lse (in place over 16-bit logits on the low-memory strategy's gradient pass). Serves the loss-only forward, the recomputing backward, the low-memory strategy and
 //    vocabularies too large for the cluster kernel.
 #pragma once
 #include <cooperative_groups.h>
@@ -362,8 +362,10 @@ __global__ void __cluster_dims__(kClusterSize, 1, 1) __launch_bounds__(kClusterT
 
 // ---------------------------------------------------------------------------------------------
 // Stream kernel: grid (rows); one CTA a row of the tile. kVec: ld_logits, cols and ld_dz are
-// multiples of 4 (float4 loads, 4-wide stores).
-template <typename T, bool kVec>
+// multiples of 4 (4-wide loads and stores). L: the logits' storage (float, or T from
+// p.logits_lowp). dz may alias the logits when lse is given (p.lse_in): each thread reads its own
+// columns before it writes them, and the target's logit then comes from p.target_logit.
+template <typename T, typename L, bool kVec>
 __device__ void row_softmax_stream_body(const RowParams<T>& p) {
   __shared__ float scratch[kStreamThreads / 32];
   const int tid = threadIdx.x;
@@ -383,7 +385,7 @@ __device__ void row_softmax_stream_body(const RowParams<T>& p) {
     return;
   }
   const bool bad_target = t < 0 || t >= p.vocab;
-  const float* zrow = p.logits + row * p.ld_logits;
+  const L* zrow = logit_row<T, L>(p, row);
   constexpr int kStep = kVec ? 4 : 1;
 
   float lse, nll;
@@ -398,7 +400,7 @@ __device__ void row_softmax_stream_body(const RowParams<T>& p) {
       if constexpr (kVec) {
         load4(zrow + col, z);
       } else {
-        z[0] = zrow[col];
+        z[0] = static_cast<float>(zrow[col]);
       }
       float mx = -INFINITY;
 #pragma unroll
@@ -467,9 +469,9 @@ __device__ void row_softmax_stream_body(const RowParams<T>& p) {
   }
 }
 
-template <typename T, bool kVec>
+template <typename T, typename L, bool kVec>
 __global__ void __launch_bounds__(kStreamThreads) row_softmax_stream_kernel(RowParams<T> p) {
-  row_softmax_stream_body<T, kVec>(p);
+  row_softmax_stream_body<T, L, kVec>(p);
 }
 
 // out[r] = x[r] . weight[target[r]] in float32 (0 for ignored or out-of-range targets): one warp a

@@ -13,7 +13,8 @@ namespace fuseforge::linear_cross_entropy {
 template <typename T>
 struct RowParams {
   const float* logits = nullptr;
-  // Or the logits in T (bf16 inputs, cluster kernel only; same ld_logits): cuBLAS's bf16 output.
+  // Or the logits in T (16-bit inputs; same ld_logits): cuBLAS's 16-bit output. Cluster kernel: bf16,
+  // reduced losses; stream kernel: the low-memory strategy's gradient pass (lse given).
   const T* logits_lowp = nullptr;
   int64_t ld_logits = 0;
   T* dz = nullptr;  // gradient tile (row stride ld_dz) or nullptr: no gradient

@@ -3,17 +3,27 @@
 
 namespace fuseforge::linear_cross_entropy {
 
-template <typename T>
-void launch_row_softmax_stream(const RowParams<T>& p) {
-  const auto aligned16 = [](const void* ptr) { return ptr == nullptr || reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
-  const bool vec = p.cols % 4 == 0 && p.ld_logits % 4 == 0 && aligned16(p.logits) &&
-                   (!p.dz || (p.ld_dz % 4 == 0 && reinterpret_cast<uintptr_t>(p.dz) % (4 * sizeof(T)) == 0));
+namespace {
+template <typename T, typename L>
+void launch_stream(const RowParams<T>& p, const L* logits) {
+  const auto aligned4 = [](const void* ptr, size_t elem) { return reinterpret_cast<uintptr_t>(ptr) % (4 * elem) == 0; };
+  const bool vec = p.cols % 4 == 0 && p.ld_logits % 4 == 0 && aligned4(logits, sizeof(L)) &&
+                   (!p.dz || (p.ld_dz % 4 == 0 && aligned4(p.dz, sizeof(T))));
   const dim3 grid(static_cast<unsigned>(p.rows));
   if (vec) {
-    launch_kernel(row_softmax_stream_kernel<T, true>, grid, dim3(kStreamThreads), 0, p);
+    launch_kernel(row_softmax_stream_kernel<T, L, true>, grid, dim3(kStreamThreads), 0, p);
   } else {
-    launch_kernel(row_softmax_stream_kernel<T, false>, grid, dim3(kStreamThreads), 0, p);
+    launch_kernel(row_softmax_stream_kernel<T, L, false>, grid, dim3(kStreamThreads), 0, p);
   }
+}
+}  // namespace
+
+template <typename T>
+void launch_row_softmax_stream(const RowParams<T>& p) {
+  if constexpr (!std::is_same_v<T, float>) {
+    if (p.logits_lowp != nullptr) return launch_stream<T, T>(p, p.logits_lowp);
+  }
+  launch_stream<T, float>(p, p.logits);
 }
 
 template <typename T>

@@ -407,7 +407,7 @@ def test_cpu_vector_tails():
 @pytest.mark.parametrize("rows,vocab,low_memory", [
     (20000, 256, False),   # 3 super-chunks: grad_W accumulated in bf16 by cuBLAS (3 roundings)
     (41000, 256, False),   # 6 super-chunks > 4: float32 V x H accumulator
-    (4500, 2600, True),    # low-memory: 3 x 3 tiles, last ones ragged
+    (4500, 9000, True),    # low-memory: pass 1 3 x 2 tiles, pass 2 4 row blocks x 3 chunks, last ones ragged
 ], ids=["bf16-passes", "fp32-acc", "lowmem-tiles"])
 def test_chunk_plans_cuda(rows, vocab, low_memory):
     x, w, t, b = make_inputs((rows,), 64, vocab, torch.bfloat16, "cuda", bias=True, w_scale=0.1)

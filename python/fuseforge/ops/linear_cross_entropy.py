@@ -26,10 +26,11 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Option
         target: (...) int64 or int32 class indices in [0, V), or ``ignore_index`` (no loss, no gradient).
         reduction: "mean" (over targets that are not ignored; 0 when all are ignored), "sum" or "none"
             (shape of target).  label_smoothing: in [0, 1).
-        low_memory: the vocabulary-chunked strategy that recomputes the logits (4 matrix products
-            instead of 3) and keeps only small tiles: peak memory is the gradients plus a float32
-            copy of grad_x (bf16/fp16 inputs; 4 N H bytes), a float32 512 x H slice of grad_weight
-            and 6 MiB of (2048 x 512) logit tiles.
+        low_memory: the strategy that recomputes the logits (4 matrix products instead of 3) and
+            keeps only small tiles: on the GPU, peak memory is the gradients plus a float32
+            accumulator of a quarter of grad_x's rows (at least 1024 rows) and a logit tile of those
+            rows x 4096 columns (48 MiB at N = 8192, H = 4096); grad_weight takes at most 4
+            roundings to x's dtype, as on the default strategy.
 
     Returns the loss in float32 (float64 for float64 inputs): a 0-dim tensor, or target's shape for
     reduction="none".
