@@ -10,8 +10,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "csrc", "attention", "instantiations")
 DTYPES = {"fp16": "at::Half", "bf16": "at::BFloat16"}  # the host's names (attention_params.h)
 # (file name part, kernel head dim, kPadHeadDim): every head dim other than 64 and 128 (multiples of
-# 8 up to 128) runs the padded 128 kernels (attention_kernel_traits.h).
-HEAD_DIMS = (("hdim64", 64, "false"), ("hdim128", 128, "false"), ("hdim128pad", 128, "true"))
+# 8 up to 128) runs the padded 128 kernels (attention_kernel_traits.h); 256 (Gemma 2) its own.
+HEAD_DIMS = (("hdim64", 64, "false"), ("hdim128", 128, "false"), ("hdim128pad", 128, "true"),
+             ("hdim256", 256, "false"))
 SOFTCAP = {"": "false", "_softcap": "true"}
 PASSES = {
     "fwd": "template void run_attention_fwd<{t}, {d}, {c}, {p}>(const FwdParams&, bool);",

@@ -48,7 +48,7 @@ Shape check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   TORCH_CHECK(s.head_dim > 0, "q, k, v must have a positive head dim, got ", s.head_dim);
   if (cuda) {
     TORCH_CHECK(cuda_head_dim_supported(s.head_dim),
-                "attention on CUDA supports head dims that are multiples of 8 up to 128 (e.g. 64, 96, 128), got ",
+                "attention on CUDA supports head dims that are multiples of 8 up to 128 (e.g. 64, 96, 128) and 256, got ",
                 s.head_dim);
   }
   TORCH_CHECK(q.stride(3) == 1 || q.size(3) == 1, "q must have a contiguous last dim (stride 1), got strides ",

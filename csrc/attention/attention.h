@@ -50,10 +50,11 @@ void check_varlen_backward_inputs(const Shape& s, const at::Tensor& q, const at:
 // A (total, H, D) varlen operand as the (1, H, total, D) view the fixed-length code takes.
 inline at::Tensor as_batch_of_one(const at::Tensor& t) { return t.transpose(0, 1).unsqueeze(0); }
 
-// Head dims the CUDA kernels take: multiples of 8 (16-byte rows) up to 128. The kernels are built for
-// 64 and 128, and for 128 with a padded head dim: any other head dim runs that one, its columns past
-// the head dim zero in shared memory (attention_kernel_traits.h, kPadHeadDim).
-inline bool cuda_head_dim_supported(int64_t d) { return d > 0 && d <= 128 && d % 8 == 0; }
-inline int cuda_kernel_head_dim(int64_t d) { return d == 64 ? 64 : 128; }
+// Head dims the CUDA kernels take: multiples of 8 (16-byte rows) up to 128, and 256 (Gemma 2). The
+// kernels are built for 64, 128 and 256, and for 128 with a padded head dim: any other head dim up to
+// 128 runs that one, its columns past the head dim zero in shared memory (attention_kernel_traits.h,
+// kPadHeadDim). Head dims between 128 and 256 are not padded to 256 (not built).
+inline bool cuda_head_dim_supported(int64_t d) { return d == 256 || (d > 0 && d <= 128 && d % 8 == 0); }
+inline int cuda_kernel_head_dim(int64_t d) { return d == 64 ? 64 : d == 256 ? 256 : 128; }
 
 }  // namespace fuseforge::attention

@@ -358,20 +358,29 @@ __device__ __forceinline__ void attention_bwd_dkdv_mma_body(const BwdParams& p) 
 // [64 (warp / 4), +64) of the block): S^T, dP^T, dV += P^T dO, dK += dS^T Q, and on the atomic path
 // dS^T into sDs (generic pointer ds), sync_ds() (every warp of both warpgroups has written its keys),
 // dQ = dS K added to dq_accum. Returns with every product of the tile complete.
+// Head dim 256 (Tr::kSplitCols, 64-key blocks): both warpgroups own the block's 64 keys and compute
+// the same S^T and dP^T over all 256 columns; warpgroup g accumulates columns [128 g, +128) of dK and
+// dV, writes its own copy of dS^T (sDs + g tileDs) and adds dQ's columns [128 g, +128), so every dQ
+// element is added once.
 template <class Tr, int kMask, bool kSoftcap, bool kAtomicDq, class Blk, class SyncDs>
 __device__ __forceinline__ void dkdv_wgmma_tile(const BwdParams& p, const Blk& blk, int it, uint32_t sK, uint32_t sV,
                                                 uint32_t sQ, uint32_t sdO, const float* s_lse,
                                                 const float* s_row_dot, uint32_t sDs, unsigned char* ds, int warp,
-                                                int lane, float (&dk)[Tr::kHeadDim / 2], float (&dv)[Tr::kHeadDim / 2],
+                                                int lane, float (&dk)[Tr::kDOut / 2], float (&dv)[Tr::kDOut / 2],
                                                 SyncDs&& sync_ds) {
   using T = typename Tr::T;
-  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kD = Tr::kHeadDim;
+  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kD = Tr::kHeadDim, kDOut = Tr::kDOut;
+  constexpr bool kSplit = Tr::kSplitCols;
   constexpr int kSN = kBlockM / 2;  // S^T accumulator floats a thread (64 keys x kBlockM queries)
   using KVTile = PanelTile<kBlockN>;
   using QTile = PanelTile<kBlockM>;
   using DsTile = PanelTile<kBlockN>;  // dS^T: kBlockN keys x kBlockM queries
-  const int wg = warp >> 2, warp_row0 = warp * 16;
-  const uint32_t wg_rows = wg * 64 * 128;  // byte offset of the warpgroup's first key row in a K/V panel
+  const int wg = warp >> 2, warp_row0 = (kSplit ? warp & 3 : warp) * 16;
+  const uint32_t wg_rows = (kSplit ? 0 : wg) * 64 * 128;  // the warpgroup's first key row in a K/V panel
+  // kSplit: this warpgroup's output columns [kDOut wg, +kDOut): its first panel of Q / dO, and its dS^T.
+  const int col_half = kSplit ? wg : 0;
+  const uint32_t out_panels = col_half * (kDOut / 64) * QTile::kPanelBytes;
+  const uint32_t ds_off = kSplit ? wg * Tr::kTileDsBytes : 0;
   const int h = blk.head(it, p), m0 = blk.row0(it), n0 = blk.n0, b = blk.b, offset = blk.offset,
             seqlen_k = blk.seqlen_k;
   const float scale_log2 = p.scale_log2;
@@ -422,7 +431,7 @@ __device__ __forceinline__ void dkdv_wgmma_tile(const BwdParams& p, const Blk& b
   uint32_t pa[kBlockM / 16][4];
 #pragma unroll
   for (int kk = 0; kk < kBlockM / 16; ++kk) c_to_a_fragment<T>(st4[2 * kk], st4[2 * kk + 1], pa[kk]);
-  wgmma_rs_mn_major<T, kD, kBlockM / 16>(dv, pa, sdO, QTile::kPanelBytes);
+  wgmma_rs_mn_major<T, kDOut, kBlockM / 16>(dv, pa, sdO + out_panels, QTile::kPanelBytes);
   wgmma_wait<1>();  // dP^T done (dV may still run: pa stays untouched)
   wgmma_fence_operands(dpt);
 
@@ -437,7 +446,7 @@ __device__ __forceinline__ void dkdv_wgmma_tile(const BwdParams& p, const Blk& b
   auto& dpt4 = reinterpret_cast<const float(&)[kSN / 4][4]>(dpt);
 #pragma unroll
   for (int kk = 0; kk < kBlockM / 16; ++kk) c_to_a_fragment<T>(dpt4[2 * kk], dpt4[2 * kk + 1], dsa[kk]);
-  wgmma_rs_mn_major<T, kD, kBlockM / 16>(dk, dsa, sQ, QTile::kPanelBytes);
+  wgmma_rs_mn_major<T, kDOut, kBlockM / 16>(dk, dsa, sQ + out_panels, QTile::kPanelBytes);
 
   if constexpr (kAtomicDq) {
     // dS^T to shared memory ([key][query]); element pair (2t, 2t + 1) of query block j, key row
@@ -448,11 +457,42 @@ __device__ __forceinline__ void dkdv_wgmma_tile(const BwdParams& p, const Blk& b
       for (int hh = 0; hh < 2; ++hh) {
         const int row = warp_row0 + (lane >> 2) + hh * 8;
         const int col = j * 8 + (lane & 3) * 2;
-        *reinterpret_cast<uint32_t*>(ds + DsTile::offset(row, col) + (col & 7) * 2) =
+        *reinterpret_cast<uint32_t*>(ds + ds_off + DsTile::offset(row, col) + (col & 7) * 2) =
             dsa[j >> 1][2 * (j & 1) + hh];
       }
     fence_proxy_async_shared();
-    sync_ds();  // all 128 keys of dS^T written
+    sync_ds();  // all kBlockN keys of dS^T written
+  }
+  if constexpr (kAtomicDq && kSplit) {
+    // dQ's columns [kDOut wg, +kDOut) = dS K over the block's 64 keys, in 64-column pieces of 32 floats
+    // a thread (one piece at a time: dK and dV hold 128 registers): dS from this warpgroup's copy
+    // MN-major (rows = keys, queries along the row), K MN-major (rows = keys).
+    static_assert(kBlockM == 64, "one 64-query block of dQ a warpgroup");
+    const int row_tile = m0 / 16 + (warp & 3);
+#pragma unroll
+    for (int piece = 0; piece < kDOut / 64; ++piece) {
+      const int col0 = col_half * kDOut + piece * 64;
+      float dq[32];
+#pragma unroll
+      for (int i = 0; i < 32; ++i) dq[i] = 0.f;
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        const uint32_t row_off = kk * 16 * 128;
+        wgmma_m64n64k16_ss<T, 1, 1>(dq, wgmma_desc(sDs + ds_off + row_off, DsTile::kPanelBytes),
+                                    wgmma_desc(sK + (col0 >> 6) * KVTile::kPanelBytes + row_off, KVTile::kPanelBytes));
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      wgmma_fence_operands(dq);
+      if (row_tile * 16 < blk.seqlen_q) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          dq_accum_add(dq_accum_tile(p, b, h, blk.seq_tile0, row_tile, (col0 >> 3) + j, kD), lane, dq[4 * j],
+                       dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
+      }
+    }
+  } else if constexpr (kAtomicDq) {
     // dQ = dS K, a 64 x 64 block a warpgroup (queries q0.., columns col0..) over all 128 keys: dS
     // from sDs MN-major (rows = keys, queries along the row), K MN-major (rows = keys).
     const int q0 = kBlockM == 128 ? wg * 64 : 0;
@@ -489,14 +529,17 @@ __device__ __forceinline__ void dkdv_wgmma_tile(const BwdParams& p, const Blk& b
 // Per query tile: S^T = K Q^T and dP^T = V dO^T (operands in shared memory), then dV += P^T dO and
 // dK += dS^T Q with P^T / dS^T from registers, and on the atomic path dQ = dS K from dS^T written to
 // shared memory: each warpgroup computes a 64 x 64 block of it over all 128 keys, the columns split
-// for D = 128 (64-query tiles), the query rows for D = 64 (128-query tiles).
+// for D = 128 (64-query tiles), the query rows for D = 64 (128-query tiles). D = 256 (Tr::kSplitCols):
+// 64-key blocks, both warpgroups on the same keys, each with half the output columns (dkdv_wgmma_tile).
 template <class Tr, int kMask, bool kSoftcap, bool kVarlen, bool kAtomicDq>
 __device__ __forceinline__ void attention_bwd_dkdv_wgmma_body(const BwdParams& p) {
   using T = typename Tr::T;
-  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kD = Tr::kHeadDim;
+  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kD = Tr::kHeadDim, kDOut = Tr::kDOut;
   const int head_dim = valid_head_dim<Tr>(p);
-  static_assert(kBlockN == 128 && Tr::kNWarps == 8, "2 warpgroups of 64 keys");
-  static_assert((kD == 128 && kBlockM == 64) || (kD == 64 && kBlockM == 128), "dQ splits one dimension in two");
+  static_assert(Tr::kNWarps == 8 && kBlockN == 128 / Tr::kColGroups,
+                "2 warpgroups of 64 keys, or of the same 64 keys and half the columns each (D = 256)");
+  static_assert((kD == 128 && kBlockM == 64) || (kD == 64 && kBlockM == 128) || (kD == 256 && kBlockM == 64),
+                "dQ splits one dimension in two");
   using KVTile = PanelTile<kBlockN>;
   using QTile = PanelTile<kBlockM>;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -510,8 +553,9 @@ __device__ __forceinline__ void attention_bwd_dkdv_wgmma_body(const BwdParams& p
   unsigned char* smem = attention_smem + (sK - raw);
   const uint32_t sV = sK + Tr::kTileKVBytes;
   const uint32_t sStage0 = sV + Tr::kTileKVBytes;  // stage s: Q at sStage0 + 2 s tileQ, dO after it
-  const uint32_t sDs = sStage0 + 4 * Tr::kTileQBytes;
-  float* stage_floats0 = reinterpret_cast<float*>(smem + (sDs - sK) + Tr::kTileDsBytes);  // stage s: lse, D
+  const uint32_t sDs = sStage0 + 4 * Tr::kTileQBytes;  // one dS^T a column group
+  float* stage_floats0 =
+      reinterpret_cast<float*>(smem + (sDs - sK) + Tr::kColGroups * Tr::kTileDsBytes);  // stage s: lse, D
 
   load_key_tiles<T, kBlockN, kD, Tr::kThreads, KVTile>(p, b, hk, blk.k_row0 + n0, rows_k, sK, sV, head_dim, tid);
   auto prefetch = [&](int it) {
@@ -521,13 +565,15 @@ __device__ __forceinline__ void attention_bwd_dkdv_wgmma_body(const BwdParams& p
                                                           stage_floats0 + (it & 1) * 2 * kBlockM, head_dim, tid);
   };
 
-  float dk[kD / 2], dv[kD / 2];
+  float dk[kDOut / 2], dv[kDOut / 2];
 #pragma unroll
-  for (int i = 0; i < kD / 2; ++i) dk[i] = dv[i] = 0.f;
+  for (int i = 0; i < kDOut / 2; ++i) dk[i] = dv[i] = 0.f;
 
   if (iterations > 0) prefetch(0);
   cp_async_commit();
-  const int warp_row0 = warp * 16;  // this warp's keys within the block
+  // This warp's keys within the block; its column group's first output column.
+  const int warp_row0 = (Tr::kSplitCols ? warp & 3 : warp) * 16;
+  const int col0 = Tr::kSplitCols ? (warp >> 2) * kDOut : 0;
 
   for (int it = 0; it < iterations; ++it) {
     cp_async_wait<0>();
@@ -549,12 +595,17 @@ __device__ __forceinline__ void attention_bwd_dkdv_wgmma_body(const BwdParams& p
   __syncthreads();  // every warpgroup is done reading sK / sV
   float ones[1][2] = {{1.f, 1.f}}, scales[1][2] = {{p.scale, p.scale}};
   const int64_t key_row = blk.k_row0 + n0;
-  T* gk = static_cast<T*>(p.grad_k) + b * p.dk_batch_stride + hk * p.dk_head_stride + key_row * p.dk_row_stride;
-  T* gv = static_cast<T*>(p.grad_v) + b * p.dv_batch_stride + hk * p.dv_head_stride + key_row * p.dv_row_stride;
-  store_rows<T, kD, 1>(reinterpret_cast<const float(&)[1][kD / 8][4]>(dk), scales, smem, warp_row0, gk,
-                       p.dk_row_stride, rows_k, head_dim, lane);
-  store_rows<T, kD, 1>(reinterpret_cast<const float(&)[1][kD / 8][4]>(dv), ones, smem + Tr::kTileKVBytes, warp_row0,
-                       gv, p.dv_row_stride, rows_k, head_dim, lane);
+  T* gk = static_cast<T*>(p.grad_k) + b * p.dk_batch_stride + hk * p.dk_head_stride + key_row * p.dk_row_stride +
+          col0;
+  T* gv = static_cast<T*>(p.grad_v) + b * p.dv_batch_stride + hk * p.dv_head_stride + key_row * p.dv_row_stride +
+          col0;
+  // kSplitCols: column group g stages its 64 rows x kDOut in bytes [g, g + 1) x 64 kDOut 2 of sK / sV.
+  const int stage = (col0 / kDOut) * 64 * kDOut * 2;
+  store_rows<T, kDOut, 1>(reinterpret_cast<const float(&)[1][kDOut / 8][4]>(dk), scales, smem + stage, warp_row0, gk,
+                          p.dk_row_stride, rows_k, head_dim - col0, lane);
+  store_rows<T, kDOut, 1>(reinterpret_cast<const float(&)[1][kDOut / 8][4]>(dv), ones,
+                          smem + Tr::kTileKVBytes + stage, warp_row0, gv, p.dv_row_stride, rows_k, head_dim - col0,
+                          lane);
 }
 #endif  // FUSEFORGE_ATTENTION_WGMMA
 
@@ -673,7 +724,12 @@ __global__ void __launch_bounds__(Tr::kThreads) attention_bwd_dkdv_kernel(const 
 #if FUSEFORGE_ATTENTION_WGMMA
   attention_bwd_dkdv_wgmma_body<Tr, kMask, kSoftcap, kVarlen, kAtomicDq>(params);
 #else
-  attention_bwd_dkdv_mma_body<Tr, kMask, kSoftcap, kVarlen, kAtomicDq>(params);
+  // Head dim 256 has the wgmma body only (sm_90a builds); the launcher refuses it on other GPUs.
+  if constexpr (Tr::kSplitCols) {
+    __trap();
+  } else {
+    attention_bwd_dkdv_mma_body<Tr, kMask, kSoftcap, kVarlen, kAtomicDq>(params);
+  }
 #endif
 }
 

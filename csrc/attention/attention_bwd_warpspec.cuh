@@ -183,6 +183,10 @@ void launch_attention_bwd(const BwdParams& params, const BwdParams& row_dot_para
   using T = typename DkdvTr::T;
   constexpr int kD = DkdvTr::kHeadDim;
   static_assert(dq_smem_bytes<DqTr>() <= 227 * 1024, "fits an H100 SM's shared memory");
+  if constexpr (DkdvTr::kSplitCols) {
+    TORCH_CHECK(at::cuda::getCurrentDeviceProperties()->major == 9,
+                "attention backward with head dim 256 runs on sm_90 GPUs only (sm_90a kernels)");
+  }
   const int64_t rows = static_cast<int64_t>(row_dot_params.batch) * row_dot_params.heads_q * row_dot_params.seqlen_q;
   launch_kernel(attention_row_dot_kernel<T, kD>, dim3(static_cast<unsigned>(ceil_div(rows, 8))), dim3(256), 0,
                 row_dot_params);

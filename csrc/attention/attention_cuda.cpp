@@ -96,6 +96,8 @@ void dispatch_dtype_head_dim(at::ScalarType dtype, int64_t head_dim, bool softca
       by_cap.template operator()<64, false>();
     } else if (head_dim == 128) {
       by_cap.template operator()<128, false>();
+    } else if (head_dim == 256) {
+      by_cap.template operator()<256, false>();
     } else {
       by_cap.template operator()<128, true>();
     }

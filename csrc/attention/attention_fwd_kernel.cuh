@@ -376,8 +376,9 @@ __device__ __forceinline__ void attention_fwd_wgmma_body(const FwdParams& p) {
   using T = typename Tr::T;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kD = Tr::kHeadDim;
   const int head_dim = valid_head_dim<Tr>(p);
-  static_assert(kBlockM == 128 && kBlockN == 128 && Tr::kNWarps == 8, "2 warpgroups of 64 rows, 128-key tiles");
-  static_assert(kD == 64 || kD == 128, "wgmma N = head dim");
+  static_assert(kBlockM == 128 && Tr::kNWarps == 8, "2 warpgroups of 64 rows");
+  static_assert(((kD == 64 || kD == 128) && kBlockN == 128) || (kD == 256 && kBlockN == 64),
+                "wgmma N = head dim (256: two n128 products); 128-key tiles, 64 at head dim 256 (shared memory)");
   using QTile = PanelTile<kBlockM>;
   using KVTile = PanelTile<kBlockN>;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;

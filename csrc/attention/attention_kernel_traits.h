@@ -47,8 +47,16 @@ struct BwdTraits {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kNWarps = kNWarps_;
   static constexpr int kThreads = kNWarps * 32;
-  static constexpr int kNTiles = kBlockN / (16 * kNWarps);  // key m16 tiles per warp
-  static_assert(kBlockN % (16 * kNWarps) == 0, "each warp owns whole m16 tiles of keys");
+  // Head dim 256 (kSplitCols): dK and dV of a key's whole head dim would take 256 registers a thread,
+  // so the warps split into kColGroups = 2 groups (warpgroups on sm_90a) that own the same keys and
+  // kDOut = 128 of the output columns each; both recompute S^T and dP^T over the full head dim.
+  static constexpr bool kSplitCols = kHeadDim > 128;
+  static constexpr int kColGroups = kSplitCols ? 2 : 1;
+  static constexpr int kDOut = kHeadDim / kColGroups;
+  static constexpr int kKeyWarps = kNWarps / kColGroups;       // warps over the block's keys
+  static constexpr int kNTiles = kBlockN / (16 * kKeyWarps);  // key m16 tiles per warp
+  static_assert(kBlockN % (16 * kKeyWarps) == 0, "each warp owns whole m16 tiles of keys");
+  static_assert(kDOut <= 128, "dK and dV of at most 128 columns a thread");
   static_assert(kBlockM % 64 == 0, "dS rows (kBlockM queries) span 8 16-byte chunks (the smem swizzle)");
   static_assert(kHeadDim % 64 == 0, "rows of at least 8 16-byte chunks (the smem swizzle)");
   // dq = dS K on the atomic path: warps tile kBlockM x kHeadDim as kDqWarpsM x kDqWarpsN.
@@ -63,9 +71,10 @@ struct BwdTraits {
   static constexpr int kTileQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kTileDsBytes = kBlockN * kBlockM * 2;
   static constexpr int kStages = 2;
-  // K, V; 2 stages of (Q, dO, lse, row_dot); dS; 1 KB to align the tiles on 1024 bytes (wgmma body).
+  // K, V; 2 stages of (Q, dO, lse, row_dot); dS (one a column group); 1 KB to align the tiles on 1024
+  // bytes (wgmma body).
   static constexpr int kSmemBytes =
-      2 * kTileKVBytes + kStages * (2 * kTileQBytes + 2 * kBlockM * 4) + kTileDsBytes + 1024;
+      2 * kTileKVBytes + kStages * (2 * kTileQBytes + 2 * kBlockM * 4) + kColGroups * kTileDsBytes + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "fits an H100 SM's shared memory");
 };
 

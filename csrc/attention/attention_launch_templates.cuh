@@ -26,19 +26,25 @@ struct CudaElement<at::BFloat16> {
 // Forward: 128 query rows a block, 8 warps of 16 rows (two warpgroups of 64 on sm_90a), key tiles of
 // 128. (The mma.sync-only kernel measured best at 4 warps of 32 rows and 64-key tiles on the H100,
 // docs/notes_attention.md; the wgmma body needs 64-row warpgroups and both share one launch shape.)
+// Head dim 256: 64-key tiles (Q 64 KB + 2 stages of K and V 128 KB of shared memory; O is 128 floats a
+// consumer thread).
 template <typename T, int kHeadDim, bool kPadHeadDim>
 struct FwdConfig {
-  using Traits = FwdTraits<T, kHeadDim, 128, 128, 8, kPadHeadDim>;
+  using Traits = FwdTraits<T, kHeadDim, 128, kHeadDim == 256 ? 64 : 128, 8, kPadHeadDim>;
 };
 
 // Backward dk/dv: 128 keys a block, 8 warps of 16 keys (two warpgroups of 64 on sm_90a), query tiles
 // of 64 for D = 128 and 128 for D = 64 (twice the products a tile for the same softmax, barrier and
 // atomic overhead; dQ's 64 x 64 blocks then split the rows instead of the keys). Deterministic dq:
 // 64 query rows a block, 4 warps of 16 rows, key tiles of 64.
+// Head dim 256: 64-key blocks, 64-query tiles, the two warpgroups on the same keys with 128 output
+// columns each (BwdTraits::kSplitCols); K, V, 2 stages of Q and dO and 2 dS^T tiles take 210 KB.
 template <typename T, int kHeadDim, bool kPadHeadDim>
 struct BwdConfig {
-  using DkdvTraits = BwdTraits<T, kHeadDim, kHeadDim == 64 ? 128 : 64, 128, 8, kPadHeadDim>;
-  using DqTraits = FwdTraits<T, kHeadDim, 64, 64, 4, kPadHeadDim>;
+  using DkdvTraits = BwdTraits<T, kHeadDim, kHeadDim == 64 ? 128 : 64, kHeadDim == 256 ? 64 : 128, 8, kPadHeadDim>;
+  // Deterministic dq at head dim 256: 32-key tiles (dQ is 128 floats a thread; S, dP of 64 keys spilled
+  // 320 bytes).
+  using DqTraits = FwdTraits<T, kHeadDim, 64, kHeadDim == 256 ? 32 : 64, 4, kPadHeadDim>;
 };
 
 template <typename T, int kHeadDim, bool kSoftcap, bool kPadHeadDim>

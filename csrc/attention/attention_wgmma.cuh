@@ -130,17 +130,26 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const uint32
 
 // d (64 x kN) += A (64 x 16 kKSteps, registers: one A fragment a k-step) * B (16 kKSteps x kN, an
 // MN-major PanelTile from its row 0 at sB, panels panel_bytes apart), committed as one group: the
-// O += P V, dV += P^T dO and dK += dS^T Q products. kN = head dim, 64 or 128.
+// O += P V, dV += P^T dO and dK += dS^T Q products. kN = head dim, 64, 128 or 256; 256 runs as two
+// m64n128k16 products a k-step, columns [0, 128) from panels 0-1 and [128, 256) from panels 2-3 (the
+// accumulator of an n128 product is 4 floats an 8-column block, so d[64, 128) is the upper half's).
 template <typename T, int kN, int kKSteps>
 __device__ __forceinline__ void wgmma_rs_mn_major(float (&d)[kN / 2], const uint32_t (&a)[kKSteps][4], uint32_t sB,
                                                   uint32_t panel_bytes) {
-  static_assert(kN == 64 || kN == 128, "m64n64k16 or m64n128k16");
+  static_assert(kN == 64 || kN == 128 || kN == 256, "m64n64k16 or m64n128k16 (twice for 256)");
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < kKSteps; ++kk) {
     const uint64_t desc_b = wgmma_desc(sB + kk * 16 * 128, panel_bytes);
-    if constexpr (kN == 128) wgmma_m64n128k16_rs<T, 1>(d, a[kk], desc_b);
-    else wgmma_m64n64k16_rs<T, 1>(d, a[kk], desc_b);
+    if constexpr (kN == 256) {
+      wgmma_m64n128k16_rs<T, 1>(reinterpret_cast<float(&)[64]>(d[0]), a[kk], desc_b);
+      wgmma_m64n128k16_rs<T, 1>(reinterpret_cast<float(&)[64]>(d[64]), a[kk],
+                                wgmma_desc(sB + 2 * panel_bytes + kk * 16 * 128, panel_bytes));
+    } else if constexpr (kN == 128) {
+      wgmma_m64n128k16_rs<T, 1>(d, a[kk], desc_b);
+    } else {
+      wgmma_m64n64k16_rs<T, 1>(d, a[kk], desc_b);
+    }
   }
   wgmma_commit();
 }
