@@ -30,7 +30,7 @@ patch() does two things to one model instance and nothing else:
    not do goes to transformers' SDPA function with the mask transformers would have built (the
    KernelMask materialises it, once per mask): an explicit mask (padding, a user's 4D mask), dropout,
    a paged cache, output_attentions, and on CUDA float32 without autocast or head dims the kernels
-   lack (above 128, e.g. Gemma 2's 256, or not a multiple of 8); with softcapping, which SDPA lacks, it goes to the model's own eager
+   lack (not a multiple of 8, or above 128 and not 256: Gemma 2's 256 runs the kernel); with softcapping, which SDPA lacks, it goes to the model's own eager
    attention function with the additive form of that mask.
 2. With `labels`, the causal-LM forward computes the loss with
    `fuseforge.ops.linear_cross_entropy.linear_cross_entropy` from the last hidden states and
@@ -62,8 +62,8 @@ SUPPORTED_MODELS = ("LlamaForCausalLM", "LlamaModel", "MistralForCausalLM", "Mis
 
 
 def _cuda_head_dim_supported(d: int) -> bool:
-    # attention.h's cuda_head_dim_supported: multiples of 8 up to 128.
-    return 0 < d <= 128 and d % 8 == 0
+    # attention.h's cuda_head_dim_supported: multiples of 8 up to 128, and 256 (Gemma 2).
+    return d == 256 or (0 < d <= 128 and d % 8 == 0)
 
 
 _STATE = "_fuseforge_patch"

@@ -93,6 +93,9 @@ SHAPES = [
     (2, 2, 2, 65, 130, 32, False),     # 32 (-> 64)
     (1, 2, 1, 40, 70, 72, True),       # 72 (-> 128), MQA, Sq < Sk
     (1, 2, 2, 33, 33, 8, False),       # the smallest: one 16-byte chunk a row
+    # Head dim 256 (Gemma 2): its own kernels (64-key tiles; the backward splits dK/dV's columns).
+    (1, 4, 2, 130, 130, 256, True),    # GQA, causal, a partial 64-key tile
+    (2, 2, 1, 40, 200, 256, False),    # MQA, Sq < Sk
 ]
 
 
@@ -343,7 +346,7 @@ def test_cpu_gradcheck_tiles_float64():
 @requires_cuda
 def test_errors_cuda():
     q, k, v = make_qkv(1, 4, 2, 8, 8, 64, torch.bfloat16, "cuda")
-    for d in (136, 100, 256):
+    for d in (136, 100, 192, 264):  # 256 is taken (its own kernels), nothing else above 128
         with pytest.raises(RuntimeError, match="multiples of 8 up to 128"):
             attention(*make_qkv(1, 2, 2, 8, 8, d, torch.bfloat16, "cuda"))
     with pytest.raises(RuntimeError, match="float16 or bfloat16"):
@@ -370,7 +373,8 @@ def requires_hopper_for(kernel):
 @pytest.mark.parametrize("kernel", list(FORWARD_KERNELS))
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 @pytest.mark.parametrize("shape", [(2, 8, 2, 300, 300, 128, True), (1, 4, 4, 129, 520, 64, False),
-                                   (1, 4, 1, 200, 77, 96, True)], ids=shape_id)
+                                   (1, 4, 1, 200, 77, 96, True), (1, 4, 2, 200, 333, 256, True),
+                                   (2, 2, 2, 129, 129, 256, False)], ids=shape_id)
 def test_cuda_kernels(kernel, layout, shape, monkeypatch):
     if not requires_hopper_for(kernel):
         pytest.skip("the TMA kernels run on sm_90 GPUs only")
@@ -407,13 +411,14 @@ def test_cuda_kernel_knob_errors(monkeypatch):
 
 @requires_cuda
 @pytest.mark.sanitize
+@pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("kernel", ["tma_no_pingpong", "cp_async"])
-def test_cuda_sanitize_kernels(kernel, monkeypatch):
+def test_cuda_sanitize_kernels(kernel, d, monkeypatch):
     if not requires_hopper_for(kernel):
         pytest.skip("the TMA kernels run on sm_90 GPUs only")
     for name, value in FORWARD_KERNELS[kernel].items():
         monkeypatch.setenv(name, value)
-    q, k, v = make_qkv(1, 4, 2, 150, 70, 128, torch.float16, "cuda", requires_grad=True)
+    q, k, v = make_qkv(1, 4, 2, 150, 70, d, torch.float16, "cuda", requires_grad=True)
     out = attention(q, k, v, causal=True)
     grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
     ref, *ref_grads = reference_with_grads(q, k, v, torch.ones_like(out), True)
@@ -454,6 +459,9 @@ BAR_SHAPES = [
     # 2560 dk/dv blocks: over 8 waves of resident blocks on an H100 (19 waves at 1 a SM), so the launcher
     # keeps the default key-block order; the causal shapes above take the heaviest-first one
     (32, 40, 40, 256, 256, 64, True),
+    # Head dim 256 (Gemma 2 2B/9B: 8 query heads on 4 kv heads)
+    (2, 8, 4, 1000, 1000, 256, True),
+    (1, 8, 8, 2049, 2049, 256, False),
 ]
 
 
@@ -484,9 +492,10 @@ def test_cuda_accuracy_vs_sdpa_math(shape, deterministic):
 
 
 @requires_cuda
-def test_cuda_deterministic_is_bitwise_repeatable():
-    q, k, v = make_qkv(2, 8, 2, 513, 513, 128, torch.bfloat16, "cuda", requires_grad=True)
-    grad = randn(2, 8, 513, 128, dtype=torch.bfloat16, device="cuda")
+@pytest.mark.parametrize("d", [128, 256])
+def test_cuda_deterministic_is_bitwise_repeatable(d):
+    q, k, v = make_qkv(2, 8, 2, 513, 513, d, torch.bfloat16, "cuda", requires_grad=True)
+    grad = randn(2, 8, 513, d, dtype=torch.bfloat16, device="cuda")
     runs = []
     for _ in range(2):
         out = attention(q, k, v, causal=True, deterministic=True)
@@ -510,7 +519,7 @@ def test_cuda_forward_peak_memory_is_output_plus_lse():
 # ---- small cases for compute-sanitizer (memcheck, racecheck): every kernel of both passes ----------
 @requires_cuda
 @pytest.mark.sanitize
-@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 def test_cuda_sanitize_small(d, deterministic):
     for causal, (hq, hk, sq, sk) in ((True, (4, 2, 70, 150)), (False, (2, 2, 150, 33))):

@@ -31,6 +31,9 @@ MASK_CASES = [
     (1, 2, 2, 190, 190, 64, True, (50, 0), 3.0),        # softcap + window
     (1, 2, 2, 64, 64, 64, False, (-1, 7), None),        # right bound only
     (1, 4, 2, 150, 150, 96, True, (60, 0), 4.0),        # head dim 96 (the 128 kernels), window + softcap
+    (1, 4, 2, 200, 200, 256, True, (60, 0), 4.0),       # head dim 256 (Gemma 2): window + softcap, GQA
+    (2, 2, 2, 150, 150, 256, False, None, 5.0),         # head dim 256, softcap, full
+    (1, 2, 1, 90, 200, 256, False, (33, 70), None),     # head dim 256, two-sided window, MQA, Sq < Sk
 ]
 
 
@@ -124,8 +127,18 @@ def options_id(o):
 @pytest.mark.parametrize("lengths", LENGTHS, ids=lambda ls: "len" + "_".join(map(str, ls)))
 @pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
 def test_varlen_matches_each_sequence(device, dtype, lengths, options):
+    check_varlen_matches_each_sequence(device, dtype, lengths, options, 64 if len(lengths) > 1 else 128)
+
+
+@pytest.mark.parametrize("options", VARLEN_OPTIONS, ids=options_id)
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+def test_varlen_head_dim_256_matches_each_sequence(device, dtype, options):
+    """Gemma 2's head dim: 64-key tiles, sequences shorter than, at and across tile edges."""
+    check_varlen_matches_each_sequence(device, dtype, [1, 17, 64, 130, 0, 255, 3], options, 256)
+
+
+def check_varlen_matches_each_sequence(device, dtype, lengths, options, d):
     causal, window, cap = options
-    d = 64 if len(lengths) > 1 else 128
     q, k, v, cu_q, cu_k, max_q, max_k = varlen_case(lengths, lengths, 4, 2, d, dtype, device)
     grad = randn(*q.shape, dtype=dtype, device=device)
     poison_allocations(q, q, q)
@@ -146,7 +159,7 @@ def test_varlen_matches_each_sequence(device, dtype, lengths, options):
             assert rel_err(g, r) <= 2 * TOL[dtype], f"{name} (deterministic={deterministic}): {rel_err(g, r):.3e}"
 
 
-@pytest.mark.parametrize("d", [64, 96])
+@pytest.mark.parametrize("d", [64, 96, 256])
 @pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
 def test_varlen_cross_lengths_and_loose_max(device, dtype, d):
     """q and k lengths differ per sequence (bottom-right causal within each); max_seqlen larger than needed."""
@@ -282,8 +295,9 @@ def test_cuda_bad_cu_seqlens_stop_with_a_named_error(cu, max_len, message):
 
 
 @requires_cuda
-def test_cuda_varlen_deterministic_is_bitwise_repeatable():
-    q, k, v, cu_q, cu_k, max_q, max_k = varlen_case([700, 1, 300, 1200], [700, 1, 300, 1200], 8, 2, 128,
+@pytest.mark.parametrize("d", [128, 256])
+def test_cuda_varlen_deterministic_is_bitwise_repeatable(d):
+    q, k, v, cu_q, cu_k, max_q, max_k = varlen_case([700, 1, 300, 1200], [700, 1, 300, 1200], 8, 2, d,
                                                     torch.bfloat16, "cuda")
     grad = randn(*q.shape, dtype=torch.bfloat16, device="cuda")
     runs = []
@@ -298,7 +312,7 @@ def test_cuda_varlen_deterministic_is_bitwise_repeatable():
 # ---- small cases for compute-sanitizer (memcheck, racecheck) ------------------------------------
 @requires_cuda
 @pytest.mark.sanitize
-@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 def test_cuda_sanitize_varlen_window_softcap(d, deterministic):
     lengths = [70, 0, 150, 1]

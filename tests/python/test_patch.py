@@ -300,6 +300,16 @@ def test_torch_compile_traces_the_kernels_once():
     torch._dynamo.reset()
 
 
+def test_cuda_head_dims_the_kernel_takes():
+    """The patch's copy of attention.h's cuda_head_dim_supported: multiples of 8 up to 128, and 256
+    (Gemma 2); anything else falls back to SDPA."""
+    from fuseforge.patch import _cuda_head_dim_supported
+    for d in (8, 64, 96, 128, 256):
+        assert _cuda_head_dim_supported(d), d
+    for d in (0, 12, 136, 192, 248, 264, 512):
+        assert not _cuda_head_dim_supported(d), d
+
+
 def test_unsupported_model_is_refused():
     with pytest.raises(TypeError, match="LlamaForCausalLM"):
         patch(torch.nn.Linear(3, 3))
@@ -531,9 +541,11 @@ def test_describe_mask_structures():
 
 @requires_cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("family", ["llama", "mistral-swa", "gemma2"])
-def test_packed_bf16_cuda_matches_unpatched(family):
-    """bf16 on CUDA, head_dim 64 (a kernel head dim; Gemma 2's real 256 falls back): varlen. Gradients
+@pytest.mark.parametrize("family,head_dim", [("llama", 64), ("mistral-swa", 64), ("gemma2", 64), ("gemma2", 256)],
+                         ids=["llama", "mistral-swa", "gemma2", "gemma2-d256"])
+def test_packed_bf16_cuda_matches_unpatched(family, head_dim):
+    """bf16 on CUDA, head_dim 64 (a kernel head dim), and Gemma 2's real 256 (its own kernels, not a
+    fallback: the call counts below check that every layer ran the kernel): varlen. Gradients
     are held to a float64 truth (the same bf16 weights in float64, on the CPU): the patched model's
     error within 1.5x the unpatched bf16 model's own. Gemma 2's bf16 reference (eager attention,
     softcap 1.0 on the scores, softmax and tanh in bf16) is itself far off: on the CPU, 15-23% on the
@@ -541,7 +553,7 @@ def test_packed_bf16_cuda_matches_unpatched(family):
     1.2-1.4%), the patched model's 0.94-1.05x that, and patched vs reference up to 13%: a fixed bound
     between the two bf16 models measures the reference's rounding, not the kernel's. Llama and Mistral
     keep the direct 5e-2 bound as well."""
-    model = make_model(family, torch.bfloat16, "cuda", head_dim=64)
+    model = make_model(family, torch.bfloat16, "cuda", head_dim=head_dim)
     batch = packed_batch(lengths=(100, 300, 60), device="cuda")
     exact = copy.deepcopy(model).to(device="cpu", dtype=torch.float64)
     _, exact_grads = reference_packed(exact, {k: v.cpu() if torch.is_tensor(v) else v for k, v in batch.items()})
