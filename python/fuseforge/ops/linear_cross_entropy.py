@@ -30,7 +30,8 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Option
             keeps only small tiles: on the GPU, peak memory is the gradients plus a float32
             accumulator of a quarter of grad_x's rows (at least 1024 rows) and a logit tile of those
             rows x 4096 columns (48 MiB at N = 8192, H = 4096); grad_weight takes at most 4
-            roundings to x's dtype, as on the default strategy.
+            roundings to x's dtype, as on the default strategy. The loss pass before it takes a
+            float32 logits tile of at most 64 MiB (2048 x 8192), freed before the gradients exist.
 
     Returns the loss in float32 (float64 for float64 inputs): a 0-dim tensor, or target's shape for
     reduction="none".
