@@ -367,6 +367,14 @@ __device__ __forceinline__ void attention_fwd_mma_body(const FwdParams& p) {
 }
 
 #if FUSEFORGE_ATTENTION_WGMMA
+// Key-tile / head-dim pairs of the wgmma forward bodies (cp.async and warp-specialized): wgmma N = the
+// head dim (256: two n128 products), 128-key tiles, 64 at head dim 256 (shared memory).
+template <class Tr>
+constexpr bool wgmma_fwd_tile_supported() {
+  return ((Tr::kHeadDim == 64 || Tr::kHeadDim == 128) && Tr::kBlockN == 128) ||
+         (Tr::kHeadDim == 256 && Tr::kBlockN == 64);
+}
+
 // wgmma body (sm_90a): warpgroup g owns query rows [64 g, 64 g + 64) of the block, so each warp holds
 // the same 16 rows as in the mma.sync body with kMTiles = 1. S = Q K^T (both K-major in shared
 // memory), then O += P V with P from registers and V MN-major. K/V tiles are double-buffered: the next
@@ -377,8 +385,7 @@ __device__ __forceinline__ void attention_fwd_wgmma_body(const FwdParams& p) {
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kD = Tr::kHeadDim;
   const int head_dim = valid_head_dim<Tr>(p);
   static_assert(kBlockM == 128 && Tr::kNWarps == 8, "2 warpgroups of 64 rows");
-  static_assert(((kD == 64 || kD == 128) && kBlockN == 128) || (kD == 256 && kBlockN == 64),
-                "wgmma N = head dim (256: two n128 products); 128-key tiles, 64 at head dim 256 (shared memory)");
+  static_assert(wgmma_fwd_tile_supported<Tr>(), "a key-tile / head-dim pair the wgmma forward bodies take");
   using QTile = PanelTile<kBlockM>;
   using KVTile = PanelTile<kBlockN>;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;

@@ -48,8 +48,7 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
   using L = WarpSpecFwdLayout<Tr>;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kD = Tr::kHeadDim, kStages = L::kStages;
   static_assert(kBlockM == 128, "two consumer warpgroups of 64 rows");
-  static_assert(((kD == 64 || kD == 128) && kBlockN == 128) || (kD == 256 && kBlockN == 64),
-                "wgmma N = head dim (256: two n128 products); 128-key tiles, 64 at head dim 256 (shared memory)");
+  static_assert(wgmma_fwd_tile_supported<Tr>(), "a key-tile / head-dim pair the wgmma forward bodies take");
   using QTile = PanelTile<kBlockM>;
   using KVTile = PanelTile<kBlockN>;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
