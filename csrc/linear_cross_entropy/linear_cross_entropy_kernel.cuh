@@ -10,8 +10,9 @@
 //    written over the bf16 logits in place; float32 logits: 4 read + sizeof(T) written.
 //  - row_softmax_stream_kernel: one CTA streams a row (or a tile of one): statistics (optionally
 //    merged with running per-row statistics of earlier vocabulary tiles), and/or dz given a known
-//    lse (in place over 16-bit logits on the low-memory strategy's gradient pass). Serves the loss-only forward, the recomputing backward, the low-memory strategy and
-//    vocabularies too large for the cluster kernel.
+//    lse (in place over 16-bit logits on the low-memory strategy's gradient pass). Serves the
+//    loss-only forward, the recomputing backward, the low-memory strategy and vocabularies too
+//    large for the cluster kernel.
 #pragma once
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
