@@ -171,7 +171,9 @@ class Ctx:
                                 **({"device_id": self.device} if self.device.type == "cuda" else {}))
 
     def destroy_pg(self) -> None:
+        import gc
         import torch.distributed as dist
+        gc.collect()  # the scenario's DTensors / FSDP states go before their process group does
         dist.barrier()
         dist.destroy_process_group()
 
@@ -629,6 +631,12 @@ def worker_main(argv) -> None:
         SCENARIOS[scenario](ctx)
         ctx.destroy_pg()
     print(f"rank {rank}: {scenario} passed in {time.perf_counter() - t0:.1f} s", flush=True)
+    # Every check ran and the process group is destroyed: leave without interpreter finalization.
+    # There, in 2 of 240 local runs and once in CI (2-core machine, gloo), torch's teardown aborted
+    # after this line ("terminate called without an active exception", or SIGSEGV): the test failed
+    # on torch's exit path, not on anything it checks.
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--worker":
