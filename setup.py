@@ -2,7 +2,8 @@
 
 Environment:
   FUSEFORGE_CPU_ONLY=1      build without CUDA sources (also automatic when no nvcc is found)
-  TORCH_CUDA_ARCH_LIST      GPU targets (default: "9.0a", the H100's sm_90a)
+  TORCH_CUDA_ARCH_LIST      GPU targets (default: "9.0a", the H100's sm_90a; a list with plain 9.0
+                            builds no sm_90a-only kernels: see sm90a_only_sm90_target)
   FUSEFORGE_OPS=a,b         build only these op folders of csrc/ (development; default: all)
   MAX_JOBS                  parallel compile jobs (ninja)
   FUSEFORGE_DEBUG=1         -O0 -g host code, -lineinfo device code
@@ -129,6 +130,14 @@ class BuildWithIsaKernels(BuildExtension):
         super().build_extensions()
 
 
+def sm90a_only_sm90_target(arch_list: str) -> bool:
+    """Whether an H100 runs this build's sm_90a code: the list has 9.0a and no plain 9.0 (whose code,
+    or PTX, the driver could load instead). The host side then may launch the kernels written for
+    sm_90a only (FUSEFORGE_SM90A_BUILD, csrc/attention/attention_fwd_warpspec.cuh)."""
+    archs = {a.split("+")[0] for a in arch_list.replace(";", " ").split()}
+    return "9.0a" in archs and not archs & {"9.0", "Hopper"}
+
+
 def extension():
     with_cuda = want_cuda()
     debug = os.environ.get("FUSEFORGE_DEBUG", "0") == "1"
@@ -143,6 +152,7 @@ def extension():
         return CppExtension("fuseforge._C", sources(False), extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"],
                             include_dirs=[os.path.join(ROOT, CSRC)] + cuda_library_includes(), py_limited_api=True)
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0a")
+    arch_defines = ["-DFUSEFORGE_SM90A_BUILD"] if sm90a_only_sm90_target(os.environ["TORCH_CUDA_ARCH_LIST"]) else []
     nvcc = [
         "-O3", "-std=c++20", "--expt-relaxed-constexpr",
         "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
@@ -153,8 +163,8 @@ def extension():
         nvcc.append("-lineinfo")
     nvcc += os.environ.get("FUSEFORGE_NVCC_FLAGS", "").split()
     return CUDAExtension("fuseforge._C", sources(True),
-                         extra_compile_args={"cxx": cxx + ["-DFUSEFORGE_WITH_CUDA"],
-                                             "nvcc": nvcc + ["-DFUSEFORGE_WITH_CUDA"]},
+                         extra_compile_args={"cxx": cxx + ["-DFUSEFORGE_WITH_CUDA"] + arch_defines,
+                                             "nvcc": nvcc + ["-DFUSEFORGE_WITH_CUDA"] + arch_defines},
                          include_dirs=[os.path.join(ROOT, CSRC)] + cuda_library_includes(),
                          extra_link_args=["-fopenmp"], py_limited_api=True)
 

@@ -724,7 +724,7 @@ __global__ void __launch_bounds__(Tr::kThreads) attention_bwd_dkdv_kernel(const 
 #if FUSEFORGE_ATTENTION_WGMMA
   attention_bwd_dkdv_wgmma_body<Tr, kMask, kSoftcap, kVarlen, kAtomicDq>(params);
 #else
-  // Head dim 256 has the wgmma body only (sm_90a builds); the launcher refuses it on other GPUs.
+  // Head dim 256 has the wgmma body only; the launcher refuses it without sm_90a code.
   if constexpr (Tr::kSplitCols) {
     __trap();
   } else {

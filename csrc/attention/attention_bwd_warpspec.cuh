@@ -152,6 +152,8 @@ __global__ void __launch_bounds__(WarpSpecBwdLayout<Tr>::kThreads, 1)
                                        const __grid_constant__ BwdTmaParams tma) {
 #if FUSEFORGE_ATTENTION_WGMMA
   attention_bwd_dkdv_warpspec_body<Tr, kMask, kSoftcap, kVarlen, kAtomicDq>(params, tma);
+#else
+  __trap();  // no sm_90a code: the launcher does not pick this kernel (sm90a_kernels_runnable)
 #endif
 }
 
@@ -184,8 +186,9 @@ void launch_attention_bwd(const BwdParams& params, const BwdParams& row_dot_para
   constexpr int kD = DkdvTr::kHeadDim;
   static_assert(dq_smem_bytes<DqTr>() <= 227 * 1024, "fits an H100 SM's shared memory");
   if constexpr (DkdvTr::kSplitCols) {
-    TORCH_CHECK(at::cuda::getCurrentDeviceProperties()->major == 9,
-                "attention backward with head dim 256 runs on sm_90 GPUs only (sm_90a kernels)");
+    TORCH_CHECK(sm90a_kernels_runnable(),
+                "attention backward with head dim 256 needs a compute capability 9.0 GPU (H100, H200) and a "
+                "build for TORCH_CUDA_ARCH_LIST=9.0a (its kernel is sm_90a code only)");
   }
   const int64_t rows = static_cast<int64_t>(row_dot_params.batch) * row_dot_params.heads_q * row_dot_params.seqlen_q;
   launch_kernel(attention_row_dot_kernel<T, kD>, dim3(static_cast<unsigned>(ceil_div(rows, 8))), dim3(256), 0,

@@ -209,6 +209,8 @@ __global__ void __launch_bounds__(WarpSpecFwdLayout<Tr>::kThreads, 1)
     attention_fwd_warpspec_kernel(const __grid_constant__ FwdParams params, const __grid_constant__ FwdTmaParams tma) {
 #if FUSEFORGE_ATTENTION_WGMMA
   attention_fwd_warpspec_body<Tr, kMask, kSoftcap, kVarlen>(params, tma);
+#else
+  __trap();  // no sm_90a code: the launcher does not pick this kernel (sm90a_kernels_runnable)
 #endif
 }
 
@@ -227,19 +229,33 @@ bool encode_rows_map(CUtensorMap* map, const FwdParams& p, const void* base, int
          encode_tma_tile_map(map, MmaType<T>::kIsBf16, base, dims, strides, 64, box_rows);
 }
 
-// Whether the TMA kernels may run: an sm_90 device (the build's sm_90a code) and
-// FUSEFORGE_ATTENTION_TMA not 0. =1 makes them a requirement: require_tma raises where they cannot
-// run (so a benchmark knows which kernel it timed); unset takes them where they can.
+// Whether the kernels written for sm_90a only (wgmma: the warp-specialized ones, head dim 256's
+// backward) have their code on this device: a compute capability 9.0 GPU, and a build whose only
+// sm_90 target is sm_90a (setup.py defines FUSEFORGE_SM90A_BUILD then). A build with plain sm_90
+// code (TORCH_CUDA_ARCH_LIST=9.0) compiles those kernels to a trap, and its other kernels to mma.sync.
+inline bool sm90a_kernels_runnable() {
+#if defined(FUSEFORGE_SM90A_BUILD)
+  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
+  return prop->major == 9 && prop->minor == 0;
+#else
+  return false;
+#endif
+}
+
+// Whether the TMA kernels may run: sm90a_kernels_runnable() and FUSEFORGE_ATTENTION_TMA not 0.
+// =1 makes them a requirement: require_tma raises where they cannot run (so a benchmark knows which
+// kernel it timed); unset takes them where they can.
 inline bool tma_kernels_allowed() {
   const std::string mode = env_string("FUSEFORGE_ATTENTION_TMA");
   TORCH_CHECK(mode.empty() || mode == "0" || mode == "1", "FUSEFORGE_ATTENTION_TMA: expected 0 or 1, got '", mode,
               "'");
-  return mode != "0" && at::cuda::getCurrentDeviceProperties()->major == 9;
+  return mode != "0" && sm90a_kernels_runnable();
 }
 inline bool require_tma(bool maps_ok) {
   if (env_string("FUSEFORGE_ATTENTION_TMA") == "1") {
-    TORCH_CHECK(at::cuda::getCurrentDeviceProperties()->major == 9,
-                "FUSEFORGE_ATTENTION_TMA=1: the TMA kernels cannot run here (not an sm_90 GPU)");
+    TORCH_CHECK(sm90a_kernels_runnable(),
+                "FUSEFORGE_ATTENTION_TMA=1: the TMA kernels cannot run here (they need a compute capability 9.0 "
+                "GPU and a build for TORCH_CUDA_ARCH_LIST=9.0a)");
     TORCH_CHECK(maps_ok, "FUSEFORGE_ATTENTION_TMA=1: the TMA kernels cannot run here (an operand's strides or "
                 "address are not multiples of 16 bytes)");
   }
