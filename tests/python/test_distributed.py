@@ -632,9 +632,11 @@ def worker_main(argv) -> None:
         ctx.destroy_pg()
     print(f"rank {rank}: {scenario} passed in {time.perf_counter() - t0:.1f} s", flush=True)
     # Every check ran and the process group is destroyed: leave without interpreter finalization.
-    # There, in 2 of 240 local runs and once in CI (2-core machine, gloo), torch's teardown aborted
-    # after this line ("terminate called without an active exception", or SIGSEGV): the test failed
-    # on torch's exit path, not on anything it checks.
+    # There, in 2 of 240 local runs and once in CI (2-core machine, gloo), the process aborted after
+    # this line ("terminate called without an active exception", or SIGSEGV). A core dump of the
+    # same abort in examples/train_distributed.py shows gloo's worker thread, which
+    # destroy_process_group leaves running, releasing the last barrier's work (tensors that need
+    # the GIL) while the interpreter shuts down: torch's exit path, not anything the test checks.
     sys.stderr.flush()
     os._exit(0)
 
