@@ -3,7 +3,6 @@ bar on CUDA, GQA, bottom-right causal masks, strided inputs, errors, opcheck, gr
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -375,19 +374,14 @@ def sm90a_kernels_runnable() -> bool:
     raises where those kernels cannot run."""
     if not _SM90A:
         q = torch.ones(1, 1, 64, 64, dtype=torch.bfloat16, device="cuda")
-        saved = os.environ.get("FUSEFORGE_ATTENTION_TMA")
-        os.environ["FUSEFORGE_ATTENTION_TMA"] = "1"
-        try:
-            attention(q, q, q)
-            _SM90A.append(True)
-        except RuntimeError as e:
-            assert "the TMA kernels cannot run here (they need a compute capability 9.0" in str(e), str(e)
-            _SM90A.append(False)
-        finally:
-            if saved is None:
-                del os.environ["FUSEFORGE_ATTENTION_TMA"]
-            else:
-                os.environ["FUSEFORGE_ATTENTION_TMA"] = saved
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("FUSEFORGE_ATTENTION_TMA", "1")
+            try:
+                attention(q, q, q)
+                _SM90A.append(True)
+            except RuntimeError as e:
+                assert "the TMA kernels cannot run here (they need a compute capability 9.0" in str(e), str(e)
+                _SM90A.append(False)
     return _SM90A[0]
 
 

@@ -50,7 +50,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: O
 
     CUDA: float16 and bfloat16, head dims that are multiples of 8 up to 128 (the kernels are built
     for 64 and 128; a head dim of 96 runs the 128 kernel at 128's cost) and 256 (Gemma 2; its
-    backward needs an sm_90 GPU). CPU: float32 and float64 (float16/bfloat16 are
+    backward needs an H100/H200 and the default sm_90a build). CPU: float32 and float64 (float16/bfloat16 are
     computed in float32). Returns the output (strides of q), and with ``return_lse`` also the
     float32 (float64 for float64 inputs) log-sum-exp (B, Hq, Sq) of the scores (not
     differentiable). Differentiable in q, k and v; ``deterministic=True`` makes the backward avoid
