@@ -68,6 +68,17 @@ __device__ __forceinline__ void dq_accum_add(float* tile, int lane, float v0, fl
   atomicAdd(tile + 4 * lane + 3, v3);
 #endif
 }
+// dQ's rows of one warp within a wgmma block of 64 queries x 64 columns (32 floats a thread, wgmma's
+// accumulator layout): the 8 consecutive 16 x 8 tiles of dq_accum from `tile` on (4 KB, contiguous),
+// added with vector atomics where `valid` (the rows start inside Sq). The warp-specialized kernel passes
+// a bulk-reduce sink instead (DqBulkAdd).
+struct DqAtomicAdd {
+  __device__ __forceinline__ void operator()(const float (&dq)[32], float* tile, int lane, bool valid) const {
+    if (!valid) return;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) dq_accum_add(tile + 128 * j, lane, dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
+  }
+};
 
 // dq = scale * dq_accum in q's dtype and strides, 8 elements (one row of a 16 x 8 tile) a thread.
 // Grid: (rows of the longest sequence x D / 8) / 256, heads, batch (or sequences).
@@ -357,17 +368,18 @@ __device__ __forceinline__ void attention_bwd_dkdv_mma_body(const BwdParams& p) 
 // One query tile of the wgmma dk/dv body, for warp `warp` (0..7: warpgroup warp / 4 owns keys
 // [64 (warp / 4), +64) of the block): S^T, dP^T, dV += P^T dO, dK += dS^T Q, and on the atomic path
 // dS^T into sDs (generic pointer ds), sync_ds() (every warp of both warpgroups has written its keys),
-// dQ = dS K added to dq_accum. Returns with every product of the tile complete.
+// dQ = dS K handed to add_dq(dq, dq_accum tile, lane, tile within Sq) a warp (DqAtomicAdd, or the warp-specialized
+// kernel's bulk reduction). Returns with every product of the tile complete.
 // Head dim 256 (Tr::kSplitCols, 64-key blocks): both warpgroups own the block's 64 keys and compute
 // the same S^T and dP^T over all 256 columns; warpgroup g accumulates columns [128 g, +128) of dK and
 // dV, writes its own copy of dS^T (sDs + g tileDs) and adds dQ's columns [128 g, +128), so every dQ
 // element is added once.
-template <class Tr, int kMask, bool kSoftcap, bool kAtomicDq, class Blk, class SyncDs>
+template <class Tr, int kMask, bool kSoftcap, bool kAtomicDq, class Blk, class SyncDs, class AddDq>
 __device__ __forceinline__ void dkdv_wgmma_tile(const BwdParams& p, const Blk& blk, int it, uint32_t sK, uint32_t sV,
                                                 uint32_t sQ, uint32_t sdO, const float* s_lse,
                                                 const float* s_row_dot, uint32_t sDs, unsigned char* ds, int warp,
                                                 int lane, float (&dk)[Tr::kDOut / 2], float (&dv)[Tr::kDOut / 2],
-                                                SyncDs&& sync_ds) {
+                                                SyncDs&& sync_ds, AddDq&& add_dq) {
   using T = typename Tr::T;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kD = Tr::kHeadDim, kDOut = Tr::kDOut;
   constexpr bool kSplit = Tr::kSplitCols;
@@ -485,12 +497,7 @@ __device__ __forceinline__ void dkdv_wgmma_tile(const BwdParams& p, const Blk& b
       wgmma_commit();
       wgmma_wait<0>();
       wgmma_fence_operands(dq);
-      if (row_tile * 16 < blk.seqlen_q) {
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-          dq_accum_add(dq_accum_tile(p, b, h, blk.seq_tile0, row_tile, (col0 >> 3) + j, kD), lane, dq[4 * j],
-                       dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
-      }
+      add_dq(dq, dq_accum_tile(p, b, h, blk.seq_tile0, row_tile, col0 >> 3, kD), lane, row_tile * 16 < blk.seqlen_q);
     }
   } else if constexpr (kAtomicDq) {
     // dQ = dS K, a 64 x 64 block a warpgroup (queries q0.., columns col0..) over all 128 keys: dS
@@ -511,12 +518,7 @@ __device__ __forceinline__ void dkdv_wgmma_tile(const BwdParams& p, const Blk& b
     wgmma_wait<0>();
     wgmma_fence_operands(dq);
     const int row_tile = (m0 + q0) / 16 + (warp & 3);
-    if (row_tile * 16 < blk.seqlen_q) {
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-        dq_accum_add(dq_accum_tile(p, b, h, blk.seq_tile0, row_tile, (col0 >> 3) + j, kD), lane, dq[4 * j],
-                     dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
-    }
+    add_dq(dq, dq_accum_tile(p, b, h, blk.seq_tile0, row_tile, col0 >> 3, kD), lane, row_tile * 16 < blk.seqlen_q);
   } else {
     wgmma_wait<0>();
   }
@@ -587,7 +589,8 @@ __device__ __forceinline__ void attention_bwd_dkdv_wgmma_body(const BwdParams& p
     const float* s_row_dot = s_lse + kBlockM;
 
     dkdv_wgmma_tile<Tr, kMask, kSoftcap, kAtomicDq>(p, blk, it, sK, sV, sQ, sdO, s_lse, s_row_dot, sDs,
-                                                     smem + (sDs - sK), warp, lane, dk, dv, [] { __syncthreads(); });
+                                                     smem + (sDs - sK), warp, lane, dk, dv, [] { __syncthreads(); },
+                                                     DqAtomicAdd{});
   }
 
   // dK = scale * sum dS^T Q, dV = sum P^T dO: staged through this warp's own rows of the first tile.

@@ -4,7 +4,10 @@
 // warpgroups (64 keys each, registers raised) run the tile's products (dkdv_wgmma_tile, the same
 // code as the cp.async kernel) and free the stage with one arrive a thread. dS^T is double-buffered,
 // so the one barrier a tile left is the named barrier between the consumers before dQ = dS K reads
-// both warpgroups' keys. The row_dot, dq-convert and deterministic dq kernels are unchanged.
+// both warpgroups' keys. dQ goes to dq_accum as FlashAttention-3 does it: each consumer warp stores
+// its 16 x 64 block to its own 4 KB of shared memory and one lane hands it to the TMA unit as a bulk
+// float32 reduction, instead of 8 vector atomics a thread. The row_dot, dq-convert and deterministic
+// dq kernels are unchanged.
 #pragma once
 #include "attention/attention_bwd_kernel.cuh"
 #include "attention/attention_fwd_warpspec.cuh"
@@ -21,13 +24,15 @@ struct WarpSpecBwdLayout {
   static constexpr int kThreads = 384, kConsumerThreads = 256;
   static constexpr int kPanels = Tr::kHeadDim / 64;
   // From the 1024-byte-aligned base: K, V; kStages x (Q, dO); kStages x (lse, row_dot); 2 x dS^T;
-  // the mbarriers (full_kv, full[s], empty[s]).
+  // 8 consumer warps x 4 KB of dQ (the bulk reductions' source); the mbarriers (full_kv, full[s], empty[s]).
   static constexpr int kStagesOffset = 2 * Tr::kTileKVBytes;
   static constexpr int kStageBytes = 2 * Tr::kTileQBytes;
   static constexpr int kFloatsOffset = kStagesOffset + kStages * kStageBytes;
   static constexpr int kFloatsBytes = 2 * Tr::kBlockM * 4;
   static constexpr int kDsOffset = (kFloatsOffset + kStages * kFloatsBytes + 1023) / 1024 * 1024;
-  static constexpr int kBarriersOffset = kDsOffset + 2 * Tr::kTileDsBytes;
+  static constexpr int kDqOffset = kDsOffset + 2 * Tr::kTileDsBytes;
+  static constexpr int kDqWarpBytes = 16 * 64 * 4;
+  static constexpr int kBarriersOffset = kDqOffset + 8 * kDqWarpBytes;
   static constexpr int kSmemBytes = 1024 + kBarriersOffset + 8 * (1 + 2 * kStages);
   static_assert(kSmemBytes <= 227 * 1024, "fits an H100 SM's shared memory");
   // Registers a thread (setmaxnreg): the block starts with 384 x 168; the consumers' increase must
@@ -37,6 +42,30 @@ struct WarpSpecBwdLayout {
 };
 
 #if FUSEFORGE_ATTENTION_WGMMA
+// The consumer warp's dQ rows (see DqAtomicAdd) through its 4 KB of shared memory (same layout as the
+// 4 KB of dq_accum from `tile`) into dq_accum by one bulk reduction, issued and tracked by lane 0; the
+// next tile's stores first wait until the TMA unit has read the buffer (long done by then).
+// Each step keeps ptxas from serializing the consumers' wgmmas (C7512; they run at 240 registers):
+// the buffer address is recomputed, not held across the loop; the stores are 8 bytes (16-byte ones
+// need 4-aligned register quads); nothing branches on the lane or on `valid` (predicated instead).
+template <class L>
+struct DqBulkAdd {
+  __device__ __forceinline__ void operator()(const float (&dq)[32], float* tile, int lane, bool valid) const {
+    const uint32_t buf = ((smem_addr(attention_smem) + 1023) & ~1023u) + L::kDqOffset +
+                         (threadIdx.x / 32 - 4) * L::kDqWarpBytes;  // consumer warps are 4..11
+    bulk_wait_group_read_all();
+    __syncwarp();
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+      asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(buf + 16 * (32 * (j / 2) + lane) + 8 * (j % 2)),
+                   "f"(dq[2 * j]), "f"(dq[2 * j + 1])
+                   : "memory");
+    fence_proxy_async_shared();  // the stores, visible to the TMA unit's reads
+    __syncwarp();
+    bulk_reduce_add_f32(valid && lane == 0, tile, buf, 16 * 64 * 4);
+  }
+};
+
 template <class Tr, int kMask, bool kSoftcap, bool kVarlen, bool kAtomicDq>
 __device__ __forceinline__ void attention_bwd_dkdv_warpspec_body(const BwdParams& p, const BwdTmaParams& tma) {
   using T = typename Tr::T;
@@ -127,9 +156,11 @@ __device__ __forceinline__ void attention_bwd_dkdv_warpspec_body(const BwdParams
     const uint32_t sDs = sK + L::kDsOffset + (it & 1) * Tr::kTileDsBytes;
     dkdv_wgmma_tile<Tr, kMask, kSoftcap, kAtomicDq>(
         p, blk, it, sK, sV, sQ(s), sQ(s) + Tr::kTileQBytes, floats(s), floats(s) + kBlockM, sDs,
-        smem + (sDs - sK), cwarp, lane, dk, dv, [] { named_barrier_sync(1, L::kConsumerThreads); });
+        smem + (sDs - sK), cwarp, lane, dk, dv, [] { named_barrier_sync(1, L::kConsumerThreads); },
+        DqBulkAdd<L>{});
     mbarrier_arrive(empty(s));  // this thread is done with stage s
   }
+  if (kAtomicDq) bulk_wait_group_all();  // the reductions read shared memory: finish before leaving
 
   // dK = scale * sum dS^T Q, dV = sum P^T dO: staged through this warp's own rows of sK / sV, once both
   // consumer warpgroups are done reading them (dQ = dS K reads all of sK).

@@ -1,6 +1,7 @@
 // Hopper (sm_90) asynchronous-copy machinery in raw PTX, for warp-specialized kernels: mbarriers
 // (a producer announces the bytes a stage will receive, TMA completes them, consumers wait on the
-// phase), TMA tile loads (cp.async.bulk.tensor with a host-built CUtensorMap), named barriers
+// phase), TMA tile loads (cp.async.bulk.tensor with a host-built CUtensorMap), bulk float32
+// reductions into global memory (cp.reduce.async.bulk), named barriers
 // between subsets of warps, and setmaxnreg (producer warps give registers to consumer warps).
 // Host side: encode_tma_tile_map builds a tensor map through the driver entry point (no -lcuda).
 #pragma once
@@ -57,6 +58,25 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map
       "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
       : "memory");
 }
+
+// Bulk reduction: global[dst .. + bytes) += shared[src .. + bytes) elementwise in float32, done by the
+// TMA unit (addresses 16-byte aligned, bytes a multiple of 16), issued and committed as one bulk-async
+// group by the threads where `issue` holds. Those threads wait_group_read before the source is written
+// again and wait_group before the block may leave (the shared source must outlive the read); for the
+// others both waits return at once. A predicate, not a branch: consumer warps call this between wgmmas,
+// and a divergent branch there (with the __syncwarp around it) made ptxas serialize them (C7512).
+__device__ __forceinline__ void bulk_reduce_add_f32(bool issue, float* dst, uint32_t src, uint32_t bytes) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %0, 0;\n"
+      " @p cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%1], [%2], %3;\n"
+      " @p cp.async.bulk.commit_group;\n}\n" ::"r"(int(issue)),
+      "l"(dst), "r"(src), "r"(bytes)
+      : "memory");
+}
+__device__ __forceinline__ void bulk_wait_group_read_all() {
+  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+}
+__device__ __forceinline__ void bulk_wait_group_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
 // Named barriers (ids 1..15; 0 is __syncthreads): `threads` = every thread that syncs or arrives.
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
