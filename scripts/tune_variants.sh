@@ -9,7 +9,8 @@
 #   spec "" (name:)           the shared build as it is
 # Env: CASES (the benchmark's --cases), IMPLS (its --impls; default fuseforge), BASE_FLAGS,
 # BUILD_ONLY=1 (build every variant's library, in parallel, and time nothing; a later call reuses
-# the builds under /tmp/tune/OP). Prints each variant's rows of benchmarks/bench_OP.py's table.
+# the builds under /tmp/tune/OP), PRINT_LIBS=1 (print each variant's built library, build nothing).
+# Prints each variant's rows of benchmarks/bench_OP.py's table.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # Logs stay in /tmp/tune/logs: the device returns at most 8 files from $OUT (tuning_probe.sh packs
@@ -32,6 +33,13 @@ build() {  # build NAME FLAGS
 build_name() { echo "f_$(echo "$1" | md5sum | cut -c1-10)"; }
 flags_of() { local w out=""; for w in $1; do [ "${w#-}" != "$w" ] && out="$out $w"; done; echo "${out# }"; }
 envs_of() { local w out=""; for w in $1; do [ "${w#-}" = "$w" ] && out="$out $w"; done; echo "${out# }"; }
+if [ "${PRINT_LIBS:-0}" = 1 ]; then  # "name library" a line, for running other things on the builds
+  for variant in "$@"; do
+    flags=$(flags_of "${variant#*:}"); b=shared; [ -n "$flags" ] && b=$(build_name "$flags")
+    echo "${variant%%:*} $(lib_of "$b")"
+  done
+  exit 0
+fi
 if [ "${BUILD_ONLY:-0}" = 1 ]; then
   need_shared=0
   declare -A seen=()

@@ -16,8 +16,10 @@
 #    throughput, occupancy)
 # 6. mix: scripts/stream_mix_probe.py (streaming ceilings by read:write mix; add_mul_act's and
 #    torch.compile's fwd+bwd kernel by kernel)
-# 7. attn: the attention GPU tests, then ncu of the backward's dk/dv kernel beside FlashAttention-2's
-#    (sdpa_flash) on one benchmark case: tensor-pipe and shared-memory use, bank conflicts, stalls
+# 7. attn: the attention variants (ATTN) built; the GPU tests of each (TEST_K, default "cuda"); the
+#    fwdbwd rows of ATTN_CASES timed beside the default; then ncu of the backward's dk/dv kernel
+#    beside FlashAttention-2's (sdpa_flash) on one benchmark case: tensor-pipe and shared-memory use,
+#    bank conflicts, stalls (ATTN_NCU=0 skips it). Two attention builds in parallel take ~4 min.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
@@ -32,6 +34,9 @@ T=scripts/tune_variants.sh
 AMA=(default:)
 LCE=(default:)
 ADAMW=(c16k:)
+# The attention backward's candidates (attention_bwd_kernel.cuh, written 2026-11-25 without device
+# time): dK after dQ (rows D128 and D64) and, at D64 only, the warp-specialized kernel.
+ATTN=(default: "bwd_cands:-DFUSEFORGE_ATTN_BWD_DK_AFTER_DQ=1 -DFUSEFORGE_ATTN_BWD_WARPSPEC_D64=1")
 PARTS=${PARTS:-build tests time profile e2e lce}
 OPS=${OPS-adamw add_mul_act}
 has() { [[ " $PARTS " == *" $1 "* ]]; }
@@ -47,7 +52,7 @@ pids=()
 op adamw && { MAX_JOBS=4 BUILD_ONLY=1 bash $T adamw "${ADAMW[@]}" & pids+=($!); }
 op add_mul_act && { MAX_JOBS=6 BUILD_ONLY=1 bash $T add_mul_act "${AMA[@]}" & pids+=($!); }
 has lce && { MAX_JOBS=4 BUILD_ONLY=1 bash $T linear_cross_entropy "${LCE[@]}" & pids+=($!); }
-has attn && { MAX_JOBS=8 BUILD_ONLY=1 bash $T attention default: & pids+=($!); }
+has attn && { MAX_JOBS=8 BUILD_ONLY=1 bash $T attention "${ATTN[@]}" & pids+=($!); }
 # every op in place, for the end-to-end profile
 has e2e && { MAX_JOBS=8 python3 setup.py -q build_ext --inplace > /tmp/tune/logs/build_all.log 2>&1 & pids+=($!); }
 wait "${pids[@]}"
@@ -91,12 +96,16 @@ echo "== stream mixes ($(( $(date +%s) - t0 )) s)"
 FUSEFORGE_EXTENSION=$(lib add_mul_act shared) timeout 240 python3 scripts/stream_mix_probe.py 2>&1 | grep -v Warning
 fi
 if has attn; then
-echo "== attention GPU tests ($(( $(date +%s) - t0 )) s)"
-FUSEFORGE_EXTENSION=$(lib attention shared) TEST_K=${TEST_K:-cuda} pt tests/python/test_attention.py
+while read -r name so; do
+  echo "== attention GPU tests, $name ($(( $(date +%s) - t0 )) s)"
+  FUSEFORGE_EXTENSION=$so TEST_K=${TEST_K:-cuda} pt tests/python/test_attention.py < /dev/null
+done < <(PRINT_LIBS=1 bash $T attention "${ATTN[@]}")
+echo "== attention timings ($(( $(date +%s) - t0 )) s)"
+CASES=${ATTN_CASES:-D64/S16384,D128/S16384} IMPLS=fuseforge bash $T attention "${ATTN[@]}"
 ATTN_CASE=${ATTN_CASE:-D128/S4096/full}
 NCU="ncu --launch-skip 1 --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis_Tables --section InstructionStats"
 keep() { grep -vE "^==PROF==|^\s*$|^\s*-+\s*$" | tail -"$1"; }
-for impl in fuseforge:attention_bwd_dkdv sdpa_flash:flash_bwd_dq_dk_dv; do
+[ "${ATTN_NCU:-1}" = 1 ] && for impl in fuseforge:attention_bwd_dkdv sdpa_flash:flash_bwd_dq_dk_dv; do
   echo "== ncu attention backward ${impl%%:*} $ATTN_CASE"
   FUSEFORGE_EXTENSION=$(lib attention shared) timeout 150 $NCU --kernel-name regex:${impl#*:} \
     python3 scripts/kernel_workload.py attention $ATTN_CASE ${impl%%:*} 2>&1 | keep 150
