@@ -564,10 +564,8 @@ __device__ __forceinline__ void attention_bwd_dkdv_wgmma_body(const BwdParams& p
   if (blk.rows_k <= 0) return;  // past its sequence (varlen)
   const int hk = blk.hk, b = blk.b, n0 = blk.n0, rows_k = blk.rows_k, iterations = blk.iterations;
 
-  // Tiles start on 1024-byte boundaries (the 128-byte swizzle); the launch adds 1 KB for this.
-  const uint32_t raw = smem_addr(attention_smem);
-  const uint32_t sK = (raw + 1023) & ~1023u;
-  unsigned char* smem = attention_smem + (sK - raw);
+  const uint32_t sK = attention_smem_base();
+  unsigned char* smem = attention_smem + (sK - smem_addr(attention_smem));
   const uint32_t sV = sK + Tr::kTileKVBytes;
   const uint32_t sStage0 = sV + Tr::kTileKVBytes;  // stage s: Q at sStage0 + 2 s tileQ, dO after it
   const uint32_t sDs = sStage0 + 4 * Tr::kTileQBytes;  // one dS^T a column group

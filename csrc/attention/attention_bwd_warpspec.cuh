@@ -51,6 +51,8 @@ struct WarpSpecBwdLayout {
 template <class L>
 struct DqBulkAdd {
   __device__ __forceinline__ void operator()(const float (&dq)[32], float* tile, int lane, bool valid) const {
+    // attention_smem_base() spelled out: through the helper ptxas schedules these kernels differently
+    // (same results, SASS not identical), and that schedule has not been timed.
     const uint32_t buf = ((smem_addr(attention_smem) + 1023) & ~1023u) + L::kDqOffset +
                          (threadIdx.x / 32 - 4) * L::kDqWarpBytes;  // consumer warps are 4..11
     bulk_wait_group_read_all();
@@ -62,7 +64,7 @@ struct DqBulkAdd {
                    : "memory");
     fence_proxy_async_shared();  // the stores, visible to the TMA unit's reads
     __syncwarp();
-    bulk_reduce_add_f32(valid && lane == 0, tile, buf, 16 * 64 * 4);
+    bulk_reduce_add_f32(valid && lane == 0, tile, buf, L::kDqWarpBytes);
   }
 };
 
@@ -80,9 +82,8 @@ __device__ __forceinline__ void attention_bwd_dkdv_warpspec_body(const BwdParams
   if (blk.rows_k <= 0) return;  // past its sequence (varlen): the whole block leaves before any barrier
   const int iterations = blk.iterations;
 
-  const uint32_t raw = smem_addr(attention_smem);
-  const uint32_t sK = (raw + 1023) & ~1023u;
-  unsigned char* smem = attention_smem + (sK - raw);
+  const uint32_t sK = attention_smem_base();
+  unsigned char* smem = attention_smem + (sK - smem_addr(attention_smem));
   const uint32_t sV = sK + Tr::kTileKVBytes;
   auto sQ = [&](int s) { return sK + L::kStagesOffset + s * L::kStageBytes; };
   auto floats = [&](int s) { return reinterpret_cast<float*>(smem + L::kFloatsOffset + s * L::kFloatsBytes); };

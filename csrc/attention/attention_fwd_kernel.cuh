@@ -15,6 +15,9 @@
 namespace fuseforge::attention {
 
 extern __shared__ __align__(128) unsigned char attention_smem[];
+// The shared-space address of attention_smem rounded up to 1024 bytes, where the kernels' tiles start
+// (the 128-byte swizzle repeats every 1024 bytes; the launches add 1 KB for this).
+__device__ __forceinline__ uint32_t attention_smem_base() { return (smem_addr(attention_smem) + 1023) & ~1023u; }
 
 // The sequence a block works on: its first query and key rows in the (B, H, S, D) view (0 unless
 // varlen: sequence b is rows [cu[b], cu[b + 1]) of a batch of one) and its lengths. kVarlen is a
@@ -395,10 +398,8 @@ __device__ __forceinline__ void attention_fwd_wgmma_body(const FwdParams& p) {
             n_end = blk.n_end;
   const T *q = blk.q, *k = blk.k, *v = blk.v;
 
-  // Tiles on 1024-byte boundaries (the 128-byte swizzle); the launch adds 1 KB for this.
-  const uint32_t raw = smem_addr(attention_smem);
-  const uint32_t sQ = (raw + 1023) & ~1023u;
-  unsigned char* smem = attention_smem + (sQ - raw);
+  const uint32_t sQ = attention_smem_base();
+  unsigned char* smem = attention_smem + (sQ - smem_addr(attention_smem));
   const uint32_t sKV0 = sQ + Tr::kTileQBytes;  // stage s: K at sKV0 + 2 s tileKV, V after it
   auto load_kv = [&](int nb) {
     const int n0 = nb * kBlockN;

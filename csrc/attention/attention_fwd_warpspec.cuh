@@ -56,9 +56,8 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
   if (blk.rows_q <= 0) return;  // past its sequence (varlen): the whole block leaves before any barrier
   const int n_begin = blk.n_begin, n_end = blk.n_end;
 
-  const uint32_t raw = smem_addr(attention_smem);
-  const uint32_t sQ = (raw + 1023) & ~1023u;
-  unsigned char* smem = attention_smem + (sQ - raw);
+  const uint32_t sQ = attention_smem_base();
+  unsigned char* smem = attention_smem + (sQ - smem_addr(attention_smem));
   auto sK = [&](int s) { return sQ + Tr::kTileQBytes + s * 2 * Tr::kTileKVBytes; };
   const uint32_t bars = sQ + L::kBarriersOffset;
   const uint32_t full_q = bars;
