@@ -2,6 +2,7 @@
 bar on CUDA, GQA, bottom-right causal masks, strided inputs, errors, opcheck, gradcheck, compile."""
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -364,25 +365,21 @@ FORWARD_KERNELS = {"tma_pingpong": {"FUSEFORGE_ATTENTION_TMA": "1"},
                    "cp_async": {"FUSEFORGE_ATTENTION_TMA": "0"}}
 
 
-_SM90A = []
-
-
+@functools.cache
 def sm90a_kernels_runnable() -> bool:
     """Whether the build's sm_90a-only kernels (warp-specialized TMA, head dim 256's backward) run on
     this GPU: a compute capability 9.0 device and a build for 9.0a (not TORCH_CUDA_ARCH_LIST=9.0,
     whose mma.sync bodies the launcher takes instead). Asked of the op: FUSEFORGE_ATTENTION_TMA=1
     raises where those kernels cannot run."""
-    if not _SM90A:
-        q = torch.ones(1, 1, 64, 64, dtype=torch.bfloat16, device="cuda")
-        with pytest.MonkeyPatch.context() as env:
-            env.setenv("FUSEFORGE_ATTENTION_TMA", "1")
-            try:
-                attention(q, q, q)
-                _SM90A.append(True)
-            except RuntimeError as e:
-                assert "the TMA kernels cannot run here (they need a compute capability 9.0" in str(e), str(e)
-                _SM90A.append(False)
-    return _SM90A[0]
+    q = torch.ones(1, 1, 64, 64, dtype=torch.bfloat16, device="cuda")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("FUSEFORGE_ATTENTION_TMA", "1")
+        try:
+            attention(q, q, q)
+            return True
+        except RuntimeError as e:
+            assert "the TMA kernels cannot run here (they need a compute capability 9.0" in str(e), str(e)
+            return False
 
 
 def requires_hopper_for(kernel):
