@@ -16,8 +16,8 @@
 #    throughput, occupancy)
 # 6. mix: scripts/stream_mix_probe.py (streaming ceilings by read:write mix; add_mul_act's and
 #    torch.compile's fwd+bwd kernel by kernel)
-# 7. attn: the attention variants (ATTN) built; the GPU tests of each (TEST_K, default "cuda"); the
-#    fwdbwd rows of ATTN_CASES timed beside the default; then ncu of the backward's dk/dv kernel
+# 7. attn: the attention variants (ATTN) built; the rows of ATTN_CASES timed beside the default; the
+#    GPU tests of each candidate (TEST_K, default "cuda"); then ncu of the backward's dk/dv kernel
 #    beside FlashAttention-2's (sdpa_flash) on one benchmark case: tensor-pipe and shared-memory use,
 #    bank conflicts, stalls (ATTN_NCU=0 skips it). Two attention builds in parallel take ~4 min.
 set -uo pipefail
@@ -36,7 +36,9 @@ LCE=(default:)
 ADAMW=(c16k:)
 # The attention backward's candidates (attention_bwd_kernel.cuh, written 2026-11-25 without device
 # time): dK after dQ (rows D128 and D64) and, at D64 only, the warp-specialized kernel.
-ATTN=(default: "bwd_cands:-DFUSEFORGE_ATTN_BWD_DK_AFTER_DQ=1 -DFUSEFORGE_ATTN_BWD_WARPSPEC_D64=1")
+# "dk_after" alone separates the two at D64 (at D128 "bwd_cands" is the same code as "dk_after").
+ATTN=(default: "dk_after:-DFUSEFORGE_ATTN_BWD_DK_AFTER_DQ=1"
+      "bwd_cands:-DFUSEFORGE_ATTN_BWD_DK_AFTER_DQ=1 -DFUSEFORGE_ATTN_BWD_WARPSPEC_D64=1")
 PARTS=${PARTS:-build tests time profile e2e lce}
 OPS=${OPS-adamw add_mul_act}
 has() { [[ " $PARTS " == *" $1 "* ]]; }
@@ -96,12 +98,14 @@ echo "== stream mixes ($(( $(date +%s) - t0 )) s)"
 FUSEFORGE_EXTENSION=$(lib add_mul_act shared) timeout 240 python3 scripts/stream_mix_probe.py 2>&1 | grep -v Warning
 fi
 if has attn; then
+# Timings first (what decides), then the candidates' GPU tests (the default's ran at its commit).
+echo "== attention timings ($(( $(date +%s) - t0 )) s)"
+CASES=${ATTN_CASES:-D64/S16384,D128/S16384} IMPLS=fuseforge bash $T attention "${ATTN[@]}"
 while read -r name so; do
+  [ "$name" = default ] && continue
   echo "== attention GPU tests, $name ($(( $(date +%s) - t0 )) s)"
   FUSEFORGE_EXTENSION=$so TEST_K=${TEST_K:-cuda} pt tests/python/test_attention.py < /dev/null
 done < <(PRINT_LIBS=1 bash $T attention "${ATTN[@]}")
-echo "== attention timings ($(( $(date +%s) - t0 )) s)"
-CASES=${ATTN_CASES:-D64/S16384,D128/S16384} IMPLS=fuseforge bash $T attention "${ATTN[@]}"
 ATTN_CASE=${ATTN_CASE:-D128/S4096/full}
 NCU="ncu --launch-skip 1 --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis_Tables --section InstructionStats"
 keep() { grep -vE "^==PROF==|^\s*$|^\s*-+\s*$" | tail -"$1"; }
