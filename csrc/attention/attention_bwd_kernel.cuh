@@ -13,18 +13,6 @@
 #pragma once
 #include "attention/attention_fwd_kernel.cuh"
 
-// Candidates, off by default, compiled in with FUSEFORGE_NVCC_FLAGS and timed beside the default by
-// scripts/tuning_probe.sh (part attn; docs/notes_attention.md, "Candidates"): not measured yet.
-//   FUSEFORGE_ATTN_BWD_DK_AFTER_DQ=1: the wgmma dk/dv tile issues dK after dQ (FlashAttention-3's
-//     order), so dQ's hand-off to dq_accum runs under dK instead of with the tensor cores idle.
-//   FUSEFORGE_ATTN_BWD_WARPSPEC_D64=1: head dim 64 takes the warp-specialized dk/dv kernel too.
-#ifndef FUSEFORGE_ATTN_BWD_DK_AFTER_DQ
-#define FUSEFORGE_ATTN_BWD_DK_AFTER_DQ 0
-#endif
-#ifndef FUSEFORGE_ATTN_BWD_WARPSPEC_D64
-#define FUSEFORGE_ATTN_BWD_WARPSPEC_D64 0
-#endif
-
 namespace fuseforge::attention {
 
 // LSE (natural log) -> the base-2 value the kernels subtract; rows that saw no key (-inf) and rows
@@ -470,8 +458,7 @@ __device__ __forceinline__ void dkdv_wgmma_tile(const BwdParams& p, const Blk& b
   auto& dpt4 = reinterpret_cast<const float(&)[kSN / 4][4]>(dpt);
 #pragma unroll
   for (int kk = 0; kk < kBlockM / 16; ++kk) c_to_a_fragment<T>(dpt4[2 * kk], dpt4[2 * kk + 1], dsa[kk]);
-  constexpr bool kDkAfterDq = FUSEFORGE_ATTN_BWD_DK_AFTER_DQ && kAtomicDq && !kSplit;
-  if constexpr (!kDkAfterDq) wgmma_rs_mn_major<T, kDOut, kBlockM / 16>(dk, dsa, sQ + out_panels, QTile::kPanelBytes);
+  wgmma_rs_mn_major<T, kDOut, kBlockM / 16>(dk, dsa, sQ + out_panels, QTile::kPanelBytes);
 
   if constexpr (kAtomicDq) {
     // dS^T to shared memory ([key][query]); element pair (2t, 2t + 1) of query block j, key row
@@ -528,12 +515,10 @@ __device__ __forceinline__ void dkdv_wgmma_tile(const BwdParams& p, const Blk& b
                                   wgmma_desc(sK + (col0 >> 6) * KVTile::kPanelBytes + row_off, KVTile::kPanelBytes));
     }
     wgmma_commit();
-    if constexpr (kDkAfterDq) wgmma_rs_mn_major<T, kDOut, kBlockM / 16>(dk, dsa, sQ + out_panels, QTile::kPanelBytes);
-    wgmma_wait<kDkAfterDq ? 1 : 0>();  // dQ done (dK may still run)
+    wgmma_wait<0>();
     wgmma_fence_operands(dq);
     const int row_tile = (m0 + q0) / 16 + (warp & 3);
     add_dq(dq, dq_accum_tile(p, b, h, blk.seq_tile0, row_tile, col0 >> 3, kD), lane, row_tile * 16 < blk.seqlen_q);
-    if constexpr (kDkAfterDq) wgmma_wait<0>();
   } else {
     wgmma_wait<0>();
   }

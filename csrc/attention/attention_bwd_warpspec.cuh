@@ -192,12 +192,12 @@ __global__ void __launch_bounds__(WarpSpecBwdLayout<Tr>::kThreads, 1)
 // Whether the warp-specialized dk/dv kernel serves this call (tma filled in then).
 // Head dim 128 only: at 64 (128-query tiles, S^T and dP^T of 64 floats a thread) the consumers
 // spilled at 240 registers (384 bytes, c34715c) and the kernel measured slower than the cp.async
-// one (docs/notes_attention.md); they compile without spills since 5c92790 (candidate
-// FUSEFORGE_ATTN_BWD_WARPSPEC_D64, attention_bwd_kernel.cuh).
+// one (docs/notes_attention.md); since 5c92790 they compile without spills, and still measured
+// slower (2026-11-25, 24b6252: D64/S16384/full forward+backward 40.25 -> 42.42 ms).
 template <class Tr>
 bool use_bwd_warpspec(const BwdParams& p, BwdTmaParams* tma) {
   using T = typename Tr::T;
-  if (Tr::kHeadDim != 128 && !(FUSEFORGE_ATTN_BWD_WARPSPEC_D64 && Tr::kHeadDim == 64)) return false;
+  if (Tr::kHeadDim != 128) return false;
   if (!tma_kernels_allowed()) return require_tma(false);
   return require_tma(
       encode_rows_map<T>(&tma->q, p, p.q, p.rows_q, p.heads_q, p.q_row_stride, p.q_head_stride, p.q_batch_stride,
