@@ -119,6 +119,8 @@ void forward(const Shape& s, const at::Tensor& q_in, const at::Tensor& k_in, con
   FwdParams p;
   fill_forward(p, s, q, k, v, out_k, lse, scale, o);
   if (cu_q != nullptr) set_varlen(p, *cu_q, *cu_k);
+  const at::Tensor tile_counter = at::zeros({1}, q.options().dtype(at::kInt));
+  p.tile_counter = tile_counter.data_ptr<int>();
   dispatch_dtype_head_dim(q.scalar_type(), s.head_dim, o.softcap > 0.0,
                           [&]<typename T, int kD, bool kSoftcap, bool kPad>() {
                             run_attention_fwd<T, kD, kSoftcap, kPad>(p, o.local());

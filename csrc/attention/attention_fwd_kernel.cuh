@@ -184,9 +184,11 @@ struct QueryBlock {
   int h, b, hk, m0, rows_q, seqlen_q, seqlen_k, offset, n_begin, n_end, q_row0, k_row0;
   int64_t lse_row0;    // index of the sequence's row 0 in lse (and row_dot)
   const T *q, *k, *v;  // q at the tile's first row; k, v at the sequence's first key of the head
-  __device__ __forceinline__ explicit QueryBlock(const FwdParams& p) {
-    const int m_block = gridDim.x - 1 - blockIdx.x;
-    h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
+  // One block a tile: the grid is (query blocks, heads, batch).
+  __device__ __forceinline__ explicit QueryBlock(const FwdParams& p)
+      : QueryBlock(p, gridDim.x - 1 - blockIdx.x, blockIdx.y, blockIdx.z) {}
+  __device__ __forceinline__ QueryBlock(const FwdParams& p, int m_block, int h_, int b_) {
+    h = h_, b = b_, hk = h / p.group;
     const SeqInfo<kVarlen> seq(p, b);
     seqlen_q = seq.seqlen_q;
     seqlen_k = seq.seqlen_k;

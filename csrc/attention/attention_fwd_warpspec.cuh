@@ -16,11 +16,14 @@
 
 namespace fuseforge::attention {
 
-// The kernel's second parameter: tensor maps of q, k, v as (head dim, rows, heads, batch) and the
-// schedule knob.
+// The kernel's second parameter: tensor maps of q, k, v as (head dim, rows, heads, batch), the
+// schedule knob and the tile count. Tile t is query block m_blocks - 1 - t % m_blocks (heaviest
+// causal blocks first) of head (t / m_blocks) % heads_q, batch t / (m_blocks heads_q): the order of
+// the one-block-a-tile grid, so the tiles running at once share a head's K and V in L2.
 struct FwdTmaParams {
   CUtensorMap q, k, v;
   int pingpong = 1;  // consumers take turns issuing their products
+  int m_blocks = 0, num_tiles = 0;
 };
 
 template <class Tr>
@@ -30,10 +33,17 @@ struct WarpSpecFwdLayout {
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kConsumerThreads = 128 * kConsumers;
   static constexpr int kPanels = Tr::kHeadDim / 64;
-  // Q, kStages x (K, V), the mbarriers (full_q, full_k[s], full_v[s], empty[s]); 1 KB to align the
-  // tiles on 1024 bytes (the 128-byte swizzle's period).
-  static constexpr int kBarriersOffset = Tr::kTileQBytes + kStages * 2 * Tr::kTileKVBytes;
-  static constexpr int kSmemBytes = 1024 + kBarriersOffset + 8 * (1 + 3 * kStages);
+  // The output is staged in its own tile where it fits (the next tile's Q then loads under this
+  // tile's last P V product and its stores), else in Q's (head dim 256).
+  static constexpr int kBarrierBytes = 8 * (2 + 3 * kStages) + 8;  // the mbarriers, the tile slot
+  static constexpr bool kOwnOutputTile =
+      1024 + 2 * Tr::kTileQBytes + kStages * 2 * Tr::kTileKVBytes + kBarrierBytes <= 227 * 1024;
+  // Q, kStages x (K, V), O if kOwnOutputTile, the mbarriers (full_q, empty_q, full_k[s], full_v[s],
+  // empty[s]) and the tile slot; 1 KB to align the tiles on 1024 bytes (the 128-byte swizzle's period).
+  static constexpr int kKVOffset = Tr::kTileQBytes;
+  static constexpr int kOutOffset = kOwnOutputTile ? kKVOffset + kStages * 2 * Tr::kTileKVBytes : 0;
+  static constexpr int kBarriersOffset = kKVOffset + kStages * 2 * Tr::kTileKVBytes + (kOwnOutputTile ? Tr::kTileQBytes : 0);
+  static constexpr int kSmemBytes = 1024 + kBarriersOffset + kBarrierBytes;
   static_assert(kSmemBytes <= 227 * 1024, "fits an H100 SM's shared memory");
   // The block starts with 384 x 168; the consumers' increase comes out of what the producer gives back.
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
@@ -42,63 +52,88 @@ struct WarpSpecFwdLayout {
 };
 
 #if FUSEFORGE_ATTENTION_WGMMA
+// Persistent: one block an SM takes tiles from p.tile_counter until none is left. The producer
+// thread picks each tile (skipping varlen tiles past their sequence), writes it to a shared slot and
+// loads its Q; the consumers read the slot when Q lands (-1: no tile left) and release Q (empty_q)
+// once their last S = Q K^T has run, so the next tile's Q and first K/V load under this tile's last
+// P V product and output stores. The K/V ring runs on across tiles.
 template <class Tr, int kMask, bool kSoftcap, bool kVarlen>
 __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, const FwdTmaParams& tma) {
   using T = typename Tr::T;
   using L = WarpSpecFwdLayout<Tr>;
+  using Block = QueryBlock<T, Tr::kBlockM, Tr::kBlockN, kMask, kVarlen>;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kD = Tr::kHeadDim, kStages = L::kStages;
   static_assert(kBlockM == 128, "two consumer warpgroups of 64 rows");
   static_assert(wgmma_fwd_tile_supported<Tr>(), "a key-tile / head-dim pair the wgmma forward bodies take");
   using QTile = PanelTile<kBlockM>;
   using KVTile = PanelTile<kBlockN>;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
-  const QueryBlock<T, kBlockM, kBlockN, kMask, kVarlen> blk(p);
-  if (blk.rows_q <= 0) return;  // past its sequence (varlen): the whole block leaves before any barrier
-  const int n_begin = blk.n_begin, n_end = blk.n_end;
+  auto block_of = [&](int tile) {
+    const int m = tile % tma.m_blocks, bh = tile / tma.m_blocks;
+    return Block(p, tma.m_blocks - 1 - m, bh % p.heads_q, bh / p.heads_q);
+  };
 
   const uint32_t sQ = attention_smem_base();
   unsigned char* smem = attention_smem + (sQ - smem_addr(attention_smem));
-  auto sK = [&](int s) { return sQ + Tr::kTileQBytes + s * 2 * Tr::kTileKVBytes; };
+  auto sK = [&](int s) { return sQ + L::kKVOffset + s * 2 * Tr::kTileKVBytes; };
   const uint32_t bars = sQ + L::kBarriersOffset;
-  const uint32_t full_q = bars;
-  auto full_k = [&](int s) { return bars + 8 * (1 + s); };
-  auto full_v = [&](int s) { return bars + 8 * (1 + kStages + s); };
-  auto empty = [&](int s) { return bars + 8 * (1 + 2 * kStages + s); };
+  const uint32_t full_q = bars, empty_q = bars + 8;
+  auto full_k = [&](int s) { return bars + 8 * (2 + s); };
+  auto full_v = [&](int s) { return bars + 8 * (2 + kStages + s); };
+  auto empty = [&](int s) { return bars + 8 * (2 + 2 * kStages + s); };
+  volatile int* tile_slot = reinterpret_cast<volatile int*>(smem + L::kBarriersOffset + 8 * (2 + 3 * kStages));
   if (tid == 0) {
     mbarrier_init(full_q, 1);
+    mbarrier_init(empty_q, L::kConsumers * 4);  // one arrive a consumer warp
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(full_k(s), 1);
       mbarrier_init(full_v(s), 1);
-      mbarrier_init(empty(s), L::kConsumers * 4);  // one arrive a consumer warp
+      mbarrier_init(empty(s), L::kConsumers * 4);
     }
     fence_mbarrier_init();
   }
   __syncthreads();
 
-  if (wg == 0) {  // producer: one thread issues every copy
+  if (wg == 0) {  // producer: one thread picks the tiles and issues every copy
     setmaxnreg_dec<L::kProducerRegs>();
     if (tid == 0) {
       prefetch_tma_map(&tma.q);
       prefetch_tma_map(&tma.k);
       prefetch_tma_map(&tma.v);
-      const int batch = kVarlen ? 0 : blk.b;
-      mbarrier_arrive_expect_tx(full_q, Tr::kTileQBytes);
-#pragma unroll
-      for (int c = 0; c < L::kPanels; ++c)
-        tma_load_4d(sQ + c * QTile::kPanelBytes, &tma.q, full_q, c * 64, blk.q_row0 + blk.m0, blk.h, batch);
-      for (int nb = n_begin, i = 0; nb < n_end; ++nb, ++i) {
-        const int s = i % kStages;
-        mbarrier_wait(empty(s), ((i / kStages) & 1) ^ 1);
-        const int row = blk.k_row0 + nb * kBlockN;
-        mbarrier_arrive_expect_tx(full_k(s), Tr::kTileKVBytes);
+      int tile = blockIdx.x, kv = 0;  // kv: K/V tiles issued so far (the ring position)
+      for (int j = 0;; ++j) {
+        // varlen: tiles past their sequence have no rows; skip them here, the consumers never see them
+        if constexpr (kVarlen)
+          while (tile < tma.num_tiles && block_of(tile).rows_q <= 0) tile = atomicAdd(p.tile_counter, 1) + gridDim.x;
+        mbarrier_wait(empty_q, (j & 1) ^ 1);  // the consumers are done with the previous tile's Q
+        if (tile >= tma.num_tiles) {
+          *tile_slot = -1;
+          mbarrier_arrive(full_q);
+          break;
+        }
+        *tile_slot = tile;
+        const Block blk = block_of(tile);
+        const int batch = kVarlen ? 0 : blk.b;
+        mbarrier_arrive_expect_tx(full_q, Tr::kTileQBytes);
 #pragma unroll
         for (int c = 0; c < L::kPanels; ++c)
-          tma_load_4d(sK(s) + c * KVTile::kPanelBytes, &tma.k, full_k(s), c * 64, row, blk.hk, batch);
-        mbarrier_arrive_expect_tx(full_v(s), Tr::kTileKVBytes);
+          tma_load_4d(sQ + c * QTile::kPanelBytes, &tma.q, full_q, c * 64, blk.q_row0 + blk.m0, blk.h, batch);
+        const int next = atomicAdd(p.tile_counter, 1) + gridDim.x;  // its latency hides under the loads
+        for (int nb = blk.n_begin; nb < blk.n_end; ++nb, ++kv) {
+          const int s = kv % kStages;
+          mbarrier_wait(empty(s), ((kv / kStages) & 1) ^ 1);
+          const int row = blk.k_row0 + nb * kBlockN;
+          mbarrier_arrive_expect_tx(full_k(s), Tr::kTileKVBytes);
 #pragma unroll
-        for (int c = 0; c < L::kPanels; ++c)
-          tma_load_4d(sK(s) + Tr::kTileKVBytes + c * KVTile::kPanelBytes, &tma.v, full_v(s), c * 64, row, blk.hk,
-                      batch);
+          for (int c = 0; c < L::kPanels; ++c)
+            tma_load_4d(sK(s) + c * KVTile::kPanelBytes, &tma.k, full_k(s), c * 64, row, blk.hk, batch);
+          mbarrier_arrive_expect_tx(full_v(s), Tr::kTileKVBytes);
+#pragma unroll
+          for (int c = 0; c < L::kPanels; ++c)
+            tma_load_4d(sK(s) + Tr::kTileKVBytes + c * KVTile::kPanelBytes, &tma.v, full_v(s), c * 64, row, blk.hk,
+                        batch);
+        }
+        tile = next;
       }
     }
     return;
@@ -106,100 +141,118 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
 
   setmaxnreg_inc<L::kConsumerRegs>();
   const int cwarp = warp - 4, cwg = cwarp >> 2;  // consumer warp 0..7, warpgroup 0..1
-  const int m0 = blk.m0, offset = blk.offset, seqlen_k = blk.seqlen_k;
   const int warp_row0 = cwarp * 16;
   const uint32_t wg_rows = cwg * 64 * 128;  // byte offset of the warpgroup's first row in a Q panel
   const float scale_log2 = p.scale_log2;
   const bool pingpong = tma.pingpong != 0;
   constexpr int kMyTurn = 2, kThreads2 = L::kConsumerThreads;  // named barriers 2, 3: "warpgroup g may issue"
-
-  float o[kD / 2];
-#pragma unroll
-  for (int i = 0; i < kD / 2; ++i) o[i] = 0.f;
-  float row_max[1][2] = {{-INFINITY, -INFINITY}}, row_sum[1][2] = {{0.f, 0.f}};
-  auto& o3 = reinterpret_cast<float(&)[1][kD / 8][4]>(o);
-  uint32_t pa[kBlockN / 16][4];  // P of the previous tile as wgmma A fragments
-
-  // Tile i's softmax after O's product landed: softcap, mask, online update of max / sum / O, P
-  // into pa.
-  auto softmax_tile = [&](int i, float (&sacc)[kBlockN / 2]) {
-    const int n0 = (n_begin + i) * kBlockN;
-    apply_softcap<kSoftcap>(sacc, p);
-    auto& s3 = reinterpret_cast<float(&)[1][kBlockN / 8][4]>(sacc);
-    if (tile_needs_mask<kMask, kBlockM, kBlockN>(m0, n0, seqlen_k, offset, p))
-      apply_mask<kMask, 1, kBlockN>(s3, m0 + warp_row0, n0, seqlen_k, offset, p, lane);
-    online_softmax<1, kBlockN, kD>(s3, o3, row_max, row_sum, scale_log2);
-#pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) c_to_a_fragment<T>(s3[0][2 * kk], s3[0][2 * kk + 1], pa[kk]);
-  };
   // Ping-pong: warpgroup g issues its products between a sync on barrier kMyTurn + g and an arrive
-  // on the other's; warpgroup 1 lets 0 go first and skips its last arrive, so the counts match.
+  // on the other's. Warpgroup 1 lets 0 go first, and 0 takes 1's last arrive before leaving, so the
+  // counts match over any number of tiles.
   auto turn_begin = [&] {
     if (pingpong) named_barrier_sync(kMyTurn + cwg, kThreads2);
   };
-  auto turn_end = [&](bool last) {
-    if (pingpong && !(cwg == 1 && last)) named_barrier_arrive(kMyTurn + (cwg ^ 1), kThreads2);
+  auto turn_end = [&] {
+    if (pingpong) named_barrier_arrive(kMyTurn + (cwg ^ 1), kThreads2);
   };
-  auto release = [&](int s) {  // this warp is done with stage s's K and V
+  auto release = [&](uint32_t bar) {  // this warp is done with a stage's K and V, or with Q
     __syncwarp();
-    if (lane == 0) mbarrier_arrive(empty(s));
+    if (lane == 0) mbarrier_arrive(bar);
   };
   auto sV = [&](int s) { return sK(s) + Tr::kTileKVBytes; };
+  if (pingpong && cwg == 1) named_barrier_arrive(kMyTurn + 0, kThreads2);
 
-  // The first and the last tile are peeled: a product under a condition inside the loop makes ptxas
-  // serialize every wgmma of the kernel.
-  const int n_tiles = n_end - n_begin;
-  mbarrier_wait(full_q, 0);  // also when no tile runs: the copy must land before the block exits
-  if (n_tiles > 0) {
-    if (pingpong && cwg == 1) named_barrier_arrive(kMyTurn + 0, kThreads2);
-    {
-      float sacc[kBlockN / 2];
+  for (int j = 0, kv = 0;; ++j) {
+    mbarrier_wait(full_q, j & 1);
+    const int tile = *tile_slot;
+    if (tile < 0) break;
+    const Block blk = block_of(tile);
+    const int m0 = blk.m0, offset = blk.offset, seqlen_k = blk.seqlen_k, n_begin = blk.n_begin;
+    const int n_tiles = blk.n_end - n_begin;
+
+    float o[kD / 2];
 #pragma unroll
-      for (int j = 0; j < kBlockN / 2; ++j) sacc[j] = 0.f;
-      mbarrier_wait(full_k(0), 0);
-      turn_begin();
-      wgmma_fence();
-      wgmma_ss_k_major<T, kBlockN, kD / 16>(sacc, sQ + wg_rows, QTile::kPanelBytes, sK(0), KVTile::kPanelBytes);
-      turn_end(false);
-      wgmma_wait<0>();
-      wgmma_fence_operands(sacc);
-      softmax_tile(0, sacc);
-    }
-    for (int i = 1; i < n_tiles; ++i) {
-      const int s = i % kStages, s_prev = (i - 1) % kStages;
-      float sacc[kBlockN / 2];
+    for (int i = 0; i < kD / 2; ++i) o[i] = 0.f;
+    float row_max[1][2] = {{-INFINITY, -INFINITY}}, row_sum[1][2] = {{0.f, 0.f}};
+    auto& o3 = reinterpret_cast<float(&)[1][kD / 8][4]>(o);
+    uint32_t pa[kBlockN / 16][4];  // P of the previous tile as wgmma A fragments
+
+    // Tile i's softmax after O's product landed: softcap, mask, online update of max / sum / O, P
+    // into pa.
+    auto softmax_tile = [&](int i, float (&sacc)[kBlockN / 2]) {
+      const int n0 = (n_begin + i) * kBlockN;
+      apply_softcap<kSoftcap>(sacc, p);
+      auto& s3 = reinterpret_cast<float(&)[1][kBlockN / 8][4]>(sacc);
+      if (tile_needs_mask<kMask, kBlockM, kBlockN>(m0, n0, seqlen_k, offset, p))
+        apply_mask<kMask, 1, kBlockN>(s3, m0 + warp_row0, n0, seqlen_k, offset, p, lane);
+      online_softmax<1, kBlockN, kD>(s3, o3, row_max, row_sum, scale_log2);
 #pragma unroll
-      for (int j = 0; j < kBlockN / 2; ++j) sacc[j] = 0.f;
-      mbarrier_wait(full_k(s), (i / kStages) & 1);
-      mbarrier_wait(full_v(s_prev), ((i - 1) / kStages) & 1);
+      for (int kk = 0; kk < kBlockN / 16; ++kk) c_to_a_fragment<T>(s3[0][2 * kk], s3[0][2 * kk + 1], pa[kk]);
+    };
+    auto stage = [&](int i) { return (kv + i) % kStages; };
+    auto phase = [&](int i) { return ((kv + i) / kStages) & 1; };
+
+    // The first and the last key tile are peeled: a product under a condition inside the loop makes
+    // ptxas serialize every wgmma of the kernel.
+    if (n_tiles > 0) {
+      {
+        float sacc[kBlockN / 2];
+#pragma unroll
+        for (int jj = 0; jj < kBlockN / 2; ++jj) sacc[jj] = 0.f;
+        mbarrier_wait(full_k(stage(0)), phase(0));
+        turn_begin();
+        wgmma_fence();
+        wgmma_ss_k_major<T, kBlockN, kD / 16>(sacc, sQ + wg_rows, QTile::kPanelBytes, sK(stage(0)),
+                                               KVTile::kPanelBytes);
+        turn_end();
+        wgmma_wait<0>();
+        wgmma_fence_operands(sacc);
+        softmax_tile(0, sacc);
+      }
+      for (int i = 1; i < n_tiles; ++i) {
+        const int s = stage(i), s_prev = stage(i - 1);
+        float sacc[kBlockN / 2];
+#pragma unroll
+        for (int jj = 0; jj < kBlockN / 2; ++jj) sacc[jj] = 0.f;
+        mbarrier_wait(full_k(s), phase(i));
+        mbarrier_wait(full_v(s_prev), phase(i - 1));
+        turn_begin();
+        wgmma_fence();
+        wgmma_ss_k_major<T, kBlockN, kD / 16>(sacc, sQ + wg_rows, QTile::kPanelBytes, sK(s), KVTile::kPanelBytes);
+        wgmma_rs_mn_major<T, kD, kBlockN / 16>(o, pa, sV(s_prev), KVTile::kPanelBytes);
+        turn_end();
+        wgmma_wait<0>();
+        wgmma_fence_operands(sacc);
+        wgmma_fence_operands(o);
+        release(empty(s_prev));
+        softmax_tile(i, sacc);
+      }
+      if constexpr (L::kOwnOutputTile) release(empty_q);  // every S of the tile has run
+      const int s_last = stage(n_tiles - 1);
+      mbarrier_wait(full_v(s_last), phase(n_tiles - 1));
       turn_begin();
-      wgmma_fence();
-      wgmma_ss_k_major<T, kBlockN, kD / 16>(sacc, sQ + wg_rows, QTile::kPanelBytes, sK(s), KVTile::kPanelBytes);
-      wgmma_rs_mn_major<T, kD, kBlockN / 16>(o, pa, sV(s_prev), KVTile::kPanelBytes);
-      turn_end(false);
+      wgmma_rs_mn_major<T, kD, kBlockN / 16>(o, pa, sV(s_last), KVTile::kPanelBytes);
+      turn_end();
       wgmma_wait<0>();
-      wgmma_fence_operands(sacc);
       wgmma_fence_operands(o);
-      release(s_prev);
-      softmax_tile(i, sacc);
+      release(empty(s_last));
+    } else if constexpr (L::kOwnOutputTile) {
+      release(empty_q);
     }
-    const int s_last = (n_tiles - 1) % kStages;
-    mbarrier_wait(full_v(s_last), ((n_tiles - 1) / kStages) & 1);
-    turn_begin();
-    wgmma_rs_mn_major<T, kD, kBlockN / 16>(o, pa, sV(s_last), KVTile::kPanelBytes);
-    turn_end(true);
-    wgmma_wait<0>();
-    wgmma_fence_operands(o);
-    release(s_last);
-  }
+    kv += n_tiles;
 
-  // Epilogue: O / l, and lse = max * scale + ln(l) (-inf and a zero row where no key was seen). The
-  // output is staged in sQ, so both consumer warpgroups must be done reading it.
-  float inv_sum[1][2];
-  finish_rows<1>(row_max, row_sum, inv_sum, p.lse + blk.lse_row0, m0 + warp_row0, blk.seqlen_q, p, lane);
-  named_barrier_sync(1, kThreads2);
-  T* out = blk.template rows<T>(p.out, p.out_batch_stride, p.out_head_stride, p.out_row_stride, p);
-  store_rows<T, kD, 1>(o3, inv_sum, smem, warp_row0, out, p.out_row_stride, blk.rows_q, valid_head_dim<Tr>(p), lane);
+    // Epilogue: O / l, and lse = max * scale + ln(l) (-inf and a zero row where no key was seen).
+    // Each warp stages its own rows; staged in Q's tile, both warpgroups must be done reading Q.
+    float inv_sum[1][2];
+    finish_rows<1>(row_max, row_sum, inv_sum, p.lse + blk.lse_row0, m0 + warp_row0, blk.seqlen_q, p, lane);
+    if constexpr (!L::kOwnOutputTile) named_barrier_sync(1, kThreads2);
+    __syncwarp();  // the previous tile's reads of this warp's staging rows are done
+    T* out = blk.template rows<T>(p.out, p.out_batch_stride, p.out_head_stride, p.out_row_stride, p);
+    store_rows<T, kD, 1>(o3, inv_sum, smem + L::kOutOffset, warp_row0, out, p.out_row_stride, blk.rows_q,
+                         valid_head_dim<Tr>(p), lane);
+    if constexpr (!L::kOwnOutputTile) release(empty_q);  // the staging rows are read
+  }
+  if (pingpong && cwg == 0) named_barrier_sync(kMyTurn + 0, kThreads2);  // warpgroup 1's last arrive
 }
 #endif  // FUSEFORGE_ATTENTION_WGMMA
 
@@ -276,18 +329,26 @@ bool use_fwd_warpspec(const FwdParams& p, FwdTmaParams* tma) {
                          Tr::kBlockN));
 }
 
-// Grid: query blocks (of the longest sequence) x heads x batch (or sequences); the warp-specialized
-// kernel where use_fwd_warpspec says so, else the cp.async one.
+// Tiles: query blocks (of the longest sequence) x heads x batch (or sequences). The warp-specialized
+// kernel where use_fwd_warpspec says so (persistent: a block an SM, p.tile_counter zeroed by the
+// caller), else the cp.async one (a block a tile).
 template <class Tr, bool kSoftcap>
 void launch_attention_fwd(const FwdParams& params, bool local) {
   const dim3 grid(static_cast<unsigned>((params.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM),
                   static_cast<unsigned>(params.heads_q), static_cast<unsigned>(params.batch));
   FwdTmaParams tma;
   const bool warpspec = use_fwd_warpspec<Tr>(params, &tma);
+  const int64_t tiles = static_cast<int64_t>(grid.x) * grid.y * grid.z;
+  TORCH_CHECK(!warpspec || tiles < (int64_t{1} << 31) - 1024, "attention: ", tiles,
+              " query tiles of 128 rows; at most 2^31 - 1024 (batch * heads * query blocks)");
+  tma.m_blocks = static_cast<int>(grid.x);
+  tma.num_tiles = static_cast<int>(tiles);
   dispatch_mask_varlen(params, local, [&]<int kMask, bool kVarlen>() {
     if (warpspec) {
       using L = WarpSpecFwdLayout<Tr>;
-      launch_kernel(attention_fwd_warpspec_kernel<Tr, kMask, kSoftcap, kVarlen>, grid, dim3(L::kThreads),
+      const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;  // one block an SM
+      const dim3 persistent(static_cast<unsigned>(std::min<int64_t>(tiles, sms)));
+      launch_kernel(attention_fwd_warpspec_kernel<Tr, kMask, kSoftcap, kVarlen>, persistent, dim3(L::kThreads),
                     L::kSmemBytes, params, tma);
     } else {
       launch_kernel(attention_fwd_kernel<Tr, kMask, kSoftcap, kVarlen>, grid, dim3(Tr::kThreads), Tr::kSmemBytes,
