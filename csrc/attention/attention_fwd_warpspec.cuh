@@ -24,6 +24,7 @@ struct FwdTmaParams {
   CUtensorMap q, k, v;
   int pingpong = 1;  // consumers take turns issuing their products
   int m_blocks = 0, num_tiles = 0;
+  int64_t max_blocks = 0;  // host only: FUSEFORGE_ATTENTION_FWD_BLOCKS (0: one an SM)
 };
 
 template <class Tr>
@@ -53,8 +54,9 @@ struct WarpSpecFwdLayout {
 
 #if FUSEFORGE_ATTENTION_WGMMA
 // Persistent: one block an SM takes tiles from p.tile_counter until none is left. The producer
-// thread picks each tile (skipping varlen tiles past their sequence), writes it to a shared slot and
-// loads its Q; the consumers read the slot when Q lands (-1: no tile left) and release Q (empty_q)
+// thread picks each tile (skipping varlen tiles past their sequence) and loads its Q, and stores the
+// tile's index to a shared slot with st.async under the same barrier (full_q); the consumers read the
+// slot when Q lands (-1: no tile left) and release Q (empty_q)
 // once their last S = Q K^T has run, so the next tile's Q and first K/V load under this tile's last
 // P V product and output stores. The K/V ring runs on across tiles.
 template <class Tr, int kMask, bool kSoftcap, bool kVarlen>
@@ -81,7 +83,7 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
   auto full_k = [&](int s) { return bars + 8 * (2 + s); };
   auto full_v = [&](int s) { return bars + 8 * (2 + kStages + s); };
   auto empty = [&](int s) { return bars + 8 * (2 + 2 * kStages + s); };
-  volatile int* tile_slot = reinterpret_cast<volatile int*>(smem + L::kBarriersOffset + 8 * (2 + 3 * kStages));
+  const uint32_t tile_slot = bars + 8 * (2 + 3 * kStages);
   if (tid == 0) {
     mbarrier_init(full_q, 1);
     mbarrier_init(empty_q, L::kConsumers * 4);  // one arrive a consumer warp
@@ -107,14 +109,14 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
           while (tile < tma.num_tiles && block_of(tile).rows_q <= 0) tile = atomicAdd(p.tile_counter, 1) + gridDim.x;
         mbarrier_wait(empty_q, (j & 1) ^ 1);  // the consumers are done with the previous tile's Q
         if (tile >= tma.num_tiles) {
-          *tile_slot = -1;
-          mbarrier_arrive(full_q);
+          mbarrier_arrive_expect_tx(full_q, 4);
+          st_async_b32(tile_slot, -1, full_q);
           break;
         }
-        *tile_slot = tile;
         const Block blk = block_of(tile);
         const int batch = kVarlen ? 0 : blk.b;
-        mbarrier_arrive_expect_tx(full_q, Tr::kTileQBytes);
+        mbarrier_arrive_expect_tx(full_q, Tr::kTileQBytes + 4);
+        st_async_b32(tile_slot, tile, full_q);
 #pragma unroll
         for (int c = 0; c < L::kPanels; ++c)
           tma_load_4d(sQ + c * QTile::kPanelBytes, &tma.q, full_q, c * 64, blk.q_row0 + blk.m0, blk.h, batch);
@@ -164,7 +166,8 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
 
   for (int j = 0, kv = 0;; ++j) {
     mbarrier_wait(full_q, j & 1);
-    const int tile = *tile_slot;
+    int tile;
+    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(tile) : "r"(tile_slot) : "memory");
     if (tile < 0) break;
     const Block blk = block_of(tile);
     const int m0 = blk.m0, offset = blk.offset, seqlen_k = blk.seqlen_k, n_begin = blk.n_begin;
@@ -320,6 +323,7 @@ bool use_fwd_warpspec(const FwdParams& p, FwdTmaParams* tma) {
   using T = typename Tr::T;
   if (!tma_kernels_allowed()) return require_tma(false);
   tma->pingpong = env_flag("FUSEFORGE_ATTENTION_PINGPONG", true) ? 1 : 0;
+  tma->max_blocks = env_positive_int("FUSEFORGE_ATTENTION_FWD_BLOCKS", 0);
   return require_tma(
       encode_rows_map<T>(&tma->q, p, p.q, p.rows_q, p.heads_q, p.q_row_stride, p.q_head_stride, p.q_batch_stride,
                          Tr::kBlockM) &&
@@ -346,9 +350,11 @@ void launch_attention_fwd(const FwdParams& params, bool local) {
   dispatch_mask_varlen(params, local, [&]<int kMask, bool kVarlen>() {
     if (warpspec) {
       using L = WarpSpecFwdLayout<Tr>;
-      const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;  // one block an SM
-      const dim3 persistent(static_cast<unsigned>(std::min<int64_t>(tiles, sms)));
-      launch_kernel(attention_fwd_warpspec_kernel<Tr, kMask, kSoftcap, kVarlen>, persistent, dim3(L::kThreads),
+      // One block an SM. FUSEFORGE_ATTENTION_FWD_BLOCKS=n: at most n (tests give a few blocks many
+      // tiles; n >= the tiles is one block a tile, each finding none left after its own: A/B timings).
+      const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+      const dim3 blocks(static_cast<unsigned>(std::min(tiles, tma.max_blocks > 0 ? tma.max_blocks : sms)));
+      launch_kernel(attention_fwd_warpspec_kernel<Tr, kMask, kSoftcap, kVarlen>, blocks, dim3(L::kThreads),
                     L::kSmemBytes, params, tma);
     } else {
       launch_kernel(attention_fwd_kernel<Tr, kMask, kSoftcap, kVarlen>, grid, dim3(Tr::kThreads), Tr::kSmemBytes,

@@ -359,9 +359,12 @@ def test_errors_cuda():
 
 
 # ---- the two sm_90 kernel sets: warp-specialized TMA (the default where TMA can describe the tensors;
-# FUSEFORGE_ATTENTION_TMA=1 makes that a requirement) and cp.async (=0); the forward's ping-pong knob --
+# FUSEFORGE_ATTENTION_TMA=1 makes that a requirement) and cp.async (=0); the forward's ping-pong knob;
+# its persistent grid at 3 blocks, so every block runs many tiles (with an SM each, the small cases
+# here would give most blocks one) --
 FORWARD_KERNELS = {"tma_pingpong": {"FUSEFORGE_ATTENTION_TMA": "1"},
                    "tma_no_pingpong": {"FUSEFORGE_ATTENTION_TMA": "1", "FUSEFORGE_ATTENTION_PINGPONG": "0"},
+                   "tma_3_blocks": {"FUSEFORGE_ATTENTION_TMA": "1", "FUSEFORGE_ATTENTION_FWD_BLOCKS": "3"},
                    "cp_async": {"FUSEFORGE_ATTENTION_TMA": "0"}}
 
 
@@ -424,12 +427,17 @@ def test_cuda_kernel_knob_errors(monkeypatch):
         monkeypatch.setenv("FUSEFORGE_ATTENTION_TMA", "1")
         with pytest.raises(RuntimeError, match="TMA kernels cannot run here .they need a compute capability 9.0"):
             attention(q, k, v)
+    else:
+        monkeypatch.setenv("FUSEFORGE_ATTENTION_TMA", "1")
+        monkeypatch.setenv("FUSEFORGE_ATTENTION_FWD_BLOCKS", "0")
+        with pytest.raises(RuntimeError, match="FUSEFORGE_ATTENTION_FWD_BLOCKS: expected a positive integer, got '0'"):
+            attention(q, k, v)
 
 
 @requires_cuda
 @pytest.mark.sanitize
 @pytest.mark.parametrize("d", [128, 256])
-@pytest.mark.parametrize("kernel", ["tma_no_pingpong", "cp_async"])
+@pytest.mark.parametrize("kernel", ["tma_no_pingpong", "tma_3_blocks", "cp_async"])
 def test_cuda_sanitize_kernels(kernel, d, monkeypatch):
     if not requires_hopper_for(kernel):
         pytest.skip("the TMA kernels run on sm_90 GPUs only")
