@@ -54,9 +54,9 @@ struct WarpSpecFwdLayout {
 
 #if FUSEFORGE_ATTENTION_WGMMA
 // Persistent: one block an SM takes tiles from p.tile_counter until none is left. The producer
-// thread picks each tile (skipping varlen tiles past their sequence) and loads its Q, and stores the
-// tile's index to a shared slot with st.async under the same barrier (full_q); the consumers read the
-// slot when Q lands (-1: no tile left) and release Q (empty_q)
+// thread picks each tile (skipping varlen tiles past their sequence), writes its index to a shared
+// slot and loads its Q (full_q tracks both); the consumers read the slot when Q lands (-1: no tile
+// left) and release slot and Q (empty_q, every consumer thread)
 // once their last S = Q K^T has run, so the next tile's Q and first K/V load under this tile's last
 // P V product and output stores. The K/V ring runs on across tiles.
 template <class Tr, int kMask, bool kSoftcap, bool kVarlen>
@@ -83,10 +83,12 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
   auto full_k = [&](int s) { return bars + 8 * (2 + s); };
   auto full_v = [&](int s) { return bars + 8 * (2 + kStages + s); };
   auto empty = [&](int s) { return bars + 8 * (2 + 2 * kStages + s); };
-  const uint32_t tile_slot = bars + 8 * (2 + 3 * kStages);
+  volatile int* tile_slot = reinterpret_cast<volatile int*>(smem + L::kBarriersOffset + 8 * (2 + 3 * kStages));
   if (tid == 0) {
     mbarrier_init(full_q, 1);
-    mbarrier_init(empty_q, L::kConsumers * 4);  // one arrive a consumer warp
+    // Every consumer thread arrives after its last read of Q and the slot (the slot: a generic load of
+    // the producer's generic store; an arrive a thread is the order compute-sanitizer's racecheck sees).
+    mbarrier_init(empty_q, L::kConsumerThreads);
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(full_k(s), 1);
       mbarrier_init(full_v(s), 1);
@@ -109,14 +111,14 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
           while (tile < tma.num_tiles && block_of(tile).rows_q <= 0) tile = atomicAdd(p.tile_counter, 1) + gridDim.x;
         mbarrier_wait(empty_q, (j & 1) ^ 1);  // the consumers are done with the previous tile's Q
         if (tile >= tma.num_tiles) {
-          mbarrier_arrive_expect_tx(full_q, 4);
-          st_async_b32(tile_slot, -1, full_q);
+          *tile_slot = -1;
+          mbarrier_arrive(full_q);
           break;
         }
+        *tile_slot = tile;
         const Block blk = block_of(tile);
         const int batch = kVarlen ? 0 : blk.b;
-        mbarrier_arrive_expect_tx(full_q, Tr::kTileQBytes + 4);
-        st_async_b32(tile_slot, tile, full_q);
+        mbarrier_arrive_expect_tx(full_q, Tr::kTileQBytes);
 #pragma unroll
         for (int c = 0; c < L::kPanels; ++c)
           tma_load_4d(sQ + c * QTile::kPanelBytes, &tma.q, full_q, c * 64, blk.q_row0 + blk.m0, blk.h, batch);
@@ -157,17 +159,16 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
   auto turn_end = [&] {
     if (pingpong) named_barrier_arrive(kMyTurn + (cwg ^ 1), kThreads2);
   };
-  auto release = [&](uint32_t bar) {  // this warp is done with a stage's K and V, or with Q
+  auto release = [&](int s) {  // this warp is done with stage s's K and V
     __syncwarp();
-    if (lane == 0) mbarrier_arrive(bar);
+    if (lane == 0) mbarrier_arrive(empty(s));
   };
   auto sV = [&](int s) { return sK(s) + Tr::kTileKVBytes; };
   if (pingpong && cwg == 1) named_barrier_arrive(kMyTurn + 0, kThreads2);
 
   for (int j = 0, kv = 0;; ++j) {
     mbarrier_wait(full_q, j & 1);
-    int tile;
-    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(tile) : "r"(tile_slot) : "memory");
+    const int tile = *tile_slot;
     if (tile < 0) break;
     const Block blk = block_of(tile);
     const int m0 = blk.m0, offset = blk.offset, seqlen_k = blk.seqlen_k, n_begin = blk.n_begin;
@@ -227,10 +228,10 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
         wgmma_wait<0>();
         wgmma_fence_operands(sacc);
         wgmma_fence_operands(o);
-        release(empty(s_prev));
+        release(s_prev);
         softmax_tile(i, sacc);
       }
-      if constexpr (L::kOwnOutputTile) release(empty_q);  // every S of the tile has run
+      if constexpr (L::kOwnOutputTile) mbarrier_arrive(empty_q);  // every S of the tile has run
       const int s_last = stage(n_tiles - 1);
       mbarrier_wait(full_v(s_last), phase(n_tiles - 1));
       turn_begin();
@@ -238,9 +239,9 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
       turn_end();
       wgmma_wait<0>();
       wgmma_fence_operands(o);
-      release(empty(s_last));
+      release(s_last);
     } else if constexpr (L::kOwnOutputTile) {
-      release(empty_q);
+      mbarrier_arrive(empty_q);
     }
     kv += n_tiles;
 
@@ -253,7 +254,7 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
     T* out = blk.template rows<T>(p.out, p.out_batch_stride, p.out_head_stride, p.out_row_stride, p);
     store_rows<T, kD, 1>(o3, inv_sum, smem + L::kOutOffset, warp_row0, out, p.out_row_stride, blk.rows_q,
                          valid_head_dim<Tr>(p), lane);
-    if constexpr (!L::kOwnOutputTile) release(empty_q);  // the staging rows are read
+    if constexpr (!L::kOwnOutputTile) mbarrier_arrive(empty_q);  // the staging rows are read
   }
   if (pingpong && cwg == 0) named_barrier_sync(kMyTurn + 0, kThreads2);  // warpgroup 1's last arrive
 }

@@ -45,15 +45,6 @@ __device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
   } while (!done);
 }
 
-// Stores one 32-bit value into this block's shared memory through the async proxy, counted as 4 bytes
-// of `bar`'s transactions (announce them with mbarrier_arrive_expect_tx): a value for threads that wait
-// on `bar` arrives with the copies that barrier tracks, and needs no other synchronization.
-__device__ __forceinline__ void st_async_b32(uint32_t dst, int value, uint32_t bar) {
-  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];\n" ::"r"(dst), "r"(value),
-               "r"(bar)
-               : "memory");
-}
-
 __device__ __forceinline__ void prefetch_tma_map(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }
