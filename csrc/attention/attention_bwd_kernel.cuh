@@ -119,14 +119,12 @@ template <int kBlockM, int kBlockN, int kMask, bool kVarlen>
 struct KeyBlock {
   int hk, b, n0, rows_k, seqlen_q, seqlen_k, offset, m_first, m_count, iterations, q_row0, k_row0;
   int64_t seq_tile0;
-  // One block a key block: the grid is (key blocks, kv heads, batch), or (kv heads, batch, key blocks)
-  // when p.kv_block_slowest.
-  __device__ __forceinline__ explicit KeyBlock(const BwdParams& p)
-      : KeyBlock(p, kMask != kNoMask && p.kv_block_slowest ? blockIdx.z : blockIdx.x,
-                 kMask != kNoMask && p.kv_block_slowest ? blockIdx.x : blockIdx.y,
-                 kMask != kNoMask && p.kv_block_slowest ? blockIdx.y : blockIdx.z) {}
-  __device__ __forceinline__ KeyBlock(const BwdParams& p, int n_block, int hk_, int b_) {
-    hk = hk_, b = b_;
+  __device__ __forceinline__ explicit KeyBlock(const BwdParams& p) {
+    int n_block = blockIdx.x;
+    hk = blockIdx.y, b = blockIdx.z;
+    if constexpr (kMask != kNoMask) {
+      if (p.kv_block_slowest) n_block = blockIdx.z, hk = blockIdx.x, b = blockIdx.y;
+    }
     const SeqInfo<kVarlen> seq(p, b);
     seqlen_q = seq.seqlen_q;
     seqlen_k = seq.seqlen_k;

@@ -14,14 +14,8 @@
 
 namespace fuseforge::attention {
 
-// The kernel's second parameter: tensor maps of q, k, v, dout, and the tile count. Tile t is key block
-// t % kv_blocks of kv head (t / kv_blocks) % heads_kv, batch t / (kv_blocks heads_kv); with
-// p.kv_block_slowest, kv head t % heads_kv, batch (t / heads_kv) % batch, key block t / (heads_kv
-// batch): the order of the one-block-a-tile grid (launch_attention_bwd says why both).
 struct BwdTmaParams {
   CUtensorMap q, k, v, dout;
-  int kv_blocks = 0, num_tiles = 0;
-  int64_t max_blocks = 0;  // host only: FUSEFORGE_ATTENTION_BWD_BLOCKS (0: one an SM)
 };
 
 template <class Tr>
@@ -30,9 +24,7 @@ struct WarpSpecBwdLayout {
   static constexpr int kThreads = 384, kConsumerThreads = 256;
   static constexpr int kPanels = Tr::kHeadDim / 64;
   // From the 1024-byte-aligned base: K, V; kStages x (Q, dO); kStages x (lse, row_dot); 2 x dS^T;
-  // 8 consumer warps x 4 KB of dQ (the bulk reductions' source); the mbarriers (full_kv, empty_kv,
-  // full[s], empty[s]) and the tile slot. dS^T and dQ's buffers, 64 KB in a row, stage dK and dV's
-  // stores, so K and V are free for the next tile's copies once the last product has read them.
+  // 8 consumer warps x 4 KB of dQ (the bulk reductions' source); the mbarriers (full_kv, full[s], empty[s]).
   static constexpr int kStagesOffset = 2 * Tr::kTileKVBytes;
   static constexpr int kStageBytes = 2 * Tr::kTileQBytes;
   static constexpr int kFloatsOffset = kStagesOffset + kStages * kStageBytes;
@@ -41,9 +33,7 @@ struct WarpSpecBwdLayout {
   static constexpr int kDqOffset = kDsOffset + 2 * Tr::kTileDsBytes;
   static constexpr int kDqWarpBytes = 16 * 64 * 4;
   static constexpr int kBarriersOffset = kDqOffset + 8 * kDqWarpBytes;
-  static constexpr int kSmemBytes = 1024 + kBarriersOffset + 8 * (2 + 2 * kStages) + 8;
-  static_assert(kDqOffset == kDsOffset + 2 * Tr::kTileDsBytes && 2 * Tr::kTileDsBytes + 8 * kDqWarpBytes ==
-                    2 * Tr::kTileKVBytes, "dS^T and dQ's buffers hold dK and dV's staging rows");
+  static constexpr int kSmemBytes = 1024 + kBarriersOffset + 8 * (1 + 2 * kStages);
   static_assert(kSmemBytes <= 227 * 1024, "fits an H100 SM's shared memory");
   // Registers a thread (setmaxnreg): the block starts with 384 x 168; the consumers' increase must
   // come out of what the producer gives back, or setmaxnreg.inc waits forever.
@@ -78,30 +68,19 @@ struct DqBulkAdd {
   }
 };
 
-// Persistent, as the forward (attention_fwd_warpspec.cuh): one block an SM takes key blocks from
-// p.tile_counter. The producer warp writes each tile's index to a shared slot and loads its K and V
-// (full_kv tracks both) once the consumers are done with the previous tile's (empty_kv), then the
-// tile's Q / dO ring, whose position runs on across tiles. The consumers free K and V after their
-// last product of the tile, so the next tile's copies run under this tile's dK / dV stores.
 template <class Tr, int kMask, bool kSoftcap, bool kVarlen, bool kAtomicDq>
 __device__ __forceinline__ void attention_bwd_dkdv_warpspec_body(const BwdParams& p, const BwdTmaParams& tma) {
   using T = typename Tr::T;
   using L = WarpSpecBwdLayout<Tr>;
-  using Block = KeyBlock<Tr::kBlockM, Tr::kBlockN, kMask, kVarlen>;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kD = Tr::kHeadDim, kStages = L::kStages;
   static_assert(kBlockN == 128 && Tr::kNWarps == 8, "2 consumer warpgroups of 64 keys");
   static_assert((kD == 128 && kBlockM == 64) || (kD == 64 && kBlockM == 128), "dQ splits one dimension in two");
   using KVTile = PanelTile<kBlockN>;
   using QTile = PanelTile<kBlockM>;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  auto block_of = [&](int tile) {
-    if (kMask != kNoMask && p.kv_block_slowest) {
-      const int r = tile / p.heads_kv;
-      return Block(p, r / p.batch, tile % p.heads_kv, r % p.batch);
-    }
-    const int r = tile / tma.kv_blocks;
-    return Block(p, tile % tma.kv_blocks, r % p.heads_kv, r / p.heads_kv);
-  };
+  const KeyBlock<kBlockM, kBlockN, kMask, kVarlen> blk(p);
+  if (blk.rows_k <= 0) return;  // past its sequence (varlen): the whole block leaves before any barrier
+  const int iterations = blk.iterations;
 
   const uint32_t sK = attention_smem_base();
   unsigned char* smem = attention_smem + (sK - smem_addr(attention_smem));
@@ -109,15 +88,11 @@ __device__ __forceinline__ void attention_bwd_dkdv_warpspec_body(const BwdParams
   auto sQ = [&](int s) { return sK + L::kStagesOffset + s * L::kStageBytes; };
   auto floats = [&](int s) { return reinterpret_cast<float*>(smem + L::kFloatsOffset + s * L::kFloatsBytes); };
   const uint32_t bars = sK + L::kBarriersOffset;
-  const uint32_t full_kv = bars, empty_kv = bars + 8;
-  auto full = [&](int s) { return bars + 8 * (2 + s); };
-  auto empty = [&](int s) { return bars + 8 * (2 + kStages + s); };
-  volatile int* tile_slot = reinterpret_cast<volatile int*>(smem + L::kBarriersOffset + 8 * (2 + 2 * kStages));
+  const uint32_t full_kv = bars;
+  auto full = [&](int s) { return bars + 8 * (1 + s); };
+  auto empty = [&](int s) { return bars + 8 * (1 + kStages + s); };
   if (tid == 0) {
     mbarrier_init(full_kv, 1);
-    // Every consumer thread arrives after its last read of K, V and the slot (dQ = dS K reads both
-    // warpgroups' keys; the slot is a generic load of the producer's generic store).
-    mbarrier_init(empty_kv, L::kConsumerThreads);
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(full(s), 32);   // the producer warp's lanes, after their lse / row_dot stores
       // Every consumer thread arrives after its last read of the stage (its lse / row_dot reads are
@@ -131,112 +106,75 @@ __device__ __forceinline__ void attention_bwd_dkdv_warpspec_body(const BwdParams
   if (warp < 4) {  // producer warpgroup: warp 0 works, the others leave
     setmaxnreg_dec<L::kProducerRegs>();
     if (warp != 0) return;
+    const int batch = kVarlen ? 0 : blk.b;
     if (lane == 0) {
       prefetch_tma_map(&tma.q);
       prefetch_tma_map(&tma.dout);
-    }
-    auto next_tile = [&] {  // lane 0 takes it, every lane gets it
-      int t = 0;
-      if (lane == 0) t = atomicAdd(p.tile_counter, 1) + gridDim.x;
-      return __shfl_sync(0xffffffffu, t, 0);
-    };
-    int tile = blockIdx.x;
-    for (int j = 0, ring = 0;; ++j) {
-      // varlen: key blocks past their sequence have no rows; skipped here, the consumers never see them
-      if constexpr (kVarlen)
-        while (tile < tma.num_tiles && block_of(tile).rows_k <= 0) tile = next_tile();
-      mbarrier_wait(empty_kv, (j & 1) ^ 1);  // the consumers are done with the previous tile's K and V
-      if (tile >= tma.num_tiles) {
-        if (lane == 0) {
-          *tile_slot = -1;
-          mbarrier_arrive(full_kv);
-        }
-        break;
+      mbarrier_arrive_expect_tx(full_kv, 2 * Tr::kTileKVBytes);
+      const int key_row = blk.k_row0 + blk.n0;
+#pragma unroll
+      for (int c = 0; c < L::kPanels; ++c) {
+        tma_load_4d(sK + c * KVTile::kPanelBytes, &tma.k, full_kv, c * 64, key_row, blk.hk, batch);
+        tma_load_4d(sV + c * KVTile::kPanelBytes, &tma.v, full_kv, c * 64, key_row, blk.hk, batch);
       }
-      const Block blk = block_of(tile);
-      const int batch = kVarlen ? 0 : blk.b;
+    }
+    for (int it = 0; it < iterations; ++it) {
+      const int s = it % kStages;
+      mbarrier_wait(empty(s), ((it / kStages) & 1) ^ 1);
+      const int h = blk.head(it, p), m0 = blk.row0(it);
       if (lane == 0) {
-        *tile_slot = tile;
-        mbarrier_arrive_expect_tx(full_kv, 2 * Tr::kTileKVBytes);
-        const int key_row = blk.k_row0 + blk.n0;
+        mbarrier_expect_tx(full(s), 2 * Tr::kTileQBytes);
+        const int row = blk.q_row0 + m0;
 #pragma unroll
         for (int c = 0; c < L::kPanels; ++c) {
-          tma_load_4d(sK + c * KVTile::kPanelBytes, &tma.k, full_kv, c * 64, key_row, blk.hk, batch);
-          tma_load_4d(sV + c * KVTile::kPanelBytes, &tma.v, full_kv, c * 64, key_row, blk.hk, batch);
+          tma_load_4d(sQ(s) + c * QTile::kPanelBytes, &tma.q, full(s), c * 64, row, h, batch);
+          tma_load_4d(sQ(s) + Tr::kTileQBytes + c * QTile::kPanelBytes, &tma.dout, full(s), c * 64, row, h, batch);
         }
       }
-      const int next = next_tile();  // its latency hides under the copies
-      for (int it = 0; it < blk.iterations; ++it, ++ring) {
-        const int s = ring % kStages;
-        mbarrier_wait(empty(s), ((ring / kStages) & 1) ^ 1);
-        const int h = blk.head(it, p), m0 = blk.row0(it);
-        if (lane == 0) {
-          mbarrier_expect_tx(full(s), 2 * Tr::kTileQBytes);
-          const int row = blk.q_row0 + m0;
-#pragma unroll
-          for (int c = 0; c < L::kPanels; ++c) {
-            tma_load_4d(sQ(s) + c * QTile::kPanelBytes, &tma.q, full(s), c * 64, row, h, batch);
-            tma_load_4d(sQ(s) + Tr::kTileQBytes + c * QTile::kPanelBytes, &tma.dout, full(s), c * 64, row, h,
-                        batch);
-          }
-        }
-        // lse in base 2 (+inf past Sq, so P = 0 there: TMA rows past a varlen sequence hold the next
-        // one's queries) and row_dot.
-        float* f = floats(s);
-        const int64_t row_base = blk.b * p.lse_batch_stride + h * p.lse_head_stride + blk.q_row0 + m0;
-        for (int r = lane; r < kBlockM; r += 32) {
-          const bool valid = m0 + r < blk.seqlen_q;
-          f[r] = valid ? lse_to_log2(p.lse[row_base + r]) : INFINITY;
-          f[kBlockM + r] = valid ? p.row_dot[row_base + r] : 0.f;
-        }
-        mbarrier_arrive(full(s));
+      // lse in base 2 (+inf past Sq, so P = 0 there: TMA rows past a varlen sequence hold the next
+      // one's queries) and row_dot.
+      float* f = floats(s);
+      const int64_t row_base = blk.b * p.lse_batch_stride + h * p.lse_head_stride + blk.q_row0 + m0;
+      for (int r = lane; r < kBlockM; r += 32) {
+        const bool valid = m0 + r < blk.seqlen_q;
+        f[r] = valid ? lse_to_log2(p.lse[row_base + r]) : INFINITY;
+        f[kBlockM + r] = valid ? p.row_dot[row_base + r] : 0.f;
       }
-      tile = next;
+      mbarrier_arrive(full(s));
     }
     return;
   }
 
   setmaxnreg_inc<L::kConsumerRegs>();
   const int cwarp = warp - 4;  // consumer warp 0..7: keys [16 cwarp, +16) of the block
-  const uint32_t sStage = sK + L::kDsOffset;  // dK's staging rows, then dV's (dS^T and dQ's buffers)
-  for (int j = 0, ring = 0;; ++j) {
-    mbarrier_wait(full_kv, j & 1);
-    const int tile = *tile_slot;
-    if (tile < 0) break;
-    const Block blk = block_of(tile);
-    float dk[kD / 2], dv[kD / 2];
+  float dk[kD / 2], dv[kD / 2];
 #pragma unroll
-    for (int i = 0; i < kD / 2; ++i) dk[i] = dv[i] = 0.f;
-    for (int it = 0; it < blk.iterations; ++it, ++ring) {
-      const int s = ring % kStages;
-      mbarrier_wait(full(s), (ring / kStages) & 1);
-      const uint32_t sDs = sK + L::kDsOffset + (it & 1) * Tr::kTileDsBytes;
-      dkdv_wgmma_tile<Tr, kMask, kSoftcap, kAtomicDq>(
-          p, blk, it, sK, sV, sQ(s), sQ(s) + Tr::kTileQBytes, floats(s), floats(s) + kBlockM, sDs,
-          smem + (sDs - sK), cwarp, lane, dk, dv, [] { named_barrier_sync(1, L::kConsumerThreads); },
-          DqBulkAdd<L>{});
-      mbarrier_arrive(empty(s));  // this thread is done with stage s
-    }
-    mbarrier_arrive(empty_kv);  // and with K, V (every product has been waited for) and the slot
-    // dK = scale * sum dS^T Q, dV = sum P^T dO, staged through this warp's rows of dS^T's and dQ's
-    // buffers: the TMA unit must be done reading the dQ buffers, and both warpgroups done with dS^T.
-    if (kAtomicDq) bulk_wait_group_all();
-    named_barrier_sync(1, L::kConsumerThreads);
-    const int head_dim = valid_head_dim<Tr>(p);
-    float ones[1][2] = {{1.f, 1.f}}, scales[1][2] = {{p.scale, p.scale}};
-    const int64_t key_row = blk.k_row0 + blk.n0;
-    T* gk = static_cast<T*>(p.grad_k) + blk.b * p.dk_batch_stride + blk.hk * p.dk_head_stride +
-            key_row * p.dk_row_stride;
-    T* gv = static_cast<T*>(p.grad_v) + blk.b * p.dv_batch_stride + blk.hk * p.dv_head_stride +
-            key_row * p.dv_row_stride;
-    store_rows<T, kD, 1>(reinterpret_cast<const float(&)[1][kD / 8][4]>(dk), scales, smem + (sStage - sK), cwarp * 16,
-                         gk, p.dk_row_stride, blk.rows_k, head_dim, lane);
-    store_rows<T, kD, 1>(reinterpret_cast<const float(&)[1][kD / 8][4]>(dv), ones,
-                         smem + (sStage - sK) + Tr::kTileKVBytes, cwarp * 16, gv, p.dv_row_stride, blk.rows_k,
-                         head_dim, lane);
-    // Every warp's staging reads are done before the next tile writes dS^T over them.
-    named_barrier_sync(1, L::kConsumerThreads);
+  for (int i = 0; i < kD / 2; ++i) dk[i] = dv[i] = 0.f;
+  mbarrier_wait(full_kv, 0);  // also when no tile runs: the copies must land before the stores below
+  for (int it = 0; it < iterations; ++it) {
+    const int s = it % kStages;
+    mbarrier_wait(full(s), (it / kStages) & 1);
+    const uint32_t sDs = sK + L::kDsOffset + (it & 1) * Tr::kTileDsBytes;
+    dkdv_wgmma_tile<Tr, kMask, kSoftcap, kAtomicDq>(
+        p, blk, it, sK, sV, sQ(s), sQ(s) + Tr::kTileQBytes, floats(s), floats(s) + kBlockM, sDs,
+        smem + (sDs - sK), cwarp, lane, dk, dv, [] { named_barrier_sync(1, L::kConsumerThreads); },
+        DqBulkAdd<L>{});
+    mbarrier_arrive(empty(s));  // this thread is done with stage s
   }
+  if (kAtomicDq) bulk_wait_group_all();  // the reductions read shared memory: finish before leaving
+
+  // dK = scale * sum dS^T Q, dV = sum P^T dO: staged through this warp's own rows of sK / sV, once both
+  // consumer warpgroups are done reading them (dQ = dS K reads all of sK).
+  named_barrier_sync(1, L::kConsumerThreads);
+  const int head_dim = valid_head_dim<Tr>(p);
+  float ones[1][2] = {{1.f, 1.f}}, scales[1][2] = {{p.scale, p.scale}};
+  const int64_t key_row = blk.k_row0 + blk.n0;
+  T* gk = static_cast<T*>(p.grad_k) + blk.b * p.dk_batch_stride + blk.hk * p.dk_head_stride + key_row * p.dk_row_stride;
+  T* gv = static_cast<T*>(p.grad_v) + blk.b * p.dv_batch_stride + blk.hk * p.dv_head_stride + key_row * p.dv_row_stride;
+  store_rows<T, kD, 1>(reinterpret_cast<const float(&)[1][kD / 8][4]>(dk), scales, smem, cwarp * 16, gk,
+                       p.dk_row_stride, blk.rows_k, head_dim, lane);
+  store_rows<T, kD, 1>(reinterpret_cast<const float(&)[1][kD / 8][4]>(dv), ones, smem + Tr::kTileKVBytes, cwarp * 16,
+                       gv, p.dv_row_stride, blk.rows_k, head_dim, lane);
 }
 #endif  // FUSEFORGE_ATTENTION_WGMMA
 
@@ -261,7 +199,6 @@ bool use_bwd_warpspec(const BwdParams& p, BwdTmaParams* tma) {
   using T = typename Tr::T;
   if (Tr::kHeadDim != 128) return false;
   if (!tma_kernels_allowed()) return require_tma(false);
-  tma->max_blocks = env_positive_int("FUSEFORGE_ATTENTION_BWD_BLOCKS", 0);
   return require_tma(
       encode_rows_map<T>(&tma->q, p, p.q, p.rows_q, p.heads_q, p.q_row_stride, p.q_head_stride, p.q_batch_stride,
                          Tr::kBlockM) &&
@@ -312,18 +249,11 @@ void launch_attention_bwd(const BwdParams& params, const BwdParams& row_dot_para
                                   static_cast<unsigned>(params.batch));
   BwdTmaParams tma;
   const bool warpspec = use_bwd_warpspec<DkdvTr>(p, &tma);
-  TORCH_CHECK(!warpspec || blocks < (int64_t{1} << 31) - 1024, "attention backward: ", blocks,
-              " key blocks of 128 rows; at most 2^31 - 1024 (batch * kv heads * key blocks)");
-  tma.kv_blocks = static_cast<int>(kv_blocks);
-  tma.num_tiles = static_cast<int>(blocks);
   auto launch_dkdv = [&]<int kMask, bool kVarlen, bool kAtomicDq>() {
     if constexpr (kD == 128) {
       if (warpspec) {
-        // One block an SM (FUSEFORGE_ATTENTION_BWD_BLOCKS=n: at most n, as the forward's knob).
         using L = WarpSpecBwdLayout<DkdvTr>;
-        const dim3 persistent(static_cast<unsigned>(
-            std::min(blocks, tma.max_blocks > 0 ? tma.max_blocks : static_cast<int64_t>(prop->multiProcessorCount))));
-        launch_kernel(attention_bwd_dkdv_warpspec_kernel<DkdvTr, kMask, kSoftcap, kVarlen, kAtomicDq>, persistent,
+        launch_kernel(attention_bwd_dkdv_warpspec_kernel<DkdvTr, kMask, kSoftcap, kVarlen, kAtomicDq>, grid_kv,
                       dim3(L::kThreads), L::kSmemBytes, p, tma);
         return;
       }

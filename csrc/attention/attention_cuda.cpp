@@ -171,8 +171,6 @@ void backward(const Shape& s, const at::Tensor& grad_out_in, const at::Tensor& q
     p.dq_accum_head_tiles = rows / 16;
     p.dq_accum_batch_tiles = cu_q != nullptr ? 0 : s.heads_q * rows / 16;
   }
-  const at::Tensor tile_counter = at::zeros({1}, q.options().dtype(at::kInt));  // the persistent dk/dv kernel's
-  p.tile_counter = tile_counter.data_ptr<int>();
   dispatch_dtype_head_dim(q.scalar_type(), s.head_dim, o.softcap > 0.0, [&]<typename T, int kD, bool kSoftcap, bool kPad>() {
     run_attention_bwd<T, kD, kSoftcap, kPad>(p, row_dot_params, o.local(), deterministic);
   });

@@ -41,8 +41,8 @@ struct FwdParams {
   // Softcap (kernels instantiated with kSoftcap): the score z = softcap * tanh(scale s / softcap) is
   // kept as s' = z / scale = softcap_out * tanh(softcap_in * s), so the softmax code is unchanged.
   float softcap_in = 0.f, softcap_out = 0.f;
-  // One int32, zeroed on the stream before the launch: the persistent kernels' next tile (the
-  // warp-specialized forward and dk/dv kernels take tiles from it with atomicAdd). Unused by the others.
+  // One int32, zeroed on the stream before the launch: the persistent forward's next tile (its blocks
+  // take tiles from it with atomicAdd). Unused by the other kernels.
   int* tile_counter = nullptr;
 };
 

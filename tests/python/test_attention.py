@@ -360,12 +360,11 @@ def test_errors_cuda():
 
 # ---- the two sm_90 kernel sets: warp-specialized TMA (the default where TMA can describe the tensors;
 # FUSEFORGE_ATTENTION_TMA=1 makes that a requirement) and cp.async (=0); the forward's ping-pong knob;
-# the persistent grids (forward, head dim 128's dk/dv) at 3 blocks, so every block runs many tiles
-# (with an SM each, the small cases here would give most blocks one) --
+# its persistent grid at 3 blocks, so every block runs many tiles (with an SM each, the small cases
+# here would give most blocks one) --
 FORWARD_KERNELS = {"tma_pingpong": {"FUSEFORGE_ATTENTION_TMA": "1"},
                    "tma_no_pingpong": {"FUSEFORGE_ATTENTION_TMA": "1", "FUSEFORGE_ATTENTION_PINGPONG": "0"},
-                   "tma_3_blocks": {"FUSEFORGE_ATTENTION_TMA": "1", "FUSEFORGE_ATTENTION_FWD_BLOCKS": "3",
-                                    "FUSEFORGE_ATTENTION_BWD_BLOCKS": "3"},
+                   "tma_3_blocks": {"FUSEFORGE_ATTENTION_TMA": "1", "FUSEFORGE_ATTENTION_FWD_BLOCKS": "3"},
                    "cp_async": {"FUSEFORGE_ATTENTION_TMA": "0"}}
 
 
@@ -433,12 +432,6 @@ def test_cuda_kernel_knob_errors(monkeypatch):
         monkeypatch.setenv("FUSEFORGE_ATTENTION_FWD_BLOCKS", "0")
         with pytest.raises(RuntimeError, match="FUSEFORGE_ATTENTION_FWD_BLOCKS: expected a positive integer, got '0'"):
             attention(q, k, v)
-        monkeypatch.delenv("FUSEFORGE_ATTENTION_FWD_BLOCKS")
-        monkeypatch.setenv("FUSEFORGE_ATTENTION_BWD_BLOCKS", "x")
-        q1, k1, v1 = make_qkv(1, 2, 2, 64, 64, 128, torch.bfloat16, "cuda", requires_grad=True)
-        out = attention(q1, k1, v1)
-        with pytest.raises(RuntimeError, match="FUSEFORGE_ATTENTION_BWD_BLOCKS: expected a positive integer, got 'x'"):
-            out.sum().backward()
 
 
 @requires_cuda
