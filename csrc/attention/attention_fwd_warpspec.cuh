@@ -56,9 +56,9 @@ struct WarpSpecFwdLayout {
 // Persistent: one block an SM takes tiles from p.tile_counter until none is left. The producer
 // thread picks each tile (skipping varlen tiles past their sequence), writes its index to a shared
 // slot and loads its Q (full_q tracks both); the consumers read the slot when Q lands (-1: no tile
-// left) and release slot and Q (empty_q, every consumer thread)
-// once their last S = Q K^T has run, so the next tile's Q and first K/V load under this tile's last
-// P V product and output stores. The K/V ring runs on across tiles.
+// left) and release slot and Q (empty_q, every consumer thread) once their last S = Q K^T has run,
+// so the next tile's Q and first K/V load under this tile's last P V product and output stores. The
+// K/V ring runs on across tiles.
 template <class Tr, int kMask, bool kSoftcap, bool kVarlen>
 __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, const FwdTmaParams& tma) {
   using T = typename Tr::T;
@@ -92,7 +92,7 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(full_k(s), 1);
       mbarrier_init(full_v(s), 1);
-      mbarrier_init(empty(s), L::kConsumers * 4);
+      mbarrier_init(empty(s), L::kConsumers * 4);  // one arrive a consumer warp (K/V: wgmma reads only)
     }
     fence_mbarrier_init();
   }
