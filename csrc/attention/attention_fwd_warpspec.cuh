@@ -104,11 +104,13 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
       prefetch_tma_map(&tma.q);
       prefetch_tma_map(&tma.k);
       prefetch_tma_map(&tma.v);
+      // Each block's first tile is its own index; the counter hands out the rest.
+      auto next_tile = [&] { return atomicAdd(p.tile_counter, 1) + static_cast<int>(gridDim.x); };
       int tile = blockIdx.x, kv = 0;  // kv: K/V tiles issued so far (the ring position)
       for (int j = 0;; ++j) {
         // varlen: tiles past their sequence have no rows; skip them here, the consumers never see them
         if constexpr (kVarlen)
-          while (tile < tma.num_tiles && block_of(tile).rows_q <= 0) tile = atomicAdd(p.tile_counter, 1) + gridDim.x;
+          while (tile < tma.num_tiles && block_of(tile).rows_q <= 0) tile = next_tile();
         mbarrier_wait(empty_q, (j & 1) ^ 1);  // the consumers are done with the previous tile's Q
         if (tile >= tma.num_tiles) {
           *tile_slot = -1;
@@ -122,7 +124,7 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
 #pragma unroll
         for (int c = 0; c < L::kPanels; ++c)
           tma_load_4d(sQ + c * QTile::kPanelBytes, &tma.q, full_q, c * 64, blk.q_row0 + blk.m0, blk.h, batch);
-        const int next = atomicAdd(p.tile_counter, 1) + gridDim.x;  // its latency hides under the loads
+        const int next = next_tile();  // its latency hides under the loads
         for (int nb = blk.n_begin; nb < blk.n_end; ++nb, ++kv) {
           const int s = kv % kStages;
           mbarrier_wait(empty(s), ((kv / kStages) & 1) ^ 1);
