@@ -328,7 +328,7 @@ def markdown_table(result: dict) -> str:
 
 def plot(result: dict, path: str) -> None:
     """Speed-up of every impl over a baseline per case, one panel per pass. The baseline is eager
-    where the op has one, else the first peer the benchmark lists (e.g. sdpa_flash, torch_fused)."""
+    where the case has one, else the first peer the benchmark lists for it (e.g. sdpa_flash, torch_fused)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -341,21 +341,23 @@ def plot(result: dict, path: str) -> None:
         prow = [r for r in rows if r["pass"] == pass_]
         cases = list(dict.fromkeys(r["case"] for r in prow))
         impls = list(dict.fromkeys(r["impl"] for r in prow))
-        peers = [i for i in impls if i != "fuseforge"] or impls
-        baseline = "eager" if "eager" in impls else peers[0]
         width = 0.8 / max(1, len(impls))
+        baselines = set()
         for k, impl in enumerate(impls):
             xs, ys = [], []
             for ci, case in enumerate(cases):
                 by_impl = {r["impl"]: r["ms"] for r in prow if r["case"] == case}
-                if impl in by_impl and baseline in by_impl:
+                peers = [i for i in by_impl if i != "fuseforge"] or list(by_impl)
+                baseline = "eager" if "eager" in by_impl else peers[0]  # per case: cases may differ in impls
+                baselines.add(baseline)
+                if impl in by_impl:
                     xs.append(ci + k * width)
                     ys.append(by_impl[baseline] / by_impl[impl])
             ax.bar(xs, ys, width, label=impl)
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))])
         ax.set_xticklabels(cases, rotation=30, ha="right", fontsize=7)
-        ax.set_ylabel(f"speed-up over {baseline}")
+        ax.set_ylabel(f"speed-up over {' / '.join(sorted(baselines))}")
         where = result["cpu"] if result.get("gpu") == "cpu" and "cpu" in result else result["gpu"]
         ax.set_title(f"{result['op']} / {pass_}  ({where}, torch {result['torch']})", fontsize=9)
         ax.legend(fontsize=7)

@@ -135,14 +135,16 @@ def test_dcp_resume_bitwise_and_torch_interchange(device):
     launch("dcp", device)
 
 
+@pytest.mark.parametrize("device", backends())
 @pytest.mark.parametrize("dp", ["fsdp", "ddp"])
-def test_example_train_distributed(dp):
-    """examples/train_distributed.py under torchrun, 2 CPU processes, a few steps."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), OMP_NUM_THREADS="1",
-               CUDA_VISIBLE_DEVICES="")
+def test_example_train_distributed(dp, device):
+    """examples/train_distributed.py under torchrun, 2 processes (CPU: gloo; CUDA: nccl with bf16), a few steps."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), OMP_NUM_THREADS="1")
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
-           os.path.join(ROOT, "examples", "train_distributed.py"), "--device", "cpu", "--dp", dp,
-           "--steps", "6", "--log-every", "3"]
+           os.path.join(ROOT, "examples", "train_distributed.py"), "--device", device, "--dp", dp,
+           "--steps", "6", "--log-every", "3"] + (["--bf16"] if device == "cuda" else [])
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=150, cwd=ROOT)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-6000:]
