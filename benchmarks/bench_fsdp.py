@@ -5,7 +5,8 @@ fuseforge.optim.AdamW against torch.optim.AdamW(fused=True).
 Run it as a plain script: it starts itself under torchrun, one process a GPU (`--nproc`, default 2;
 on a machine without GPUs a smoke test of the tiny config on 2 gloo processes, results in a temp folder).
 
-Case ``fsdp2x<ranks>/llama-hf/<config>`` (batch = sequences per rank): every decoder layer and then the
+Case ``fsdp2x<ranks>/llama-hf/<config>`` (b = sequences per rank, by bench_e2e's rule: the largest batch that
+keeps eager's peak under 88% of the GPU, probed on the sharded model): every decoder layer and then the
 root are `fully_shard`-ed with MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), the recipe
 torchtitan uses: fp32 sharded parameters, gradients and AdamW moments, bf16 compute and all-gathers,
 fp32 reduce-scatters. Every rank reads its own fixed random token stream (labels = inputs).
@@ -25,7 +26,7 @@ Bars (issue 19): step >= 1.15x eager's speed, peak memory per rank <= 0.75x eage
 >= 1.1x torch fused; losses within 1% of eager's (mean |diff| over the steps, as bench_e2e).
 
     python benchmarks/bench_fsdp.py                  # 2 GPUs: writes benchmarks/results/fsdp.json/.md/.png
-    python benchmarks/bench_fsdp.py --nproc 4 --batch 4 --steps 30
+    python benchmarks/bench_fsdp.py --nproc 4 --batch 6 --steps 30
 """
 from __future__ import annotations
 
@@ -58,8 +59,9 @@ def parse_args(argv=None):
     p.add_argument("--nproc", type=int, default=2, help="processes (GPUs); default 2")
     p.add_argument("--config", choices=sorted(bench_e2e.CONFIGS), default="1b" if on_gpu else "tiny")
     p.add_argument("--seq", type=int, default=2048 if on_gpu else 128)
-    p.add_argument("--batch", type=int, default=6 if on_gpu else 2,
-                   help="sequences per rank (default 6: bench_e2e's batch on one H100)")
+    p.add_argument("--batch", default="auto" if on_gpu else "2",
+                   help="sequences per rank, an int or auto: bench_e2e's rule, the largest that keeps every "
+                        "rank's eager peak under 88%% of its GPU")
     p.add_argument("--steps", type=int, default=20 if on_gpu else 4)
     p.add_argument("--impls", default="eager,fuseforge", help="eager first (the reference of the bars)")
     p.add_argument("--no-adamw", action="store_true", help="skip the AdamW-on-shards case")
@@ -113,6 +115,37 @@ def build(impl: str, cfg: dict, seq: int, device):
     else:
         opt = torch.optim.AdamW(model.parameters(), **bench_e2e.HYPER, fused=device.type == "cuda")
     return model, opt
+
+
+def probe_batch(cfg: dict, seq: int, device, rank: int, fraction: float = 0.88, cap: int = 16) -> int:
+    """bench_e2e.probe_batch under FSDP2: eager's peaks at batch 1 and 2 per rank (the largest over
+    ranks) give the fixed part and the part a sequence takes."""
+    if device.type != "cuda":
+        return 2
+    total = torch.cuda.get_device_properties(device).total_memory
+    bench_e2e.free()
+    base = torch.cuda.memory_allocated()
+    model, opt = build("eager", cfg, seq, device)
+    peaks = []
+    for b in (1, 2):
+        ids = torch.randint(0, cfg["vocab_size"], (b, seq), device=device)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        train_step(model, opt, ids)
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - base)
+    del model, opt
+    bench_e2e.free()
+    t = torch.tensor(peaks, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    peaks = t.tolist()
+    per_seq = max(peaks[1] - peaks[0], 1)
+    fixed = peaks[0] - per_seq
+    batch = max(1, min(int((fraction * total - base - fixed) // per_seq), cap))
+    if rank == 0:
+        harness.log(f"probe: eager peak {peaks[0] / 2**30:.1f} GiB a rank at batch 1, {peaks[1] / 2**30:.1f} GiB at 2: "
+                    f"{per_seq / 2**30:.2f} GiB a sequence, {fixed / 2**30:.1f} GiB fixed -> batch {batch} a rank")
+    return batch
 
 
 def train_step(model, opt, ids):
@@ -227,6 +260,7 @@ def worker(args) -> None:
     impls = [i for i in args.impls.split(",") if i]
     if impls[0] != "eager":
         raise SystemExit("--impls must start with eager (the reference of the bars)")
+    args.batch = probe_batch(cfg, args.seq, device, rank) if args.batch == "auto" else int(args.batch)
     tokens = args.batch * args.seq  # per rank
     case = f"fsdp2x{world}/" + bench_e2e.case_name(cfg, args.seq, args.batch)
     g = torch.Generator().manual_seed(1234 + rank)  # every rank its own data
