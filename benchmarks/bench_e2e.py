@@ -119,29 +119,42 @@ def free() -> None:
         torch.cuda.empty_cache()
 
 
-def probe_batch(cfg: dict, seq: int, device, fraction: float = 0.88, cap: int = 16) -> int:
-    """The largest batch whose eager training step keeps the peak under `fraction` of the GPU:
-    peaks at batch 1 and 2 give the fixed part and the per-sequence part."""
-    if device.type != "cuda":
-        return 2
-    total = torch.cuda.get_device_properties(device).total_memory
-    model, opt, ac = make_impl("eager", cfg, seq, device)
+def step_peaks(step, vocab: int, seq: int, device) -> list:
+    """Peak memory (bytes allocated) of a training step at batch 1 and at batch 2, after a first step
+    at batch 1 that allocates the optimizer's state: without it batch 1's peak lacks the state and the
+    difference charges it to one sequence (bench_e2e probed batch 6 with eager at 67% of the GPU so)."""
     peaks = []
-    for b in (1, 2):
-        ids = torch.randint(0, cfg["vocab_size"], (b, seq), device=device)
+    for b in (1, 1, 2):
+        ids = torch.randint(0, vocab, (b, seq), device=device)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        train_step(model, opt, ac, ids, device)
+        step(ids)
         torch.cuda.synchronize()
         peaks.append(torch.cuda.max_memory_allocated())
-    del model, opt
-    free()
+    return peaks[1:]
+
+
+def batch_from_peaks(peaks: list, total: int, fraction: float = 0.88, cap: int = 16) -> tuple:
+    """(batch, message): the largest batch whose peak stays under `fraction` of `total` bytes, from
+    the peaks at batch 1 and 2 (a fixed part and a part a sequence)."""
     per_seq = max(peaks[1] - peaks[0], 1)
     fixed = peaks[0] - per_seq
-    batch = int((fraction * total - fixed) // per_seq)
-    harness.log(f"probe: eager peak {peaks[0] / 2**30:.1f} GiB at batch 1, {peaks[1] / 2**30:.1f} GiB at batch 2: "
-                f"{per_seq / 2**30:.2f} GiB a sequence, {fixed / 2**30:.1f} GiB fixed -> batch {batch}")
-    return max(1, min(batch, cap))
+    batch = max(1, min(int((fraction * total - fixed) // per_seq), cap))
+    return batch, (f"peak {peaks[0] / 2**30:.1f} GiB at batch 1, {peaks[1] / 2**30:.1f} GiB at batch 2: "
+                   f"{per_seq / 2**30:.2f} GiB a sequence, {fixed / 2**30:.1f} GiB fixed -> batch {batch}")
+
+
+def probe_batch(cfg: dict, seq: int, device) -> int:
+    """The largest batch whose eager training step keeps the peak under 88% of the GPU."""
+    if device.type != "cuda":
+        return 2
+    model, opt, ac = make_impl("eager", cfg, seq, device)
+    peaks = step_peaks(lambda ids: train_step(model, opt, ac, ids, device), cfg["vocab_size"], seq, device)
+    del model, opt
+    free()
+    batch, msg = batch_from_peaks(peaks, torch.cuda.get_device_properties(device).total_memory)
+    harness.log("probe: eager " + msg)
+    return batch
 
 
 def model_flops(cfg: dict, seq: int, tokens: int) -> float:

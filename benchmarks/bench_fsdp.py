@@ -117,34 +117,21 @@ def build(impl: str, cfg: dict, seq: int, device):
     return model, opt
 
 
-def probe_batch(cfg: dict, seq: int, device, rank: int, fraction: float = 0.88, cap: int = 16) -> int:
-    """bench_e2e.probe_batch under FSDP2: eager's peaks at batch 1 and 2 per rank (the largest over
-    ranks) give the fixed part and the part a sequence takes."""
+def probe_batch(cfg: dict, seq: int, device, rank: int) -> int:
+    """bench_e2e.probe_batch under FSDP2: eager's peaks per rank, the largest over ranks."""
     if device.type != "cuda":
         return 2
-    total = torch.cuda.get_device_properties(device).total_memory
     bench_e2e.free()
-    base = torch.cuda.memory_allocated()
     model, opt = build("eager", cfg, seq, device)
-    peaks = []
-    for b in (1, 2):
-        ids = torch.randint(0, cfg["vocab_size"], (b, seq), device=device)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        train_step(model, opt, ids)
-        torch.cuda.synchronize()
-        peaks.append(torch.cuda.max_memory_allocated() - base)
+    peaks = bench_e2e.step_peaks(lambda ids: train_step(model, opt, ids), cfg["vocab_size"], seq, device)
     del model, opt
     bench_e2e.free()
     t = torch.tensor(peaks, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    peaks = t.tolist()
-    per_seq = max(peaks[1] - peaks[0], 1)
-    fixed = peaks[0] - per_seq
-    batch = max(1, min(int((fraction * total - base - fixed) // per_seq), cap))
+    batch, msg = bench_e2e.batch_from_peaks([int(x) for x in t.tolist()],
+                                            torch.cuda.get_device_properties(device).total_memory)
     if rank == 0:
-        harness.log(f"probe: eager peak {peaks[0] / 2**30:.1f} GiB a rank at batch 1, {peaks[1] / 2**30:.1f} GiB at 2: "
-                    f"{per_seq / 2**30:.2f} GiB a sequence, {fixed / 2**30:.1f} GiB fixed -> batch {batch} a rank")
+        harness.log(f"probe: eager (a rank) {msg} a rank")
     return batch
 
 
