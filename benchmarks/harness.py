@@ -357,7 +357,7 @@ def plot(result: dict, path: str) -> None:
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))])
         ax.set_xticklabels(cases, rotation=30, ha="right", fontsize=7)
-        ax.set_ylabel(f"speed-up over {' / '.join(sorted(baselines))}")
+        ax.set_ylabel(f"speed-up over {' / '.join(sorted(baselines))}", fontsize=9 if len(baselines) == 1 else 7)
         where = result["cpu"] if result.get("gpu") == "cpu" and "cpu" in result else result["gpu"]
         ax.set_title(f"{result['op']} / {pass_}  ({where}, torch {result['torch']})", fontsize=9)
         ax.legend(fontsize=7)
