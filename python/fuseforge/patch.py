@@ -66,6 +66,20 @@ def _cuda_head_dim_supported(d: int) -> bool:
     return d == 256 or (0 < d <= 128 and d % 8 == 0)
 
 
+def _cuda_kernel_takes(dtype: torch.dtype, head_dim: int, device: torch.device, needs_grad: bool) -> bool:
+    """Whether the CUDA kernels run this call, forward and (when needed) backward. Head dim 256's
+    backward is sm_90a code only (attention_bwd_warpspec.cuh): elsewhere it raises, so a call that
+    will need it goes to SDPA instead (the forward alone runs on every GPU). A build without sm_90a
+    code on an H100 (TORCH_CUDA_ARCH_LIST=9.0, not the default) is not detected here: its backward
+    raises the op's error. get_device_properties is constant-folded by torch.compile."""
+    if dtype not in (torch.float16, torch.bfloat16) or not _cuda_head_dim_supported(head_dim):
+        return False
+    if head_dim == 256 and needs_grad:
+        props = torch.cuda.get_device_properties(device)
+        return (props.major, props.minor) == (9, 0)
+    return True
+
+
 _STATE = "_fuseforge_patch"
 _MASKING_UTILS = "transformers.masking_utils"
 
@@ -97,7 +111,8 @@ def _kernel_dtype(query: Tensor, key: Tensor, value: Tensor) -> Optional[torch.d
         return None
     dtype = autocast_dtype or query.dtype
     if query.device.type == "cuda":
-        if dtype not in (torch.float16, torch.bfloat16) or not _cuda_head_dim_supported(query.shape[-1]):
+        needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+        if not _cuda_kernel_takes(dtype, query.shape[-1], query.device, needs_grad):
             return None
     elif query.device.type == "cpu":
         if not dtype.is_floating_point:

@@ -310,6 +310,30 @@ def test_cuda_head_dims_the_kernel_takes():
         assert not _cuda_head_dim_supported(d), d
 
 
+@pytest.mark.parametrize("capability", [(9, 0), (8, 0), (8, 9), (10, 0)])
+def test_cuda_head_dim_256_training_needs_compute_capability_9(monkeypatch, capability):
+    """Head dim 256's backward is sm_90a code only: on other GPUs a call that needs gradients goes
+    to SDPA (the op's backward would raise), one without gradients still runs the kernel's forward."""
+    import types
+    from fuseforge.patch import _cuda_kernel_takes as takes
+    asked = []
+
+    def props(device):
+        asked.append(device)
+        return types.SimpleNamespace(major=capability[0], minor=capability[1])
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", props)
+    dev = torch.device("cuda", 0)
+    assert takes(torch.bfloat16, 256, dev, needs_grad=True) == (capability == (9, 0))
+    assert asked == [dev]
+    assert takes(torch.bfloat16, 256, dev, needs_grad=False)
+    for d in (64, 96, 128):  # every GPU runs these both ways; the device is not asked
+        assert takes(torch.float16, d, dev, needs_grad=True)
+    assert asked == [dev]
+    assert not takes(torch.float32, 128, dev, needs_grad=False)
+    assert not takes(torch.bfloat16, 192, dev, needs_grad=False)
+
+
 def test_unsupported_model_is_refused():
     with pytest.raises(TypeError, match="LlamaForCausalLM"):
         patch(torch.nn.Linear(3, 3))
