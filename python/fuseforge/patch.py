@@ -38,7 +38,10 @@ patch() does two things to one model instance and nothing else:
    is None. It shifts labels as transformers' ForCausalLMLoss does (or takes `shift_labels`), ignores
    -100, honours `num_items_in_batch` (sum / num_items_in_batch) and Gemma 2's
    final_logit_softcapping (linear_cross_entropy's softcap). Without labels, or with
-   `logits_to_keep` set, the model's own forward runs.
+   `logits_to_keep` set, the model's own forward runs. The loss is computed inside a call of the
+   `lm_head` module (its instance forward takes the labels), so wrappers that act on that call see
+   it: FSDP2 gathers a separately `fully_shard`-ed head's weight for it and reduce-scatters its
+   gradient.
 
 unpatch() restores the attention implementation and the forward. Both return the model.
 """
@@ -468,6 +471,17 @@ def causal_lm_loss(hidden_states: Tensor, lm_head: nn.Linear, labels: Optional[T
     return loss
 
 
+def _lm_head_forward(self, hidden_states: Tensor, loss_labels: Optional[Tensor] = None,
+                     shift_labels: Optional[Tensor] = None, num_items_in_batch=None,
+                     softcap: Optional[float] = None) -> Tensor:
+    """The patched lm_head's forward: its class's (logits) without labels, else the causal-LM loss
+    from its weight. A module call rather than a read of lm_head.weight, so FSDP2's hooks on the head
+    (a separately sharded one) gather the weight before and reduce-scatter its gradient after."""
+    if loss_labels is None and shift_labels is None:
+        return type(self).forward(self, hidden_states)
+    return causal_lm_loss(hidden_states, self, loss_labels, shift_labels, num_items_in_batch, softcap=softcap)
+
+
 def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
                        labels=None, use_cache=None, logits_to_keep=0, **kwargs):
     """The Llama-family ForCausalLM forward with the loss from linear_cross_entropy. The cache travels
@@ -484,9 +498,9 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     outputs = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                       inputs_embeds=inputs_embeds, use_cache=use_cache,
                       **kwargs)
-    loss = causal_lm_loss(outputs.last_hidden_state, self.lm_head, labels, kwargs.get("shift_labels"),
-                          kwargs.get("num_items_in_batch"),
-                          softcap=getattr(self.config, "final_logit_softcapping", None))
+    loss = self.lm_head(outputs.last_hidden_state, loss_labels=labels, shift_labels=kwargs.get("shift_labels"),
+                        num_items_in_batch=kwargs.get("num_items_in_batch"),
+                        softcap=getattr(self.config, "final_logit_softcapping", None))
     # the cache field is `cache` since transformers renamed `past_key_values` (the old name warns)
     cache_field = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
     out = CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=outputs.hidden_states,
@@ -516,18 +530,20 @@ def patch(model: nn.Module) -> nn.Module:
         raise RuntimeError(f"fuseforge.patch: {name} did not accept attn_implementation={ATTN_IMPLEMENTATION!r}")
     if name.endswith("ForCausalLM"):
         model.forward = types.MethodType(_causal_lm_forward, model)
+        model.lm_head.forward = types.MethodType(_lm_head_forward, model.lm_head)
         state["forward"] = True
     setattr(model, _STATE, state)
     return model
 
 
 def unpatch(model: nn.Module) -> nn.Module:
-    """Undoes patch(): the attention implementation the model had, and its class's forward."""
+    """Undoes patch(): the attention implementation the model had, its class's forward and lm_head's."""
     state = getattr(model, _STATE, None)
     if state is None:
         return model
     model.set_attn_implementation(state["attn_implementation"])
     if state["forward"]:
         del model.forward
+        del model.lm_head.forward
     delattr(model, _STATE)
     return model

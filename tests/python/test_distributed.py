@@ -124,7 +124,7 @@ def test_gpt_ops_match_torch(device, wrapper):
 
 
 @pytest.mark.parametrize("device", backends())
-@pytest.mark.parametrize("wrapper", ["fsdp", "ddp"])
+@pytest.mark.parametrize("wrapper", ["fsdp", "fsdp_head", "ddp"])
 def test_patched_llama_matches_unpatched(device, wrapper):
     pytest.importorskip("transformers")
     launch(f"llama_{wrapper}", device)
@@ -481,20 +481,26 @@ def scenario_gpt_ddp(ctx: Ctx) -> None:
 
 
 def _scenario_llama(ctx: Ctx, wrapper: str) -> None:
-    """fuseforge.patch-ed vs unpatched tiny Llama (tied embeddings) under one wrapper."""
+    """fuseforge.patch-ed vs unpatched tiny Llama under one wrapper: tied embeddings owned by the root
+    (fsdp, ddp), or untied with the embedding and the head sharded on their own as torchtitan does
+    (fsdp_head: the patched loss must run inside the head's call for FSDP2 to gather its weight)."""
     from test_patch import make_model
     from fuseforge.patch import patch, stats
     dtype = torch.bfloat16 if ctx.cuda else torch.float32
     head_dim = 64 if ctx.cuda else 16
-    models = [make_model("llama", dtype=dtype, device=ctx.device, head_dim=head_dim, tie_word_embeddings=True)
+    tied = wrapper != "fsdp_head"
+    models = [make_model("llama", dtype=dtype, device=ctx.device, head_dim=head_dim, tie_word_embeddings=tied)
               for _ in range(2)]
-    assert models[0].lm_head.weight is models[0].model.embed_tokens.weight
+    assert (models[0].lm_head.weight is models[0].model.embed_tokens.weight) == tied
     patch(models[0])
-    if wrapper == "fsdp":
+    if wrapper.startswith("fsdp"):
         from torch.distributed.fsdp import fully_shard
         for m in models:
             for layer in m.model.layers:
                 fully_shard(layer)
+            if not tied:
+                fully_shard(m.model.embed_tokens)
+                fully_shard(m.lm_head)
             fully_shard(m)
     else:
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -526,6 +532,10 @@ def scenario_llama_fsdp(ctx: Ctx) -> None:
 
 def scenario_llama_ddp(ctx: Ctx) -> None:
     _scenario_llama(ctx, "ddp")
+
+
+def scenario_llama_fsdp_head(ctx: Ctx) -> None:
+    _scenario_llama(ctx, "fsdp_head")
 
 
 def scenario_dcp(ctx: Ctx) -> None:

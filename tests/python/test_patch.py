@@ -208,12 +208,14 @@ def test_unpatch_restores_the_model():
     state = copy.deepcopy(model.state_dict())
     assert patch(model) is model
     assert patch(model) is model  # twice: no-op
-    assert "forward" in vars(model)
+    assert "forward" in vars(model) and "forward" in vars(model.lm_head)
+    ids = tokens(2, 7)
+    hidden = torch.randn(2, 7, model.config.hidden_size)
+    torch.testing.assert_close(model.lm_head(hidden), hidden @ model.lm_head.weight.T)  # no labels: logits
     assert unpatch(model) is model
     assert not is_patched(model)
     assert model.config._attn_implementation == "sdpa"
-    assert "forward" not in vars(model)
-    ids = tokens(2, 7)
+    assert "forward" not in vars(model) and "forward" not in vars(model.lm_head)
     out = model(input_ids=ids, labels=ids)
     assert out.logits is not None and out.logits.shape == (2, 7, VOCAB)
     before = kernel_calls()
