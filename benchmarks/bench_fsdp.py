@@ -27,6 +27,7 @@ Bars (issue 19): step >= 1.15x eager's speed, peak memory per rank <= 0.75x eage
 
     python benchmarks/bench_fsdp.py                  # 2 GPUs: writes benchmarks/results/fsdp.json/.md/.png
     python benchmarks/bench_fsdp.py --nproc 4 --batch 6 --steps 30
+    python benchmarks/bench_fsdp.py --wrap per-module   # embedding and head sharded on their own: fsdp_per_module.json
 """
 from __future__ import annotations
 
@@ -65,6 +66,10 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=20 if on_gpu else 4)
     p.add_argument("--impls", default="eager,fuseforge", help="eager first (the reference of the bars)")
     p.add_argument("--no-adamw", action="store_true", help="skip the AdamW-on-shards case")
+    p.add_argument("--wrap", choices=["root", "per-module"], default="root",
+                   help="root: the embedding, final norm and head belong to the root's FSDP group (the "
+                        "README's run); per-module: the embedding and the head are fully_shard-ed on their "
+                        "own first, as torchtitan does (their gathers and reduce-scatters then overlap the layers')")
     p.add_argument("--out", default=harness.RESULTS_DIR if on_gpu else os.path.join(tempfile.gettempdir(), "fuseforge_fsdp_cpu"))
     p.add_argument("--cases", default="", help="ignored; accepted like the other benchmarks")
     p.add_argument("--no-memory", action="store_true", help="ignored: memory is always measured")
@@ -95,7 +100,7 @@ def setup() -> torch.device:
     return device
 
 
-def build(impl: str, cfg: dict, seq: int, device):
+def build(impl: str, cfg: dict, seq: int, device, wrap: str = "root"):
     """(FSDP2 model, optimizer) for one impl; the same weights on every rank and for every impl."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     model = bench_e2e.build_model(cfg, seq, device)
@@ -106,9 +111,13 @@ def build(impl: str, cfg: dict, seq: int, device):
     # fuseforge's CPU kernels run float32: the smoke test on gloo shards without a bf16 policy.
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" else None
     kw = {"mp_policy": mp} if mp else {}
+    if wrap == "per-module":  # bench_e2e's model has an untied head (the patched loss runs in its call)
+        fully_shard(model.model.embed_tokens, **kw)
     for layer in model.model.layers:
         fully_shard(layer, **kw)
-    fully_shard(model, **kw)  # the root: embeddings, final norm, lm_head
+    if wrap == "per-module":
+        fully_shard(model.lm_head, **kw)
+    fully_shard(model, **kw)  # the root: what is left (the final norm; root: embeddings and lm_head too)
     if impl == "fuseforge":
         from fuseforge.optim import AdamW
         opt = AdamW(model.parameters(), **bench_e2e.HYPER)
@@ -117,12 +126,12 @@ def build(impl: str, cfg: dict, seq: int, device):
     return model, opt
 
 
-def probe_batch(cfg: dict, seq: int, device, rank: int) -> int:
+def probe_batch(cfg: dict, seq: int, device, rank: int, wrap: str) -> int:
     """bench_e2e.probe_batch under FSDP2: eager's peaks per rank, the largest over ranks."""
     if device.type != "cuda":
         return 2
     bench_e2e.free()
-    model, opt = build("eager", cfg, seq, device)
+    model, opt = build("eager", cfg, seq, device, wrap)
     peaks = bench_e2e.step_peaks(lambda ids: train_step(model, opt, ids), cfg["vocab_size"], seq, device)
     del model, opt
     bench_e2e.free()
@@ -178,12 +187,12 @@ def median(xs: list) -> float:
     return xs[len(xs) // 2]
 
 
-def run_impl(impl: str, cfg: dict, seq: int, stream: torch.Tensor, device, rank: int) -> dict:
+def run_impl(impl: str, cfg: dict, seq: int, stream: torch.Tensor, device, rank: int, wrap: str) -> dict:
     bench_e2e.free()
     cuda = device.type == "cuda"
     base = torch.cuda.memory_allocated() if cuda else 0
     t0 = time.perf_counter()
-    model, opt = build(impl, cfg, seq, device)
+    model, opt = build(impl, cfg, seq, device, wrap)
     if cuda:  # the unsharded fp32 model existed for a moment while fully_shard split it: not a training cost
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -210,12 +219,12 @@ def run_impl(impl: str, cfg: dict, seq: int, stream: torch.Tensor, device, rank:
     return {"ms": ms, "peak": peak, "curve": curve, "step_ms": step_ms}
 
 
-def run_adamw(cfg: dict, seq: int, ids: torch.Tensor, device, rank: int) -> dict:
+def run_adamw(cfg: dict, seq: int, ids: torch.Tensor, device, rank: int, wrap: str) -> dict:
     """torch fused vs fuseforge AdamW stepping the same local shards, alternately."""
     import fuseforge  # noqa: F401
     from fuseforge.optim import AdamW
     bench_e2e.free()
-    model, _ = build("eager", cfg, seq, device)
+    model, _ = build("eager", cfg, seq, device, wrap)
     model(input_ids=ids, labels=ids).loss.backward()  # DTensor grads on every parameter
     params = [p for p in model.parameters() if p.grad is not None]
     opts = {"torch_fused": torch.optim.AdamW(params, **bench_e2e.HYPER, fused=device.type == "cuda"),
@@ -247,20 +256,21 @@ def worker(args) -> None:
     impls = [i for i in args.impls.split(",") if i]
     if impls[0] != "eager":
         raise SystemExit("--impls must start with eager (the reference of the bars)")
-    args.batch = probe_batch(cfg, args.seq, device, rank) if args.batch == "auto" else int(args.batch)
+    args.batch = probe_batch(cfg, args.seq, device, rank, args.wrap) if args.batch == "auto" else int(args.batch)
     tokens = args.batch * args.seq  # per rank
-    case = f"fsdp2x{world}/" + bench_e2e.case_name(cfg, args.seq, args.batch)
+    case = f"fsdp2x{world}{'' if args.wrap == 'root' else '-per-module'}/" + bench_e2e.case_name(cfg, args.seq, args.batch)
     g = torch.Generator().manual_seed(1234 + rank)  # every rank its own data
     stream = torch.randint(0, cfg["vocab_size"], (args.steps, args.batch, args.seq), generator=g).to(device)
     flops = bench_e2e.model_flops(cfg, args.seq, tokens)  # per rank
-    result = {"op": "fsdp", **harness.env_info(), "ranks": world, "backend": dist.get_backend(), "rows": []}
+    op = "fsdp" if args.wrap == "root" else "fsdp_per_module"  # results/<op>.json: runs of both wraps side by side
+    result = {"op": op, "wrap": args.wrap, **harness.env_info(), "ranks": world, "backend": dist.get_backend(), "rows": []}
     if rank == 0:
         harness.log(f"fsdp: {case}, {world} ranks ({dist.get_backend()}), {args.steps} steps, impls {impls}, "
                     f"{flops / 1e12:.1f} TFLOP a step per rank")
         result["ceilings"] = harness.measure_ceilings() if device.type == "cuda" else {}
     eager = None
     for impl in impls:
-        r = run_impl(impl, cfg, args.seq, stream, device, rank)
+        r = run_impl(impl, cfg, args.seq, stream, device, rank, args.wrap)
         gathered = [None] * world
         dist.all_gather_object(gathered, {"ms": r["ms"], "peak": r["peak"], "step_ms": r["step_ms"]})
         if rank != 0:
@@ -294,7 +304,7 @@ def worker(args) -> None:
         result["rows"].append(row)
         harness.write(result, args.out)  # after every impl: a later failure keeps what was measured
     if not args.no_adamw:
-        a = run_adamw(cfg, args.seq, stream[0], device, rank)
+        a = run_adamw(cfg, args.seq, stream[0], device, rank, args.wrap)
         gathered = [None] * world
         dist.all_gather_object(gathered, a)
         if rank == 0:
