@@ -154,6 +154,27 @@ def test_example_train_distributed(dp, device):
     assert losses and all(math.isfinite(x) and 3.0 < x < 7.0 for x in losses), out[-3000:]
 
 
+@pytest.mark.parametrize("wrap", ["root", "per-module"])
+def test_bench_fsdp_smoke(wrap, tmp_path):
+    """benchmarks/bench_fsdp.py's CPU smoke test (it starts 2 gloo processes under torchrun itself): both
+    impls and the AdamW case write their rows, and the patched model's losses follow the unpatched one's."""
+    import json
+    pytest.importorskip("transformers")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), CUDA_VISIBLE_DEVICES="")
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_fsdp.py"), "--steps", "2", "--wrap", wrap,
+           "--out", str(tmp_path)]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=200, cwd=ROOT)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
+    result = json.load(open(tmp_path / ("fsdp.json" if wrap == "root" else "fsdp_per_module.json")))
+    assert result["ranks"] == WORLD and result["backend"] == "gloo" and result["wrap"] == wrap
+    impls = [(row["case"].split("/")[1], row["impl"]) for row in result["rows"]]
+    assert impls == [("llama-hf", "eager"), ("llama-hf", "fuseforge"), ("adamw-shards", "torch_fused"),
+                     ("adamw-shards", "fuseforge")], impls
+    ff = result["rows"][1]
+    assert len(ff["loss_curve"]) == 2 and ff["mean_abs_loss_diff_rel"] < 1e-4, ff
+    assert all(row["ms"] > 0 for row in result["rows"])
+
+
 # ----------------------------------------------------------------------------------------------------------
 # worker side: helpers
 
