@@ -174,33 +174,19 @@ def run_impl(impl: str, cfg: dict, seq: int, stream: torch.Tensor, device) -> di
     t_build = time.perf_counter()
     model, opt, ac = make_impl(impl, cfg, seq, device)
     harness.log(f"  {impl}: built in {time.perf_counter() - t_build:.1f} s")
-    losses, events = [], []
+    timer, losses = harness.StepTimer(device.type == "cuda"), []
     t0 = time.perf_counter()
     for step in range(stream.shape[0]):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        else:
-            start = time.perf_counter()
-        losses.append(train_step(model, opt, ac, stream[step], device))
-        if device.type == "cuda":
-            end.record()
-        else:
-            end = time.perf_counter()
-        events.append((start, end))
+        with timer:
+            losses.append(train_step(model, opt, ac, stream[step], device))
         if step == 0:
             harness.log(f"  {impl}: first step (incl. compilation/autotuning) done after {time.perf_counter() - t0:.1f} s, "
                         f"loss {losses[0].item():.4f}")
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        step_ms = [s.elapsed_time(e) for s, e in events]
-        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-    else:
-        step_ms = [(e - s) * 1000 for s, e in events]
-        peak = None
+    step_ms = timer.ms()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if device.type == "cuda" else None
     curve = [float(x) for x in torch.stack(losses).float().cpu()]
-    timed = sorted(step_ms[WARMUP_STEPS:] if len(step_ms) > WARMUP_STEPS else step_ms)
-    ms = timed[len(timed) // 2]
+    timed = step_ms[WARMUP_STEPS:] or step_ms  # the first steps allocate and autotune
+    ms = harness.median(timed)
     del model, opt, losses
     free()
     harness.log(f"  {impl}: step {ms:.1f} ms (median of {len(timed)}), peak {peak and round(peak)} MiB, "

@@ -79,9 +79,8 @@ def parse_args(argv=None):
 def relaunch(args, argv) -> int:
     """Starts this script under torchrun, one process a GPU (gloo processes without GPUs)."""
     n = args.nproc
-    if torch.cuda.is_available():
-        if torch.cuda.device_count() < n:
-            raise SystemExit(f"--nproc {n} needs {n} GPUs, this machine has {torch.cuda.device_count()}")
+    if torch.cuda.is_available() and torch.cuda.device_count() < n:
+        raise SystemExit(f"--nproc {n} needs {n} GPUs, this machine has {torch.cuda.device_count()}")
     env = dict(os.environ, FUSEFORGE_FSDP_WORKER="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
            os.path.abspath(__file__), *argv]
@@ -100,7 +99,7 @@ def setup() -> torch.device:
     return device
 
 
-def build(impl: str, cfg: dict, seq: int, device, wrap: str = "root"):
+def build(impl: str, cfg: dict, seq: int, device, wrap: str):
     """(FSDP2 model, optimizer) for one impl; the same weights on every rank and for every impl."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     model = bench_e2e.build_model(cfg, seq, device)
@@ -152,41 +151,6 @@ def train_step(model, opt, ids):
     return loss.detach()
 
 
-class Timer:
-    """Device events on CUDA, wall clock on the CPU."""
-
-    def __init__(self, device):
-        self.cuda = device.type == "cuda"
-        self.pairs = []
-
-    def __enter__(self):
-        if self.cuda:
-            self.start = torch.cuda.Event(enable_timing=True)
-            self.start.record()
-        else:
-            self.start = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        if self.cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-        else:
-            end = time.perf_counter()
-        self.pairs.append((self.start, end))
-
-    def ms(self) -> list:
-        if self.cuda:
-            torch.cuda.synchronize()
-            return [s.elapsed_time(e) for s, e in self.pairs]
-        return [(e - s) * 1000 for s, e in self.pairs]
-
-
-def median(xs: list) -> float:
-    xs = sorted(xs)
-    return xs[len(xs) // 2]
-
-
 def run_impl(impl: str, cfg: dict, seq: int, stream: torch.Tensor, device, rank: int, wrap: str) -> dict:
     bench_e2e.free()
     cuda = device.type == "cuda"
@@ -198,7 +162,7 @@ def run_impl(impl: str, cfg: dict, seq: int, stream: torch.Tensor, device, rank:
         torch.cuda.reset_peak_memory_stats()
     if rank == 0:
         harness.log(f"  {impl}: built and sharded in {time.perf_counter() - t0:.1f} s")
-    timer, losses = Timer(device), []
+    timer, losses = harness.StepTimer(cuda), []
     t0 = time.perf_counter()
     for step in range(stream.shape[0]):
         with timer:
@@ -210,7 +174,7 @@ def run_impl(impl: str, cfg: dict, seq: int, stream: torch.Tensor, device, rank:
     curve = torch.stack(losses).float()
     dist.all_reduce(curve)  # the mean loss over ranks, step by step
     curve = [float(x) for x in (curve / dist.get_world_size()).cpu()]
-    ms = median(step_ms[WARMUP_STEPS:] if len(step_ms) > WARMUP_STEPS else step_ms)
+    ms = harness.median(step_ms[WARMUP_STEPS:] or step_ms)  # the first steps allocate
     del model, opt, losses
     bench_e2e.free()
     if rank == 0:
@@ -229,7 +193,7 @@ def run_adamw(cfg: dict, seq: int, ids: torch.Tensor, device, rank: int, wrap: s
     params = [p for p in model.parameters() if p.grad is not None]
     opts = {"torch_fused": torch.optim.AdamW(params, **bench_e2e.HYPER, fused=device.type == "cuda"),
             "fuseforge": AdamW(params, **bench_e2e.HYPER)}
-    timers = {k: Timer(device) for k in opts}
+    timers = {k: harness.StepTimer(device.type == "cuda") for k in opts}
     for rep in range(ADAMW_WARMUP + ADAMW_REPS):
         for k, opt in opts.items():
             if rep < ADAMW_WARMUP:
@@ -238,7 +202,7 @@ def run_adamw(cfg: dict, seq: int, ids: torch.Tensor, device, rank: int, wrap: s
                 with timers[k]:
                     opt.step()
     local = sum(p.to_local().numel() for p in params)
-    out = {k: median(t.ms()) for k, t in timers.items()}
+    out = {k: harness.median(t.ms()) for k, t in timers.items()}
     out["params"], out["local_elements"] = len(params), local
     out["elements"] = sum(p.numel() for p in params)
     if rank == 0:

@@ -65,6 +65,43 @@ def git_commit() -> str:
         return os.environ.get("FUSEFORGE_COMMIT", "unknown")
 
 
+def median(xs: Iterable[float]) -> float:
+    """The middle value (the upper one of an even count), as every timing here reports."""
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+
+
+class StepTimer:
+    """Times each `with timer:` block, for work that runs once per sample (a training step) rather than
+    under do_bench: device events on CUDA, read after one synchronize in ms(); wall clock on the CPU."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.pairs: list = []
+
+    def __enter__(self):
+        if self.cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+        else:
+            end = time.perf_counter()
+        self.pairs.append((self._start, end))
+
+    def ms(self) -> list:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [s.elapsed_time(e) for s, e in self.pairs]
+        return [(e - s) * 1000 for s, e in self.pairs]
+
+
 def time_ms(fn: Callable[[], Any], warmup_ms: float = 50, rep_ms: float = 300) -> float:
     """Median milliseconds of fn over repeated runs, device events on CUDA."""
     if _device == "cuda":
@@ -77,8 +114,7 @@ def time_ms(fn: Callable[[], Any], warmup_ms: float = 50, rep_ms: float = 300) -
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1000)
-    times.sort()
-    return times[len(times) // 2]
+    return median(times)
 
 
 def _proc_status_mib(key: str) -> Optional[float]:
@@ -191,7 +227,7 @@ def time_interleaved(benches: list[Bench], rounds: int, rep_ms: float = 100) -> 
                 failed.add(id(b))
                 gc.collect()
                 torch.cuda.empty_cache()
-    return {k: (None if k in failed else sorted(v)[len(v) // 2]) for k, v in times.items()}
+    return {k: (None if k in failed else median(v)) for k, v in times.items()}
 
 
 def measure(bench: Bench, with_memory: bool = True, ms: Optional[float] = None) -> dict:
