@@ -56,13 +56,20 @@ def backends() -> list:
 # ----------------------------------------------------------------------------------------------------------
 # launcher (the test process)
 
+def child_env(device: str) -> dict:
+    """The environment of the processes a test starts: this one's imports, one thread each, and on the
+    CPU no GPU (on a GPU machine too: FSDP2's default mesh would otherwise take the GPU)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), OMP_NUM_THREADS="1",
+               PYTHONUNBUFFERED="1")
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
 def launch(scenario: str, device: str, timeout: float = 150.0, world: int = WORLD) -> str:
     """Runs `scenario` in `world` worker processes; fails with their output unless all exit 0."""
     tmp = tempfile.mkdtemp(prefix="ff_dist_")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), OMP_NUM_THREADS="1",
-               PYTHONUNBUFFERED="1")
-    if device == "cpu":  # on a GPU machine too: FSDP2's default mesh would otherwise take the GPU
-        env["CUDA_VISIBLE_DEVICES"] = ""
+    env = child_env(device)
     procs, logs = [], []
     try:
         for rank in range(world):
@@ -139,9 +146,7 @@ def test_dcp_resume_bitwise_and_torch_interchange(device):
 @pytest.mark.parametrize("dp", ["fsdp", "ddp"])
 def test_example_train_distributed(dp, device):
     """examples/train_distributed.py under torchrun, 2 processes (CPU: gloo; CUDA: nccl with bf16), a few steps."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), OMP_NUM_THREADS="1")
-    if device == "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = ""
+    env = child_env(device)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
            os.path.join(ROOT, "examples", "train_distributed.py"), "--device", device, "--dp", dp,
            "--steps", "6", "--log-every", "3"] + (["--bf16"] if device == "cuda" else [])
@@ -160,7 +165,7 @@ def test_bench_fsdp_smoke(wrap, tmp_path):
     impls and the AdamW case write their rows, and the patched model's losses follow the unpatched one's."""
     import json
     pytest.importorskip("transformers")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), CUDA_VISIBLE_DEVICES="")
+    env = child_env("cpu")
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_fsdp.py"), "--steps", "2", "--wrap", wrap,
            "--out", str(tmp_path)]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=200, cwd=ROOT)
