@@ -30,7 +30,8 @@ patch() does two things to one model instance and nothing else:
    not do goes to transformers' SDPA function with the mask transformers would have built (the
    KernelMask materialises it, once per mask): an explicit mask (padding, a user's 4D mask), dropout,
    a paged cache, output_attentions, and on CUDA float32 without autocast or head dims the kernels
-   lack (not a multiple of 8, or above 128 and not 256: Gemma 2's 256 runs the kernel); with softcapping, which SDPA lacks, it goes to the model's own eager
+   lack (not a multiple of 8, or above 128 and not 256: Gemma 2's 256 runs the kernel, in training on
+   compute capability 9.0 only); with softcapping, which SDPA lacks, it goes to the model's own eager
    attention function with the additive form of that mask.
 2. With `labels`, the causal-LM forward computes the loss with
    `fuseforge.ops.linear_cross_entropy.linear_cross_entropy` from the last hidden states and
