@@ -36,7 +36,7 @@ LCE=(default:)
 ADAMW=(c16k:)
 # Attention: FA3's dK-after-dQ order and D64's warp-specialized backward lost on 2026-11-25
 # (docs/notes_attention.md); add "name:-DKNOB=1" entries for the next candidates.
-ATTN=(default:)
+ATTN=(default: overlap:-DFUSEFORGE_ATTN_FWD_OVERLAP=3 overlap_nopp:"-DFUSEFORGE_ATTN_FWD_OVERLAP=3 FUSEFORGE_ATTENTION_PINGPONG=0" default_again:)
 PARTS=${PARTS:-build tests time profile e2e lce}
 OPS=${OPS-adamw add_mul_act}
 has() { [[ " $PARTS " == *" $1 "* ]]; }
@@ -99,8 +99,10 @@ if has attn; then
 # Timings first (what decides), then the candidates' GPU tests (the default's ran at its commit).
 echo "== attention timings ($(( $(date +%s) - t0 )) s)"
 CASES=${ATTN_CASES:-D64/S16384,D128/S16384} IMPLS=fuseforge bash $T attention "${ATTN[@]}"
+declare -A tested=()
 while read -r name so; do
-  [ "$name" = default ] && continue
+  [ "$name" = default ] || [ -n "${tested[$so]:-}" ] || [ "$so" = "$(lib attention shared)" ] && continue
+  tested[$so]=1
   echo "== attention GPU tests, $name ($(( $(date +%s) - t0 )) s)"
   FUSEFORGE_EXTENSION=$so TEST_K=${TEST_K:-cuda} pt tests/python/test_attention.py < /dev/null
 done < <(PRINT_LIBS=1 bash $T attention "${ATTN[@]}")
