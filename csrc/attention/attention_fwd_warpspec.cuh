@@ -16,12 +16,6 @@
 
 namespace fuseforge::attention {
 
-// Experiment knob (compile time): 1 runs tile i's softmax under O += P(i-1) V(i-1) (FlashAttention-3's
-// intra-warpgroup overlap), rescaling O once that product lands.
-#ifndef FUSEFORGE_ATTN_FWD_OVERLAP
-#define FUSEFORGE_ATTN_FWD_OVERLAP 0
-#endif
-
 // The kernel's second parameter: tensor maps of q, k, v as (head dim, rows, heads, batch), the
 // schedule knob and the tile count. Tile t is query block m_blocks - 1 - t % m_blocks (heaviest
 // causal blocks first) of head (t / m_blocks) % heads_q, batch t / (m_blocks heads_q): the order of
@@ -189,25 +183,17 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
     auto& o3 = reinterpret_cast<float(&)[1][kD / 8][4]>(o);
     uint32_t pa[kBlockN / 16][4];  // P of the previous tile as wgmma A fragments
 
-    // Tile i's scores with softcap and mask applied, as the (1 x kBlockN/8 x 4) fragment view.
-    auto scores_tile = [&](int i, float (&sacc)[kBlockN / 2]) -> float(&)[1][kBlockN / 8][4] {
+    // Tile i's softmax after O's product landed: softcap, mask, online update of max / sum / O, P
+    // into pa.
+    auto softmax_tile = [&](int i, float (&sacc)[kBlockN / 2]) {
       const int n0 = (n_begin + i) * kBlockN;
       apply_softcap<kSoftcap>(sacc, p);
       auto& s3 = reinterpret_cast<float(&)[1][kBlockN / 8][4]>(sacc);
       if (tile_needs_mask<kMask, kBlockM, kBlockN>(m0, n0, seqlen_k, offset, p))
         apply_mask<kMask, 1, kBlockN>(s3, m0 + warp_row0, n0, seqlen_k, offset, p, lane);
-      return s3;
-    };
-    using PFrags = uint32_t[kBlockN / 16][4];
-    auto to_pa = [&](float (&s3)[1][kBlockN / 8][4], PFrags& dst) {
-#pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk) c_to_a_fragment<T>(s3[0][2 * kk], s3[0][2 * kk + 1], dst[kk]);
-    };
-    // Tile i's softmax after O's product landed: online update of max / sum / O, P into dst.
-    auto softmax_tile = [&](int i, float (&sacc)[kBlockN / 2], PFrags& dst) {
-      auto& s3 = scores_tile(i, sacc);
       online_softmax<1, kBlockN, kD>(s3, o3, row_max, row_sum, scale_log2);
-      to_pa(s3, dst);
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk) c_to_a_fragment<T>(s3[0][2 * kk], s3[0][2 * kk + 1], pa[kk]);
     };
     auto stage = [&](int i) { return (kv + i) % kStages; };
     auto phase = [&](int i) { return ((kv + i) / kStages) & 1; };
@@ -227,62 +213,8 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
         turn_end();
         wgmma_wait<0>();
         wgmma_fence_operands(sacc);
-        softmax_tile(0, sacc, pa);
+        softmax_tile(0, sacc);
       }
-#if FUSEFORGE_ATTN_FWD_OVERLAP
-      // Tile i >= 1: S(i) and O += P(i-1) V(i-1) issued together; tile i's softmax runs while the P V
-      // product is still on the tensor cores, O is rescaled once it lands. P(i) is converted into
-      // registers of its own and copied into pa after the wait: the product still reads pa.
-      const uint32_t zero_bits = static_cast<uint32_t>(tma.num_tiles) >> 31;  // num_tiles < 2^31
-      for (int i = 1; i < n_tiles; ++i) {
-        const int s = stage(i), s_prev = stage(i - 1);
-        float sacc[kBlockN / 2];
-#pragma unroll
-        for (int jj = 0; jj < kBlockN / 2; ++jj) sacc[jj] = 0.f;
-        mbarrier_wait(full_k(s), phase(i));
-        mbarrier_wait(full_v(s_prev), phase(i - 1));
-        turn_begin();
-        // The copy into pa before the fence: a write to a product's input after it serializes them.
-        wgmma_fence_operands(reinterpret_cast<uint32_t(&)[kBlockN / 4]>(pa));
-        wgmma_fence();
-        wgmma_ss_k_major<T, kBlockN, kD / 16>(sacc, sQ + wg_rows, QTile::kPanelBytes, sK(s), KVTile::kPanelBytes);
-        wgmma_rs_mn_major<T, kD, kBlockN / 16>(o, pa, sV(s_prev), KVTile::kPanelBytes);
-        turn_end();
-        wgmma_wait<1>();  // S(i) landed
-        wgmma_fence_operands(sacc);
-        float correction[1][2];
-        auto& s3 = scores_tile(i, sacc);
-        softmax_rows<1, kBlockN>(s3, row_max, row_sum, correction, scale_log2);
-        PFrags p_next;
-        to_pa(s3, p_next);
-#if FUSEFORGE_ATTN_FWD_OVERLAP == 3
-        if (__float_as_uint(row_sum[0][0] + row_sum[0][1]) == 0x7fc0deadu) __trap();
-#endif
-        wgmma_wait<0>();
-        // pa stays live until here (the product reads it): else the front end gives p_next pa's
-        // registers, the conversion writes them under the running product, and ptxas serializes.
-        wgmma_fence_operands(reinterpret_cast<uint32_t(&)[kBlockN / 4]>(pa));
-        wgmma_fence_operands(o);
-        release(s_prev);
-        rescale_rows<1, kD>(o3, correction);
-        // pa = p_next, written as an instruction that reads pa (zero_bits is 0, which ptxas cannot
-        // know): with a plain copy ptxas coalesces the two, the conversion then writes pa under the
-        // running product, and it serializes every wgmma (C7513).
-#pragma unroll
-        for (int kk = 0; kk < kBlockN / 16; ++kk)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) pa[kk][e] = p_next[kk][e] | (pa[kk][e] & zero_bits);
-      }
-      if constexpr (L::kOwnOutputTile) mbarrier_arrive(empty_q);  // every S of the tile has run
-      const int s_last = stage(n_tiles - 1);
-      mbarrier_wait(full_v(s_last), phase(n_tiles - 1));
-      turn_begin();
-      wgmma_rs_mn_major<T, kD, kBlockN / 16>(o, pa, sV(s_last), KVTile::kPanelBytes);
-      turn_end();
-      wgmma_wait<0>();
-      wgmma_fence_operands(o);
-      release(s_last);
-#else
       for (int i = 1; i < n_tiles; ++i) {
         const int s = stage(i), s_prev = stage(i - 1);
         float sacc[kBlockN / 2];
@@ -299,7 +231,7 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
         wgmma_fence_operands(sacc);
         wgmma_fence_operands(o);
         release(s_prev);
-        softmax_tile(i, sacc, pa);
+        softmax_tile(i, sacc);
       }
       if constexpr (L::kOwnOutputTile) mbarrier_arrive(empty_q);  // every S of the tile has run
       const int s_last = stage(n_tiles - 1);
@@ -310,7 +242,6 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
       wgmma_wait<0>();
       wgmma_fence_operands(o);
       release(s_last);
-#endif
     } else if constexpr (L::kOwnOutputTile) {
       mbarrier_arrive(empty_q);
     }

@@ -62,11 +62,6 @@ __device__ __forceinline__ void wgmma_fence_operands(float (&d)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
-template <int N>
-__device__ __forceinline__ void wgmma_fence_operands(uint32_t (&a)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(a[i])::"memory");
-}
 
 // The register lists are written out: PTX has no loops. Scale-d is 1 (d += A B): accumulators start
 // zeroed. kTransA / kTransB: 0 = K-major, 1 = MN-major (16-bit types allow both). Inline asm takes
