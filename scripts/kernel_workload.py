@@ -1,7 +1,9 @@
 """A few calls of one op at one case, for profilers that wrap a process (ncu, compute-sanitizer).
    python3 scripts/kernel_workload.py add_mul_act 16384x8192 fp32 gelu
    python3 scripts/kernel_workload.py adamw llama1b fp32|bf16-master
-   python3 scripts/kernel_workload.py attention D128/S4096/full fuseforge|sdpa_flash
+   python3 scripts/kernel_workload.py attention D128/S4096/full fuseforge|sdpa_flash|sdpa_cudnn
+   python3 scripts/kernel_workload.py attention_kernels D128/S4096/full sdpa_cudnn   (the impl's
+     longest forward and backward kernel: "fwd NAME", "bwd NAME")
    ncu --kernel-name regex:backward_kernel --launch-skip 2 --launch-count 1 python3 scripts/kernel_workload.py ...
 """
 import os
@@ -55,7 +57,42 @@ def attention(case, impl):
         torch.autograd.grad(out, (q, k, v), g)
 
 
+def attention_kernels(case, impl):
+    """Prints "fwd NAME" and "bwd NAME": the kernel with the most device time in one forward and in
+    one backward of the case (profiled after a warm-up call), for picking kernels to ncu."""
+    from torch.profiler import ProfilerActivity, profile
+    global CALLS
+    CALLS = 1
+    attention(case, impl)  # warm-up: builds cuDNN's graphs outside the profile
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from bench_attention import parse
+    d, s, causal = parse(case)
+    b, h = 32768 // s, 2048 // d
+    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+
+    def forward():
+        if impl == "fuseforge":
+            return fuseforge.attention(q, k, v, causal=causal)
+        with sdpa_kernel({"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}[impl]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    def longest(fn):
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            result = fn()
+            torch.cuda.synchronize()
+        events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+        return max(events, key=lambda e: e.self_device_time_total).key, result
+
+    fwd_name, out = longest(forward)
+    bwd_name, _ = longest(lambda: torch.autograd.grad(out, (q, k, v), torch.randn_like(out)))
+    print("fwd", fwd_name.replace(" ", "_"))
+    print("bwd", bwd_name.replace(" ", "_"))
+
+
 if __name__ == "__main__":
     op, *args = sys.argv[1:]
-    {"add_mul_act": add_mul_act, "adamw": adamw, "attention": attention}[op](*args)
+    {"add_mul_act": add_mul_act, "adamw": adamw, "attention": attention,
+     "attention_kernels": attention_kernels}[op](*args)
     torch.cuda.synchronize()

@@ -17,9 +17,10 @@
 # 6. mix: scripts/stream_mix_probe.py (streaming ceilings by read:write mix; add_mul_act's and
 #    torch.compile's fwd+bwd kernel by kernel)
 # 7. attn: the attention variants (ATTN) built; the rows of ATTN_CASES timed beside the default; the
-#    GPU tests of each candidate (TEST_K, default "cuda"); then ncu of the backward's dk/dv kernel
-#    beside FlashAttention-2's (sdpa_flash) on one benchmark case: tensor-pipe and shared-memory use,
-#    bank conflicts, stalls (ATTN_NCU=0 skips it). Two attention builds in parallel take ~4 min.
+#    GPU tests of each candidate (TEST_K, default "cuda"); then ncu of each impl's longest forward
+#    and backward kernel (ATTN_NCU_IMPLS, default fuseforge and sdpa_cudnn) on one benchmark case
+#    (ATTN_CASE): pipe and shared-memory use, stalls (ATTN_NCU=0 skips it; ATTN_NCU_SOURCE=1 prints
+#    instead where the stall samples sit, by SASS instruction: scripts/ncu_sass_hotspots.py). Two attention builds in parallel take ~4 min.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
@@ -36,7 +37,7 @@ LCE=(default:)
 ADAMW=(c16k:)
 # Attention: FA3's dK-after-dQ order and D64's warp-specialized backward lost on 2026-11-25
 # (docs/notes_attention.md); add "name:-DKNOB=1" entries for the next candidates.
-ATTN=(default: overlap:-DFUSEFORGE_ATTN_FWD_OVERLAP=3 overlap_nopp:"-DFUSEFORGE_ATTN_FWD_OVERLAP=3 FUSEFORGE_ATTENTION_PINGPONG=0" default_again:)
+ATTN=(default:)
 PARTS=${PARTS:-build tests time profile e2e lce}
 OPS=${OPS-adamw add_mul_act}
 has() { [[ " $PARTS " == *" $1 "* ]]; }
@@ -107,12 +108,28 @@ while read -r name so; do
   FUSEFORGE_EXTENSION=$so TEST_K=${TEST_K:-cuda} pt tests/python/test_attention.py < /dev/null
 done < <(PRINT_LIBS=1 bash $T attention "${ATTN[@]}")
 ATTN_CASE=${ATTN_CASE:-D128/S4096/full}
-NCU="ncu --launch-skip 1 --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis_Tables --section InstructionStats"
+NCU="ncu --launch-skip 1 --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis_Tables --section InstructionStats --section SourceCounters"
 keep() { grep -vE "^==PROF==|^\s*$|^\s*-+\s*$" | tail -"$1"; }
-[ "${ATTN_NCU:-1}" = 1 ] && for impl in fuseforge:attention_bwd_dkdv sdpa_flash:flash_bwd_dq_dk_dv; do
-  echo "== ncu attention backward ${impl%%:*} $ATTN_CASE"
-  FUSEFORGE_EXTENSION=$(lib attention shared) timeout 150 $NCU --kernel-name regex:${impl#*:} \
-    python3 scripts/kernel_workload.py attention $ATTN_CASE ${impl%%:*} 2>&1 | keep 150
+# The longest forward and backward kernel of each impl (ATTN_NCU_IMPLS), side by side.
+[ "${ATTN_NCU:-1}" = 1 ] && for impl in ${ATTN_NCU_IMPLS:-fuseforge sdpa_cudnn}; do
+  names=$(FUSEFORGE_EXTENSION=$(lib attention shared) timeout 120 python3 scripts/kernel_workload.py attention_kernels \
+    $ATTN_CASE $impl 2>/dev/null)
+  echo "$names"
+  for pass in fwd bwd; do
+    # the function name without the return type, namespace, template arguments and parameters
+    name=$(echo "$names" | awk -v p=$pass '$1 == p {print $2}' | sed -E 's/^void_//; s/[<(].*//; s/.*:://')
+    [ -z "$name" ] && continue
+    echo "== ncu attention $pass $impl $ATTN_CASE: $name"
+    if [ "${ATTN_NCU_SOURCE:-0}" = 1 ]; then  # where the stall samples sit, instruction by instruction
+      FUSEFORGE_EXTENSION=$(lib attention shared) timeout 150 ncu --launch-skip 1 --launch-count 1 \
+        --section SourceCounters --section WarpStateStats --page source --print-source sass --csv \
+        --kernel-name regex:"$name" python3 scripts/kernel_workload.py attention $ATTN_CASE $impl 2>/dev/null \
+        | python3 scripts/ncu_sass_hotspots.py ${ATTN_NCU_TOP:-40}
+    else
+      FUSEFORGE_EXTENSION=$(lib attention shared) timeout 150 $NCU --kernel-name regex:"$name" \
+        python3 scripts/kernel_workload.py attention $ATTN_CASE $impl 2>&1 | keep ${ATTN_NCU_LINES:-120}
+    fi
+  done
 done
 fi
 echo "== probe done in $(( $(date +%s) - t0 )) s"
