@@ -6,7 +6,10 @@
 // barriers): one warpgroup issues its products while the other runs its softmax.
 //
 // A consumer warpgroup over key tiles 0..n-1: S(0), softmax(0); for each i >= 1 the products S(i)
-// and O += P(i-1) V(i-1) issued together, then softmax(i); last, O += P(n-1) V(n-1).
+// and O += P(i-1) V(i-1) issued together, then softmax(i); last, O += P(n-1) V(n-1). K and V of a
+// stage are freed separately: K(i) once S(i) has run, so the producer loads K(i + 2) a whole
+// iteration before it is needed (with one barrier a stage, K(i + 1) waited for P(i-1) V(i-1) and
+// the consumers waited for it: ~9% of their stall samples in ncu at D128/S4096).
 // The mma.sync/cp.async forward (attention_fwd_kernel.cuh) remains for shapes TMA cannot describe
 // (strides or addresses not multiples of 16 bytes) and for FUSEFORGE_ATTENTION_TMA=0.
 #pragma once
@@ -23,6 +26,7 @@ namespace fuseforge::attention {
 struct FwdTmaParams {
   CUtensorMap q, k, v;
   int pingpong = 1;  // consumers take turns issuing their products
+  int early_k_release = 1;  // 0: K(i) freed with V(i), after P(i) V(i) (the schedule before; A/B timings)
   int m_blocks = 0, num_tiles = 0;
   int64_t max_blocks = 0;  // host only: FUSEFORGE_ATTENTION_FWD_BLOCKS (0: one an SM)
 };
@@ -36,11 +40,11 @@ struct WarpSpecFwdLayout {
   static constexpr int kPanels = Tr::kHeadDim / 64;
   // The output is staged in its own tile where it fits (the next tile's Q then loads under this
   // tile's last P V product and its stores), else in Q's (head dim 256).
-  static constexpr int kBarrierBytes = 8 * (2 + 3 * kStages) + 8;  // the mbarriers, the tile slot
+  static constexpr int kBarrierBytes = 8 * (2 + 4 * kStages) + 8;  // the mbarriers, the tile slot
   static constexpr bool kOwnOutputTile =
       1024 + 2 * Tr::kTileQBytes + kStages * 2 * Tr::kTileKVBytes + kBarrierBytes <= 227 * 1024;
   // Q, kStages x (K, V), O if kOwnOutputTile, the mbarriers (full_q, empty_q, full_k[s], full_v[s],
-  // empty[s]) and the tile slot; 1 KB to align the tiles on 1024 bytes (the 128-byte swizzle's period).
+  // empty_k[s], empty_v[s]) and the tile slot; 1 KB to align the tiles on 1024 bytes (the 128-byte swizzle's period).
   static constexpr int kKVOffset = Tr::kTileQBytes;
   static constexpr int kOutOffset = kOwnOutputTile ? kKVOffset + kStages * 2 * Tr::kTileKVBytes : 0;
   static constexpr int kBarriersOffset = kKVOffset + kStages * 2 * Tr::kTileKVBytes + (kOwnOutputTile ? Tr::kTileQBytes : 0);
@@ -82,8 +86,9 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
   const uint32_t full_q = bars, empty_q = bars + 8;
   auto full_k = [&](int s) { return bars + 8 * (2 + s); };
   auto full_v = [&](int s) { return bars + 8 * (2 + kStages + s); };
-  auto empty = [&](int s) { return bars + 8 * (2 + 2 * kStages + s); };
-  volatile int* tile_slot = reinterpret_cast<volatile int*>(smem + L::kBarriersOffset + 8 * (2 + 3 * kStages));
+  auto empty_k = [&](int s) { return bars + 8 * (2 + 2 * kStages + s); };
+  auto empty_v = [&](int s) { return bars + 8 * (2 + 3 * kStages + s); };
+  volatile int* tile_slot = reinterpret_cast<volatile int*>(smem + L::kBarriersOffset + 8 * (2 + 4 * kStages));
   if (tid == 0) {
     mbarrier_init(full_q, 1);
     // Every consumer thread arrives after its last read of Q and the slot (the slot: a generic load of
@@ -92,7 +97,8 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(full_k(s), 1);
       mbarrier_init(full_v(s), 1);
-      mbarrier_init(empty(s), L::kConsumers * 4);  // one arrive a consumer warp (K/V: wgmma reads only)
+      mbarrier_init(empty_k(s), L::kConsumers * 4);  // one arrive a consumer warp (K/V: wgmma reads only)
+      mbarrier_init(empty_v(s), L::kConsumers * 4);
     }
     fence_mbarrier_init();
   }
@@ -126,13 +132,14 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
           tma_load_4d(sQ + c * QTile::kPanelBytes, &tma.q, full_q, c * 64, blk.q_row0 + blk.m0, blk.h, batch);
         const int next = next_tile();  // its latency hides under the loads
         for (int nb = blk.n_begin; nb < blk.n_end; ++nb, ++kv) {
-          const int s = kv % kStages;
-          mbarrier_wait(empty(s), ((kv / kStages) & 1) ^ 1);
+          const int s = kv % kStages, parity = ((kv / kStages) & 1) ^ 1;
           const int row = blk.k_row0 + nb * kBlockN;
+          mbarrier_wait(empty_k(s), parity);
           mbarrier_arrive_expect_tx(full_k(s), Tr::kTileKVBytes);
 #pragma unroll
           for (int c = 0; c < L::kPanels; ++c)
             tma_load_4d(sK(s) + c * KVTile::kPanelBytes, &tma.k, full_k(s), c * 64, row, blk.hk, batch);
+          mbarrier_wait(empty_v(s), parity);
           mbarrier_arrive_expect_tx(full_v(s), Tr::kTileKVBytes);
 #pragma unroll
           for (int c = 0; c < L::kPanels; ++c)
@@ -161,10 +168,11 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
   auto turn_end = [&] {
     if (pingpong) named_barrier_arrive(kMyTurn + (cwg ^ 1), kThreads2);
   };
-  auto release = [&](int s) {  // this warp is done with stage s's K and V
+  auto release = [&](uint32_t empty_barrier) {  // this warp is done with a stage's K or V
     __syncwarp();
-    if (lane == 0) mbarrier_arrive(empty(s));
+    if (lane == 0) mbarrier_arrive(empty_barrier);
   };
+  const bool early_k = tma.early_k_release != 0;
   auto sV = [&](int s) { return sK(s) + Tr::kTileKVBytes; };
   if (pingpong && cwg == 1) named_barrier_arrive(kMyTurn + 0, kThreads2);
 
@@ -213,6 +221,7 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
         turn_end();
         wgmma_wait<0>();
         wgmma_fence_operands(sacc);
+        if (early_k) release(empty_k(stage(0)));
         softmax_tile(0, sacc);
       }
       for (int i = 1; i < n_tiles; ++i) {
@@ -230,7 +239,8 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
         wgmma_wait<0>();
         wgmma_fence_operands(sacc);
         wgmma_fence_operands(o);
-        release(s_prev);
+        release(empty_k(early_k ? s : s_prev));
+        release(empty_v(s_prev));
         softmax_tile(i, sacc);
       }
       if constexpr (L::kOwnOutputTile) mbarrier_arrive(empty_q);  // every S of the tile has run
@@ -241,7 +251,8 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
       turn_end();
       wgmma_wait<0>();
       wgmma_fence_operands(o);
-      release(s_last);
+      if (!early_k) release(empty_k(s_last));
+      release(empty_v(s_last));
     } else if constexpr (L::kOwnOutputTile) {
       mbarrier_arrive(empty_q);
     }
@@ -326,6 +337,7 @@ bool use_fwd_warpspec(const FwdParams& p, FwdTmaParams* tma) {
   using T = typename Tr::T;
   if (!tma_kernels_allowed()) return require_tma(false);
   tma->pingpong = env_flag("FUSEFORGE_ATTENTION_PINGPONG", true) ? 1 : 0;
+  tma->early_k_release = env_flag("FUSEFORGE_ATTENTION_EARLY_K_RELEASE", true) ? 1 : 0;
   tma->max_blocks = env_positive_int("FUSEFORGE_ATTENTION_FWD_BLOCKS", 0);
   return require_tma(
       encode_rows_map<T>(&tma->q, p, p.q, p.rows_q, p.heads_q, p.q_row_stride, p.q_head_stride, p.q_batch_stride,

@@ -359,11 +359,13 @@ def test_errors_cuda():
 
 
 # ---- the two sm_90 kernel sets: warp-specialized TMA (the default where TMA can describe the tensors;
-# FUSEFORGE_ATTENTION_TMA=1 makes that a requirement) and cp.async (=0); the forward's ping-pong knob;
+# FUSEFORGE_ATTENTION_TMA=1 makes that a requirement) and cp.async (=0); the forward's ping-pong knob
+# and its K/V release order;
 # its persistent grid at 3 blocks, so every block runs many tiles (with an SM each, the small cases
 # here would give most blocks one) --
 FORWARD_KERNELS = {"tma_pingpong": {"FUSEFORGE_ATTENTION_TMA": "1"},
                    "tma_no_pingpong": {"FUSEFORGE_ATTENTION_TMA": "1", "FUSEFORGE_ATTENTION_PINGPONG": "0"},
+                   "tma_late_k_release": {"FUSEFORGE_ATTENTION_TMA": "1", "FUSEFORGE_ATTENTION_EARLY_K_RELEASE": "0"},
                    "tma_3_blocks": {"FUSEFORGE_ATTENTION_TMA": "1", "FUSEFORGE_ATTENTION_FWD_BLOCKS": "3"},
                    "cp_async": {"FUSEFORGE_ATTENTION_TMA": "0"}}
 
