@@ -34,11 +34,14 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 LOG=logs_tmp
+# pack() runs after every step, not only at exit: a call cut short by the device's time limit keeps
+# what finished (on 2026-11-25 one that ran past it returned nothing of its tests and benchmarks).
 summary() { echo "$*" | tee -a "$LOG/summary.txt"; }
 pack() {
   tar czf "$OUT/logs.tgz" -C logs_tmp . 2>/dev/null
   [ -n "$(ls results_tmp 2>/dev/null)" ] && tar czf "$OUT/results.tgz" -C results_tmp .
   cp "$LOG/summary.txt" "$OUT/summary.txt" 2>/dev/null
+  return 0
 }
 trap pack EXIT
 
@@ -51,7 +54,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 t0=$(date +%s)
 MAX_JOBS=${MAX_JOBS:-16} python3 setup.py -q build_ext --inplace > "$LOG/build.log" 2>&1
 rc=$?
-summary "build: rc=$rc in $(( $(date +%s) - t0 )) s"
+summary "build: rc=$rc in $(( $(date +%s) - t0 )) s"; pack
 if [ $rc -ne 0 ]; then grep -E "error|Error" "$LOG/build.log" | head -40; exit 1; fi
 
 test_files=""
@@ -65,7 +68,7 @@ if [ $RUN_TESTS -eq 1 ] && [ -n "$test_files" ]; then
   t0=$(date +%s)
   python3 -m pytest -q -rs --timeout=600 $test_files ${TESTS:+-k "$TESTS"} > "$LOG/pytest.log" 2>&1
   rc=$?
-  summary "pytest: rc=$rc in $(( $(date +%s) - t0 )) s: $(tail -1 "$LOG/pytest.log")"
+  summary "pytest: rc=$rc in $(( $(date +%s) - t0 )) s: $(tail -1 "$LOG/pytest.log")"; pack
   [ $rc -ne 0 ] && grep -E "^(FAILED|ERROR)|Error|assert" "$LOG/pytest.log" | head -30
   if [ $rc -eq 139 ] || grep -q "Segmentation fault" "$LOG/pytest.log"; then
     grep -A3 "Current thread" "$LOG/pytest.log" | head -8
@@ -80,7 +83,7 @@ if [ $SANITIZE -eq 1 ] && [ -n "$test_files" ]; then
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool $tool --error-exitcode 99 \
       python3 -m pytest -q -x -m sanitize $test_files > "$LOG/sanitizer_$tool.log" 2>&1
     rc=$?
-    summary "compute-sanitizer $tool: rc=$rc in $(( $(date +%s) - t0 )) s: $(grep -E 'ERROR SUMMARY|passed|failed' "$LOG/sanitizer_$tool.log" | tail -2 | tr '\n' ' ')"
+    summary "compute-sanitizer $tool: rc=$rc in $(( $(date +%s) - t0 )) s: $(grep -E 'ERROR SUMMARY|passed|failed' "$LOG/sanitizer_$tool.log" | tail -2 | tr '\n' ' ')"; pack
   done
 fi
 
@@ -88,7 +91,7 @@ if [ $CPP -eq 1 ] && [ -z "$OPS" ]; then
   t0=$(date +%s)
   (cmake -S . -B build/cpp -G Ninja -DCMAKE_PREFIX_PATH="$(python3 -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')" \
      -DCMAKE_BUILD_TYPE=Release && cmake --build build/cpp -j 16 && ctest --test-dir build/cpp --output-on-failure) > "$LOG/ctest.log" 2>&1
-  summary "googletest: rc=$? in $(( $(date +%s) - t0 )) s: $(grep -E 'tests passed|tests failed' "$LOG/ctest.log" | tail -1)"
+  summary "googletest: rc=$? in $(( $(date +%s) - t0 )) s: $(grep -E 'tests passed|tests failed' "$LOG/ctest.log" | tail -1)"; pack
 fi
 
 if [ -n "$BENCH" ]; then
@@ -97,7 +100,7 @@ if [ -n "$BENCH" ]; then
     t0=$(date +%s)
     python3 benchmarks/bench_$b.py --out results_tmp $BENCH_ARGS > "$LOG/bench_$b.log" 2>&1
     rc=$?
-    summary "bench $b: rc=$rc in $(( $(date +%s) - t0 )) s"
+    summary "bench $b: rc=$rc in $(( $(date +%s) - t0 )) s"; pack
     [ -f results_tmp/$b.md ] && cat results_tmp/$b.md | tee -a "$LOG/summary.txt"
     [ $rc -ne 0 ] && tail -20 "$LOG/bench_$b.log"
   done
