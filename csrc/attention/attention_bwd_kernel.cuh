@@ -488,11 +488,13 @@ __device__ __forceinline__ void dkdv_wgmma_tile(const BwdParams& p, const Blk& b
 #pragma unroll
       for (int i = 0; i < 32; ++i) dq[i] = 0.f;
       wgmma_fence();
+      const uint32_t ds_base = sDs + ds_off, k_base = sK + (col0 >> 6) * KVTile::kPanelBytes;
+      const uint64_t ds_desc = wgmma_desc(ds_base, DsTile::kPanelBytes), k_desc = wgmma_desc(k_base, KVTile::kPanelBytes);
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk) {
         const uint32_t row_off = kk * 16 * 128;
-        wgmma_m64n64k16_ss<T, 1, 1>(dq, wgmma_desc(sDs + ds_off + row_off, DsTile::kPanelBytes),
-                                    wgmma_desc(sK + (col0 >> 6) * KVTile::kPanelBytes + row_off, KVTile::kPanelBytes));
+        wgmma_m64n64k16_ss<T, 1, 1>(dq, wgmma_desc_at(ds_desc, ds_base, row_off, DsTile::kPanelBytes),
+                                    wgmma_desc_at(k_desc, k_base, row_off, KVTile::kPanelBytes));
       }
       wgmma_commit();
       wgmma_wait<0>();
@@ -508,11 +510,13 @@ __device__ __forceinline__ void dkdv_wgmma_tile(const BwdParams& p, const Blk& b
 #pragma unroll
     for (int i = 0; i < 32; ++i) dq[i] = 0.f;
     wgmma_fence();
+    const uint32_t ds_base = sDs + (q0 >> 6) * DsTile::kPanelBytes, k_base = sK + (col0 >> 6) * KVTile::kPanelBytes;
+    const uint64_t ds_desc = wgmma_desc(ds_base, DsTile::kPanelBytes), k_desc = wgmma_desc(k_base, KVTile::kPanelBytes);
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
       const uint32_t row_off = kk * 16 * 128;
-      wgmma_m64n64k16_ss<T, 1, 1>(dq, wgmma_desc(sDs + (q0 >> 6) * DsTile::kPanelBytes + row_off, DsTile::kPanelBytes),
-                                  wgmma_desc(sK + (col0 >> 6) * KVTile::kPanelBytes + row_off, KVTile::kPanelBytes));
+      wgmma_m64n64k16_ss<T, 1, 1>(dq, wgmma_desc_at(ds_desc, ds_base, row_off, DsTile::kPanelBytes),
+                                  wgmma_desc_at(k_desc, k_base, row_off, KVTile::kPanelBytes));
     }
     wgmma_commit();
     wgmma_wait<0>();

@@ -38,12 +38,42 @@ struct PanelTile {
 //     1024 = one 8-row atom to the next. Start = row 0 of the operand + 2 bytes x k0 (k0 % 64).
 //   MN-major operand (rows of K, M/N along the row): leading offset = from one 64-element panel to
 //     the next, stride offset 1024 = 8 K rows to the next 8. Start = K row k0 of the first panel.
-__device__ __forceinline__ uint64_t wgmma_desc(uint32_t smem_address, uint32_t leading_bytes) {
+__host__ __device__ __forceinline__ constexpr uint64_t wgmma_desc(uint32_t smem_address, uint32_t leading_bytes) {
   return static_cast<uint64_t>((smem_address & 0x3FFFF) >> 4) |
          (static_cast<uint64_t>((leading_bytes >> 4) & 0x3FFF) << 16) | (static_cast<uint64_t>(1024 >> 4) << 32) |
          (static_cast<uint64_t>(1) << 62);
 }
 __device__ __forceinline__ uint64_t wgmma_desc_k_major(uint32_t smem_address) { return wgmma_desc(smem_address, 16); }
+
+// Experiment knob (compile time): 1 rebuilds every k-step's descriptor from its address (the code
+// before 2026-11-25's seventh session), for A/B timings against wgmma_desc_add.
+#ifndef FUSEFORGE_WGMMA_DESC_REBUILD
+#define FUSEFORGE_WGMMA_DESC_REBUILD 0
+#endif
+
+// The descriptor of address a + byte_offset from a's: shared-memory addresses are below 2^18 bytes,
+// so the 14-bit start field (address >> 4, bits 0-13) takes the offset without a carry and the
+// other fields stay. A product's k-steps add constants to one descriptor instead of rebuilding it
+// from the address: ~10 instructions a wgmma in the SASS (mask, shift, or, moves between register
+// files), about a fifth of the backward's instructions (ncu, docs/notes_attention.md).
+__host__ __device__ __forceinline__ constexpr uint64_t wgmma_desc_add(uint64_t desc, uint32_t byte_offset) {
+  const uint32_t start = static_cast<uint32_t>(desc) + (byte_offset >> 4);
+  return (desc & 0xFFFFFFFF00000000ull) | start;
+}
+static_assert(wgmma_desc_add(wgmma_desc(0x400, 16), 0x60) == wgmma_desc(0x460, 16) &&
+                  wgmma_desc_add(wgmma_desc(0x30400, 32768), 0x6000 + 0x380) == wgmma_desc(0x36780, 32768) &&
+                  wgmma_desc_add(wgmma_desc(0x1c400, 16384), 0x1ba00) == wgmma_desc(0x37e00, 16384),
+              "a descriptor plus an offset is the offset address's descriptor (addresses below 228 KB)");
+// wgmma_desc(base + byte_offset, leading_bytes), by wgmma_desc_add from base's descriptor (the
+// callers' offsets are compile-time constants after unrolling) or, with the knob, rebuilt.
+__device__ __forceinline__ uint64_t wgmma_desc_at(uint64_t base_desc, uint32_t base, uint32_t byte_offset,
+                                                  uint32_t leading_bytes) {
+#if FUSEFORGE_WGMMA_DESC_REBUILD
+  return wgmma_desc(base + byte_offset, leading_bytes);
+#else
+  return wgmma_desc_add(base_desc, byte_offset);
+#endif
+}
 
 #if FUSEFORGE_ATTENTION_WGMMA
 // Orders this thread's earlier register writes before the next wgmma reads them (accumulators, A).
@@ -138,13 +168,14 @@ __device__ __forceinline__ void wgmma_rs_mn_major(float (&d)[kN / 2], const uint
                                                   uint32_t panel_bytes) {
   static_assert(kN == 64 || kN == 128 || kN == 256, "m64n64k16 or m64n128k16 (twice for 256)");
   wgmma_fence();
+  const uint64_t desc_b0 = wgmma_desc(sB, panel_bytes);
 #pragma unroll
   for (int kk = 0; kk < kKSteps; ++kk) {
-    const uint64_t desc_b = wgmma_desc(sB + kk * 16 * 128, panel_bytes);
+    const uint64_t desc_b = wgmma_desc_at(desc_b0, sB, kk * 16 * 128, panel_bytes);
     if constexpr (kN == 256) {
       wgmma_m64n128k16_rs<T, 1>(reinterpret_cast<float(&)[64]>(d[0]), a[kk], desc_b);
       wgmma_m64n128k16_rs<T, 1>(reinterpret_cast<float(&)[64]>(d[64]), a[kk],
-                                wgmma_desc(sB + 2 * panel_bytes + kk * 16 * 128, panel_bytes));
+                                wgmma_desc_at(desc_b0, sB, 2 * panel_bytes + kk * 16 * 128, panel_bytes));
     } else if constexpr (kN == 128) {
       wgmma_m64n128k16_rs<T, 1>(d, a[kk], desc_b);
     } else {
@@ -162,10 +193,11 @@ template <typename T, int kN, int kKSteps>
 __device__ __forceinline__ void wgmma_ss_k_major(float (&d)[kN / 2], uint32_t sA, uint32_t a_panel_bytes, uint32_t sB,
                                                  uint32_t b_panel_bytes) {
   static_assert(kN == 64 || kN == 128, "m64n64k16 or m64n128k16");
+  const uint64_t desc_a0 = wgmma_desc_k_major(sA), desc_b0 = wgmma_desc_k_major(sB);
 #pragma unroll
   for (int ks = 0; ks < kKSteps; ++ks) {
-    const uint64_t desc_a = wgmma_desc_k_major(sA + (ks >> 2) * a_panel_bytes + (ks & 3) * 32);
-    const uint64_t desc_b = wgmma_desc_k_major(sB + (ks >> 2) * b_panel_bytes + (ks & 3) * 32);
+    const uint64_t desc_a = wgmma_desc_at(desc_a0, sA, (ks >> 2) * a_panel_bytes + (ks & 3) * 32, 16);
+    const uint64_t desc_b = wgmma_desc_at(desc_b0, sB, (ks >> 2) * b_panel_bytes + (ks & 3) * 32, 16);
     if constexpr (kN == 128) wgmma_m64n128k16_ss<T, 0, 0>(d, desc_a, desc_b);
     else wgmma_m64n64k16_ss<T, 0, 0>(d, desc_a, desc_b);
   }
