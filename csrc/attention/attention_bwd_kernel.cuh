@@ -548,11 +548,10 @@ __device__ __forceinline__ void attention_bwd_dkdv_wgmma_body(const BwdParams& p
                 "dQ splits one dimension in two");
   using KVTile = PanelTile<kBlockN>;
   using QTile = PanelTile<kBlockM>;
-  // The warp index shuffled from lane 0, so ptxas knows it is warp-uniform and builds the wgmma
-  // descriptors in uniform registers (head dim 64: 40-120 fewer SASS instructions a kernel, 2
-  // injected warpgroup arrives and most spills gone). Not at 256, where it added spills.
+  // uniform_warp_index: at head dim 64 0-120 fewer SASS instructions a kernel, two injected
+  // warpgroup arrives and most spills gone; not at 256, where it added spills.
   const int tid = threadIdx.x, lane = tid & 31;
-  const int warp = Tr::kSplitCols ? tid >> 5 : __shfl_sync(0xffffffff, tid >> 5, 0);
+  const int warp = Tr::kSplitCols ? tid >> 5 : uniform_warp_index();
   const KeyBlock<kBlockM, kBlockN, kMask, kVarlen> blk(p);
   if (blk.rows_k <= 0) return;  // past its sequence (varlen)
   const int hk = blk.hk, b = blk.b, n0 = blk.n0, rows_k = blk.rows_k, iterations = blk.iterations;

@@ -77,7 +77,7 @@ __device__ __forceinline__ void attention_bwd_dkdv_warpspec_body(const BwdParams
   static_assert((kD == 128 && kBlockM == 64) || (kD == 64 && kBlockM == 128), "dQ splits one dimension in two");
   using KVTile = PanelTile<kBlockN>;
   using QTile = PanelTile<kBlockM>;
-  const int tid = threadIdx.x, lane = tid & 31, warp = __shfl_sync(0xffffffff, tid >> 5, 0);  // shuffled: known warp-uniform
+  const int tid = threadIdx.x, lane = tid & 31, warp = uniform_warp_index();
   const KeyBlock<kBlockM, kBlockN, kMask, kVarlen> blk(p);
   if (blk.rows_k <= 0) return;  // past its sequence (varlen): the whole block leaves before any barrier
   const int iterations = blk.iterations;

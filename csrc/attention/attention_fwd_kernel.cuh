@@ -393,7 +393,7 @@ __device__ __forceinline__ void attention_fwd_wgmma_body(const FwdParams& p) {
   static_assert(wgmma_fwd_tile_supported<Tr>(), "a key-tile / head-dim pair the wgmma forward bodies take");
   using QTile = PanelTile<kBlockM>;
   using KVTile = PanelTile<kBlockN>;
-  const int tid = threadIdx.x, lane = tid & 31, warp = __shfl_sync(0xffffffff, tid >> 5, 0), wg = warp >> 2;  // shuffled: known warp-uniform
+  const int tid = threadIdx.x, lane = tid & 31, warp = uniform_warp_index(), wg = warp >> 2;
   const QueryBlock<T, kBlockM, kBlockN, kMask, kVarlen> blk(p);
   if (blk.rows_q <= 0) return;  // past its sequence (varlen)
   const int m0 = blk.m0, rows_q = blk.rows_q, offset = blk.offset, seqlen_k = blk.seqlen_k, n_begin = blk.n_begin,

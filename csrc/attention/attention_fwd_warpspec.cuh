@@ -73,7 +73,7 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
   static_assert(wgmma_fwd_tile_supported<Tr>(), "a key-tile / head-dim pair the wgmma forward bodies take");
   using QTile = PanelTile<kBlockM>;
   using KVTile = PanelTile<kBlockN>;
-  const int tid = threadIdx.x, lane = tid & 31, warp = __shfl_sync(0xffffffff, tid >> 5, 0), wg = warp >> 2;  // shuffled: known warp-uniform
+  const int tid = threadIdx.x, lane = tid & 31, warp = uniform_warp_index(), wg = warp >> 2;
   auto block_of = [&](int tile) {
     const int m = tile % tma.m_blocks, bh = tile / tma.m_blocks;
     return Block(p, tma.m_blocks - 1 - m, bh % p.heads_q, bh / p.heads_q);

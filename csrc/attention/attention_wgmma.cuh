@@ -45,11 +45,24 @@ __host__ __device__ __forceinline__ constexpr uint64_t wgmma_desc(uint32_t smem_
 }
 __device__ __forceinline__ uint64_t wgmma_desc_k_major(uint32_t smem_address) { return wgmma_desc(smem_address, 16); }
 
-// Experiment knob (compile time): 1 rebuilds every k-step's descriptor from its address (the code
-// before 2026-11-25's seventh session), for A/B timings against wgmma_desc_add.
+// Experiment knob (compile time): 1 restores the descriptor code before 2026-11-25's seventh session
+// (every k-step's descriptor rebuilt from its address, from a warp index ptxas does not know is
+// warp-uniform), for A/B timings against wgmma_desc_add and uniform_warp_index.
 #ifndef FUSEFORGE_WGMMA_DESC_REBUILD
 #define FUSEFORGE_WGMMA_DESC_REBUILD 0
 #endif
+
+// The thread's warp in the block, shuffled from lane 0: ptxas then knows it is warp-uniform and keeps
+// what is derived from it (the warpgroup's tile offsets, so the wgmma descriptors) in uniform
+// registers, without a move from the vector registers before every wgmma (R2UR: 59 -> 10 in the
+// dk/dv warp-specialized kernel). Call it where every lane of the warp is active.
+__device__ __forceinline__ int uniform_warp_index() {
+#if FUSEFORGE_WGMMA_DESC_REBUILD
+  return static_cast<int>(threadIdx.x) >> 5;
+#else
+  return __shfl_sync(0xffffffff, static_cast<int>(threadIdx.x >> 5), 0);
+#endif
+}
 
 // The descriptor of address a + byte_offset from a's: shared-memory addresses are below 2^18 bytes,
 // so the 14-bit start field (address >> 4, bits 0-13) takes the offset without a carry and the
