@@ -45,7 +45,7 @@ __host__ __device__ __forceinline__ constexpr uint64_t wgmma_desc(uint32_t smem_
 }
 __device__ __forceinline__ uint64_t wgmma_desc_k_major(uint32_t smem_address) { return wgmma_desc(smem_address, 16); }
 
-// Experiment knob (compile time): 1 restores the descriptor code before 2026-11-25's seventh session
+// Experiment knob (compile time): 1 restores the descriptor code of bb579b9
 // (every k-step's descriptor rebuilt from its address, from a warp index ptxas does not know is
 // warp-uniform), for A/B timings against wgmma_desc_add and uniform_warp_index.
 #ifndef FUSEFORGE_WGMMA_DESC_REBUILD
