@@ -7,7 +7,7 @@
 #                             built once with $BASE_FLAGS, when
 #                             the spec has no nvcc flags)
 #   spec "" (name:)           the shared build as it is
-# Env: CASES (the benchmark's --cases), IMPLS (its --impls; default fuseforge), BASE_FLAGS,
+# Env: CASES (the benchmark's --cases), IMPLS (its --impls; default fuseforge), BASE_FLAGS, BENCH_TIMEOUT,
 # BUILD_ONLY=1 (build every variant's library, in parallel, and time nothing; a later call reuses
 # the builds under /tmp/tune/OP), PRINT_LIBS=1 (print each variant's built library, build nothing).
 # Prints each variant's rows of benchmarks/bench_OP.py's table.
@@ -62,7 +62,8 @@ for variant in "$@"; do
   fi
   echo "== $OP $name (${spec:-as built})"
   cases=(); [ -n "${CASES:-}" ] && cases=(--cases "$CASES")
-  env $envs FUSEFORGE_EXTENSION="$lib" python3 benchmarks/bench_$OP.py "${cases[@]}" --impls "$IMPLS" \
+  # A hung variant (a new kernel's barriers) costs BENCH_TIMEOUT seconds, not the device call.
+  env $envs FUSEFORGE_EXTENSION="$lib" timeout -s INT "${BENCH_TIMEOUT:-240}" python3 benchmarks/bench_$OP.py "${cases[@]}" --impls "$IMPLS" \
     --no-memory --out /tmp/tune/$OP/res_$name > "$LOGS/bench_${OP}_$name.log" 2>&1 \
     || { tail -5 "$LOGS/bench_${OP}_$name.log"; continue; }
   grep -E "^\| [^c-]" /tmp/tune/$OP/res_$name/$OP.md | awk -F'|' '{print $2,$3,$4,$5,$6}'

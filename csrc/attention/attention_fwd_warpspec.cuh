@@ -13,6 +13,8 @@
 // The mma.sync/cp.async forward (attention_fwd_kernel.cuh) remains for shapes TMA cannot describe
 // (strides or addresses not multiples of 16 bytes) and for FUSEFORGE_ATTENTION_TMA=0.
 #pragma once
+#include <type_traits>
+
 #include "attention/attention_fwd_kernel.cuh"
 #include "common/env.h"
 #include "common/tma.cuh"
@@ -29,6 +31,19 @@ struct FwdTmaParams {
   int early_k_release = 1;  // 0: K(i) freed with V(i), after P(i) V(i) (the schedule before; A/B timings)
   int m_blocks = 0, num_tiles = 0;
   int64_t max_blocks = 0;  // host only: FUSEFORGE_ATTENTION_FWD_BLOCKS (0: one an SM)
+};
+
+// Experiment knob (compile time): 1 runs head dim 64's warp-specialized forward with three consumer
+// warpgroups (192-row query tiles, FlashAttention-3's shape there), so two warpgroups' products cover
+// one's softmax; the cp.async kernel keeps 128 rows. Off until timed on a GPU.
+#ifndef FUSEFORGE_ATTN_FWD_D64_3WG
+#define FUSEFORGE_ATTN_FWD_D64_3WG 0
+#endif
+// The traits of the warp-specialized forward for a launch shape Tr (the cp.async kernel's).
+template <class Tr>
+struct WarpSpecFwdTraits {
+  using type = std::conditional_t<FUSEFORGE_ATTN_FWD_D64_3WG && Tr::kHeadDim == 64,
+                                  FwdTraits<typename Tr::T, 64, 192, Tr::kBlockN, 12, Tr::kPadHeadDim>, Tr>;
 };
 
 template <class Tr>
@@ -51,9 +66,11 @@ struct WarpSpecFwdLayout {
   static constexpr int kSmemBytes = 1024 + kBarriersOffset + kBarrierBytes;
   static_assert(kSmemBytes <= 227 * 1024, "fits an H100 SM's shared memory");
   // The block starts with 384 x 168; the consumers' increase comes out of what the producer gives back.
-  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
-  static_assert(kConsumers == 2, "register split written for two consumer warpgroups");
-  static_assert(128 * kProducerRegs + kConsumerThreads * kConsumerRegs <= kThreads * 168, "register pool");
+  // The block starts with 65536 / kThreads registers a thread (168 for 384 threads, 128 for 512).
+  static constexpr int kProducerRegs = kConsumers == 2 ? 24 : 32, kConsumerRegs = kConsumers == 2 ? 240 : 160;
+  static_assert(kConsumers == 2 || kConsumers == 3, "register split written for two or three consumer warpgroups");
+  static_assert(128 * kProducerRegs + kConsumerThreads * kConsumerRegs <= kThreads * (65536 / kThreads / 8 * 8),
+                "register pool");
 };
 
 #if FUSEFORGE_ATTENTION_WGMMA
@@ -69,7 +86,7 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
   using L = WarpSpecFwdLayout<Tr>;
   using Block = QueryBlock<T, Tr::kBlockM, Tr::kBlockN, kMask, kVarlen>;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kD = Tr::kHeadDim, kStages = L::kStages;
-  static_assert(kBlockM == 128, "two consumer warpgroups of 64 rows");
+  static_assert(kBlockM == 128 || kBlockM == 192, "two or three consumer warpgroups of 64 rows");
   static_assert(wgmma_fwd_tile_supported<Tr>(), "a key-tile / head-dim pair the wgmma forward bodies take");
   using QTile = PanelTile<kBlockM>;
   using KVTile = PanelTile<kBlockN>;
@@ -153,20 +170,25 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
   }
 
   setmaxnreg_inc<L::kConsumerRegs>();
-  const int cwarp = warp - 4, cwg = cwarp >> 2;  // consumer warp 0..7, warpgroup 0..1
+  const int cwarp = warp - 4, cwg = cwarp >> 2;  // consumer warp and warpgroup (0..kConsumers - 1)
   const int warp_row0 = cwarp * 16;
   const uint32_t wg_rows = cwg * 64 * 128;  // byte offset of the warpgroup's first row in a Q panel
   const float scale_log2 = p.scale_log2;
   const bool pingpong = tma.pingpong != 0;
-  constexpr int kMyTurn = 2, kThreads2 = L::kConsumerThreads;  // named barriers 2, 3: "warpgroup g may issue"
-  // Ping-pong: warpgroup g issues its products between a sync on barrier kMyTurn + g and an arrive
-  // on the other's. Warpgroup 1 lets 0 go first, and 0 takes 1's last arrive before leaving, so the
-  // counts match over any number of tiles.
+  // Named barriers 2.. (one a consumer warpgroup, "warpgroup g may issue", 256 threads: g and the one
+  // before it) and 1 (all consumers).
+  constexpr int kMyTurn = 2, kThreads2 = L::kConsumerThreads, kTurnThreads = 256;
+  // Ping-pong (round robin with three): warpgroup g issues its products between a sync on barrier
+  // kMyTurn + g and an arrive on the next one's. The last warpgroup lets 0 go first, and 0 takes the
+  // last one's last arrive before leaving, so the counts match over any number of tiles; a
+  // warpgroup cannot arrive twice on a barrier before its owner has synced on it (its next turn needs
+  // the owner's turn first).
   auto turn_begin = [&] {
-    if (pingpong) named_barrier_sync(kMyTurn + cwg, kThreads2);
+    if (pingpong) named_barrier_sync(kMyTurn + cwg, kTurnThreads);
   };
   auto turn_end = [&] {
-    if (pingpong) named_barrier_arrive(kMyTurn + (cwg ^ 1), kThreads2);
+    const int next = L::kConsumers == 2 ? cwg ^ 1 : (cwg + 1 == L::kConsumers ? 0 : cwg + 1);
+    if (pingpong) named_barrier_arrive(kMyTurn + next, kTurnThreads);
   };
   auto release = [&](uint32_t empty_barrier) {  // this warp is done with a stage's K or V
     __syncwarp();
@@ -174,7 +196,7 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
   };
   const bool early_k = tma.early_k_release != 0;
   auto sV = [&](int s) { return sK(s) + Tr::kTileKVBytes; };
-  if (pingpong && cwg == 1) named_barrier_arrive(kMyTurn + 0, kThreads2);
+  if (pingpong && cwg == L::kConsumers - 1) named_barrier_arrive(kMyTurn + 0, kTurnThreads);
 
   for (int j = 0, kv = 0;; ++j) {
     mbarrier_wait(full_q, j & 1);
@@ -269,7 +291,7 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
                          valid_head_dim<Tr>(p), lane);
     if constexpr (!L::kOwnOutputTile) mbarrier_arrive(empty_q);  // the staging rows are read
   }
-  if (pingpong && cwg == 0) named_barrier_sync(kMyTurn + 0, kThreads2);  // warpgroup 1's last arrive
+  if (pingpong && cwg == 0) named_barrier_sync(kMyTurn + 0, kTurnThreads);  // the last warpgroup's last arrive
 }
 #endif  // FUSEFORGE_ATTENTION_WGMMA
 
@@ -353,23 +375,25 @@ bool use_fwd_warpspec(const FwdParams& p, FwdTmaParams* tma) {
 // caller), else the cp.async one (a block a tile).
 template <class Tr, bool kSoftcap>
 void launch_attention_fwd(const FwdParams& params, bool local) {
+  using WsTr = typename WarpSpecFwdTraits<Tr>::type;
   const dim3 grid(static_cast<unsigned>((params.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM),
                   static_cast<unsigned>(params.heads_q), static_cast<unsigned>(params.batch));
   FwdTmaParams tma;
-  const bool warpspec = use_fwd_warpspec<Tr>(params, &tma);
-  const int64_t tiles = static_cast<int64_t>(grid.x) * grid.y * grid.z;
-  TORCH_CHECK(!warpspec || tiles < (int64_t{1} << 31) - 1024, "attention: ", tiles,
-              " query tiles of 128 rows; at most 2^31 - 1024 (batch * heads * query blocks)");
-  tma.m_blocks = static_cast<int>(grid.x);
+  const bool warpspec = use_fwd_warpspec<WsTr>(params, &tma);
+  const int64_t m_blocks = (params.seqlen_q + WsTr::kBlockM - 1) / WsTr::kBlockM;
+  const int64_t tiles = m_blocks * grid.y * grid.z;
+  TORCH_CHECK(!warpspec || tiles < (int64_t{1} << 31) - 1024, "attention: ", tiles, " query tiles of ",
+              WsTr::kBlockM, " rows; at most 2^31 - 1024 (batch * heads * query blocks)");
+  tma.m_blocks = static_cast<int>(m_blocks);
   tma.num_tiles = static_cast<int>(tiles);
   dispatch_mask_varlen(params, local, [&]<int kMask, bool kVarlen>() {
     if (warpspec) {
-      using L = WarpSpecFwdLayout<Tr>;
+      using L = WarpSpecFwdLayout<WsTr>;
       // One block an SM. FUSEFORGE_ATTENTION_FWD_BLOCKS=n: at most n (tests give a few blocks many
       // tiles; n >= the tiles is one block a tile, each finding none left after its own: A/B timings).
       const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
       const dim3 blocks(static_cast<unsigned>(std::min(tiles, tma.max_blocks > 0 ? tma.max_blocks : sms)));
-      launch_kernel(attention_fwd_warpspec_kernel<Tr, kMask, kSoftcap, kVarlen>, blocks, dim3(L::kThreads),
+      launch_kernel(attention_fwd_warpspec_kernel<WsTr, kMask, kSoftcap, kVarlen>, blocks, dim3(L::kThreads),
                     L::kSmemBytes, params, tma);
     } else {
       launch_kernel(attention_fwd_kernel<Tr, kMask, kSoftcap, kVarlen>, grid, dim3(Tr::kThreads), Tr::kSmemBytes,
