@@ -63,7 +63,7 @@ for variant in "$@"; do
   echo "== $OP $name (${spec:-as built})"
   cases=(); [ -n "${CASES:-}" ] && cases=(--cases "$CASES")
   # A hung variant (a new kernel's barriers) costs BENCH_TIMEOUT seconds, not the device call.
-  env $envs FUSEFORGE_EXTENSION="$lib" timeout -s INT "${BENCH_TIMEOUT:-240}" python3 benchmarks/bench_$OP.py "${cases[@]}" --impls "$IMPLS" \
+  env $envs FUSEFORGE_EXTENSION="$lib" timeout -s INT -k 20 "${BENCH_TIMEOUT:-240}" python3 benchmarks/bench_$OP.py "${cases[@]}" --impls "$IMPLS" \
     --no-memory --out /tmp/tune/$OP/res_$name > "$LOGS/bench_${OP}_$name.log" 2>&1 \
     || { tail -5 "$LOGS/bench_${OP}_$name.log"; continue; }
   grep -E "^\| [^c-]" /tmp/tune/$OP/res_$name/$OP.md | awk -F'|' '{print $2,$3,$4,$5,$6}'

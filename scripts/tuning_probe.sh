@@ -63,7 +63,7 @@ has e2e && { MAX_JOBS=8 python3 setup.py -q build_ext --inplace > /tmp/tune/logs
 wait "${pids[@]}"
 echo "== builds: $(( $(date +%s) - t0 )) s"
 lib() { ls /tmp/tune/$1/$2/lib/fuseforge/_C*.so; }
-pt() { timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -x -p no:cacheprovider ${TEST_K:+-k "$TEST_K"} "$@" 2>&1 | tail -2; }
+pt() { timeout -k 20 ${TEST_TIMEOUT:-300} python3 -m pytest -q -x -p no:cacheprovider ${TEST_K:+-k "$TEST_K"} "$@" 2>&1 | tail -2; }
 if has time; then
 echo "== timings ($(( $(date +%s) - t0 )) s)"
 op adamw && CASES=llama1b IMPLS=fuseforge,torch_fused bash $T adamw "${ADAMW[@]}"
