@@ -39,31 +39,8 @@ def adamw(case, kind):
         opt.step()
 
 
-def attention(case, impl):
-    """Forward + backward of one attention benchmark case (bench_attention.py's shapes), by one impl."""
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from bench_attention import parse
-    d, s, causal = parse(case)
-    b, h = 32768 // s, 2048 // d
-    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    g = torch.randn_like(q)
-    for _ in range(CALLS):
-        if impl == "fuseforge":
-            out = fuseforge.attention(q, k, v, causal=causal)
-        else:
-            with sdpa_kernel({"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}[impl]):
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        torch.autograd.grad(out, (q, k, v), g)
-
-
-def attention_kernels(case, impl):
-    """Prints "fwd NAME" and "bwd NAME": the kernel with the most device time in one forward and in
-    one backward of the case (profiled after a warm-up call), for picking kernels to ncu."""
-    from torch.profiler import ProfilerActivity, profile
-    global CALLS
-    CALLS = 1
-    attention(case, impl)  # warm-up: builds cuDNN's graphs outside the profile
+def attention_case(case, impl):
+    """q, k, v of one attention benchmark case (bench_attention.py's shapes) and a forward by one impl."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from bench_attention import parse
@@ -77,6 +54,24 @@ def attention_kernels(case, impl):
         with sdpa_kernel({"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}[impl]):
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
+    return (q, k, v), forward
+
+
+def attention(case, impl):
+    """Forward + backward of one attention benchmark case, by one impl."""
+    qkv, forward = attention_case(case, impl)
+    g = torch.randn_like(qkv[0])
+    for _ in range(CALLS):
+        torch.autograd.grad(forward(), qkv, g)
+
+
+def attention_kernels(case, impl):
+    """Prints "fwd NAME" and "bwd NAME": the kernel with the most device time in one forward and in
+    one backward of the case (profiled after a warm-up call), for picking kernels to ncu."""
+    from torch.profiler import ProfilerActivity, profile
+    qkv, forward = attention_case(case, impl)
+    torch.autograd.grad(forward(), qkv, torch.randn_like(qkv[0]))  # warm-up: cuDNN builds its graphs here
+
     def longest(fn):
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -86,7 +81,7 @@ def attention_kernels(case, impl):
         return max(events, key=lambda e: e.self_device_time_total).key, result
 
     fwd_name, out = longest(forward)
-    bwd_name, _ = longest(lambda: torch.autograd.grad(out, (q, k, v), torch.randn_like(out)))
+    bwd_name, _ = longest(lambda: torch.autograd.grad(out, qkv, torch.randn_like(out)))
     print("fwd", fwd_name.replace(" ", "_"))
     print("bwd", bwd_name.replace(" ", "_"))
 
