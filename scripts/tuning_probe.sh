@@ -20,7 +20,8 @@
 #    GPU tests of each candidate (TEST_K, default "cuda"); then ncu of each impl's longest forward
 #    and backward kernel (ATTN_NCU_IMPLS, default fuseforge and sdpa_cudnn) on one benchmark case
 #    (ATTN_CASE): pipe and shared-memory use, stalls (ATTN_NCU=0 skips it; ATTN_NCU_SOURCE=1 prints
-#    instead where the stall samples sit, by SASS instruction: scripts/ncu_sass_hotspots.py). Two attention builds in parallel take ~4 min.
+#    instead where the stall samples sit, by SASS instruction: scripts/ncu_sass_hotspots.py). Two
+#    attention builds in parallel take ~4 min.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"

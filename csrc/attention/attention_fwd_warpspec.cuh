@@ -65,8 +65,8 @@ struct WarpSpecFwdLayout {
   static constexpr int kBarriersOffset = kKVOffset + kStages * 2 * Tr::kTileKVBytes + (kOwnOutputTile ? Tr::kTileQBytes : 0);
   static constexpr int kSmemBytes = 1024 + kBarriersOffset + kBarrierBytes;
   static_assert(kSmemBytes <= 227 * 1024, "fits an H100 SM's shared memory");
-  // The block starts with 384 x 168; the consumers' increase comes out of what the producer gives back.
-  // The block starts with 65536 / kThreads registers a thread (168 for 384 threads, 128 for 512).
+  // The block starts with 65536 / kThreads registers a thread (168 for 384 threads, 128 for 512); the
+  // consumers' increase comes out of what the producer gives back.
   static constexpr int kProducerRegs = kConsumers == 2 ? 24 : 32, kConsumerRegs = kConsumers == 2 ? 240 : 160;
   static_assert(kConsumers == 2 || kConsumers == 3, "register split written for two or three consumer warpgroups");
   static_assert(128 * kProducerRegs + kConsumerThreads * kConsumerRegs <= kThreads * (65536 / kThreads / 8 * 8),
