@@ -38,11 +38,10 @@ LCE=(default:)
 ADAMW=(c16k:)
 # Attention: FA3's dK-after-dQ order and D64's warp-specialized backward lost on 2026-11-25
 # (docs/notes_attention.md); add "name:-DKNOB=1" entries for the next candidates. Queued at the
-# eighth session's end: the descriptor code of bb579b9 (not yet timed against fdf238f / 6403097), the
-# forward's K freed with V (timed: 6-9% slower at D128) and head dim 64's forward with three consumer
-# warpgroups (never run: keep TEST_TIMEOUT short in case it hangs).
-ATTN=(default: desc_rebuild:-DFUSEFORGE_WGMMA_DESC_REBUILD=1 late_k:FUSEFORGE_ATTENTION_EARLY_K_RELEASE=0
-      d64_3wg:-DFUSEFORGE_ATTN_FWD_D64_3WG=1)
+# eighth session's end: the descriptor code of bb579b9 (not yet timed against fdf238f / 6403097) and
+# head dim 64's forward with three consumer warpgroups (never run: keep TEST_TIMEOUT short in case
+# it hangs). The forward's K freed with V (FUSEFORGE_ATTENTION_EARLY_K_RELEASE=0) timed 6-9% slower.
+ATTN=(default: desc_rebuild:-DFUSEFORGE_WGMMA_DESC_REBUILD=1 d64_3wg:-DFUSEFORGE_ATTN_FWD_D64_3WG=1)
 PARTS=${PARTS:-build tests time profile e2e lce}
 OPS=${OPS-adamw add_mul_act}
 has() { [[ " $PARTS " == *" $1 "* ]]; }
@@ -107,7 +106,10 @@ echo "== attention timings ($(( $(date +%s) - t0 )) s)"
 CASES=${ATTN_CASES:-D64/S16384,D128/S16384} IMPLS=fuseforge bash $T attention "${ATTN[@]}"
 declare -A tested=()
 while read -r name so; do
-  [ "$name" = default ] || [ -n "${tested[$so]:-}" ] || [ "$so" = "$(lib attention shared)" ] && continue
+  # ATTN_TEST: the variants whose builds are tested (default: every candidate, not the default)
+  if [ -n "${ATTN_TEST:-}" ]; then [[ " $ATTN_TEST " == *" $name "* ]] || continue
+  else [ "$name" = default ] || [ "$so" = "$(lib attention shared)" ] && continue; fi
+  [ -n "${tested[$so]:-}" ] && continue
   tested[$so]=1
   echo "== attention GPU tests, $name ($(( $(date +%s) - t0 )) s)"
   FUSEFORGE_EXTENSION=$so TEST_K=${TEST_K:-cuda} pt tests/python/test_attention.py < /dev/null
