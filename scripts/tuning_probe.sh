@@ -36,12 +36,10 @@ T=scripts/tune_variants.sh
 AMA=(default:)
 LCE=(default:)
 ADAMW=(c16k:)
-# Attention: FA3's dK-after-dQ order and D64's warp-specialized backward lost on 2026-11-25
-# (docs/notes_attention.md); add "name:-DKNOB=1" entries for the next candidates. Queued at the
-# eighth session's end: the descriptor code of bb579b9 (not yet timed against fdf238f / 6403097) and
-# head dim 64's forward with three consumer warpgroups (never run: keep TEST_TIMEOUT short in case
-# it hangs). The forward's K freed with V (FUSEFORGE_ATTENTION_EARLY_K_RELEASE=0) timed 6-9% slower.
-ATTN=(default: desc_rebuild:-DFUSEFORGE_WGMMA_DESC_REBUILD=1 d64_3wg:-DFUSEFORGE_ATTN_FWD_D64_3WG=1)
+# Attention: FA3's dK-after-dQ order, D64's warp-specialized backward and the forward's K freed with
+# V lost; the wgmma descriptor arithmetic and D64's three-warpgroup forward won and are the code
+# (docs/notes_attention.md). Add "name:-DKNOB=1" entries for the next candidates.
+ATTN=(default:)
 PARTS=${PARTS:-build tests time profile e2e lce}
 OPS=${OPS-adamw add_mul_act}
 has() { [[ " $PARTS " == *" $1 "* ]]; }

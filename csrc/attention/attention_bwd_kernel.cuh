@@ -493,8 +493,8 @@ __device__ __forceinline__ void dkdv_wgmma_tile(const BwdParams& p, const Blk& b
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk) {
         const uint32_t row_off = kk * 16 * 128;
-        wgmma_m64n64k16_ss<T, 1, 1>(dq, wgmma_desc_at(ds_desc, ds_base, row_off, DsTile::kPanelBytes),
-                                    wgmma_desc_at(k_desc, k_base, row_off, KVTile::kPanelBytes));
+        wgmma_m64n64k16_ss<T, 1, 1>(dq, wgmma_desc_add(ds_desc, row_off),
+                                    wgmma_desc_add(k_desc, row_off));
       }
       wgmma_commit();
       wgmma_wait<0>();
@@ -515,8 +515,8 @@ __device__ __forceinline__ void dkdv_wgmma_tile(const BwdParams& p, const Blk& b
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
       const uint32_t row_off = kk * 16 * 128;
-      wgmma_m64n64k16_ss<T, 1, 1>(dq, wgmma_desc_at(ds_desc, ds_base, row_off, DsTile::kPanelBytes),
-                                  wgmma_desc_at(k_desc, k_base, row_off, KVTile::kPanelBytes));
+      wgmma_m64n64k16_ss<T, 1, 1>(dq, wgmma_desc_add(ds_desc, row_off),
+                                  wgmma_desc_add(k_desc, row_off));
     }
     wgmma_commit();
     wgmma_wait<0>();

@@ -1,9 +1,9 @@
 // Attention forward for sm_90a, warp-specialized (FlashAttention-3's structure, our code): a
 // producer warpgroup issues TMA copies of Q and a 2-stage ring of K/V tiles, tracked by mbarriers,
-// and gives its registers to two consumer warpgroups (setmaxnreg) that run wgmma and the online
-// softmax on 64 query rows each. No block-wide barrier per key tile: a consumer waits only for the
+// and gives its registers to the consumer warpgroups (setmaxnreg; two, three at head dim 64) that run
+// wgmma and the online softmax on 64 query rows each. No block-wide barrier per key tile: a consumer waits only for the
 // stage it reads, and frees it with one arrive a warp. Optionally the consumers ping-pong (named
-// barriers): one warpgroup issues its products while the other runs its softmax.
+// barriers): one warpgroup issues its products while another runs its softmax.
 //
 // A consumer warpgroup over key tiles 0..n-1: S(0), softmax(0); for each i >= 1 the products S(i)
 // and O += P(i-1) V(i-1) issued together, then softmax(i); last, O += P(n-1) V(n-1). K and V of a
@@ -33,16 +33,14 @@ struct FwdTmaParams {
   int64_t max_blocks = 0;  // host only: FUSEFORGE_ATTENTION_FWD_BLOCKS (0: one an SM)
 };
 
-// Experiment knob (compile time): 1 runs head dim 64's warp-specialized forward with three consumer
-// warpgroups (192-row query tiles, FlashAttention-3's shape there), so two warpgroups' products cover
-// one's softmax; the cp.async kernel keeps 128 rows. Off until timed on a GPU.
-#ifndef FUSEFORGE_ATTN_FWD_D64_3WG
-#define FUSEFORGE_ATTN_FWD_D64_3WG 0
-#endif
-// The traits of the warp-specialized forward for a launch shape Tr (the cp.async kernel's).
+// The traits of the warp-specialized forward for a launch shape Tr (the cp.async kernel's). Head
+// dim 64 runs three consumer warpgroups on 192-row query tiles (FlashAttention-3's shape there): two
+// warpgroups' products cover one's softmax, which at head dim 64 is as long as its products (H100,
+// 2026-11-25: forward 9.97 -> 8.38 ms at S16384, 2.60 -> 2.29 at S4096; docs/notes_attention.md).
+// The cp.async kernel keeps 128 rows.
 template <class Tr>
 struct WarpSpecFwdTraits {
-  using type = std::conditional_t<FUSEFORGE_ATTN_FWD_D64_3WG && Tr::kHeadDim == 64,
+  using type = std::conditional_t<Tr::kHeadDim == 64,
                                   FwdTraits<typename Tr::T, 64, 192, Tr::kBlockN, 12, Tr::kPadHeadDim>, Tr>;
 };
 

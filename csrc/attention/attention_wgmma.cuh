@@ -45,23 +45,12 @@ __host__ __device__ __forceinline__ constexpr uint64_t wgmma_desc(uint32_t smem_
 }
 __device__ __forceinline__ uint64_t wgmma_desc_k_major(uint32_t smem_address) { return wgmma_desc(smem_address, 16); }
 
-// Experiment knob (compile time): 1 restores the descriptor code of bb579b9
-// (every k-step's descriptor rebuilt from its address, from a warp index ptxas does not know is
-// warp-uniform), for A/B timings against wgmma_desc_add and uniform_warp_index.
-#ifndef FUSEFORGE_WGMMA_DESC_REBUILD
-#define FUSEFORGE_WGMMA_DESC_REBUILD 0
-#endif
-
 // The thread's warp in the block, shuffled from lane 0: ptxas then knows it is warp-uniform and keeps
 // what is derived from it (the warpgroup's tile offsets, so the wgmma descriptors) in uniform
 // registers, without a move from the vector registers before every wgmma (R2UR: 59 -> 10 in the
 // dk/dv warp-specialized kernel). Call it where every lane of the warp is active.
 __device__ __forceinline__ int uniform_warp_index() {
-#if FUSEFORGE_WGMMA_DESC_REBUILD
-  return static_cast<int>(threadIdx.x) >> 5;
-#else
   return __shfl_sync(0xffffffff, static_cast<int>(threadIdx.x >> 5), 0);
-#endif
 }
 
 // The descriptor of address a + byte_offset from a's: shared-memory addresses are below 2^18 bytes,
@@ -77,16 +66,6 @@ static_assert(wgmma_desc_add(wgmma_desc(0x400, 16), 0x60) == wgmma_desc(0x460, 1
                   wgmma_desc_add(wgmma_desc(0x30400, 32768), 0x6000 + 0x380) == wgmma_desc(0x36780, 32768) &&
                   wgmma_desc_add(wgmma_desc(0x1c400, 16384), 0x1ba00) == wgmma_desc(0x37e00, 16384),
               "a descriptor plus an offset is the offset address's descriptor (addresses below 228 KB)");
-// wgmma_desc(base + byte_offset, leading_bytes), by wgmma_desc_add from base's descriptor (the
-// callers' offsets are compile-time constants after unrolling) or, with the knob, rebuilt.
-__device__ __forceinline__ uint64_t wgmma_desc_at(uint64_t base_desc, uint32_t base, uint32_t byte_offset,
-                                                  uint32_t leading_bytes) {
-#if FUSEFORGE_WGMMA_DESC_REBUILD
-  return wgmma_desc(base + byte_offset, leading_bytes);
-#else
-  return wgmma_desc_add(base_desc, byte_offset);
-#endif
-}
 
 #if FUSEFORGE_ATTENTION_WGMMA
 // Orders this thread's earlier register writes before the next wgmma reads them (accumulators, A).
@@ -184,11 +163,11 @@ __device__ __forceinline__ void wgmma_rs_mn_major(float (&d)[kN / 2], const uint
   const uint64_t desc_b0 = wgmma_desc(sB, panel_bytes);
 #pragma unroll
   for (int kk = 0; kk < kKSteps; ++kk) {
-    const uint64_t desc_b = wgmma_desc_at(desc_b0, sB, kk * 16 * 128, panel_bytes);
+    const uint64_t desc_b = wgmma_desc_add(desc_b0, kk * 16 * 128);
     if constexpr (kN == 256) {
       wgmma_m64n128k16_rs<T, 1>(reinterpret_cast<float(&)[64]>(d[0]), a[kk], desc_b);
       wgmma_m64n128k16_rs<T, 1>(reinterpret_cast<float(&)[64]>(d[64]), a[kk],
-                                wgmma_desc_at(desc_b0, sB, 2 * panel_bytes + kk * 16 * 128, panel_bytes));
+                                wgmma_desc_add(desc_b0, 2 * panel_bytes + kk * 16 * 128));
     } else if constexpr (kN == 128) {
       wgmma_m64n128k16_rs<T, 1>(d, a[kk], desc_b);
     } else {
@@ -209,8 +188,8 @@ __device__ __forceinline__ void wgmma_ss_k_major(float (&d)[kN / 2], uint32_t sA
   const uint64_t desc_a0 = wgmma_desc_k_major(sA), desc_b0 = wgmma_desc_k_major(sB);
 #pragma unroll
   for (int ks = 0; ks < kKSteps; ++ks) {
-    const uint64_t desc_a = wgmma_desc_at(desc_a0, sA, (ks >> 2) * a_panel_bytes + (ks & 3) * 32, 16);
-    const uint64_t desc_b = wgmma_desc_at(desc_b0, sB, (ks >> 2) * b_panel_bytes + (ks & 3) * 32, 16);
+    const uint64_t desc_a = wgmma_desc_add(desc_a0, (ks >> 2) * a_panel_bytes + (ks & 3) * 32);
+    const uint64_t desc_b = wgmma_desc_add(desc_b0, (ks >> 2) * b_panel_bytes + (ks & 3) * 32);
     if constexpr (kN == 128) wgmma_m64n128k16_ss<T, 0, 0>(d, desc_a, desc_b);
     else wgmma_m64n64k16_ss<T, 0, 0>(d, desc_a, desc_b);
   }
