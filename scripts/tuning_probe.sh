@@ -38,8 +38,10 @@ LCE=(default:)
 ADAMW=(c16k:)
 # Attention: FA3's dK-after-dQ order, D64's warp-specialized backward and the forward's K freed with
 # V lost; the wgmma descriptor arithmetic and D64's three-warpgroup forward won and are the code
-# (docs/notes_attention.md). Add "name:-DKNOB=1" entries for the next candidates.
-ATTN=(default:)
+# (docs/notes_attention.md). Add "name:-DKNOB=1" entries for the next candidates. Queued on
+# 2026-11-25: the backward's lse / row_dot read before the wgmma waits and its dQ hand-off deferred
+# to the next tile (both on in the default; bwd_before is the code before them).
+ATTN=(default: bwd_before:"-DFUSEFORGE_ATTN_BWD_EARLY_LDS=0 -DFUSEFORGE_ATTN_BWD_DQ_DEFER=0")
 PARTS=${PARTS:-build tests time profile e2e lce}
 OPS=${OPS-adamw add_mul_act}
 has() { [[ " $PARTS " == *" $1 "* ]]; }
@@ -111,6 +113,13 @@ while read -r name so; do
   tested[$so]=1
   echo "== attention GPU tests, $name ($(( $(date +%s) - t0 )) s)"
   FUSEFORGE_EXTENSION=$so TEST_K=${TEST_K:-cuda} pt tests/python/test_attention.py < /dev/null
+  # ATTN_SANITIZE="memcheck racecheck": compute-sanitizer on the build's sanitizer cases too
+  for tool in ${ATTN_SANITIZE:-}; do
+    echo "== compute-sanitizer $tool, $name ($(( $(date +%s) - t0 )) s)"
+    FUSEFORGE_EXTENSION=$so PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout -k 20 ${TEST_TIMEOUT:-300} compute-sanitizer \
+      --tool $tool --error-exitcode 99 python3 -m pytest -q -x -p no:cacheprovider -m sanitize tests/python/test_attention.py \
+      < /dev/null 2>&1 | grep -E "ERROR SUMMARY|passed|failed|rror" | tail -4
+  done
 done < <(PRINT_LIBS=1 bash $T attention "${ATTN[@]}")
 ATTN_CASE=${ATTN_CASE:-D128/S4096/full}
 NCU="ncu --launch-skip 1 --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis_Tables --section InstructionStats --section SourceCounters"

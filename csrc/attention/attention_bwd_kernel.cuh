@@ -15,6 +15,12 @@
 
 namespace fuseforge::attention {
 
+// Experiment knob (compile time, A/B timings): 0 reads lse and row_dot from shared memory after the
+// wgmma waits, as before 2026-11-25 (dkdv_wgmma_tile).
+#ifndef FUSEFORGE_ATTN_BWD_EARLY_LDS
+#define FUSEFORGE_ATTN_BWD_EARLY_LDS 1
+#endif
+
 // LSE (natural log) -> the base-2 value the kernels subtract; rows that saw no key (-inf) and rows
 // past Sq become +inf, so their P is exactly 0.
 __device__ __forceinline__ float lse_to_log2(float lse) { return lse == -INFINITY ? INFINITY : lse * kLog2e; }
@@ -73,6 +79,8 @@ __device__ __forceinline__ void dq_accum_add(float* tile, int lane, float v0, fl
 // added with vector atomics where `valid` (the rows start inside Sq). The warp-specialized kernel passes
 // a bulk-reduce sink instead (DqBulkAdd).
 struct DqAtomicAdd {
+  template <class Target>
+  __device__ __forceinline__ void flush(const Target&) const {}  // nothing deferred (DqBulkAdd defers its hand-off)
   __device__ __forceinline__ void operator()(const float (&dq)[32], float* tile, int lane, bool valid) const {
     if (!valid) return;
 #pragma unroll
@@ -365,6 +373,22 @@ __device__ __forceinline__ void attention_bwd_dkdv_mma_body(const BwdParams& p) 
 }
 
 #if FUSEFORGE_ATTENTION_WGMMA
+// Where warp `warp`'s 16 x 64 block of dQ for query tile `it` goes (the wgmma body's split without
+// Tr::kSplitCols: warpgroup g computes dQ's columns [64 g, +64) at head dim 128, its rows [64 g, +64)
+// at 64), and whether those rows lie within Sq.
+struct DqTarget {
+  float* tile;
+  bool valid;
+};
+template <class Tr, class Blk>
+__device__ __forceinline__ DqTarget dq_target(const BwdParams& p, const Blk& blk, int it, int warp) {
+  const int wg = warp >> 2;
+  const int q0 = Tr::kBlockM == 128 ? wg * 64 : 0, col0 = Tr::kHeadDim == 128 ? wg * 64 : 0;
+  const int row_tile = (blk.row0(it) + q0) / 16 + (warp & 3);
+  return {dq_accum_tile(p, blk.b, blk.head(it, p), blk.seq_tile0, row_tile, col0 >> 3, Tr::kHeadDim),
+          row_tile * 16 < blk.seqlen_q};
+}
+
 // One query tile of the wgmma dk/dv body, for warp `warp` (0..7: warpgroup warp / 4 owns keys
 // [64 (warp / 4), +64) of the block): S^T, dP^T, dV += P^T dO, dK += dS^T Q, and on the atomic path
 // dS^T into sDs (generic pointer ds), sync_ds() (every warp of both warpgroups has written its keys),
@@ -412,6 +436,29 @@ __device__ __forceinline__ void dkdv_wgmma_tile(const BwdParams& p, const Blk& b
   wgmma_fence();
   wgmma_ss_k_major<T, kBlockM, kD / 16>(st, sK + wg_rows, KVTile::kPanelBytes, sQ, QTile::kPanelBytes);
   wgmma_ss_k_major<T, kBlockM, kD / 16>(dpt, sV + wg_rows, KVTile::kPanelBytes, sdO, QTile::kPanelBytes);
+  // lse and row_dot of this thread's query columns (element i: 2 (i / 4) + i % 2), read while the
+  // products run: read after a wgmma wait (its memory clobber pins them there), P^T's and dS^T's
+  // arithmetic stalled on the loads (~5% of the dk/dv kernel's stall samples, ncu at D128/S4096).
+  // Head dim 128 only: 32 more live registers than 64's and 256's other layouts were not checked for.
+  constexpr bool kEarlyLds = FUSEFORGE_ATTN_BWD_EARLY_LDS && kD == 128 && !kSplit;
+  float lse_r[kEarlyLds ? kSN / 2 : 1] = {}, row_dot_r[kEarlyLds ? kSN / 2 : 1] = {};
+  auto load_pairs = [&](float* dst, const float* src) {
+#pragma unroll
+    for (int j = 0; j < kSN / 4; ++j) {
+      const float2 v = *reinterpret_cast<const float2*>(src + j * 8 + (lane & 3) * 2);
+      dst[2 * j] = v.x;
+      dst[2 * j + 1] = v.y;
+    }
+  };
+  if constexpr (kEarlyLds) load_pairs(lse_r, s_lse);
+  auto lse_of = [&](int i, int col) {
+    if constexpr (kEarlyLds) return lse_r[2 * (i >> 2) + (i & 1)];
+    else return s_lse[col];
+  };
+  auto row_dot_of = [&](int i, int col) {
+    if constexpr (kEarlyLds) return row_dot_r[2 * (i >> 2) + (i & 1)];
+    else return s_row_dot[col];
+  };
   wgmma_wait<1>();
   wgmma_fence_operands(st);
 
@@ -431,7 +478,7 @@ __device__ __forceinline__ void dkdv_wgmma_tile(const BwdParams& p, const Blk& b
 #pragma unroll
   for (int i = 0; i < kSN; ++i) {
     const int col = (i >> 2) * 8 + (lane & 3) * 2 + (i & 1);
-    float val = fast_exp2(fmaf(st[i], scale_log2, -s_lse[col]));
+    float val = fast_exp2(fmaf(st[i], scale_log2, -lse_of(i, col)));
     if (needs_mask) {
       const int key = n0 + warp_row0 + (lane >> 2) + ((i >> 1) & 1) * 8;
       if (!key_visible<kMask>(key, m0 + col, seqlen_k, offset, p)) val = 0.f;
@@ -443,7 +490,12 @@ __device__ __forceinline__ void dkdv_wgmma_tile(const BwdParams& p, const Blk& b
   uint32_t pa[kBlockM / 16][4];
 #pragma unroll
   for (int kk = 0; kk < kBlockM / 16; ++kk) c_to_a_fragment<T>(st4[2 * kk], st4[2 * kk + 1], pa[kk]);
+  if constexpr (kEarlyLds) load_pairs(row_dot_r, s_row_dot);
   wgmma_rs_mn_major<T, kDOut, kBlockM / 16>(dv, pa, sdO + out_panels, QTile::kPanelBytes);
+  // The previous tile's dQ hand-off, under this tile's products (DqBulkAdd; its target recomputed,
+  // not held across the loop).
+  if constexpr (kAtomicDq && !kSplit)
+    if (it > 0) add_dq.flush(dq_target<Tr>(p, blk, it - 1, warp));
   wgmma_wait<1>();  // dP^T done (dV may still run: pa stays untouched)
   wgmma_fence_operands(dpt);
 
@@ -452,7 +504,7 @@ __device__ __forceinline__ void dkdv_wgmma_tile(const BwdParams& p, const Blk& b
 #pragma unroll
   for (int i = 0; i < kSN; ++i) {
     const int col = (i >> 2) * 8 + (lane & 3) * 2 + (i & 1);
-    dpt[i] = st[i] * (dpt[i] - s_row_dot[col]);
+    dpt[i] = st[i] * (dpt[i] - row_dot_of(i, col));
     if constexpr (kSoftcap) dpt[i] *= dtanh[i];
   }
   auto& dpt4 = reinterpret_cast<const float(&)[kSN / 4][4]>(dpt);
@@ -521,8 +573,8 @@ __device__ __forceinline__ void dkdv_wgmma_tile(const BwdParams& p, const Blk& b
     wgmma_commit();
     wgmma_wait<0>();
     wgmma_fence_operands(dq);
-    const int row_tile = (m0 + q0) / 16 + (warp & 3);
-    add_dq(dq, dq_accum_tile(p, b, h, blk.seq_tile0, row_tile, col0 >> 3, kD), lane, row_tile * 16 < blk.seqlen_q);
+    const DqTarget target = dq_target<Tr>(p, blk, it, warp);
+    add_dq(dq, target.tile, lane, target.valid);
   } else {
     wgmma_wait<0>();
   }
