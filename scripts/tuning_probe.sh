@@ -38,10 +38,9 @@ LCE=(default:)
 ADAMW=(c16k:)
 # Attention: FA3's dK-after-dQ order, D64's warp-specialized backward and the forward's K freed with
 # V lost; the wgmma descriptor arithmetic and D64's three-warpgroup forward won and are the code
-# (docs/notes_attention.md). Add "name:-DKNOB=1" entries for the next candidates. Queued on
-# 2026-11-25: the backward's lse / row_dot read before the wgmma waits and its dQ hand-off deferred
-# to the next tile (both on in the default; bwd_before is the code before them).
-ATTN=(default: bwd_before:"-DFUSEFORGE_ATTN_BWD_EARLY_LDS=0 -DFUSEFORGE_ATTN_BWD_DQ_DEFER=0")
+# (docs/notes_attention.md), as did the backward's lse / row_dot read before its wgmma waits with
+# its dQ hand-off deferred to the next tile. Add "name:-DKNOB=1" entries for the next candidates.
+ATTN=(default:)
 PARTS=${PARTS:-build tests time profile e2e lce}
 OPS=${OPS-adamw add_mul_act}
 has() { [[ " $PARTS " == *" $1 "* ]]; }

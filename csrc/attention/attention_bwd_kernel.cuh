@@ -15,12 +15,6 @@
 
 namespace fuseforge::attention {
 
-// Experiment knob (compile time, A/B timings): 0 reads lse and row_dot from shared memory after the
-// wgmma waits, as before 2026-11-25 (dkdv_wgmma_tile).
-#ifndef FUSEFORGE_ATTN_BWD_EARLY_LDS
-#define FUSEFORGE_ATTN_BWD_EARLY_LDS 1
-#endif
-
 // LSE (natural log) -> the base-2 value the kernels subtract; rows that saw no key (-inf) and rows
 // past Sq become +inf, so their P is exactly 0.
 __device__ __forceinline__ float lse_to_log2(float lse) { return lse == -INFINITY ? INFINITY : lse * kLog2e; }
@@ -393,7 +387,8 @@ __device__ __forceinline__ DqTarget dq_target(const BwdParams& p, const Blk& blk
 // [64 (warp / 4), +64) of the block): S^T, dP^T, dV += P^T dO, dK += dS^T Q, and on the atomic path
 // dS^T into sDs (generic pointer ds), sync_ds() (every warp of both warpgroups has written its keys),
 // dQ = dS K handed to add_dq(dq, dq_accum tile, lane, tile within Sq) a warp (DqAtomicAdd, or the warp-specialized
-// kernel's bulk reduction). Returns with every product of the tile complete.
+// kernel's bulk reduction, which stores the rows and hands them on in the next tile's add_dq.flush).
+// Returns with every product of the tile complete.
 // Head dim 256 (Tr::kSplitCols, 64-key blocks): both warpgroups own the block's 64 keys and compute
 // the same S^T and dP^T over all 256 columns; warpgroup g accumulates columns [128 g, +128) of dK and
 // dV, writes its own copy of dS^T (sDs + g tileDs) and adds dQ's columns [128 g, +128), so every dQ
@@ -439,8 +434,10 @@ __device__ __forceinline__ void dkdv_wgmma_tile(const BwdParams& p, const Blk& b
   // lse and row_dot of this thread's query columns (element i: 2 (i / 4) + i % 2), read while the
   // products run: read after a wgmma wait (its memory clobber pins them there), P^T's and dS^T's
   // arithmetic stalled on the loads (~5% of the dk/dv kernel's stall samples, ncu at D128/S4096).
-  // Head dim 128 only: 32 more live registers than 64's and 256's other layouts were not checked for.
-  constexpr bool kEarlyLds = FUSEFORGE_ATTN_BWD_EARLY_LDS && kD == 128 && !kSplit;
+  // With the deferred dQ hand-off (DqBulkAdd) 2-4% off head dim 128's forward+backward (H100,
+  // 2026-11-25, docs/notes_attention.md). Head dim 128 only: 64's and 256's register budgets were
+  // not checked for the 32 more live registers.
+  constexpr bool kEarlyLds = kD == 128 && !kSplit;
   float lse_r[kEarlyLds ? kSN / 2 : 1] = {}, row_dot_r[kEarlyLds ? kSN / 2 : 1] = {};
   auto load_pairs = [&](float* dst, const float* src) {
 #pragma unroll

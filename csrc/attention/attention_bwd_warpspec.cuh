@@ -41,20 +41,14 @@ struct WarpSpecBwdLayout {
   static_assert(128 * kProducerRegs + kConsumerThreads * kConsumerRegs <= kThreads * 168, "register pool");
 };
 
-// Experiment knob (compile time, A/B timings): 0 hands each tile's dQ to the TMA unit at the end of
-// the tile, as before 2026-11-25 (DqBulkAdd).
-#ifndef FUSEFORGE_ATTN_BWD_DQ_DEFER
-#define FUSEFORGE_ATTN_BWD_DQ_DEFER 1
-#endif
-
 #if FUSEFORGE_ATTENTION_WGMMA
 // The consumer warp's dQ rows (see DqAtomicAdd) through its 4 KB of shared memory (same layout as the
 // 4 KB of dq_accum from `tile`) into dq_accum by one bulk reduction, issued and tracked by lane 0; the
 // next tile's stores first wait until the TMA unit has read the buffer (long done by then).
 // The hand-off (the proxy fence that makes the stores visible to the TMA unit, then the reduction)
 // waits until the stores have left the thread: at the end of the tile it stalled the warp (~6% of
-// the kernel's stall samples, ncu at D128/S4096), so flush() issues it after the next tile's first
-// products (dkdv_wgmma_tile) and once after the last tile.
+// the kernel's stall samples, ncu at D128/S4096), so flush() issues it under the next tile's dV
+// product (dkdv_wgmma_tile) and once after the last tile.
 // Each step keeps ptxas from serializing the consumers' wgmmas (C7512; they run at 240 registers):
 // the buffer address is recomputed, not held across the loop; the stores are 8 bytes (16-byte ones
 // need 4-aligned register quads); nothing branches on the lane or on `valid` (predicated instead).
@@ -66,16 +60,14 @@ struct DqBulkAdd {
     return ((smem_addr(attention_smem) + 1023) & ~1023u) + L::kDqOffset +
            (threadIdx.x / 32 - 4) * L::kDqWarpBytes;  // consumer warps are 4..11
   }
-  __device__ __forceinline__ static void hand_off(float* tile, bool valid) {
+  // The hand-off of the rows stored for `target` (dq_target of the tile that stored them).
+  __device__ __forceinline__ void flush(const DqTarget& target) const {
     fence_proxy_async_shared();  // the stores, visible to the TMA unit's reads
     __syncwarp();
-    bulk_reduce_add_f32(valid && (threadIdx.x & 31) == 0, tile, buffer(), L::kDqWarpBytes);
+    bulk_reduce_add_f32(target.valid && (threadIdx.x & 31) == 0, target.tile, buffer(), L::kDqWarpBytes);
   }
-  // The deferred hand-off of the rows stored for `target` (dq_target of the previous tile).
-  __device__ __forceinline__ void flush(const DqTarget& target) const {
-    if (FUSEFORGE_ATTN_BWD_DQ_DEFER) hand_off(target.tile, target.valid);
-  }
-  __device__ __forceinline__ void operator()(const float (&dq)[32], float* tile, int lane, bool valid) const {
+  // Stores the rows; their tile and `valid` come back to flush() one tile later.
+  __device__ __forceinline__ void operator()(const float (&dq)[32], float*, int lane, bool) const {
     const uint32_t buf = buffer();
     bulk_wait_group_read_all();
     __syncwarp();
@@ -84,7 +76,6 @@ struct DqBulkAdd {
       asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(buf + 16 * (32 * (j / 2) + lane) + 8 * (j % 2)),
                    "f"(dq[2 * j]), "f"(dq[2 * j + 1])
                    : "memory");
-    if (!FUSEFORGE_ATTN_BWD_DQ_DEFER) hand_off(tile, valid);
   }
 };
 
