@@ -7,7 +7,7 @@
 #                             built once with $BASE_FLAGS, when
 #                             the spec has no nvcc flags)
 #   spec "" (name:)           the shared build as it is
-# Env: CASES (the benchmark's --cases), IMPLS (its --impls; default fuseforge), BASE_FLAGS, BENCH_TIMEOUT,
+# Env: CASES (the benchmark's --cases), IMPLS (its --impls; default fuseforge), BASE_FLAGS, BENCH_TIMEOUT, ROUNDS,
 # BUILD_ONLY=1 (build every variant's library, in parallel, and time nothing; a later call reuses
 # the builds under /tmp/tune/OP), PRINT_LIBS=1 (print each variant's built library, build nothing).
 # Prints each variant's rows of benchmarks/bench_OP.py's table.
@@ -53,18 +53,27 @@ if [ "${BUILD_ONLY:-0}" = 1 ]; then
   wait
   exit 0
 fi
-for variant in "$@"; do
+# ROUNDS=2 runs the variants again in reverse order (A B B A): the same code timed first and last in
+# one call differed by up to 7% (D128/S16384 forward+backward, 2026-11-25), so one order can favour
+# whichever variant runs first.
+variants=("$@")
+for ((round = 1; round <= ${ROUNDS:-1}; ++round)); do
+order=("${variants[@]}")
+if (( round % 2 == 0 )); then order=(); for ((i = ${#variants[@]} - 1; i >= 0; --i)); do order+=("${variants[$i]}"); done; fi
+for variant in "${order[@]}"; do
   name=${variant%%:*}; spec=${variant#*:}; flags=$(flags_of "$spec"); envs=$(envs_of "$spec")
   if [ -n "$flags" ]; then
     b=$(build_name "$flags"); build "$b" "$flags" || continue; lib=$(lib_of "$b")
   else
     build shared "${BASE_FLAGS:-}" || exit 1; lib=$(lib_of shared)
   fi
-  echo "== $OP $name (${spec:-as built})"
+  tag=$name; [ "${ROUNDS:-1}" -gt 1 ] && tag=${name}_r$round
+  echo "== $OP $tag (${spec:-as built})"
   cases=(); [ -n "${CASES:-}" ] && cases=(--cases "$CASES")
   # A hung variant (a new kernel's barriers) costs BENCH_TIMEOUT seconds, not the device call.
   env $envs FUSEFORGE_EXTENSION="$lib" timeout -s INT -k 20 "${BENCH_TIMEOUT:-240}" python3 benchmarks/bench_$OP.py "${cases[@]}" --impls "$IMPLS" \
-    --no-memory --out /tmp/tune/$OP/res_$name > "$LOGS/bench_${OP}_$name.log" 2>&1 \
-    || { tail -5 "$LOGS/bench_${OP}_$name.log"; continue; }
-  grep -E "^\| [^c-]" /tmp/tune/$OP/res_$name/$OP.md | awk -F'|' '{print $2,$3,$4,$5,$6}'
+    --no-memory --out /tmp/tune/$OP/res_$tag > "$LOGS/bench_${OP}_$tag.log" 2>&1 \
+    || { tail -5 "$LOGS/bench_${OP}_$tag.log"; continue; }
+  grep -E "^\| [^c-]" /tmp/tune/$OP/res_$tag/$OP.md | awk -F'|' '{print $2,$3,$4,$5,$6}'
+done
 done

@@ -16,7 +16,7 @@
 #    throughput, occupancy)
 # 6. mix: scripts/stream_mix_probe.py (streaming ceilings by read:write mix; add_mul_act's and
 #    torch.compile's fwd+bwd kernel by kernel)
-# 7. attn: the attention variants (ATTN) built; the rows of ATTN_CASES timed beside the default; the
+# 7. attn: the attention variants (ATTN) built; the rows of ATTN_CASES timed beside the default (ROUNDS=2: A B B A); the
 #    GPU tests of each candidate (TEST_K, default "cuda"); then ncu of each impl's longest forward
 #    and backward kernel (ATTN_NCU_IMPLS, default fuseforge and sdpa_cudnn) on one benchmark case
 #    (ATTN_CASE): pipe and shared-memory use, stalls (ATTN_NCU=0 skips it; ATTN_NCU_SOURCE=1 prints
