@@ -38,10 +38,21 @@ struct FwdTmaParams {
 // warpgroups' products cover one's softmax, which at head dim 64 is as long as its products (H100,
 // 2026-11-25: forward 9.97 -> 8.38 ms at S16384, 2.60 -> 2.29 at S4096; docs/notes_attention.md).
 // The cp.async kernel keeps 128 rows.
-template <class Tr>
+// Experiment knob (compile time, off until timed on a GPU): 1 runs head dim 128 without a mask
+// (no causal, no window) on 176-key tiles, FlashAttention-3's tile there: each tile's row maxima
+// and sums (shuffles, FMNMX: ~10% of the forward's stall samples, ncu at D128/S4096) and its waits
+// cover 1.375x the keys. S is 88 floats a consumer thread (O 64, P 44); two K/V stages of 44 KB
+// leave no room for an output tile of its own, so O is staged in Q's.
+#ifndef FUSEFORGE_ATTN_FWD_N176
+#define FUSEFORGE_ATTN_FWD_N176 0
+#endif
+template <class Tr, int kMask>
 struct WarpSpecFwdTraits {
-  using type = std::conditional_t<Tr::kHeadDim == 64,
-                                  FwdTraits<typename Tr::T, 64, 192, Tr::kBlockN, 12, Tr::kPadHeadDim>, Tr>;
+  using T = typename Tr::T;
+  using type = std::conditional_t<
+      Tr::kHeadDim == 64, FwdTraits<T, 64, 192, Tr::kBlockN, 12, Tr::kPadHeadDim>,
+      std::conditional_t<FUSEFORGE_ATTN_FWD_N176 && Tr::kHeadDim == 128 && kMask == kNoMask,
+                         FwdTraits<T, 128, 128, 176, Tr::kNWarps, Tr::kPadHeadDim>, Tr>>;
 };
 
 template <class Tr>
@@ -373,19 +384,18 @@ bool use_fwd_warpspec(const FwdParams& p, FwdTmaParams* tma) {
 // caller), else the cp.async one (a block a tile).
 template <class Tr, bool kSoftcap>
 void launch_attention_fwd(const FwdParams& params, bool local) {
-  using WsTr = typename WarpSpecFwdTraits<Tr>::type;
   const dim3 grid(static_cast<unsigned>((params.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM),
                   static_cast<unsigned>(params.heads_q), static_cast<unsigned>(params.batch));
-  FwdTmaParams tma;
-  const bool warpspec = use_fwd_warpspec<WsTr>(params, &tma);
-  const int64_t m_blocks = (params.seqlen_q + WsTr::kBlockM - 1) / WsTr::kBlockM;
-  const int64_t tiles = m_blocks * grid.y * grid.z;
-  TORCH_CHECK(!warpspec || tiles < (int64_t{1} << 31) - 1024, "attention: ", tiles, " query tiles of ",
-              WsTr::kBlockM, " rows; at most 2^31 - 1024 (batch * heads * query blocks)");
-  tma.m_blocks = static_cast<int>(m_blocks);
-  tma.num_tiles = static_cast<int>(tiles);
   dispatch_mask_varlen(params, local, [&]<int kMask, bool kVarlen>() {
-    if (warpspec) {
+    using WsTr = typename WarpSpecFwdTraits<Tr, kMask>::type;
+    FwdTmaParams tma;
+    if (use_fwd_warpspec<WsTr>(params, &tma)) {
+      const int64_t m_blocks = (params.seqlen_q + WsTr::kBlockM - 1) / WsTr::kBlockM;
+      const int64_t tiles = m_blocks * grid.y * grid.z;
+      TORCH_CHECK(tiles < (int64_t{1} << 31) - 1024, "attention: ", tiles, " query tiles of ", WsTr::kBlockM,
+                  " rows; at most 2^31 - 1024 (batch * heads * query blocks)");
+      tma.m_blocks = static_cast<int>(m_blocks);
+      tma.num_tiles = static_cast<int>(tiles);
       using L = WarpSpecFwdLayout<WsTr>;
       // One block an SM. FUSEFORGE_ATTENTION_FWD_BLOCKS=n: at most n (tests give a few blocks many
       // tiles; n >= the tiles is one block a tile, each finding none left after its own: A/B timings).
