@@ -89,6 +89,7 @@ SHAPES = [
     (2, 4, 1, 33, 70, 128, True),      # MQA, Sq < Sk: bottom-right mask
     (1, 2, 2, 70, 33, 64, True),       # Sq > Sk: the first 37 rows see nothing -> zeros
     (1, 3, 3, 200, 77, 64, False),
+    (1, 4, 2, 150, 400, 128, False),   # non-causal 128, GQA: 176-key tiles (FUSEFORGE_ATTN_FWD_N176) end partial
     # Head dims other than 64 and 128 run the next kernel up with zero columns past the head dim.
     (1, 4, 2, 90, 90, 96, True),       # 96 (-> 128), GQA
     (2, 2, 2, 65, 130, 32, False),     # 32 (-> 64)
@@ -396,7 +397,7 @@ def requires_hopper_for(kernel):
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 @pytest.mark.parametrize("shape", [(2, 8, 2, 300, 300, 128, True), (1, 4, 4, 129, 520, 64, False),
                                    (1, 4, 1, 200, 77, 96, True), (1, 4, 2, 200, 333, 256, True),
-                                   (2, 2, 2, 129, 129, 256, False)], ids=shape_id)
+                                   (2, 2, 2, 129, 129, 256, False), (2, 4, 2, 260, 400, 128, False)], ids=shape_id)
 def test_cuda_kernels(kernel, layout, shape, monkeypatch):
     if not requires_hopper_for(kernel):
         pytest.skip("the TMA kernels run on sm_90 GPUs only")
