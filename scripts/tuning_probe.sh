@@ -40,7 +40,7 @@ ADAMW=(c16k:)
 # V lost; the wgmma descriptor arithmetic and D64's three-warpgroup forward won and are the code
 # (docs/notes_attention.md), as did the backward's lse / row_dot read before its wgmma waits with
 # its dQ hand-off deferred to the next tile. Add "name:-DKNOB=1" entries for the next candidates.
-ATTN=(default: n176:-DFUSEFORGE_ATTN_FWD_N176=1)
+ATTN=(default: n176:-DFUSEFORGE_ATTN_FWD_N176=1 tma_store:-DFUSEFORGE_ATTN_FWD_TMA_STORE=1)
 PARTS=${PARTS:-build tests time profile e2e lce}
 OPS=${OPS-adamw add_mul_act}
 has() { [[ " $PARTS " == *" $1 "* ]]; }

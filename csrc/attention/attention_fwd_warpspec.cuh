@@ -21,12 +21,25 @@
 
 namespace fuseforge::attention {
 
+// Experiment knob (compile time, off until timed on a GPU): 1 stores each consumer warp's 16 rows of
+// O with TMA (two boxes a warp at head dim 128) from a staging tile in the K/V panels' layout, so the
+// warp goes on to the next tile's Q instead of issuing 16-byte stores itself (FlashAttention-3 stores
+// O by TMA). At S = 1024 the epilogue is ~5% of a tile's time by a back-of-envelope count. Varlen calls
+// keep the stores (a box would write rows of the next sequence).
+#ifndef FUSEFORGE_ATTN_FWD_TMA_STORE
+#define FUSEFORGE_ATTN_FWD_TMA_STORE 0
+#endif
+
 // The kernel's second parameter: tensor maps of q, k, v as (head dim, rows, heads, batch), the
 // schedule knob and the tile count. Tile t is query block m_blocks - 1 - t % m_blocks (heaviest
 // causal blocks first) of head (t / m_blocks) % heads_q, batch t / (m_blocks heads_q): the order of
 // the one-block-a-tile grid, so the tiles running at once share a head's K and V in L2.
 struct FwdTmaParams {
   CUtensorMap q, k, v;
+#if FUSEFORGE_ATTN_FWD_TMA_STORE
+  CUtensorMap o;        // out as (head dim, rows, heads, batch), 16-row boxes
+  int store_o_tma = 0;  // the epilogue stores O by TMA (o encoded; fixed-length only)
+#endif
   int pingpong = 1;  // consumers take turns issuing their products
   int early_k_release = 1;  // 0: K(i) freed with V(i), after P(i) V(i) (the schedule before; A/B timings)
   int m_blocks = 0, num_tiles = 0;
@@ -294,13 +307,45 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
     float inv_sum[1][2];
     finish_rows<1>(row_max, row_sum, inv_sum, p.lse + blk.lse_row0, m0 + warp_row0, blk.seqlen_q, p, lane);
     if constexpr (!L::kOwnOutputTile) named_barrier_sync(1, kThreads2);
-    __syncwarp();  // the previous tile's reads of this warp's staging rows are done
-    T* out = blk.template rows<T>(p.out, p.out_batch_stride, p.out_head_stride, p.out_row_stride, p);
-    store_rows<T, kD, 1>(o3, inv_sum, smem + L::kOutOffset, warp_row0, out, p.out_row_stride, blk.rows_q,
-                         valid_head_dim<Tr>(p), lane);
+#if FUSEFORGE_ATTN_FWD_TMA_STORE
+    if (!kVarlen && tma.store_o_tma) {
+      // O / l as T into this warp's rows of a PanelTile (the TMA's 128-byte swizzle), then one box a
+      // 64-column panel. The previous tile's boxes were read long ago; the wait is for the ordering.
+      if (lane == 0) bulk_wait_group_read_all();
+      __syncwarp();
+      const uint32_t sOut = sQ + L::kOutOffset;
+#pragma unroll
+      for (int dt = 0; dt < kD / 8; ++dt)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int row = warp_row0 + (lane >> 2) + hh * 8, col = dt * 8 + (lane & 3) * 2;
+          const uint32_t v = pack2<T>(o3[0][dt][2 * hh] * inv_sum[0][hh], o3[0][dt][2 * hh + 1] * inv_sum[0][hh]);
+          *reinterpret_cast<uint32_t*>(smem + L::kOutOffset + QTile::offset(row, col) + (col & 7) * 2) = v;
+        }
+      fence_proxy_async_shared();  // the stores, visible to the TMA unit's reads
+      __syncwarp();
+      if (lane == 0) {
+#pragma unroll
+        for (int c = 0; c < L::kPanels; ++c)
+          tma_store_4d(&tma.o, sOut + c * QTile::kPanelBytes + warp_row0 * 128, c * 64, m0 + warp_row0, blk.h, blk.b);
+        bulk_commit_group();
+        if constexpr (!L::kOwnOutputTile) bulk_wait_group_read_all();  // Q's tile: the next Q lands there
+      }
+      __syncwarp();
+    } else
+#endif
+    {
+      __syncwarp();  // the previous tile's reads of this warp's staging rows are done
+      T* out = blk.template rows<T>(p.out, p.out_batch_stride, p.out_head_stride, p.out_row_stride, p);
+      store_rows<T, kD, 1>(o3, inv_sum, smem + L::kOutOffset, warp_row0, out, p.out_row_stride, blk.rows_q,
+                           valid_head_dim<Tr>(p), lane);
+    }
     if constexpr (!L::kOwnOutputTile) mbarrier_arrive(empty_q);  // the staging rows are read
   }
   if (pingpong && cwg == 0) named_barrier_sync(kMyTurn + 0, kTurnThreads);  // the last warpgroup's last arrive
+#if FUSEFORGE_ATTN_FWD_TMA_STORE
+  if (lane == 0) bulk_wait_group_all();  // the boxes read shared memory: done before the block leaves
+#endif
 }
 #endif  // FUSEFORGE_ATTENTION_WGMMA
 
@@ -370,6 +415,12 @@ bool use_fwd_warpspec(const FwdParams& p, FwdTmaParams* tma) {
   tma->pingpong = env_flag("FUSEFORGE_ATTENTION_PINGPONG", true) ? 1 : 0;
   tma->early_k_release = env_flag("FUSEFORGE_ATTENTION_EARLY_K_RELEASE", true) ? 1 : 0;
   tma->max_blocks = env_positive_int("FUSEFORGE_ATTENTION_FWD_BLOCKS", 0);
+#if FUSEFORGE_ATTN_FWD_TMA_STORE
+  // Not a requirement: where out's strides do not fit a tensor map, the kernel stores O itself.
+  tma->store_o_tma = p.cu_seqlens_q == nullptr &&
+                     encode_rows_map<T>(&tma->o, p, p.out, p.rows_q, p.heads_q, p.out_row_stride, p.out_head_stride,
+                                        p.out_batch_stride, 16);
+#endif
   return require_tma(
       encode_rows_map<T>(&tma->q, p, p.q, p.rows_q, p.heads_q, p.q_row_stride, p.q_head_stride, p.q_batch_stride,
                          Tr::kBlockM) &&

@@ -59,6 +59,18 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map
       : "memory");
 }
 
+// Box at coordinates (c0 innermost, .., c3) of a 4-d tensor map from shared memory at src to global
+// memory, as one bulk-async group of the issuing thread (bulk_commit_group after its stores); elements
+// outside the tensor are not written. The issuing thread waits (bulk_wait_group_read_all) before src
+// is written again and (bulk_wait_group_all) before the block leaves.
+__device__ __forceinline__ void tma_store_4d(const CUtensorMap* map, uint32_t src, int c0, int c1, int c2, int c3) {
+  asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+
 // Bulk reduction: global[dst .. + bytes) += shared[src .. + bytes) elementwise in float32, done by the
 // TMA unit (addresses 16-byte aligned, bytes a multiple of 16), issued and committed as one bulk-async
 // group by the threads where `issue` holds. Those threads wait_group_read before the source is written
