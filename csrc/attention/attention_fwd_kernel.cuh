@@ -142,15 +142,12 @@ __device__ __forceinline__ void apply_mask(float (&s)[kMT][kNCols / 8][4], int r
       }
 }
 
-// Writes a warp's kMTiles x 16 rows x kHeadDim fp32 accumulator, times row_scale[mt][half], as T
-// rows of a strided global matrix: staged through the warp's own rows of the swizzled smem tile
-// sStage (so the global stores are 16-byte and coalesced). Rows at or past rows_valid and columns at
-// or past cols_valid (the head dim, a multiple of 8) are skipped.
-template <typename T, int kD, int kMT>
-__device__ __forceinline__ void store_rows(const float (&acc)[kMT][kD / 8][4], const float (&row_scale)[kMT][2],
-                                           unsigned char* sStage, int warp_row0, T* gmem, int64_t row_stride,
-                                           int rows_valid, int cols_valid, int lane) {
-  using Tile = SwizzledTile<kD>;
+// A warp's kMTiles x 16 rows x kHeadDim fp32 accumulator, times row_scale[mt][half], as T into its
+// rows (from warp_row0) of a swizzled shared tile: Tile::offset(row, col) is the byte offset of the
+// 16-byte chunk of column col (SwizzledTile, or the TMA's PanelTile).
+template <typename T, int kD, int kMT, class Tile>
+__device__ __forceinline__ void stage_rows(const float (&acc)[kMT][kD / 8][4], const float (&row_scale)[kMT][2],
+                                           unsigned char* sStage, int warp_row0, int lane) {
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
@@ -162,6 +159,18 @@ __device__ __forceinline__ void store_rows(const float (&acc)[kMT][kD / 8][4], c
         const uint32_t v = pack2<T>(acc[mt][dt][2 * h] * row_scale[mt][h], acc[mt][dt][2 * h + 1] * row_scale[mt][h]);
         *reinterpret_cast<uint32_t*>(sStage + Tile::offset(row, col) + (col & 7) * 2) = v;
       }
+}
+
+// Writes a warp's kMTiles x 16 rows x kHeadDim fp32 accumulator, times row_scale[mt][half], as T
+// rows of a strided global matrix: staged through the warp's own rows of the swizzled smem tile
+// sStage (so the global stores are 16-byte and coalesced). Rows at or past rows_valid and columns at
+// or past cols_valid (the head dim, a multiple of 8) are skipped.
+template <typename T, int kD, int kMT>
+__device__ __forceinline__ void store_rows(const float (&acc)[kMT][kD / 8][4], const float (&row_scale)[kMT][2],
+                                           unsigned char* sStage, int warp_row0, T* gmem, int64_t row_stride,
+                                           int rows_valid, int cols_valid, int lane) {
+  using Tile = SwizzledTile<kD>;
+  stage_rows<T, kD, kMT, Tile>(acc, row_scale, sStage, warp_row0, lane);
   __syncwarp();
   constexpr int kChunks = kD / 8;
 #pragma unroll

@@ -46,11 +46,6 @@ struct FwdTmaParams {
   int64_t max_blocks = 0;  // host only: FUSEFORGE_ATTENTION_FWD_BLOCKS (0: one an SM)
 };
 
-// The traits of the warp-specialized forward for a launch shape Tr (the cp.async kernel's). Head
-// dim 64 runs three consumer warpgroups on 192-row query tiles (FlashAttention-3's shape there): two
-// warpgroups' products cover one's softmax, which at head dim 64 is as long as its products (H100,
-// 2026-11-25: forward 9.97 -> 8.38 ms at S16384, 2.60 -> 2.29 at S4096; docs/notes_attention.md).
-// The cp.async kernel keeps 128 rows.
 // Experiment knob (compile time, off until timed on a GPU): 1 runs head dim 128 without a mask
 // (no causal, no window) on 176-key tiles, FlashAttention-3's tile there: each tile's row maxima
 // and sums (shuffles, FMNMX: ~10% of the forward's stall samples, ncu at D128/S4096) and its waits
@@ -59,6 +54,12 @@ struct FwdTmaParams {
 #ifndef FUSEFORGE_ATTN_FWD_N176
 #define FUSEFORGE_ATTN_FWD_N176 0
 #endif
+
+// The traits of the warp-specialized forward for a launch shape Tr (the cp.async kernel's). Head
+// dim 64 runs three consumer warpgroups on 192-row query tiles (FlashAttention-3's shape there): two
+// warpgroups' products cover one's softmax, which at head dim 64 is as long as its products (H100,
+// 2026-11-25: forward 9.97 -> 8.38 ms at S16384, 2.60 -> 2.29 at S4096; docs/notes_attention.md).
+// The cp.async kernel keeps 128 rows.
 template <class Tr, int kMask>
 struct WarpSpecFwdTraits {
   using T = typename Tr::T;
@@ -314,14 +315,7 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
       if (lane == 0) bulk_wait_group_read_all();
       __syncwarp();
       const uint32_t sOut = sQ + L::kOutOffset;
-#pragma unroll
-      for (int dt = 0; dt < kD / 8; ++dt)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int row = warp_row0 + (lane >> 2) + hh * 8, col = dt * 8 + (lane & 3) * 2;
-          const uint32_t v = pack2<T>(o3[0][dt][2 * hh] * inv_sum[0][hh], o3[0][dt][2 * hh + 1] * inv_sum[0][hh]);
-          *reinterpret_cast<uint32_t*>(smem + L::kOutOffset + QTile::offset(row, col) + (col & 7) * 2) = v;
-        }
+      stage_rows<T, kD, 1, QTile>(o3, inv_sum, smem + L::kOutOffset, warp_row0, lane);
       fence_proxy_async_shared();  // the stores, visible to the TMA unit's reads
       __syncwarp();
       if (lane == 0) {
