@@ -36,11 +36,12 @@ T=scripts/tune_variants.sh
 AMA=(default:)
 LCE=(default:)
 ADAMW=(c16k:)
-# Attention: FA3's dK-after-dQ order, D64's warp-specialized backward and the forward's K freed with
-# V lost; the wgmma descriptor arithmetic and D64's three-warpgroup forward won and are the code
-# (docs/notes_attention.md), as did the backward's lse / row_dot read before its wgmma waits with
-# its dQ hand-off deferred to the next tile. Add "name:-DKNOB=1" entries for the next candidates.
-ATTN=(default: n176:-DFUSEFORGE_ATTN_FWD_N176=1 tma_store:-DFUSEFORGE_ATTN_FWD_TMA_STORE=1)
+# Attention: FA3's dK-after-dQ order, D64's warp-specialized backward, the forward's K freed with
+# V and 176-key forward tiles at head dim 128 lost; the wgmma descriptor arithmetic, D64's
+# three-warpgroup forward, the backward's lse / row_dot read before its wgmma waits with its dQ
+# hand-off deferred to the next tile, and O stored by TMA won and are the code (docs/notes_attention.md).
+# Add "name:-DKNOB=1" entries for the next candidates.
+ATTN=(default:)
 PARTS=${PARTS:-build tests time profile e2e lce}
 OPS=${OPS-adamw add_mul_act}
 has() { [[ " $PARTS " == *" $1 "* ]]; }

@@ -386,7 +386,7 @@ __device__ __forceinline__ void attention_fwd_mma_body(const FwdParams& p) {
 template <class Tr>
 constexpr bool wgmma_fwd_tile_supported() {
   return ((Tr::kHeadDim == 64 || Tr::kHeadDim == 128) && Tr::kBlockN == 128) ||
-         (Tr::kHeadDim == 128 && Tr::kBlockN == 176) || (Tr::kHeadDim == 256 && Tr::kBlockN == 64);
+         (Tr::kHeadDim == 256 && Tr::kBlockN == 64);
 }
 
 // wgmma body (sm_90a): warpgroup g owns query rows [64 g, 64 g + 64) of the block, so each warp holds

@@ -10,6 +10,11 @@
 // stage are freed separately: K(i) once S(i) has run, so the producer loads K(i + 2) a whole
 // iteration before it is needed (with one barrier a stage, K(i + 1) waited for P(i-1) V(i-1) and
 // the consumers waited for it: ~9% of their stall samples in ncu at D128/S4096).
+// The epilogue stages each warp's 16 rows of O in the panels' 128-byte-swizzle layout and lane 0
+// stores them as TMA boxes, so the warp goes on to the next tile instead of issuing the stores
+// itself (H100, 2026-11-25: forward D128/S1024 -2.4%, D64/S1024 -1.5%, level at S16384). Varlen
+// calls, and outs whose strides a tensor map cannot describe, keep the stores (a box would write rows
+// of the next sequence).
 // The mma.sync/cp.async forward (attention_fwd_kernel.cuh) remains for shapes TMA cannot describe
 // (strides or addresses not multiples of 16 bytes) and for FUSEFORGE_ATTENTION_TMA=0.
 #pragma once
@@ -21,52 +26,29 @@
 
 namespace fuseforge::attention {
 
-// Experiment knob (compile time, off until timed on a GPU): 1 stores each consumer warp's 16 rows of
-// O with TMA (two boxes a warp at head dim 128) from a staging tile in the K/V panels' layout, so the
-// warp goes on to the next tile's Q instead of issuing 16-byte stores itself (FlashAttention-3 stores
-// O by TMA). At S = 1024 the epilogue is ~5% of a tile's time by a back-of-envelope count. Varlen calls
-// keep the stores (a box would write rows of the next sequence).
-#ifndef FUSEFORGE_ATTN_FWD_TMA_STORE
-#define FUSEFORGE_ATTN_FWD_TMA_STORE 0
-#endif
-
 // The kernel's second parameter: tensor maps of q, k, v as (head dim, rows, heads, batch), the
 // schedule knob and the tile count. Tile t is query block m_blocks - 1 - t % m_blocks (heaviest
 // causal blocks first) of head (t / m_blocks) % heads_q, batch t / (m_blocks heads_q): the order of
 // the one-block-a-tile grid, so the tiles running at once share a head's K and V in L2.
 struct FwdTmaParams {
   CUtensorMap q, k, v;
-#if FUSEFORGE_ATTN_FWD_TMA_STORE
   CUtensorMap o;        // out as (head dim, rows, heads, batch), 16-row boxes
   int store_o_tma = 0;  // the epilogue stores O by TMA (o encoded; fixed-length only)
-#endif
   int pingpong = 1;  // consumers take turns issuing their products
   int early_k_release = 1;  // 0: K(i) freed with V(i), after P(i) V(i) (the schedule before; A/B timings)
   int m_blocks = 0, num_tiles = 0;
   int64_t max_blocks = 0;  // host only: FUSEFORGE_ATTENTION_FWD_BLOCKS (0: one an SM)
 };
 
-// Experiment knob (compile time, off until timed on a GPU): 1 runs head dim 128 without a mask
-// (no causal, no window) on 176-key tiles, FlashAttention-3's tile there: each tile's row maxima
-// and sums (shuffles, FMNMX: ~10% of the forward's stall samples, ncu at D128/S4096) and its waits
-// cover 1.375x the keys. S is 88 floats a consumer thread (O 64, P 44); two K/V stages of 44 KB
-// leave no room for an output tile of its own, so O is staged in Q's.
-#ifndef FUSEFORGE_ATTN_FWD_N176
-#define FUSEFORGE_ATTN_FWD_N176 0
-#endif
-
 // The traits of the warp-specialized forward for a launch shape Tr (the cp.async kernel's). Head
 // dim 64 runs three consumer warpgroups on 192-row query tiles (FlashAttention-3's shape there): two
 // warpgroups' products cover one's softmax, which at head dim 64 is as long as its products (H100,
 // 2026-11-25: forward 9.97 -> 8.38 ms at S16384, 2.60 -> 2.29 at S4096; docs/notes_attention.md).
 // The cp.async kernel keeps 128 rows.
-template <class Tr, int kMask>
+template <class Tr>
 struct WarpSpecFwdTraits {
-  using T = typename Tr::T;
-  using type = std::conditional_t<
-      Tr::kHeadDim == 64, FwdTraits<T, 64, 192, Tr::kBlockN, 12, Tr::kPadHeadDim>,
-      std::conditional_t<FUSEFORGE_ATTN_FWD_N176 && Tr::kHeadDim == 128 && kMask == kNoMask,
-                         FwdTraits<T, 128, 128, 176, Tr::kNWarps, Tr::kPadHeadDim>, Tr>>;
+  using type = std::conditional_t<Tr::kHeadDim == 64,
+                                  FwdTraits<typename Tr::T, 64, 192, Tr::kBlockN, 12, Tr::kPadHeadDim>, Tr>;
 };
 
 template <class Tr>
@@ -308,7 +290,6 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
     float inv_sum[1][2];
     finish_rows<1>(row_max, row_sum, inv_sum, p.lse + blk.lse_row0, m0 + warp_row0, blk.seqlen_q, p, lane);
     if constexpr (!L::kOwnOutputTile) named_barrier_sync(1, kThreads2);
-#if FUSEFORGE_ATTN_FWD_TMA_STORE
     if (!kVarlen && tma.store_o_tma) {
       // O / l as T into this warp's rows of a PanelTile (the TMA's 128-byte swizzle), then one box a
       // 64-column panel. The previous tile's boxes were read long ago; the wait is for the ordering.
@@ -326,9 +307,7 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
         if constexpr (!L::kOwnOutputTile) bulk_wait_group_read_all();  // Q's tile: the next Q lands there
       }
       __syncwarp();
-    } else
-#endif
-    {
+    } else {
       __syncwarp();  // the previous tile's reads of this warp's staging rows are done
       T* out = blk.template rows<T>(p.out, p.out_batch_stride, p.out_head_stride, p.out_row_stride, p);
       store_rows<T, kD, 1>(o3, inv_sum, smem + L::kOutOffset, warp_row0, out, p.out_row_stride, blk.rows_q,
@@ -337,9 +316,7 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
     if constexpr (!L::kOwnOutputTile) mbarrier_arrive(empty_q);  // the staging rows are read
   }
   if (pingpong && cwg == 0) named_barrier_sync(kMyTurn + 0, kTurnThreads);  // the last warpgroup's last arrive
-#if FUSEFORGE_ATTN_FWD_TMA_STORE
   if (lane == 0) bulk_wait_group_all();  // the boxes read shared memory: done before the block leaves
-#endif
 }
 #endif  // FUSEFORGE_ATTENTION_WGMMA
 
@@ -409,12 +386,10 @@ bool use_fwd_warpspec(const FwdParams& p, FwdTmaParams* tma) {
   tma->pingpong = env_flag("FUSEFORGE_ATTENTION_PINGPONG", true) ? 1 : 0;
   tma->early_k_release = env_flag("FUSEFORGE_ATTENTION_EARLY_K_RELEASE", true) ? 1 : 0;
   tma->max_blocks = env_positive_int("FUSEFORGE_ATTENTION_FWD_BLOCKS", 0);
-#if FUSEFORGE_ATTN_FWD_TMA_STORE
   // Not a requirement: where out's strides do not fit a tensor map, the kernel stores O itself.
   tma->store_o_tma = p.cu_seqlens_q == nullptr &&
                      encode_rows_map<T>(&tma->o, p, p.out, p.rows_q, p.heads_q, p.out_row_stride, p.out_head_stride,
                                         p.out_batch_stride, 16);
-#endif
   return require_tma(
       encode_rows_map<T>(&tma->q, p, p.q, p.rows_q, p.heads_q, p.q_row_stride, p.q_head_stride, p.q_batch_stride,
                          Tr::kBlockM) &&
@@ -429,18 +404,19 @@ bool use_fwd_warpspec(const FwdParams& p, FwdTmaParams* tma) {
 // caller), else the cp.async one (a block a tile).
 template <class Tr, bool kSoftcap>
 void launch_attention_fwd(const FwdParams& params, bool local) {
+  using WsTr = typename WarpSpecFwdTraits<Tr>::type;
   const dim3 grid(static_cast<unsigned>((params.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM),
                   static_cast<unsigned>(params.heads_q), static_cast<unsigned>(params.batch));
+  FwdTmaParams tma;
+  const bool warpspec = use_fwd_warpspec<WsTr>(params, &tma);
+  const int64_t m_blocks = (params.seqlen_q + WsTr::kBlockM - 1) / WsTr::kBlockM;
+  const int64_t tiles = m_blocks * grid.y * grid.z;
+  TORCH_CHECK(!warpspec || tiles < (int64_t{1} << 31) - 1024, "attention: ", tiles, " query tiles of ",
+              WsTr::kBlockM, " rows; at most 2^31 - 1024 (batch * heads * query blocks)");
+  tma.m_blocks = static_cast<int>(m_blocks);
+  tma.num_tiles = static_cast<int>(tiles);
   dispatch_mask_varlen(params, local, [&]<int kMask, bool kVarlen>() {
-    using WsTr = typename WarpSpecFwdTraits<Tr, kMask>::type;
-    FwdTmaParams tma;
-    if (use_fwd_warpspec<WsTr>(params, &tma)) {
-      const int64_t m_blocks = (params.seqlen_q + WsTr::kBlockM - 1) / WsTr::kBlockM;
-      const int64_t tiles = m_blocks * grid.y * grid.z;
-      TORCH_CHECK(tiles < (int64_t{1} << 31) - 1024, "attention: ", tiles, " query tiles of ", WsTr::kBlockM,
-                  " rows; at most 2^31 - 1024 (batch * heads * query blocks)");
-      tma.m_blocks = static_cast<int>(m_blocks);
-      tma.num_tiles = static_cast<int>(tiles);
+    if (warpspec) {
       using L = WarpSpecFwdLayout<WsTr>;
       // One block an SM. FUSEFORGE_ATTENTION_FWD_BLOCKS=n: at most n (tests give a few blocks many
       // tiles; n >= the tiles is one block a tile, each finding none left after its own: A/B timings).

@@ -89,7 +89,7 @@ SHAPES = [
     (2, 4, 1, 33, 70, 128, True),      # MQA, Sq < Sk: bottom-right mask
     (1, 2, 2, 70, 33, 64, True),       # Sq > Sk: the first 37 rows see nothing -> zeros
     (1, 3, 3, 200, 77, 64, False),
-    (1, 4, 2, 150, 400, 128, False),   # non-causal 128, GQA: 176-key tiles (FUSEFORGE_ATTN_FWD_N176) end partial
+    (1, 4, 2, 150, 400, 128, False),   # non-causal 128, GQA, Sk not a multiple of the key tile
     # Head dims other than 64 and 128 run the next kernel up with zero columns past the head dim.
     (1, 4, 2, 90, 90, 96, True),       # 96 (-> 128), GQA
     (2, 2, 2, 65, 130, 32, False),     # 32 (-> 64)
