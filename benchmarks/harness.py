@@ -52,7 +52,7 @@ def log(msg: str) -> None:
 
 
 def git_commit() -> str:
-    if os.environ.get("FUSEFORGE_COMMIT"):  # set by scripts/gpu_check.sh (no .git on the GPU machine)
+    if os.environ.get("FUSEFORGE_COMMIT"):  # set by scripts/gpu_check.sh (the GPU machine's .git may be stale)
         return os.environ["FUSEFORGE_COMMIT"]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:

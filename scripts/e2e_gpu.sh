@@ -35,7 +35,8 @@ pack() {
 }
 trap pack EXIT
 
-# No .git travels to the device: pass FUSEFORGE_COMMIT=<sha> in the command (bench_e2e records it).
+# The device's .git, where one travels, can name an older commit than the tree: pass
+# FUSEFORGE_COMMIT=<sha> as a literal in the command (bench_e2e records it).
 summary "== $(date -u +%FT%TZ) commit ${FUSEFORGE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$WORK/logs/summary.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \

@@ -1,0 +1,61 @@
+"""Device time of every kernel one call launches, per impl, for cases of bench_attention.py or
+bench_attention_varlen.py (torch.profiler, after warm-up; the mean over a few calls). Shows where a
+pass's time goes beyond its main kernel: fuseforge's row_dot, dq_accum zeroing and dq convert
+kernels beside cuDNN's.
+   python3 scripts/attention_kernel_times.py [--bench attention] [--cases D128/S1024/full,...]
+                                             [--impls fuseforge,sdpa_cudnn] [--pass fwdbwd] [--calls 5]
+"""
+import argparse
+import importlib
+import os
+import sys
+from collections import defaultdict
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+sys.path.insert(0, os.path.join(ROOT, "python"))
+
+
+def kernel_times(fn, calls: int) -> list[tuple[str, float, int]]:
+    """(kernel name, mean ms a call, launches a call) for every kernel fn launches, longest first."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    total_us, count = defaultdict(float), defaultdict(int)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            total_us[ev.name] += ev.device_time
+            count[ev.name] += 1
+    rows = [(name, us / calls / 1000, count[name] // calls) for name, us in total_us.items()]
+    return sorted(rows, key=lambda r: -r[1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bench", default="attention", choices=["attention", "attention_varlen"])
+    ap.add_argument("--cases", default="D128/S1024/full,D128/S16384/full")
+    ap.add_argument("--impls", default="fuseforge,sdpa_cudnn")
+    ap.add_argument("--pass", dest="pass_", default="fwdbwd")
+    ap.add_argument("--calls", type=int, default=5)
+    args = ap.parse_args()
+    bench = importlib.import_module(f"bench_{args.bench}")
+    impls = args.impls.split(",")
+    for case in args.cases.split(","):
+        for b in bench.setup(case):
+            if b.pass_ != args.pass_ or b.impl not in impls:
+                continue
+            rows = kernel_times(b.fn, args.calls)
+            print(f"\n== {case} {b.pass_} {b.impl}: {sum(r[1] for r in rows):.4f} ms of kernels a call")
+            for name, ms, n in rows:
+                print(f"  {ms:9.4f} ms  x{n:<3d} {name[:150]}")
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
