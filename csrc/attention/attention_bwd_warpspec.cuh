@@ -238,8 +238,8 @@ void launch_attention_bwd(const BwdParams& params, const BwdParams& row_dot_para
                 "build for TORCH_CUDA_ARCH_LIST=9.0a (its kernel is sm_90a code only)");
   }
   const int64_t rows = static_cast<int64_t>(row_dot_params.batch) * row_dot_params.heads_q * row_dot_params.seqlen_q;
-  launch_kernel(attention_row_dot_kernel<T, kD>, dim3(static_cast<unsigned>(ceil_div(rows, 8))), dim3(256), 0,
-                row_dot_params);
+  launch_kernel(attention_row_dot_kernel<T, kD>, dim3(static_cast<unsigned>(ceil_div(rows * (kD / 8), 256))),
+                dim3(256), 0, row_dot_params);
   // Causal: key block 0 of a head sees every query, the last one few. When the grid is a few waves
   // (GQA: each block loops over the group's heads, so the grid is small and its blocks long), the
   // launch order decides the tail: key blocks slowest (grid z) starts every head's heaviest block
@@ -284,7 +284,7 @@ void launch_attention_bwd(const BwdParams& params, const BwdParams& row_dot_para
                     dq_smem_bytes<DqTr>(), params);
     } else {
       launch_dkdv.template operator()<kMask, kVarlen, true>();
-      const dim3 grid_convert(static_cast<unsigned>(ceil_div(static_cast<int64_t>(params.seqlen_q) * (kD / 8), 256)),
+      const dim3 grid_convert(static_cast<unsigned>(ceil_div(ceil_div(params.seqlen_q, 16) * kD, 256)),
                               static_cast<unsigned>(params.heads_q), static_cast<unsigned>(params.batch));
       launch_kernel(attention_dq_convert_kernel<T, kD, kVarlen>, grid_convert, dim3(256), 0, params);
     }

@@ -151,6 +151,20 @@ void backward(const Shape& s, const at::Tensor& grad_out_in, const at::Tensor& q
   set_strides(dv, p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride);
   at::Tensor row_dot = at::empty(lse.sizes(), q.options().dtype(at::kFloat));  // lse's layout
   p.row_dot = row_dot.data_ptr<float>();
+  at::Tensor dq_accum;
+  if (!deterministic) {
+    // Whole 16-row tiles (the kernels add 16 x 8 tiles, attention_bwd_kernel.cuh); varlen: sequence b
+    // from tile cu[b] / 16 + b, so R = 16 (total / 16 + B + 1) rows a head.
+    const int64_t rows = cu_q != nullptr ? 16 * (q.size(2) / 16 + s.batch + 1) : (s.seqlen_q + 15) / 16 * 16;
+    const int64_t batches = cu_q != nullptr ? 1 : s.batch;
+    // The kernel head dim's columns: the kernels add the zero columns past the head dim too. Zeroed
+    // by the row_dot kernel.
+    dq_accum = at::empty({batches, s.heads_q, rows, cuda_kernel_head_dim(s.head_dim)}, q.options().dtype(at::kFloat));
+    p.dq_accum = dq_accum.data_ptr<float>();
+    p.dq_accum_floats = dq_accum.numel();
+    p.dq_accum_head_tiles = rows / 16;
+    p.dq_accum_batch_tiles = cu_q != nullptr ? 0 : s.heads_q * rows / 16;
+  }
   // The row_dot kernel's view: every row of q once (varlen: one sequence of total_q rows).
   BwdParams row_dot_params = p;
   if (cu_q != nullptr) {
@@ -158,18 +172,6 @@ void backward(const Shape& s, const at::Tensor& grad_out_in, const at::Tensor& q
     p.do_batch_stride = p.dq_batch_stride = p.dk_batch_stride = p.dv_batch_stride = 0;
     row_dot_params.batch = 1;
     row_dot_params.seqlen_q = static_cast<int>(q.size(2));
-  }
-  at::Tensor dq_accum;
-  if (!deterministic) {
-    // Whole 16-row tiles (the kernels add 16 x 8 tiles, attention_bwd_kernel.cuh); varlen: sequence b
-    // from tile cu[b] / 16 + b, so R = 16 (total / 16 + B + 1) rows a head.
-    const int64_t rows = cu_q != nullptr ? 16 * (q.size(2) / 16 + s.batch + 1) : (s.seqlen_q + 15) / 16 * 16;
-    const int64_t batches = cu_q != nullptr ? 1 : s.batch;
-    // The kernel head dim's columns: the kernels add the zero columns past the head dim too.
-    dq_accum = at::zeros({batches, s.heads_q, rows, cuda_kernel_head_dim(s.head_dim)}, q.options().dtype(at::kFloat));
-    p.dq_accum = dq_accum.data_ptr<float>();
-    p.dq_accum_head_tiles = rows / 16;
-    p.dq_accum_batch_tiles = cu_q != nullptr ? 0 : s.heads_q * rows / 16;
   }
   dispatch_dtype_head_dim(q.scalar_type(), s.head_dim, o.softcap > 0.0, [&]<typename T, int kD, bool kSoftcap, bool kPad>() {
     run_attention_bwd<T, kD, kSoftcap, kPad>(p, row_dot_params, o.local(), deterministic);

@@ -68,6 +68,13 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   }
 }
 
+// One register of two fp16/bf16 -> two floats (first = lo).
+template <typename T>
+__device__ __forceinline__ float2 unpack2(uint32_t v) {
+  if constexpr (MmaType<T>::kIsBf16) return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
+  else return __half22float2(*reinterpret_cast<const __half2*>(&v));
+}
+
 // The A fragment of one k16 step from the two C fragments (16 x 8 each) of the same rows that cover
 // its 16 columns: how a product's fp32 result (P, dS) feeds the next product from registers.
 template <typename T>

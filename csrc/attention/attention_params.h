@@ -62,6 +62,7 @@ struct BwdParams : FwdParams {
   // 16-row tile cu[b] / 16 + b (R = 16 (total / 16 + B + 1): sequences never share a tile).
   float* dq_accum = nullptr;
   int64_t dq_accum_batch_tiles = 0, dq_accum_head_tiles = 0;  // in 16-row tiles
+  int64_t dq_accum_floats = 0;  // its size; the row_dot kernel zeroes it
   bool kv_block_slowest = false;  // set by the launcher: the dk/dv grid is (Hk, B, key blocks), heaviest first
 };
 
