@@ -41,7 +41,8 @@ ADAMW=(c16k:)
 # three-warpgroup forward, the backward's lse / row_dot read before its wgmma waits with its dQ
 # hand-off deferred to the next tile, and O stored by TMA won and are the code (docs/notes_attention.md).
 # Add "name:-DKNOB=1" entries for the next candidates.
-ATTN=(default:)
+# ws64 needs the pin: without it ptxas serializes the atomic kernels' wgmmas (C7512) and they spill.
+ATTN=(default: "ws64:-DFUSEFORGE_ATTN_BWD_WARPSPEC_D64=1 -DFUSEFORGE_ATTN_BWD_PIN_D64=1")
 PARTS=${PARTS:-build tests time profile e2e lce}
 OPS=${OPS-adamw add_mul_act}
 has() { [[ " $PARTS " == *" $1 "* ]]; }

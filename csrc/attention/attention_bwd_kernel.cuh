@@ -394,6 +394,13 @@ __device__ __forceinline__ void attention_bwd_dkdv_mma_body(const BwdParams& p) 
   store_rows<T, kD, kNT>(dv, ones, smem + Tr::kTileKVBytes, warp_row0, gv, p.dv_row_stride, rows_k, head_dim, lane);
 }
 
+// Experiment knob (compile time, off until timed on a GPU): 1 pins the S^T / dP^T zeros before the
+// wgmma fence at head dim 64 too (below); meant with FUSEFORGE_ATTN_BWD_WARPSPEC_D64, where the
+// cp.async kernel's measured slowdown does not apply.
+#ifndef FUSEFORGE_ATTN_BWD_PIN_D64
+#define FUSEFORGE_ATTN_BWD_PIN_D64 0
+#endif
+
 #if FUSEFORGE_ATTENTION_WGMMA
 // Where warp `warp`'s 16 x 64 block of dQ for query tile `it` goes (the wgmma body's split without
 // Tr::kSplitCols: warpgroup g computes dQ's columns [64 g, +64) at head dim 128, its rows [64 g, +64)
@@ -452,7 +459,7 @@ __device__ __forceinline__ void dkdv_wgmma_tile(const BwdParams& p, const Blk& b
   // serializes both groups (injected warpgroup.arrive / wait, C7519 / C7517; at head dim 128 on the
   // atomic path, every product of the tile). Head dim 64 keeps the old schedule: with the pin its
   // causal forward+backward measured 10-15% slower on the H100 (full 1-2% faster).
-  if constexpr (kD >= 128) {
+  if constexpr (kD >= 128 || FUSEFORGE_ATTN_BWD_PIN_D64) {
     wgmma_fence_operands(st);
     wgmma_fence_operands(dpt);
   }

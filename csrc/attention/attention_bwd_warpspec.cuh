@@ -14,6 +14,18 @@
 
 namespace fuseforge::attention {
 
+// Experiment knob (compile time, off until timed on a GPU): 1 runs head dim 64's dk/dv on this
+// kernel too (128-query tiles), instead of the cp.async kernel. Timed once, on top of another
+// change, in the sixth session (3.5% slower at S16384 non-causal, level causal); since then the dQ
+// hand-off is deferred a tile, and S = 1024, where head dim 64 is furthest behind cuDNN, was never timed.
+#ifndef FUSEFORGE_ATTN_BWD_WARPSPEC_D64
+#define FUSEFORGE_ATTN_BWD_WARPSPEC_D64 0
+#endif
+template <int kD>
+constexpr bool bwd_warpspec_head_dim() {
+  return kD == 128 || (FUSEFORGE_ATTN_BWD_WARPSPEC_D64 && kD == 64);
+}
+
 struct BwdTmaParams {
   CUtensorMap q, k, v, dout;
 };
@@ -211,7 +223,7 @@ __global__ void __launch_bounds__(WarpSpecBwdLayout<Tr>::kThreads, 1)
 template <class Tr>
 bool use_bwd_warpspec(const BwdParams& p, BwdTmaParams* tma) {
   using T = typename Tr::T;
-  if (Tr::kHeadDim != 128) return false;
+  if (!bwd_warpspec_head_dim<Tr::kHeadDim>()) return false;
   if (!tma_kernels_allowed()) return require_tma(false);
   return require_tma(
       encode_rows_map<T>(&tma->q, p, p.q, p.rows_q, p.heads_q, p.q_row_stride, p.q_head_stride, p.q_batch_stride,
@@ -264,7 +276,7 @@ void launch_attention_bwd(const BwdParams& params, const BwdParams& row_dot_para
   BwdTmaParams tma;
   const bool warpspec = use_bwd_warpspec<DkdvTr>(p, &tma);
   auto launch_dkdv = [&]<int kMask, bool kVarlen, bool kAtomicDq>() {
-    if constexpr (kD == 128) {
+    if constexpr (bwd_warpspec_head_dim<kD>()) {
       if (warpspec) {
         using L = WarpSpecBwdLayout<DkdvTr>;
         launch_kernel(attention_bwd_dkdv_warpspec_kernel<DkdvTr, kMask, kSoftcap, kVarlen, kAtomicDq>, grid_kv,
