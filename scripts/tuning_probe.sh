@@ -36,13 +36,13 @@ T=scripts/tune_variants.sh
 AMA=(default:)
 LCE=(default:)
 ADAMW=(c16k:)
-# Attention: FA3's dK-after-dQ order, D64's warp-specialized backward, the forward's K freed with
+# Attention: FA3's dK-after-dQ order, the forward's K freed with
 # V and 176-key forward tiles at head dim 128 lost; the wgmma descriptor arithmetic, D64's
 # three-warpgroup forward, the backward's lse / row_dot read before its wgmma waits with its dQ
-# hand-off deferred to the next tile, and O stored by TMA won and are the code (docs/notes_attention.md).
-# Add "name:-DKNOB=1" entries for the next candidates.
-# ws64 needs the pin: without it ptxas serializes the atomic kernels' wgmmas (C7512) and they spill.
-ATTN=(default: "ws64:-DFUSEFORGE_ATTN_BWD_WARPSPEC_D64=1 -DFUSEFORGE_ATTN_BWD_PIN_D64=1")
+# hand-off deferred to the next tile and O stored by TMA won and are the code; head dim 64's
+# backward on the warp-specialized kernel won (ws64), its memcheck and tables are to run before it
+# becomes the default (docs/notes_attention.md). Add "name:-DKNOB=1" entries for the next candidates.
+ATTN=(default: ws64:-DFUSEFORGE_ATTN_BWD_WARPSPEC_D64=1)
 PARTS=${PARTS:-build tests time profile e2e lce}
 OPS=${OPS-adamw add_mul_act}
 has() { [[ " $PARTS " == *" $1 "* ]]; }

@@ -394,13 +394,6 @@ __device__ __forceinline__ void attention_bwd_dkdv_mma_body(const BwdParams& p) 
   store_rows<T, kD, kNT>(dv, ones, smem + Tr::kTileKVBytes, warp_row0, gv, p.dv_row_stride, rows_k, head_dim, lane);
 }
 
-// Experiment knob (compile time, off until timed on a GPU): 1 pins the S^T / dP^T zeros before the
-// wgmma fence at head dim 64 too (below); meant with FUSEFORGE_ATTN_BWD_WARPSPEC_D64, where the
-// cp.async kernel's measured slowdown does not apply.
-#ifndef FUSEFORGE_ATTN_BWD_PIN_D64
-#define FUSEFORGE_ATTN_BWD_PIN_D64 0
-#endif
-
 #if FUSEFORGE_ATTENTION_WGMMA
 // Where warp `warp`'s 16 x 64 block of dQ for query tile `it` goes (the wgmma body's split without
 // Tr::kSplitCols: warpgroup g computes dQ's columns [64 g, +64) at head dim 128, its rows [64 g, +64)
@@ -428,7 +421,7 @@ __device__ __forceinline__ DqTarget dq_target(const BwdParams& p, const Blk& blk
 // the same S^T and dP^T over all 256 columns; warpgroup g accumulates columns [128 g, +128) of dK and
 // dV, writes its own copy of dS^T (sDs + g tileDs) and adds dQ's columns [128 g, +128), so every dQ
 // element is added once.
-template <class Tr, int kMask, bool kSoftcap, bool kAtomicDq, class Blk, class SyncDs, class AddDq>
+template <class Tr, int kMask, bool kSoftcap, bool kAtomicDq, bool kPinZeros, class Blk, class SyncDs, class AddDq>
 __device__ __forceinline__ void dkdv_wgmma_tile(const BwdParams& p, const Blk& blk, int it, uint32_t sK, uint32_t sV,
                                                 uint32_t sQ, uint32_t sdO, const float* s_lse,
                                                 const float* s_row_dot, uint32_t sDs, unsigned char* ds, int warp,
@@ -455,11 +448,14 @@ __device__ __forceinline__ void dkdv_wgmma_tile(const BwdParams& p, const Blk& b
   float st[kSN], dpt[kSN];
 #pragma unroll
   for (int i = 0; i < kSN; ++i) st[i] = dpt[i] = 0.f;
-  // Pins the zeros before the fence: else the compiler sinks dpt's zeroing past S^T's issue and ptxas
-  // serializes both groups (injected warpgroup.arrive / wait, C7519 / C7517; at head dim 128 on the
-  // atomic path, every product of the tile). Head dim 64 keeps the old schedule: with the pin its
-  // causal forward+backward measured 10-15% slower on the H100 (full 1-2% faster).
-  if constexpr (kD >= 128 || FUSEFORGE_ATTN_BWD_PIN_D64) {
+  // kPinZeros pins the zeros before the fence: else the compiler sinks dpt's zeroing past S^T's issue
+  // and ptxas serializes both groups (injected warpgroup.arrive / wait, C7519 / C7517; at head dim 128
+  // on the atomic path, every product of the tile; on the warp-specialized kernel at head dim 64,
+  // C7512 and spills). The warp-specialized kernel always pins; the cp.async one from head dim 128
+  // up: at 64 (its calls there: TMA off, or operands a tensor map cannot describe) it keeps the old
+  // schedule, with the pin its causal forward+backward measured 10-15% slower on the H100 (full 1-2%
+  // faster; 2026-11-25, before head dim 64 moved to the warp-specialized kernel).
+  if constexpr (kPinZeros) {
     wgmma_fence_operands(st);
     wgmma_fence_operands(dpt);
   }
@@ -677,7 +673,7 @@ __device__ __forceinline__ void attention_bwd_dkdv_wgmma_body(const BwdParams& p
     const float* s_lse = stage_floats0 + (it & 1) * 2 * kBlockM;
     const float* s_row_dot = s_lse + kBlockM;
 
-    dkdv_wgmma_tile<Tr, kMask, kSoftcap, kAtomicDq>(p, blk, it, sK, sV, sQ, sdO, s_lse, s_row_dot, sDs,
+    dkdv_wgmma_tile<Tr, kMask, kSoftcap, kAtomicDq, /*kPinZeros=*/(Tr::kHeadDim >= 128)>(p, blk, it, sK, sV, sQ, sdO, s_lse, s_row_dot, sDs,
                                                      smem + (sDs - sK), warp, lane, dk, dv, [] { __syncthreads(); },
                                                      DqAtomicAdd{});
   }

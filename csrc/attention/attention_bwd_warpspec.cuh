@@ -7,17 +7,18 @@
 // both warpgroups' keys. dQ goes to dq_accum as FlashAttention-3 does it: each consumer warp stores
 // its 16 x 64 block to its own 4 KB of shared memory and one lane hands it to the TMA unit as a bulk
 // float32 reduction, instead of 8 vector atomics a thread. The row_dot, dq-convert and deterministic
-// dq kernels are unchanged.
+// dq kernels are the cp.async path's.
 #pragma once
 #include "attention/attention_bwd_kernel.cuh"
 #include "attention/attention_fwd_warpspec.cuh"
 
 namespace fuseforge::attention {
 
-// Experiment knob (compile time, off until timed on a GPU): 1 runs head dim 64's dk/dv on this
-// kernel too (128-query tiles), instead of the cp.async kernel. Timed once, on top of another
-// change, in the sixth session (3.5% slower at S16384 non-causal, level causal); since then the dQ
-// hand-off is deferred a tile, and S = 1024, where head dim 64 is furthest behind cuDNN, was never timed.
+// Head dim 128 (64-query tiles) runs this kernel, 256 the cp.async one. Head dim 64 (128-query
+// tiles) runs it with FUSEFORGE_ATTN_BWD_WARPSPEC_D64=1 (compile time): timed on the H100 on
+// 2026-11-25 (forward+backward 7-12% faster, see use_bwd_warpspec), its build passed the CUDA
+// attention tests and racecheck, but memcheck and the benchmark tables have not run with it: off
+// until they have (the next device session).
 #ifndef FUSEFORGE_ATTN_BWD_WARPSPEC_D64
 #define FUSEFORGE_ATTN_BWD_WARPSPEC_D64 0
 #endif
@@ -179,7 +180,7 @@ __device__ __forceinline__ void attention_bwd_dkdv_warpspec_body(const BwdParams
     const int s = it % kStages;
     mbarrier_wait(full(s), (it / kStages) & 1);
     const uint32_t sDs = sK + L::kDsOffset + (it & 1) * Tr::kTileDsBytes;
-    dkdv_wgmma_tile<Tr, kMask, kSoftcap, kAtomicDq>(
+    dkdv_wgmma_tile<Tr, kMask, kSoftcap, kAtomicDq, /*kPinZeros=*/true>(
         p, blk, it, sK, sV, sQ(s), sQ(s) + Tr::kTileQBytes, floats(s), floats(s) + kBlockM, sDs,
         smem + (sDs - sK), cwarp, lane, dk, dv, [] { named_barrier_sync(1, L::kConsumerThreads); }, dq_add);
     mbarrier_arrive(empty(s));  // this thread is done with stage s
@@ -216,10 +217,11 @@ __global__ void __launch_bounds__(WarpSpecBwdLayout<Tr>::kThreads, 1)
 }
 
 // Whether the warp-specialized dk/dv kernel serves this call (tma filled in then).
-// Head dim 128 only: at 64 (128-query tiles, S^T and dP^T of 64 floats a thread) the consumers
-// spilled at 240 registers (384 bytes, c34715c) and the kernel measured slower than the cp.async
-// one (docs/notes_attention.md); since 5c92790 they compile without spills, and still measured
-// slower (2026-11-25, 24b6252: D64/S16384/full forward+backward 40.25 -> 42.42 ms).
+// Head dim 64 with FUSEFORGE_ATTN_BWD_WARPSPEC_D64=1; e71f88c's A/B (H100, 2026-11-25, one call, A B B A): forward+backward
+// D64/S1024 full 2.82 -> 2.58 ms, causal 1.93 -> 1.80, S16384 full 38.97 -> 34.89, causal 18.36 ->
+// 16.15. What it took: the accumulators' zeros pinned before the fence (dkdv_wgmma_tile's kPinZeros);
+// without them ptxas serialized the atomic kernels' wgmmas (C7512) and they spilled, as at c34715c
+// (384 bytes) and 24b6252 (3.5% slower than the cp.async kernel at S16384/full).
 template <class Tr>
 bool use_bwd_warpspec(const BwdParams& p, BwdTmaParams* tma) {
   using T = typename Tr::T;
