@@ -217,11 +217,12 @@ __global__ void __launch_bounds__(WarpSpecBwdLayout<Tr>::kThreads, 1)
 }
 
 // Whether the warp-specialized dk/dv kernel serves this call (tma filled in then).
-// Head dim 64 with FUSEFORGE_ATTN_BWD_WARPSPEC_D64=1; e71f88c's A/B (H100, 2026-11-25, one call, A B B A): forward+backward
-// D64/S1024 full 2.82 -> 2.58 ms, causal 1.93 -> 1.80, S16384 full 38.97 -> 34.89, causal 18.36 ->
-// 16.15. What it took: the accumulators' zeros pinned before the fence (dkdv_wgmma_tile's kPinZeros);
-// without them ptxas serialized the atomic kernels' wgmmas (C7512) and they spilled, as at c34715c
-// (384 bytes) and 24b6252 (3.5% slower than the cp.async kernel at S16384/full).
+// Head dim 64 with FUSEFORGE_ATTN_BWD_WARPSPEC_D64=1; e71f88c's A/B (H100, 2026-11-25, one call,
+// A B B A): forward+backward D64/S1024 full 2.82 -> 2.58 ms, causal 1.93 -> 1.80, S16384 full
+// 38.97 -> 34.89, causal 18.36 -> 16.15. What it took: the accumulators' zeros pinned before the
+// fence (dkdv_wgmma_tile's kPinZeros); without them ptxas serialized the atomic kernels' wgmmas
+// (C7512) and they spilled, as at c34715c (384 bytes) and 24b6252 (3.5% slower than the cp.async
+// kernel at S16384/full).
 template <class Tr>
 bool use_bwd_warpspec(const BwdParams& p, BwdTmaParams* tma) {
   using T = typename Tr::T;
