@@ -10,6 +10,11 @@ causal) and larger ones; impls fuseforge, sdpa (F.scaled_dot_product_attention, 
 eager (softmax(q k^T scale + mask) v) and compile (torch.compile of eager). rel_err: every impl's
 output (fwd) and the largest of its output's and gradients' errors (fwdbwd) against float64. The
 machine's other load shows up in CPU timings: `--rounds 5` interleaves the impls.
+
+Default 2 rounds (harness.time_interleaved: every impl of a pass timed in turn, twice) rather than
+one impl after another with fuseforge first and cuDNN last: the same code timed first and last in
+one call differed by up to 7% (H100, 2026-11-25, docs/notes_attention.md). The two-round run takes
+about as long (64-66 s on the H100 against 66-69 s).
 """
 from __future__ import annotations
 
@@ -165,4 +170,4 @@ def setup(case: str) -> list[Bench]:
 
 
 if __name__ == "__main__":
-    run("attention", CASES, setup, description=__doc__, cpu_cases=CPU_CASES)
+    run("attention", CASES, setup, description=__doc__, cpu_cases=CPU_CASES, rounds=2)
