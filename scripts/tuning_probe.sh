@@ -42,7 +42,7 @@ ADAMW=(c16k:)
 # hand-off deferred to the next tile and O stored by TMA won and are the code; head dim 64's
 # backward on the warp-specialized kernel won (ws64), its memcheck and tables are to run before it
 # becomes the default (docs/notes_attention.md). Add "name:-DKNOB=1" entries for the next candidates.
-ATTN=(default: ws64:-DFUSEFORGE_ATTN_BWD_WARPSPEC_D64=1)
+ATTN=(default: ws64:-DFUSEFORGE_ATTN_BWD_WARPSPEC_D64=1 persist:-DFUSEFORGE_ATTN_BWD_PERSISTENT=1)
 PARTS=${PARTS:-build tests time profile e2e lce}
 OPS=${OPS-adamw add_mul_act}
 has() { [[ " $PARTS " == *" $1 "* ]]; }

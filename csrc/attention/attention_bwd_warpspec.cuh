@@ -27,8 +27,22 @@ constexpr bool bwd_warpspec_head_dim() {
   return kD == 128 || (FUSEFORGE_ATTN_BWD_WARPSPEC_D64 && kD == 64);
 }
 
+// Experiment knob (compile time, off until timed on a GPU): 1 makes the warp-specialized dk/dv
+// kernel persistent, FlashAttention-3 / cuDNN style (cuDNN's bprop runs 132 blocks of 384 threads
+// where ours launches a block a key tile: 4096 at the benchmark's D128/S4096): a block an SM takes
+// key blocks from p.tile_counter; the next block's K/V and first Q/dO tiles load under this block's
+// dQ hand-off and dK/dV stores, which stage through the dS^T / dQ buffers instead of sK / sV. Aimed
+// at short sequences and causal / window masks (few query tiles a key block), where the per-block
+// fill and drain weigh most (docs/notes_attention.md).
+#ifndef FUSEFORGE_ATTN_BWD_PERSISTENT
+#define FUSEFORGE_ATTN_BWD_PERSISTENT 0
+#endif
+
 struct BwdTmaParams {
   CUtensorMap q, k, v, dout;
+  // The grid of a block a key block (x fastest): the persistent kernel's key block t is
+  // (t % grid_x, t / grid_x % grid_y, t / (grid_x grid_y)), t < num_blocks.
+  int grid_x = 0, grid_y = 0, num_blocks = 0;
 };
 
 template <class Tr>
@@ -37,7 +51,8 @@ struct WarpSpecBwdLayout {
   static constexpr int kThreads = 384, kConsumerThreads = 256;
   static constexpr int kPanels = Tr::kHeadDim / 64;
   // From the 1024-byte-aligned base: K, V; kStages x (Q, dO); kStages x (lse, row_dot); 2 x dS^T;
-  // 8 consumer warps x 4 KB of dQ (the bulk reductions' source); the mbarriers (full_kv, full[s], empty[s]).
+  // 8 consumer warps x 4 KB of dQ (the bulk reductions' source); the mbarriers (full_kv, full[s],
+  // empty[s], and the persistent kernel's empty_kv) and its key-block slot.
   static constexpr int kStagesOffset = 2 * Tr::kTileKVBytes;
   static constexpr int kStageBytes = 2 * Tr::kTileQBytes;
   static constexpr int kFloatsOffset = kStagesOffset + kStages * kStageBytes;
@@ -46,8 +61,11 @@ struct WarpSpecBwdLayout {
   static constexpr int kDqOffset = kDsOffset + 2 * Tr::kTileDsBytes;
   static constexpr int kDqWarpBytes = 16 * 64 * 4;
   static constexpr int kBarriersOffset = kDqOffset + 8 * kDqWarpBytes;
-  static constexpr int kSmemBytes = 1024 + kBarriersOffset + 8 * (1 + 2 * kStages);
+  static constexpr int kSlotOffset = kBarriersOffset + 8 * (2 + 2 * kStages);
+  static constexpr int kSmemBytes = 1024 + kSlotOffset + 8;
   static_assert(kSmemBytes <= 227 * 1024, "fits an H100 SM's shared memory");
+  // The persistent kernel stages dK and dV (a K/V tile each) in the dS^T and dQ buffers.
+  static_assert(kDsOffset + 2 * Tr::kTileKVBytes <= kBarriersOffset, "dK/dV staging fits the dS^T and dQ buffers");
   // Registers a thread (setmaxnreg): the block starts with 384 x 168; the consumers' increase must
   // come out of what the producer gives back, or setmaxnreg.inc waits forever.
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
@@ -92,15 +110,74 @@ struct DqBulkAdd {
   }
 };
 
+// The warp-specialized dk/dv kernel's pieces, shared by its one-block-a-key-block body and the
+// persistent one. Lane 0 of the producer: K and V of key block `blk` on full_kv.
+template <class Tr, class L, class Blk>
+__device__ __forceinline__ void load_key_block(const BwdTmaParams& tma, const Blk& blk, int batch, uint32_t sK,
+                                               uint32_t sV, uint32_t full_kv) {
+  using KVTile = PanelTile<Tr::kBlockN>;
+  mbarrier_arrive_expect_tx(full_kv, 2 * Tr::kTileKVBytes);
+  const int key_row = blk.k_row0 + blk.n0;
+#pragma unroll
+  for (int c = 0; c < L::kPanels; ++c) {
+    tma_load_4d(sK + c * KVTile::kPanelBytes, &tma.k, full_kv, c * 64, key_row, blk.hk, batch);
+    tma_load_4d(sV + c * KVTile::kPanelBytes, &tma.v, full_kv, c * 64, key_row, blk.hk, batch);
+  }
+}
+
+// The producer warp: query tile `it` of `blk` into a stage (Q and dO by TMA from lane 0; lse and
+// row_dot copied by every lane), then its arrive on the stage's full barrier.
+template <class Tr, class L, class Blk>
+__device__ __forceinline__ void load_query_tile(const BwdParams& p, const BwdTmaParams& tma, const Blk& blk, int it,
+                                                int batch, uint32_t sQ, float* f, uint32_t full, int lane) {
+  using QTile = PanelTile<Tr::kBlockM>;
+  constexpr int kBlockM = Tr::kBlockM;
+  const int h = blk.head(it, p), m0 = blk.row0(it);
+  if (lane == 0) {
+    mbarrier_expect_tx(full, 2 * Tr::kTileQBytes);
+    const int row = blk.q_row0 + m0;
+#pragma unroll
+    for (int c = 0; c < L::kPanels; ++c) {
+      tma_load_4d(sQ + c * QTile::kPanelBytes, &tma.q, full, c * 64, row, h, batch);
+      tma_load_4d(sQ + Tr::kTileQBytes + c * QTile::kPanelBytes, &tma.dout, full, c * 64, row, h, batch);
+    }
+  }
+  // lse in base 2 (+inf past Sq, so P = 0 there: TMA rows past a varlen sequence hold the next
+  // one's queries) and row_dot.
+  const int64_t row_base = blk.b * p.lse_batch_stride + h * p.lse_head_stride + blk.q_row0 + m0;
+  for (int r = lane; r < kBlockM; r += 32) {
+    const bool valid = m0 + r < blk.seqlen_q;
+    f[r] = valid ? lse_to_log2(p.lse[row_base + r]) : INFINITY;
+    f[kBlockM + r] = valid ? p.row_dot[row_base + r] : 0.f;
+  }
+  mbarrier_arrive(full);
+}
+
+// A consumer warp: dK = scale * sum dS^T Q and dV = sum P^T dO of its 16 keys, staged through its
+// own rows of the tiles at stage_k / stage_v.
+template <class Tr, class Blk>
+__device__ __forceinline__ void store_dk_dv(const BwdParams& p, const Blk& blk, const float (&dk)[Tr::kHeadDim / 2],
+                                            const float (&dv)[Tr::kHeadDim / 2], unsigned char* stage_k,
+                                            unsigned char* stage_v, int cwarp, int lane) {
+  using T = typename Tr::T;
+  constexpr int kD = Tr::kHeadDim;
+  const int head_dim = valid_head_dim<Tr>(p);
+  float ones[1][2] = {{1.f, 1.f}}, scales[1][2] = {{p.scale, p.scale}};
+  const int64_t key_row = blk.k_row0 + blk.n0;
+  T* gk = static_cast<T*>(p.grad_k) + blk.b * p.dk_batch_stride + blk.hk * p.dk_head_stride + key_row * p.dk_row_stride;
+  T* gv = static_cast<T*>(p.grad_v) + blk.b * p.dv_batch_stride + blk.hk * p.dv_head_stride + key_row * p.dv_row_stride;
+  store_rows<T, kD, 1>(reinterpret_cast<const float(&)[1][kD / 8][4]>(dk), scales, stage_k, cwarp * 16, gk,
+                       p.dk_row_stride, blk.rows_k, head_dim, lane);
+  store_rows<T, kD, 1>(reinterpret_cast<const float(&)[1][kD / 8][4]>(dv), ones, stage_v, cwarp * 16, gv,
+                       p.dv_row_stride, blk.rows_k, head_dim, lane);
+}
+
 template <class Tr, int kMask, bool kSoftcap, bool kVarlen, bool kAtomicDq>
 __device__ __forceinline__ void attention_bwd_dkdv_warpspec_body(const BwdParams& p, const BwdTmaParams& tma) {
-  using T = typename Tr::T;
   using L = WarpSpecBwdLayout<Tr>;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kD = Tr::kHeadDim, kStages = L::kStages;
   static_assert(kBlockN == 128 && Tr::kNWarps == 8, "2 consumer warpgroups of 64 keys");
   static_assert((kD == 128 && kBlockM == 64) || (kD == 64 && kBlockM == 128), "dQ splits one dimension in two");
-  using KVTile = PanelTile<kBlockN>;
-  using QTile = PanelTile<kBlockM>;
   const int tid = threadIdx.x, lane = tid & 31, warp = uniform_warp_index();
   const KeyBlock<kBlockM, kBlockN, kMask, kVarlen> blk(p);
   if (blk.rows_k <= 0) return;  // past its sequence (varlen): the whole block leaves before any barrier
@@ -134,37 +211,12 @@ __device__ __forceinline__ void attention_bwd_dkdv_warpspec_body(const BwdParams
     if (lane == 0) {
       prefetch_tma_map(&tma.q);
       prefetch_tma_map(&tma.dout);
-      mbarrier_arrive_expect_tx(full_kv, 2 * Tr::kTileKVBytes);
-      const int key_row = blk.k_row0 + blk.n0;
-#pragma unroll
-      for (int c = 0; c < L::kPanels; ++c) {
-        tma_load_4d(sK + c * KVTile::kPanelBytes, &tma.k, full_kv, c * 64, key_row, blk.hk, batch);
-        tma_load_4d(sV + c * KVTile::kPanelBytes, &tma.v, full_kv, c * 64, key_row, blk.hk, batch);
-      }
+      load_key_block<Tr, L>(tma, blk, batch, sK, sV, full_kv);
     }
     for (int it = 0; it < iterations; ++it) {
       const int s = it % kStages;
       mbarrier_wait(empty(s), ((it / kStages) & 1) ^ 1);
-      const int h = blk.head(it, p), m0 = blk.row0(it);
-      if (lane == 0) {
-        mbarrier_expect_tx(full(s), 2 * Tr::kTileQBytes);
-        const int row = blk.q_row0 + m0;
-#pragma unroll
-        for (int c = 0; c < L::kPanels; ++c) {
-          tma_load_4d(sQ(s) + c * QTile::kPanelBytes, &tma.q, full(s), c * 64, row, h, batch);
-          tma_load_4d(sQ(s) + Tr::kTileQBytes + c * QTile::kPanelBytes, &tma.dout, full(s), c * 64, row, h, batch);
-        }
-      }
-      // lse in base 2 (+inf past Sq, so P = 0 there: TMA rows past a varlen sequence hold the next
-      // one's queries) and row_dot.
-      float* f = floats(s);
-      const int64_t row_base = blk.b * p.lse_batch_stride + h * p.lse_head_stride + blk.q_row0 + m0;
-      for (int r = lane; r < kBlockM; r += 32) {
-        const bool valid = m0 + r < blk.seqlen_q;
-        f[r] = valid ? lse_to_log2(p.lse[row_base + r]) : INFINITY;
-        f[kBlockM + r] = valid ? p.row_dot[row_base + r] : 0.f;
-      }
-      mbarrier_arrive(full(s));
+      load_query_tile<Tr, L>(p, tma, blk, it, batch, sQ(s), floats(s), full(s), lane);
     }
     return;
   }
@@ -193,15 +245,119 @@ __device__ __forceinline__ void attention_bwd_dkdv_warpspec_body(const BwdParams
   // dK = scale * sum dS^T Q, dV = sum P^T dO: staged through this warp's own rows of sK / sV, once both
   // consumer warpgroups are done reading them (dQ = dS K reads all of sK).
   named_barrier_sync(1, L::kConsumerThreads);
-  const int head_dim = valid_head_dim<Tr>(p);
-  float ones[1][2] = {{1.f, 1.f}}, scales[1][2] = {{p.scale, p.scale}};
-  const int64_t key_row = blk.k_row0 + blk.n0;
-  T* gk = static_cast<T*>(p.grad_k) + blk.b * p.dk_batch_stride + blk.hk * p.dk_head_stride + key_row * p.dk_row_stride;
-  T* gv = static_cast<T*>(p.grad_v) + blk.b * p.dv_batch_stride + blk.hk * p.dv_head_stride + key_row * p.dv_row_stride;
-  store_rows<T, kD, 1>(reinterpret_cast<const float(&)[1][kD / 8][4]>(dk), scales, smem, cwarp * 16, gk,
-                       p.dk_row_stride, blk.rows_k, head_dim, lane);
-  store_rows<T, kD, 1>(reinterpret_cast<const float(&)[1][kD / 8][4]>(dv), ones, smem + Tr::kTileKVBytes, cwarp * 16,
-                       gv, p.dv_row_stride, blk.rows_k, head_dim, lane);
+  store_dk_dv<Tr>(p, blk, dk, dv, smem, smem + Tr::kTileKVBytes, cwarp, lane);
+}
+
+// FUSEFORGE_ATTN_BWD_PERSISTENT: a block an SM over key blocks. The producer warp picks each
+// (p.tile_counter, as the forward's tiles; varlen blocks past their sequence skipped), writes it to
+// the shared slot and loads its K/V once every consumer thread has released the previous ones
+// (empty_kv, right after its last tile: every product that reads K / V is done); the consumers read
+// the slot when K/V land (-1: none left), stage dK / dV in the dS^T and dQ buffers (sK / sV may be
+// taking the next block's K / V) and meet once more before the next block's dS^T stores. The Q/dO
+// ring's stages and phases run on across key blocks (g: the query tiles this block has handled).
+template <class Tr, int kMask, bool kSoftcap, bool kVarlen, bool kAtomicDq>
+__device__ __forceinline__ void attention_bwd_dkdv_persistent_body(const BwdParams& p, const BwdTmaParams& tma) {
+  using L = WarpSpecBwdLayout<Tr>;
+  using Blk = KeyBlock<Tr::kBlockM, Tr::kBlockN, kMask, kVarlen>;
+  constexpr int kBlockM = Tr::kBlockM, kD = Tr::kHeadDim, kStages = L::kStages;
+  const int tid = threadIdx.x, lane = tid & 31, warp = uniform_warp_index();
+  auto block_at = [&](int t) {
+    return Blk(p, t % tma.grid_x, t / tma.grid_x % tma.grid_y, t / (tma.grid_x * tma.grid_y));
+  };
+  const uint32_t sK = attention_smem_base();
+  unsigned char* smem = attention_smem + (sK - smem_addr(attention_smem));
+  const uint32_t sV = sK + Tr::kTileKVBytes;
+  auto sQ = [&](int s) { return sK + L::kStagesOffset + s * L::kStageBytes; };
+  auto floats = [&](int s) { return reinterpret_cast<float*>(smem + L::kFloatsOffset + s * L::kFloatsBytes); };
+  const uint32_t bars = sK + L::kBarriersOffset;
+  const uint32_t full_kv = bars, empty_kv = bars + 8 * (1 + 2 * kStages);
+  auto full = [&](int s) { return bars + 8 * (1 + s); };
+  auto empty = [&](int s) { return bars + 8 * (1 + kStages + s); };
+  volatile int* block_slot = reinterpret_cast<volatile int*>(smem + L::kSlotOffset);
+  if (tid == 0) {
+    mbarrier_init(full_kv, 1);
+    for (int s = 0; s < kStages; ++s) {
+      mbarrier_init(full(s), 32);
+      mbarrier_init(empty(s), L::kConsumerThreads);
+    }
+    mbarrier_init(empty_kv, L::kConsumerThreads);  // every consumer thread, after a key block's last tile
+    fence_mbarrier_init();
+  }
+  __syncthreads();
+
+  if (warp < 4) {  // producer warpgroup: warp 0 works, the others leave
+    setmaxnreg_dec<L::kProducerRegs>();
+    if (warp != 0) return;
+    if (lane == 0) {
+      prefetch_tma_map(&tma.q);
+      prefetch_tma_map(&tma.dout);
+    }
+    // Each block's first key block is its own index; the counter hands out the rest (lane 0 takes
+    // it, the warp shares it).
+    auto next_block = [&] {
+      int t = 0;
+      if (lane == 0) t = atomicAdd(p.tile_counter, 1) + static_cast<int>(gridDim.x);
+      return __shfl_sync(0xffffffff, t, 0);
+    };
+    int block = blockIdx.x, g = 0;
+    for (int j = 0;; ++j) {
+      if constexpr (kVarlen)
+        while (block < tma.num_blocks && block_at(block).rows_k <= 0) block = next_block();
+      mbarrier_wait(empty_kv, (j & 1) ^ 1);  // the consumers are done with the previous K/V and slot
+      if (block >= tma.num_blocks) {
+        if (lane == 0) {
+          *block_slot = -1;
+          mbarrier_arrive(full_kv);
+        }
+        break;
+      }
+      const Blk blk = block_at(block);
+      const int batch = kVarlen ? 0 : blk.b;
+      if (lane == 0) {
+        *block_slot = block;
+        load_key_block<Tr, L>(tma, blk, batch, sK, sV, full_kv);
+      }
+      const int next = next_block();  // its latency hides under the loads
+      for (int it = 0; it < blk.iterations; ++it, ++g) {
+        const int s = g % kStages;
+        mbarrier_wait(empty(s), ((g / kStages) & 1) ^ 1);
+        load_query_tile<Tr, L>(p, tma, blk, it, batch, sQ(s), floats(s), full(s), lane);
+      }
+      block = next;
+    }
+    return;
+  }
+
+  setmaxnreg_inc<L::kConsumerRegs>();
+  const int cwarp = warp - 4;  // consumer warp 0..7: keys [16 cwarp, +16) of the block
+  const DqBulkAdd<L> dq_add;
+  for (int j = 0, g = 0;; ++j) {
+    mbarrier_wait(full_kv, j & 1);  // also when no tile runs: the copies land before the next ones
+    const int block = *block_slot;
+    if (block < 0) break;
+    const Blk blk = block_at(block);
+    const int iterations = blk.iterations;
+    float dk[kD / 2], dv[kD / 2];
+#pragma unroll
+    for (int i = 0; i < kD / 2; ++i) dk[i] = dv[i] = 0.f;
+    for (int it = 0; it < iterations; ++it, ++g) {
+      const int s = g % kStages;
+      mbarrier_wait(full(s), (g / kStages) & 1);
+      const uint32_t sDs = sK + L::kDsOffset + (it & 1) * Tr::kTileDsBytes;
+      dkdv_wgmma_tile<Tr, kMask, kSoftcap, kAtomicDq, /*kPinZeros=*/true>(
+          p, blk, it, sK, sV, sQ(s), sQ(s) + Tr::kTileQBytes, floats(s), floats(s) + kBlockM, sDs,
+          smem + (sDs - sK), cwarp, lane, dk, dv, [] { named_barrier_sync(1, L::kConsumerThreads); }, dq_add);
+      mbarrier_arrive(empty(s));  // this thread is done with stage s
+    }
+    mbarrier_arrive(empty_kv);  // every product of this key block has read K and V
+    if (kAtomicDq) {
+      if (iterations > 0) dq_add.flush(dq_target<Tr>(p, blk, iterations - 1, cwarp));  // the last tile's dQ
+      bulk_wait_group_all();  // the reductions have read the dQ buffer, where dV is staged next
+    }
+    named_barrier_sync(1, L::kConsumerThreads);  // every warp is done with the dS^T and dQ buffers
+    store_dk_dv<Tr>(p, blk, dk, dv, smem + L::kDsOffset, smem + L::kDsOffset + Tr::kTileKVBytes, cwarp, lane);
+    named_barrier_sync(1, L::kConsumerThreads);  // the staging is read before the next dS^T / dQ stores
+  }
 }
 #endif  // FUSEFORGE_ATTENTION_WGMMA
 
@@ -210,7 +366,10 @@ __global__ void __launch_bounds__(WarpSpecBwdLayout<Tr>::kThreads, 1)
     attention_bwd_dkdv_warpspec_kernel(const __grid_constant__ BwdParams params,
                                        const __grid_constant__ BwdTmaParams tma) {
 #if FUSEFORGE_ATTENTION_WGMMA
-  attention_bwd_dkdv_warpspec_body<Tr, kMask, kSoftcap, kVarlen, kAtomicDq>(params, tma);
+  if constexpr (FUSEFORGE_ATTN_BWD_PERSISTENT)
+    attention_bwd_dkdv_persistent_body<Tr, kMask, kSoftcap, kVarlen, kAtomicDq>(params, tma);
+  else
+    attention_bwd_dkdv_warpspec_body<Tr, kMask, kSoftcap, kVarlen, kAtomicDq>(params, tma);
 #else
   __trap();  // no sm_90a code: the launcher does not pick this kernel (sm90a_kernels_runnable)
 #endif
@@ -278,11 +437,22 @@ void launch_attention_bwd(const BwdParams& params, const BwdParams& row_dot_para
                                   static_cast<unsigned>(params.batch));
   BwdTmaParams tma;
   const bool warpspec = use_bwd_warpspec<DkdvTr>(p, &tma);
+  TORCH_CHECK(blocks < (int64_t{1} << 31) - 1024, "attention backward: ", blocks,
+              " key blocks (batch * kv heads * key blocks); at most 2^31 - 1024");
+  tma.grid_x = static_cast<int>(grid_kv.x);
+  tma.grid_y = static_cast<int>(grid_kv.y);
+  tma.num_blocks = static_cast<int>(blocks);
+  // The persistent kernel's blocks: one an SM; FUSEFORGE_ATTENTION_BWD_BLOCKS=n at most n (tests give a
+  // few blocks many key blocks). Read (and checked) wherever the warp-specialized kernel runs.
+  const int64_t max_blocks = warpspec ? env_positive_int("FUSEFORGE_ATTENTION_BWD_BLOCKS", 0) : 0;
+  [[maybe_unused]] const int64_t persistent_blocks =
+      std::min<int64_t>(blocks, max_blocks > 0 ? max_blocks : prop->multiProcessorCount);
   auto launch_dkdv = [&]<int kMask, bool kVarlen, bool kAtomicDq>() {
     if constexpr (bwd_warpspec_head_dim<kD>()) {
       if (warpspec) {
         using L = WarpSpecBwdLayout<DkdvTr>;
-        launch_kernel(attention_bwd_dkdv_warpspec_kernel<DkdvTr, kMask, kSoftcap, kVarlen, kAtomicDq>, grid_kv,
+        const dim3 grid = FUSEFORGE_ATTN_BWD_PERSISTENT ? dim3(static_cast<unsigned>(persistent_blocks)) : grid_kv;
+        launch_kernel(attention_bwd_dkdv_warpspec_kernel<DkdvTr, kMask, kSoftcap, kVarlen, kAtomicDq>, grid,
                       dim3(L::kThreads), L::kSmemBytes, p, tma);
         return;
       }
