@@ -111,7 +111,47 @@ struct DqBulkAdd {
 };
 
 // The warp-specialized dk/dv kernel's pieces, shared by its one-block-a-key-block body and the
-// persistent one. Lane 0 of the producer: K and V of key block `blk` on full_kv.
+// persistent one. Its shared memory (WarpSpecBwdLayout): the tiles, the stages and the mbarriers.
+template <class Tr>
+struct WarpSpecBwdSmem {
+  using L = WarpSpecBwdLayout<Tr>;
+  uint32_t sK, sV, bars;
+  unsigned char* smem;  // generic pointer to sK
+  __device__ __forceinline__ WarpSpecBwdSmem() : sK(attention_smem_base()) {
+    smem = attention_smem + (sK - smem_addr(attention_smem));
+    sV = sK + Tr::kTileKVBytes;
+    bars = sK + L::kBarriersOffset;
+  }
+  __device__ __forceinline__ uint32_t sQ(int s) const { return sK + L::kStagesOffset + s * L::kStageBytes; }
+  __device__ __forceinline__ float* floats(int s) const {
+    return reinterpret_cast<float*>(smem + L::kFloatsOffset + s * L::kFloatsBytes);
+  }
+  __device__ __forceinline__ uint32_t full_kv() const { return bars; }
+  __device__ __forceinline__ uint32_t full(int s) const { return bars + 8 * (1 + s); }
+  __device__ __forceinline__ uint32_t empty(int s) const { return bars + 8 * (1 + L::kStages + s); }
+  __device__ __forceinline__ uint32_t empty_kv() const { return bars + 8 * (1 + 2 * L::kStages); }  // persistent only
+  __device__ __forceinline__ volatile int* block_slot() const {  // persistent only
+    return reinterpret_cast<volatile int*>(smem + L::kSlotOffset);
+  }
+  // Thread 0 initializes the mbarriers (empty_kv for the persistent body), then the block syncs.
+  __device__ __forceinline__ void init_barriers(int tid, bool persistent) const {
+    if (tid == 0) {
+      mbarrier_init(full_kv(), 1);
+      for (int s = 0; s < L::kStages; ++s) {
+        mbarrier_init(full(s), 32);  // the producer warp's lanes, after their lse / row_dot stores
+        // Every consumer thread arrives after its last read of the stage (its lse / row_dot reads are
+        // generic loads of what the producer wrote with generic stores).
+        mbarrier_init(empty(s), L::kConsumerThreads);
+      }
+      // Every consumer thread, after a key block's last tile (and its read of the slot).
+      if (persistent) mbarrier_init(empty_kv(), L::kConsumerThreads);
+      fence_mbarrier_init();
+    }
+    __syncthreads();
+  }
+};
+
+// Lane 0 of the producer: K and V of key block `blk` on full_kv.
 template <class Tr, class L, class Blk>
 __device__ __forceinline__ void load_key_block(const BwdTmaParams& tma, const Blk& blk, int batch, uint32_t sK,
                                                uint32_t sV, uint32_t full_kv) {
@@ -172,6 +212,33 @@ __device__ __forceinline__ void store_dk_dv(const BwdParams& p, const Blk& blk, 
                        p.dv_row_stride, blk.rows_k, head_dim, lane);
 }
 
+// A consumer thread: query tile `it` of `blk` from stage s, once it has landed (`parity`), then the
+// stage's release.
+template <class Tr, int kMask, bool kSoftcap, bool kAtomicDq, class Blk>
+__device__ __forceinline__ void consume_query_tile(const BwdParams& p, const WarpSpecBwdSmem<Tr>& sm, const Blk& blk,
+                                                   int it, int s, int parity, int cwarp, int lane,
+                                                   float (&dk)[Tr::kHeadDim / 2], float (&dv)[Tr::kHeadDim / 2],
+                                                   const DqBulkAdd<WarpSpecBwdLayout<Tr>>& dq_add) {
+  using L = WarpSpecBwdLayout<Tr>;
+  mbarrier_wait(sm.full(s), parity);
+  const uint32_t sDs = sm.sK + L::kDsOffset + (it & 1) * Tr::kTileDsBytes;
+  dkdv_wgmma_tile<Tr, kMask, kSoftcap, kAtomicDq, /*kPinZeros=*/true>(
+      p, blk, it, sm.sK, sm.sV, sm.sQ(s), sm.sQ(s) + Tr::kTileQBytes, sm.floats(s), sm.floats(s) + Tr::kBlockM, sDs,
+      sm.smem + (sDs - sm.sK), cwarp, lane, dk, dv, [] { named_barrier_sync(1, L::kConsumerThreads); }, dq_add);
+  mbarrier_arrive(sm.empty(s));  // this thread is done with stage s
+}
+
+// A consumer thread after a key block's last tile: that tile's dQ hand-off, and the wait until the
+// TMA unit has read every reduction's shared memory.
+template <class Tr, bool kAtomicDq, class Blk>
+__device__ __forceinline__ void finish_dq(const BwdParams& p, const Blk& blk, int cwarp,
+                                          const DqBulkAdd<WarpSpecBwdLayout<Tr>>& dq_add) {
+  if (kAtomicDq) {
+    if (blk.iterations > 0) dq_add.flush(dq_target<Tr>(p, blk, blk.iterations - 1, cwarp));
+    bulk_wait_group_all();
+  }
+}
+
 template <class Tr, int kMask, bool kSoftcap, bool kVarlen, bool kAtomicDq>
 __device__ __forceinline__ void attention_bwd_dkdv_warpspec_body(const BwdParams& p, const BwdTmaParams& tma) {
   using L = WarpSpecBwdLayout<Tr>;
@@ -182,27 +249,8 @@ __device__ __forceinline__ void attention_bwd_dkdv_warpspec_body(const BwdParams
   const KeyBlock<kBlockM, kBlockN, kMask, kVarlen> blk(p);
   if (blk.rows_k <= 0) return;  // past its sequence (varlen): the whole block leaves before any barrier
   const int iterations = blk.iterations;
-
-  const uint32_t sK = attention_smem_base();
-  unsigned char* smem = attention_smem + (sK - smem_addr(attention_smem));
-  const uint32_t sV = sK + Tr::kTileKVBytes;
-  auto sQ = [&](int s) { return sK + L::kStagesOffset + s * L::kStageBytes; };
-  auto floats = [&](int s) { return reinterpret_cast<float*>(smem + L::kFloatsOffset + s * L::kFloatsBytes); };
-  const uint32_t bars = sK + L::kBarriersOffset;
-  const uint32_t full_kv = bars;
-  auto full = [&](int s) { return bars + 8 * (1 + s); };
-  auto empty = [&](int s) { return bars + 8 * (1 + kStages + s); };
-  if (tid == 0) {
-    mbarrier_init(full_kv, 1);
-    for (int s = 0; s < kStages; ++s) {
-      mbarrier_init(full(s), 32);   // the producer warp's lanes, after their lse / row_dot stores
-      // Every consumer thread arrives after its last read of the stage (its lse / row_dot reads are
-      // generic loads of what the producer wrote with generic stores).
-      mbarrier_init(empty(s), L::kConsumerThreads);
-    }
-    fence_mbarrier_init();
-  }
-  __syncthreads();
+  const WarpSpecBwdSmem<Tr> sm;
+  sm.init_barriers(tid, /*persistent=*/false);
 
   if (warp < 4) {  // producer warpgroup: warp 0 works, the others leave
     setmaxnreg_dec<L::kProducerRegs>();
@@ -211,12 +259,12 @@ __device__ __forceinline__ void attention_bwd_dkdv_warpspec_body(const BwdParams
     if (lane == 0) {
       prefetch_tma_map(&tma.q);
       prefetch_tma_map(&tma.dout);
-      load_key_block<Tr, L>(tma, blk, batch, sK, sV, full_kv);
+      load_key_block<Tr, L>(tma, blk, batch, sm.sK, sm.sV, sm.full_kv());
     }
     for (int it = 0; it < iterations; ++it) {
       const int s = it % kStages;
-      mbarrier_wait(empty(s), ((it / kStages) & 1) ^ 1);
-      load_query_tile<Tr, L>(p, tma, blk, it, batch, sQ(s), floats(s), full(s), lane);
+      mbarrier_wait(sm.empty(s), ((it / kStages) & 1) ^ 1);
+      load_query_tile<Tr, L>(p, tma, blk, it, batch, sm.sQ(s), sm.floats(s), sm.full(s), lane);
     }
     return;
   }
@@ -226,26 +274,17 @@ __device__ __forceinline__ void attention_bwd_dkdv_warpspec_body(const BwdParams
   float dk[kD / 2], dv[kD / 2];
 #pragma unroll
   for (int i = 0; i < kD / 2; ++i) dk[i] = dv[i] = 0.f;
-  mbarrier_wait(full_kv, 0);  // also when no tile runs: the copies must land before the stores below
+  mbarrier_wait(sm.full_kv(), 0);  // also when no tile runs: the copies must land before the stores below
   const DqBulkAdd<L> dq_add;
-  for (int it = 0; it < iterations; ++it) {
-    const int s = it % kStages;
-    mbarrier_wait(full(s), (it / kStages) & 1);
-    const uint32_t sDs = sK + L::kDsOffset + (it & 1) * Tr::kTileDsBytes;
-    dkdv_wgmma_tile<Tr, kMask, kSoftcap, kAtomicDq, /*kPinZeros=*/true>(
-        p, blk, it, sK, sV, sQ(s), sQ(s) + Tr::kTileQBytes, floats(s), floats(s) + kBlockM, sDs,
-        smem + (sDs - sK), cwarp, lane, dk, dv, [] { named_barrier_sync(1, L::kConsumerThreads); }, dq_add);
-    mbarrier_arrive(empty(s));  // this thread is done with stage s
-  }
-  if (kAtomicDq) {
-    if (iterations > 0) dq_add.flush(dq_target<Tr>(p, blk, iterations - 1, cwarp));  // the last tile's dQ
-    bulk_wait_group_all();  // the reductions read shared memory: finish before leaving
-  }
+  for (int it = 0; it < iterations; ++it)
+    consume_query_tile<Tr, kMask, kSoftcap, kAtomicDq>(p, sm, blk, it, it % kStages, (it / kStages) & 1, cwarp, lane,
+                                                       dk, dv, dq_add);
+  finish_dq<Tr, kAtomicDq>(p, blk, cwarp, dq_add);  // before leaving
 
   // dK = scale * sum dS^T Q, dV = sum P^T dO: staged through this warp's own rows of sK / sV, once both
   // consumer warpgroups are done reading them (dQ = dS K reads all of sK).
   named_barrier_sync(1, L::kConsumerThreads);
-  store_dk_dv<Tr>(p, blk, dk, dv, smem, smem + Tr::kTileKVBytes, cwarp, lane);
+  store_dk_dv<Tr>(p, blk, dk, dv, sm.smem, sm.smem + Tr::kTileKVBytes, cwarp, lane);
 }
 
 // FUSEFORGE_ATTN_BWD_PERSISTENT: a block an SM over key blocks. The producer warp picks each
@@ -259,31 +298,14 @@ template <class Tr, int kMask, bool kSoftcap, bool kVarlen, bool kAtomicDq>
 __device__ __forceinline__ void attention_bwd_dkdv_persistent_body(const BwdParams& p, const BwdTmaParams& tma) {
   using L = WarpSpecBwdLayout<Tr>;
   using Blk = KeyBlock<Tr::kBlockM, Tr::kBlockN, kMask, kVarlen>;
-  constexpr int kBlockM = Tr::kBlockM, kD = Tr::kHeadDim, kStages = L::kStages;
+  constexpr int kD = Tr::kHeadDim, kStages = L::kStages;
   const int tid = threadIdx.x, lane = tid & 31, warp = uniform_warp_index();
   auto block_at = [&](int t) {
     return Blk(p, t % tma.grid_x, t / tma.grid_x % tma.grid_y, t / (tma.grid_x * tma.grid_y));
   };
-  const uint32_t sK = attention_smem_base();
-  unsigned char* smem = attention_smem + (sK - smem_addr(attention_smem));
-  const uint32_t sV = sK + Tr::kTileKVBytes;
-  auto sQ = [&](int s) { return sK + L::kStagesOffset + s * L::kStageBytes; };
-  auto floats = [&](int s) { return reinterpret_cast<float*>(smem + L::kFloatsOffset + s * L::kFloatsBytes); };
-  const uint32_t bars = sK + L::kBarriersOffset;
-  const uint32_t full_kv = bars, empty_kv = bars + 8 * (1 + 2 * kStages);
-  auto full = [&](int s) { return bars + 8 * (1 + s); };
-  auto empty = [&](int s) { return bars + 8 * (1 + kStages + s); };
-  volatile int* block_slot = reinterpret_cast<volatile int*>(smem + L::kSlotOffset);
-  if (tid == 0) {
-    mbarrier_init(full_kv, 1);
-    for (int s = 0; s < kStages; ++s) {
-      mbarrier_init(full(s), 32);
-      mbarrier_init(empty(s), L::kConsumerThreads);
-    }
-    mbarrier_init(empty_kv, L::kConsumerThreads);  // every consumer thread, after a key block's last tile
-    fence_mbarrier_init();
-  }
-  __syncthreads();
+  const WarpSpecBwdSmem<Tr> sm;
+  volatile int* block_slot = sm.block_slot();
+  sm.init_barriers(tid, /*persistent=*/true);
 
   if (warp < 4) {  // producer warpgroup: warp 0 works, the others leave
     setmaxnreg_dec<L::kProducerRegs>();
@@ -303,11 +325,11 @@ __device__ __forceinline__ void attention_bwd_dkdv_persistent_body(const BwdPara
     for (int j = 0;; ++j) {
       if constexpr (kVarlen)
         while (block < tma.num_blocks && block_at(block).rows_k <= 0) block = next_block();
-      mbarrier_wait(empty_kv, (j & 1) ^ 1);  // the consumers are done with the previous K/V and slot
+      mbarrier_wait(sm.empty_kv(), (j & 1) ^ 1);  // the consumers are done with the previous K/V and slot
       if (block >= tma.num_blocks) {
         if (lane == 0) {
           *block_slot = -1;
-          mbarrier_arrive(full_kv);
+          mbarrier_arrive(sm.full_kv());
         }
         break;
       }
@@ -315,13 +337,13 @@ __device__ __forceinline__ void attention_bwd_dkdv_persistent_body(const BwdPara
       const int batch = kVarlen ? 0 : blk.b;
       if (lane == 0) {
         *block_slot = block;
-        load_key_block<Tr, L>(tma, blk, batch, sK, sV, full_kv);
+        load_key_block<Tr, L>(tma, blk, batch, sm.sK, sm.sV, sm.full_kv());
       }
       const int next = next_block();  // its latency hides under the loads
       for (int it = 0; it < blk.iterations; ++it, ++g) {
         const int s = g % kStages;
-        mbarrier_wait(empty(s), ((g / kStages) & 1) ^ 1);
-        load_query_tile<Tr, L>(p, tma, blk, it, batch, sQ(s), floats(s), full(s), lane);
+        mbarrier_wait(sm.empty(s), ((g / kStages) & 1) ^ 1);
+        load_query_tile<Tr, L>(p, tma, blk, it, batch, sm.sQ(s), sm.floats(s), sm.full(s), lane);
       }
       block = next;
     }
@@ -332,30 +354,20 @@ __device__ __forceinline__ void attention_bwd_dkdv_persistent_body(const BwdPara
   const int cwarp = warp - 4;  // consumer warp 0..7: keys [16 cwarp, +16) of the block
   const DqBulkAdd<L> dq_add;
   for (int j = 0, g = 0;; ++j) {
-    mbarrier_wait(full_kv, j & 1);  // also when no tile runs: the copies land before the next ones
+    mbarrier_wait(sm.full_kv(), j & 1);  // also when no tile runs: the copies land before the next ones
     const int block = *block_slot;
     if (block < 0) break;
     const Blk blk = block_at(block);
-    const int iterations = blk.iterations;
     float dk[kD / 2], dv[kD / 2];
 #pragma unroll
     for (int i = 0; i < kD / 2; ++i) dk[i] = dv[i] = 0.f;
-    for (int it = 0; it < iterations; ++it, ++g) {
-      const int s = g % kStages;
-      mbarrier_wait(full(s), (g / kStages) & 1);
-      const uint32_t sDs = sK + L::kDsOffset + (it & 1) * Tr::kTileDsBytes;
-      dkdv_wgmma_tile<Tr, kMask, kSoftcap, kAtomicDq, /*kPinZeros=*/true>(
-          p, blk, it, sK, sV, sQ(s), sQ(s) + Tr::kTileQBytes, floats(s), floats(s) + kBlockM, sDs,
-          smem + (sDs - sK), cwarp, lane, dk, dv, [] { named_barrier_sync(1, L::kConsumerThreads); }, dq_add);
-      mbarrier_arrive(empty(s));  // this thread is done with stage s
-    }
-    mbarrier_arrive(empty_kv);  // every product of this key block has read K and V
-    if (kAtomicDq) {
-      if (iterations > 0) dq_add.flush(dq_target<Tr>(p, blk, iterations - 1, cwarp));  // the last tile's dQ
-      bulk_wait_group_all();  // the reductions have read the dQ buffer, where dV is staged next
-    }
+    for (int it = 0; it < blk.iterations; ++it, ++g)
+      consume_query_tile<Tr, kMask, kSoftcap, kAtomicDq>(p, sm, blk, it, g % kStages, (g / kStages) & 1, cwarp, lane,
+                                                         dk, dv, dq_add);
+    mbarrier_arrive(sm.empty_kv());  // every product of this key block has read K and V
+    finish_dq<Tr, kAtomicDq>(p, blk, cwarp, dq_add);  // the dQ buffer, where dV is staged next, is read
     named_barrier_sync(1, L::kConsumerThreads);  // every warp is done with the dS^T and dQ buffers
-    store_dk_dv<Tr>(p, blk, dk, dv, smem + L::kDsOffset, smem + L::kDsOffset + Tr::kTileKVBytes, cwarp, lane);
+    store_dk_dv<Tr>(p, blk, dk, dv, sm.smem + L::kDsOffset, sm.smem + L::kDsOffset + Tr::kTileKVBytes, cwarp, lane);
     named_barrier_sync(1, L::kConsumerThreads);  // the staging is read before the next dS^T / dQ stores
   }
 }
