@@ -40,9 +40,9 @@ ADAMW=(c16k:)
 # V and 176-key forward tiles at head dim 128 lost; the wgmma descriptor arithmetic, D64's
 # three-warpgroup forward, the backward's lse / row_dot read before its wgmma waits with its dQ
 # hand-off deferred to the next tile and O stored by TMA won and are the code; head dim 64's
-# backward on the warp-specialized kernel won (ws64), its memcheck and tables are to run before it
-# becomes the default (docs/notes_attention.md). Add "name:-DKNOB=1" entries for the next candidates.
-ATTN=(default: ws64:-DFUSEFORGE_ATTN_BWD_WARPSPEC_D64=1 persist:-DFUSEFORGE_ATTN_BWD_PERSISTENT=1)
+# backward on the warp-specialized kernel won and is the code (docs/notes_attention.md). Add
+# "name:-DKNOB=1" entries for the next candidates.
+ATTN=(default: persist:-DFUSEFORGE_ATTN_BWD_PERSISTENT=1)
 PARTS=${PARTS:-build tests time profile e2e lce}
 OPS=${OPS-adamw add_mul_act}
 has() { [[ " $PARTS " == *" $1 "* ]]; }
@@ -113,12 +113,15 @@ while read -r name so; do
   [ -n "${tested[$so]:-}" ] && continue
   tested[$so]=1
   echo "== attention GPU tests, $name ($(( $(date +%s) - t0 )) s)"
-  FUSEFORGE_EXTENSION=$so TEST_K=${TEST_K:-cuda} pt tests/python/test_attention.py < /dev/null
+  for f in tests/python/test_attention.py tests/python/test_attention_varlen.py; do
+    FUSEFORGE_EXTENSION=$so TEST_K=${TEST_K:-cuda} pt $f < /dev/null
+  done
   # ATTN_SANITIZE="memcheck racecheck": compute-sanitizer on the build's sanitizer cases too
   for tool in ${ATTN_SANITIZE:-}; do
     echo "== compute-sanitizer $tool, $name ($(( $(date +%s) - t0 )) s)"
     FUSEFORGE_EXTENSION=$so PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout -k 20 ${TEST_TIMEOUT:-300} compute-sanitizer \
       --tool $tool --error-exitcode 99 python3 -m pytest -q -x -p no:cacheprovider -m sanitize tests/python/test_attention.py \
+      tests/python/test_attention_varlen.py \
       < /dev/null 2>&1 | grep -E "ERROR SUMMARY|passed|failed|rror" | tail -4
   done
 done < <(PRINT_LIBS=1 bash $T attention "${ATTN[@]}")

@@ -14,17 +14,11 @@
 
 namespace fuseforge::attention {
 
-// Head dim 128 (64-query tiles) runs this kernel, 256 the cp.async one. Head dim 64 (128-query
-// tiles) runs it with FUSEFORGE_ATTN_BWD_WARPSPEC_D64=1 (compile time): timed on the H100 on
-// 2026-11-25 (forward+backward 7-12% faster, see use_bwd_warpspec), its build passed the CUDA
-// attention tests and racecheck, but memcheck and the benchmark tables have not run with it: off
-// until they have (the next device session).
-#ifndef FUSEFORGE_ATTN_BWD_WARPSPEC_D64
-#define FUSEFORGE_ATTN_BWD_WARPSPEC_D64 0
-#endif
+// Head dim 128 (64-query tiles) and 64 (128-query tiles) run this kernel, 256 the cp.async one
+// (head dim 64 since 2026-11-26: forward+backward 7-12% faster on the H100, see use_bwd_warpspec).
 template <int kD>
 constexpr bool bwd_warpspec_head_dim() {
-  return kD == 128 || (FUSEFORGE_ATTN_BWD_WARPSPEC_D64 && kD == 64);
+  return kD == 128 || kD == 64;
 }
 
 // Experiment knob (compile time, off until timed on a GPU): 1 makes the warp-specialized dk/dv
@@ -388,7 +382,7 @@ __global__ void __launch_bounds__(WarpSpecBwdLayout<Tr>::kThreads, 1)
 }
 
 // Whether the warp-specialized dk/dv kernel serves this call (tma filled in then).
-// Head dim 64 with FUSEFORGE_ATTN_BWD_WARPSPEC_D64=1; e71f88c's A/B (H100, 2026-11-25, one call,
+// Head dim 64: e71f88c's A/B (H100, 2026-11-25, one call,
 // A B B A): forward+backward D64/S1024 full 2.82 -> 2.58 ms, causal 1.93 -> 1.80, S16384 full
 // 38.97 -> 34.89, causal 18.36 -> 16.15. What it took: the accumulators' zeros pinned before the
 // fence (dkdv_wgmma_tile's kPinZeros); without them ptxas serialized the atomic kernels' wgmmas
