@@ -51,6 +51,41 @@ struct WarpSpecFwdTraits {
                                   FwdTraits<typename Tr::T, 64, 192, Tr::kBlockN, 12, Tr::kPadHeadDim>, Tr>;
 };
 
+// Query rows x keys the forward's tiles of block_m rows compute for one (sequence, head) of seqlen_q
+// x seqlen_k (the key tiles QueryBlock visits, each whole).
+inline int64_t fwd_tile_area(const FwdParams& p, bool local, int64_t seqlen_q, int64_t seqlen_k, int block_m,
+                             int block_n) {
+  const int64_t offset = seqlen_k - seqlen_q;
+  int64_t area = 0;
+  for (int64_t m0 = 0; m0 < seqlen_q; m0 += block_m) {
+    const int64_t rows = std::min<int64_t>(block_m, seqlen_q - m0);
+    const int64_t key_begin = local ? std::max<int64_t>(0, m0 + offset - p.window_left) : 0;
+    const int64_t key_end = local ? std::min(seqlen_k, std::max<int64_t>(0, m0 + rows + offset + p.window_right))
+                                  : seqlen_k;
+    area += std::max<int64_t>(0, ceil_div(key_end, block_n) - key_begin / block_n) * block_n * block_m;
+  }
+  return area;
+}
+
+// Head dim 64's forward tiles: 192 rows (WarpSpecFwdTraits) computes ~15% more a second than 128
+// (H100, 2026-11-25: S16384 causal 5.13 -> 4.55 ms for 2.3% more tile area, S4096 1.41 -> 1.33 for
+// 9% more), but where a sequence is a few tiles long its partial last tile and the causal diagonal
+// waste more of a 192-row tile: S1024 causal computes 33% more area than with 128 rows. So 128 rows
+// where the 192-row tiles' area is over 1.15x theirs. Varlen: the mean sequence (the lengths are on
+// the device). FUSEFORGE_ATTENTION_FWD_ROWS=128 or 192 forces one (A/B timings, tests).
+inline int fwd_query_rows_d64(const FwdParams& p, bool local) {
+  const std::string knob = env_string("FUSEFORGE_ATTENTION_FWD_ROWS");
+  TORCH_CHECK(knob.empty() || knob == "128" || knob == "192", "FUSEFORGE_ATTENTION_FWD_ROWS: expected 128 or 192, got '",
+              knob, "'");
+  if (!knob.empty()) return knob == "128" ? 128 : 192;
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  const int64_t seqlen_q = varlen ? ceil_div(p.rows_q, std::max(1, p.batch)) : p.seqlen_q;
+  const int64_t seqlen_k = varlen ? ceil_div(p.rows_k, std::max(1, p.batch)) : p.seqlen_k;
+  const int64_t area128 = fwd_tile_area(p, local, seqlen_q, seqlen_k, 128, 128);
+  const int64_t area192 = fwd_tile_area(p, local, seqlen_q, seqlen_k, 192, 128);
+  return area192 * 100 > area128 * 115 ? 128 : 192;
+}
+
 template <class Tr>
 struct WarpSpecFwdLayout {
   static constexpr int kStages = 2;
@@ -402,9 +437,8 @@ bool use_fwd_warpspec(const FwdParams& p, FwdTmaParams* tma) {
 // Tiles: query blocks (of the longest sequence) x heads x batch (or sequences). The warp-specialized
 // kernel where use_fwd_warpspec says so (persistent: a block an SM, p.tile_counter zeroed by the
 // caller), else the cp.async one (a block a tile).
-template <class Tr, bool kSoftcap>
-void launch_attention_fwd(const FwdParams& params, bool local) {
-  using WsTr = typename WarpSpecFwdTraits<Tr>::type;
+template <class Tr, class WsTr, bool kSoftcap>
+void launch_attention_fwd_tiles(const FwdParams& params, bool local) {
   const dim3 grid(static_cast<unsigned>((params.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM),
                   static_cast<unsigned>(params.heads_q), static_cast<unsigned>(params.batch));
   FwdTmaParams tma;
@@ -429,6 +463,16 @@ void launch_attention_fwd(const FwdParams& params, bool local) {
                     params);
     }
   });
+}
+
+// Head dim 64: the warp-specialized kernel's tiles of 128 or 192 rows (fwd_query_rows_d64).
+template <class Tr, bool kSoftcap>
+void launch_attention_fwd(const FwdParams& params, bool local) {
+  if constexpr (Tr::kHeadDim == 64) {
+    static_assert(Tr::kBlockM == 128, "the cp.async kernel's tiles are the 128-row warp-specialized ones");
+    if (fwd_query_rows_d64(params, local) == 128) return launch_attention_fwd_tiles<Tr, Tr, kSoftcap>(params, local);
+  }
+  launch_attention_fwd_tiles<Tr, typename WarpSpecFwdTraits<Tr>::type, kSoftcap>(params, local);
 }
 
 }  // namespace fuseforge::attention

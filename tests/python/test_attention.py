@@ -361,13 +361,14 @@ def test_errors_cuda():
 
 # ---- the two sm_90 kernel sets: warp-specialized TMA (the default where TMA can describe the tensors;
 # FUSEFORGE_ATTENTION_TMA=1 makes that a requirement) and cp.async (=0); the forward's ping-pong knob
-# and its K/V release order;
+# and its K/V release order; head dim 64's 128-row tiles (the shapes here pick 192: fwd_query_rows_d64);
 # its persistent grid at 3 blocks, so every block runs many tiles (with an SM each, the small cases
 # here would give most blocks one), and the same for the backward's where it is built persistent
 # (FUSEFORGE_ATTN_BWD_PERSISTENT) --
 FORWARD_KERNELS = {"tma_pingpong": {"FUSEFORGE_ATTENTION_TMA": "1"},
                    "tma_no_pingpong": {"FUSEFORGE_ATTENTION_TMA": "1", "FUSEFORGE_ATTENTION_PINGPONG": "0"},
                    "tma_late_k_release": {"FUSEFORGE_ATTENTION_TMA": "1", "FUSEFORGE_ATTENTION_EARLY_K_RELEASE": "0"},
+                   "tma_rows_128": {"FUSEFORGE_ATTENTION_TMA": "1", "FUSEFORGE_ATTENTION_FWD_ROWS": "128"},
                    "tma_3_blocks": {"FUSEFORGE_ATTENTION_TMA": "1", "FUSEFORGE_ATTENTION_FWD_BLOCKS": "3",
                                     "FUSEFORGE_ATTENTION_BWD_BLOCKS": "3"},
                    "cp_async": {"FUSEFORGE_ATTENTION_TMA": "0"}}
@@ -437,6 +438,11 @@ def test_cuda_kernel_knob_errors(monkeypatch):
         monkeypatch.setenv("FUSEFORGE_ATTENTION_FWD_BLOCKS", "0")
         with pytest.raises(RuntimeError, match="FUSEFORGE_ATTENTION_FWD_BLOCKS: expected a positive integer, got '0'"):
             attention(q, k, v)
+        monkeypatch.setenv("FUSEFORGE_ATTENTION_FWD_BLOCKS", "2")
+        monkeypatch.setenv("FUSEFORGE_ATTENTION_FWD_ROWS", "64")  # read at head dim 64
+        with pytest.raises(RuntimeError, match="FUSEFORGE_ATTENTION_FWD_ROWS: expected 128 or 192, got '64'"):
+            attention(q, k, v)
+        monkeypatch.delenv("FUSEFORGE_ATTENTION_FWD_ROWS")
         # The backward's, read where its warp-specialized kernel runs (head dim 128).
         monkeypatch.setenv("FUSEFORGE_ATTENTION_FWD_BLOCKS", "2")
         monkeypatch.setenv("FUSEFORGE_ATTENTION_BWD_BLOCKS", "-1")
@@ -448,7 +454,7 @@ def test_cuda_kernel_knob_errors(monkeypatch):
 
 @requires_cuda
 @pytest.mark.sanitize
-@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("d", [64, 128, 256])  # head dim 64: 192-row forward tiles (the varlen case: 128)
 @pytest.mark.parametrize("kernel", ["tma_no_pingpong", "tma_3_blocks", "cp_async"])
 def test_cuda_sanitize_kernels(kernel, d, monkeypatch):
     if not requires_hopper_for(kernel):
