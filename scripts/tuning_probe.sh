@@ -40,9 +40,10 @@ ADAMW=(c16k:)
 # V and 176-key forward tiles at head dim 128 lost; the wgmma descriptor arithmetic, D64's
 # three-warpgroup forward, the backward's lse / row_dot read before its wgmma waits with its dQ
 # hand-off deferred to the next tile and O stored by TMA won and are the code; head dim 64's
-# backward on the warp-specialized kernel won and is the code (docs/notes_attention.md). Add
-# "name:-DKNOB=1" entries for the next candidates.
-ATTN=(default: persist:-DFUSEFORGE_ATTN_BWD_PERSISTENT=1)
+# backward on the warp-specialized kernel won and is the code; a persistent dk/dv kernel timed level
+# and was removed (docs/notes_attention.md). Add "name:-DKNOB=1" (or "name:ENV=value") entries for
+# the next candidates.
+ATTN=(default:)
 PARTS=${PARTS:-build tests time profile e2e lce}
 OPS=${OPS-adamw add_mul_act}
 has() { [[ " $PARTS " == *" $1 "* ]]; }

@@ -22,9 +22,9 @@ __device__ __forceinline__ float lse_to_log2(float lse) { return lse == -INFINIT
 // row_dot[row] = sum_d dO[row, d] O[row, d] over every row of q (the varlen view: one sequence of
 // total rows), kD / 8 threads a row, 16 bytes of each a thread (the kernels' operands are 16-byte
 // aligned with strides in multiples of 8 elements: kernel_ready, attention_cuda.cpp; head dims are
-// multiples of 8). The same grid zeroes dq_accum (p.dq_accum_floats; none when deterministic) and
-// p.tile_counter, so the backward has no separate fill (the H100/H200 profile: a warp a row with
-// 4-byte loads plus at::zeros took 0.17 ms at 32768 tokens x 16 heads x 128, cuDNN's fused kernel 0.14).
+// multiples of 8). The same grid zeroes dq_accum (p.dq_accum_floats; none when deterministic), so
+// the backward has no separate fill (the H100/H200 profile: a warp a row with 4-byte loads plus
+// at::zeros took 0.17 ms at 32768 tokens x 16 heads x 128, cuDNN's fused kernel 0.14).
 template <typename T, int kD>
 __global__ void attention_row_dot_kernel(const __grid_constant__ BwdParams p) {
   constexpr int kThreadsPerRow = kD / 8;
@@ -53,7 +53,6 @@ __global__ void attention_row_dot_kernel(const __grid_constant__ BwdParams p) {
 #pragma unroll
   for (int o = kThreadsPerRow / 2; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, o);
   if (row < rows && c == 0) p.row_dot[row] = sum;
-  if (tid == 0 && p.tile_counter != nullptr) *p.tile_counter = 0;  // the persistent dk/dv kernel's
   if (p.dq_accum != nullptr) {
     const int64_t vectors = p.dq_accum_floats / 4, stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
     for (int64_t v = tid; v < vectors; v += stride)
@@ -150,13 +149,11 @@ template <int kBlockM, int kBlockN, int kMask, bool kVarlen>
 struct KeyBlock {
   int hk, b, n0, rows_k, seqlen_q, seqlen_k, offset, m_first, m_count, iterations, q_row0, k_row0;
   int64_t seq_tile0;
-  __device__ __forceinline__ explicit KeyBlock(const BwdParams& p) : KeyBlock(p, blockIdx.x, blockIdx.y, blockIdx.z) {}
-  // The block at (x, y, z) of the launch grid (a persistent kernel's logical grid).
-  __device__ __forceinline__ KeyBlock(const BwdParams& p, int x, int y, int z) {
-    int n_block = x;
-    hk = y, b = z;
+  __device__ __forceinline__ explicit KeyBlock(const BwdParams& p) {
+    int n_block = blockIdx.x;
+    hk = blockIdx.y, b = blockIdx.z;
     if constexpr (kMask != kNoMask) {
-      if (p.kv_block_slowest) n_block = z, hk = x, b = y;
+      if (p.kv_block_slowest) n_block = blockIdx.z, hk = blockIdx.x, b = blockIdx.y;
     }
     const SeqInfo<kVarlen> seq(p, b);
     seqlen_q = seq.seqlen_q;

@@ -21,22 +21,8 @@ constexpr bool bwd_warpspec_head_dim() {
   return kD == 128 || kD == 64;
 }
 
-// Experiment knob (compile time, off until timed on a GPU): 1 makes the warp-specialized dk/dv
-// kernel persistent, FlashAttention-3 / cuDNN style (cuDNN's bprop runs 132 blocks of 384 threads
-// where ours launches a block a key tile: 4096 at the benchmark's D128/S4096): a block an SM takes
-// key blocks from p.tile_counter; the next block's K/V and first Q/dO tiles load under this block's
-// dQ hand-off and dK/dV stores, which stage through the dS^T / dQ buffers instead of sK / sV. Aimed
-// at short sequences and causal / window masks (few query tiles a key block), where the per-block
-// fill and drain weigh most (docs/notes_attention.md).
-#ifndef FUSEFORGE_ATTN_BWD_PERSISTENT
-#define FUSEFORGE_ATTN_BWD_PERSISTENT 0
-#endif
-
 struct BwdTmaParams {
   CUtensorMap q, k, v, dout;
-  // The grid of a block a key block (x fastest): the persistent kernel's key block t is
-  // (t % grid_x, t / grid_x % grid_y, t / (grid_x grid_y)), t < num_blocks.
-  int grid_x = 0, grid_y = 0, num_blocks = 0;
 };
 
 template <class Tr>
@@ -46,7 +32,7 @@ struct WarpSpecBwdLayout {
   static constexpr int kPanels = Tr::kHeadDim / 64;
   // From the 1024-byte-aligned base: K, V; kStages x (Q, dO); kStages x (lse, row_dot); 2 x dS^T;
   // 8 consumer warps x 4 KB of dQ (the bulk reductions' source); the mbarriers (full_kv, full[s],
-  // empty[s], and the persistent kernel's empty_kv) and its key-block slot.
+  // empty[s]).
   static constexpr int kStagesOffset = 2 * Tr::kTileKVBytes;
   static constexpr int kStageBytes = 2 * Tr::kTileQBytes;
   static constexpr int kFloatsOffset = kStagesOffset + kStages * kStageBytes;
@@ -55,11 +41,8 @@ struct WarpSpecBwdLayout {
   static constexpr int kDqOffset = kDsOffset + 2 * Tr::kTileDsBytes;
   static constexpr int kDqWarpBytes = 16 * 64 * 4;
   static constexpr int kBarriersOffset = kDqOffset + 8 * kDqWarpBytes;
-  static constexpr int kSlotOffset = kBarriersOffset + 8 * (2 + 2 * kStages);
-  static constexpr int kSmemBytes = 1024 + kSlotOffset + 8;
+  static constexpr int kSmemBytes = 1024 + kBarriersOffset + 8 * (1 + 2 * kStages);
   static_assert(kSmemBytes <= 227 * 1024, "fits an H100 SM's shared memory");
-  // The persistent kernel stages dK and dV (a K/V tile each) in the dS^T and dQ buffers.
-  static_assert(kDsOffset + 2 * Tr::kTileKVBytes <= kBarriersOffset, "dK/dV staging fits the dS^T and dQ buffers");
   // Registers a thread (setmaxnreg): the block starts with 384 x 168; the consumers' increase must
   // come out of what the producer gives back, or setmaxnreg.inc waits forever.
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
@@ -104,8 +87,8 @@ struct DqBulkAdd {
   }
 };
 
-// The warp-specialized dk/dv kernel's pieces, shared by its one-block-a-key-block body and the
-// persistent one. Its shared memory (WarpSpecBwdLayout): the tiles, the stages and the mbarriers.
+// The warp-specialized dk/dv kernel's shared memory (WarpSpecBwdLayout): the tiles, the stages and
+// the mbarriers.
 template <class Tr>
 struct WarpSpecBwdSmem {
   using L = WarpSpecBwdLayout<Tr>;
@@ -123,12 +106,8 @@ struct WarpSpecBwdSmem {
   __device__ __forceinline__ uint32_t full_kv() const { return bars; }
   __device__ __forceinline__ uint32_t full(int s) const { return bars + 8 * (1 + s); }
   __device__ __forceinline__ uint32_t empty(int s) const { return bars + 8 * (1 + L::kStages + s); }
-  __device__ __forceinline__ uint32_t empty_kv() const { return bars + 8 * (1 + 2 * L::kStages); }  // persistent only
-  __device__ __forceinline__ volatile int* block_slot() const {  // persistent only
-    return reinterpret_cast<volatile int*>(smem + L::kSlotOffset);
-  }
-  // Thread 0 initializes the mbarriers (empty_kv for the persistent body), then the block syncs.
-  __device__ __forceinline__ void init_barriers(int tid, bool persistent) const {
+  // Thread 0 initializes the mbarriers, then the block syncs.
+  __device__ __forceinline__ void init_barriers(int tid) const {
     if (tid == 0) {
       mbarrier_init(full_kv(), 1);
       for (int s = 0; s < L::kStages; ++s) {
@@ -137,8 +116,6 @@ struct WarpSpecBwdSmem {
         // generic loads of what the producer wrote with generic stores).
         mbarrier_init(empty(s), L::kConsumerThreads);
       }
-      // Every consumer thread, after a key block's last tile (and its read of the slot).
-      if (persistent) mbarrier_init(empty_kv(), L::kConsumerThreads);
       fence_mbarrier_init();
     }
     __syncthreads();
@@ -244,7 +221,7 @@ __device__ __forceinline__ void attention_bwd_dkdv_warpspec_body(const BwdParams
   if (blk.rows_k <= 0) return;  // past its sequence (varlen): the whole block leaves before any barrier
   const int iterations = blk.iterations;
   const WarpSpecBwdSmem<Tr> sm;
-  sm.init_barriers(tid, /*persistent=*/false);
+  sm.init_barriers(tid);
 
   if (warp < 4) {  // producer warpgroup: warp 0 works, the others leave
     setmaxnreg_dec<L::kProducerRegs>();
@@ -281,90 +258,6 @@ __device__ __forceinline__ void attention_bwd_dkdv_warpspec_body(const BwdParams
   store_dk_dv<Tr>(p, blk, dk, dv, sm.smem, sm.smem + Tr::kTileKVBytes, cwarp, lane);
 }
 
-// FUSEFORGE_ATTN_BWD_PERSISTENT: a block an SM over key blocks. The producer warp picks each
-// (p.tile_counter, as the forward's tiles; varlen blocks past their sequence skipped), writes it to
-// the shared slot and loads its K/V once every consumer thread has released the previous ones
-// (empty_kv, right after its last tile: every product that reads K / V is done); the consumers read
-// the slot when K/V land (-1: none left), stage dK / dV in the dS^T and dQ buffers (sK / sV may be
-// taking the next block's K / V) and meet once more before the next block's dS^T stores. The Q/dO
-// ring's stages and phases run on across key blocks (g: the query tiles this block has handled).
-template <class Tr, int kMask, bool kSoftcap, bool kVarlen, bool kAtomicDq>
-__device__ __forceinline__ void attention_bwd_dkdv_persistent_body(const BwdParams& p, const BwdTmaParams& tma) {
-  using L = WarpSpecBwdLayout<Tr>;
-  using Blk = KeyBlock<Tr::kBlockM, Tr::kBlockN, kMask, kVarlen>;
-  constexpr int kD = Tr::kHeadDim, kStages = L::kStages;
-  const int tid = threadIdx.x, lane = tid & 31, warp = uniform_warp_index();
-  auto block_at = [&](int t) {
-    return Blk(p, t % tma.grid_x, t / tma.grid_x % tma.grid_y, t / (tma.grid_x * tma.grid_y));
-  };
-  const WarpSpecBwdSmem<Tr> sm;
-  volatile int* block_slot = sm.block_slot();
-  sm.init_barriers(tid, /*persistent=*/true);
-
-  if (warp < 4) {  // producer warpgroup: warp 0 works, the others leave
-    setmaxnreg_dec<L::kProducerRegs>();
-    if (warp != 0) return;
-    if (lane == 0) {
-      prefetch_tma_map(&tma.q);
-      prefetch_tma_map(&tma.dout);
-    }
-    // Each block's first key block is its own index; the counter hands out the rest (lane 0 takes
-    // it, the warp shares it).
-    auto next_block = [&] {
-      int t = 0;
-      if (lane == 0) t = atomicAdd(p.tile_counter, 1) + static_cast<int>(gridDim.x);
-      return __shfl_sync(0xffffffff, t, 0);
-    };
-    int block = blockIdx.x, g = 0;
-    for (int j = 0;; ++j) {
-      if constexpr (kVarlen)
-        while (block < tma.num_blocks && block_at(block).rows_k <= 0) block = next_block();
-      mbarrier_wait(sm.empty_kv(), (j & 1) ^ 1);  // the consumers are done with the previous K/V and slot
-      if (block >= tma.num_blocks) {
-        if (lane == 0) {
-          *block_slot = -1;
-          mbarrier_arrive(sm.full_kv());
-        }
-        break;
-      }
-      const Blk blk = block_at(block);
-      const int batch = kVarlen ? 0 : blk.b;
-      if (lane == 0) {
-        *block_slot = block;
-        load_key_block<Tr, L>(tma, blk, batch, sm.sK, sm.sV, sm.full_kv());
-      }
-      const int next = next_block();  // its latency hides under the loads
-      for (int it = 0; it < blk.iterations; ++it, ++g) {
-        const int s = g % kStages;
-        mbarrier_wait(sm.empty(s), ((g / kStages) & 1) ^ 1);
-        load_query_tile<Tr, L>(p, tma, blk, it, batch, sm.sQ(s), sm.floats(s), sm.full(s), lane);
-      }
-      block = next;
-    }
-    return;
-  }
-
-  setmaxnreg_inc<L::kConsumerRegs>();
-  const int cwarp = warp - 4;  // consumer warp 0..7: keys [16 cwarp, +16) of the block
-  const DqBulkAdd<L> dq_add;
-  for (int j = 0, g = 0;; ++j) {
-    mbarrier_wait(sm.full_kv(), j & 1);  // also when no tile runs: the copies land before the next ones
-    const int block = *block_slot;
-    if (block < 0) break;
-    const Blk blk = block_at(block);
-    float dk[kD / 2], dv[kD / 2];
-#pragma unroll
-    for (int i = 0; i < kD / 2; ++i) dk[i] = dv[i] = 0.f;
-    for (int it = 0; it < blk.iterations; ++it, ++g)
-      consume_query_tile<Tr, kMask, kSoftcap, kAtomicDq>(p, sm, blk, it, g % kStages, (g / kStages) & 1, cwarp, lane,
-                                                         dk, dv, dq_add);
-    mbarrier_arrive(sm.empty_kv());  // every product of this key block has read K and V
-    finish_dq<Tr, kAtomicDq>(p, blk, cwarp, dq_add);  // the dQ buffer, where dV is staged next, is read
-    named_barrier_sync(1, L::kConsumerThreads);  // every warp is done with the dS^T and dQ buffers
-    store_dk_dv<Tr>(p, blk, dk, dv, sm.smem + L::kDsOffset, sm.smem + L::kDsOffset + Tr::kTileKVBytes, cwarp, lane);
-    named_barrier_sync(1, L::kConsumerThreads);  // the staging is read before the next dS^T / dQ stores
-  }
-}
 #endif  // FUSEFORGE_ATTENTION_WGMMA
 
 template <class Tr, int kMask, bool kSoftcap, bool kVarlen, bool kAtomicDq>
@@ -372,10 +265,7 @@ __global__ void __launch_bounds__(WarpSpecBwdLayout<Tr>::kThreads, 1)
     attention_bwd_dkdv_warpspec_kernel(const __grid_constant__ BwdParams params,
                                        const __grid_constant__ BwdTmaParams tma) {
 #if FUSEFORGE_ATTENTION_WGMMA
-  if constexpr (FUSEFORGE_ATTN_BWD_PERSISTENT)
-    attention_bwd_dkdv_persistent_body<Tr, kMask, kSoftcap, kVarlen, kAtomicDq>(params, tma);
-  else
-    attention_bwd_dkdv_warpspec_body<Tr, kMask, kSoftcap, kVarlen, kAtomicDq>(params, tma);
+  attention_bwd_dkdv_warpspec_body<Tr, kMask, kSoftcap, kVarlen, kAtomicDq>(params, tma);
 #else
   __trap();  // no sm_90a code: the launcher does not pick this kernel (sm90a_kernels_runnable)
 #endif
@@ -443,22 +333,11 @@ void launch_attention_bwd(const BwdParams& params, const BwdParams& row_dot_para
                                   static_cast<unsigned>(params.batch));
   BwdTmaParams tma;
   const bool warpspec = use_bwd_warpspec<DkdvTr>(p, &tma);
-  TORCH_CHECK(blocks < (int64_t{1} << 31) - 1024, "attention backward: ", blocks,
-              " key blocks (batch * kv heads * key blocks); at most 2^31 - 1024");
-  tma.grid_x = static_cast<int>(grid_kv.x);
-  tma.grid_y = static_cast<int>(grid_kv.y);
-  tma.num_blocks = static_cast<int>(blocks);
-  // The persistent kernel's blocks: one an SM; FUSEFORGE_ATTENTION_BWD_BLOCKS=n at most n (tests give a
-  // few blocks many key blocks). Read (and checked) wherever the warp-specialized kernel runs.
-  const int64_t max_blocks = warpspec ? env_positive_int("FUSEFORGE_ATTENTION_BWD_BLOCKS", 0) : 0;
-  [[maybe_unused]] const int64_t persistent_blocks =
-      std::min<int64_t>(blocks, max_blocks > 0 ? max_blocks : prop->multiProcessorCount);
   auto launch_dkdv = [&]<int kMask, bool kVarlen, bool kAtomicDq>() {
     if constexpr (bwd_warpspec_head_dim<kD>()) {
       if (warpspec) {
         using L = WarpSpecBwdLayout<DkdvTr>;
-        const dim3 grid = FUSEFORGE_ATTN_BWD_PERSISTENT ? dim3(static_cast<unsigned>(persistent_blocks)) : grid_kv;
-        launch_kernel(attention_bwd_dkdv_warpspec_kernel<DkdvTr, kMask, kSoftcap, kVarlen, kAtomicDq>, grid,
+        launch_kernel(attention_bwd_dkdv_warpspec_kernel<DkdvTr, kMask, kSoftcap, kVarlen, kAtomicDq>, grid_kv,
                       dim3(L::kThreads), L::kSmemBytes, p, tma);
         return;
       }

@@ -165,9 +165,6 @@ void backward(const Shape& s, const at::Tensor& grad_out_in, const at::Tensor& q
     p.dq_accum_head_tiles = rows / 16;
     p.dq_accum_batch_tiles = cu_q != nullptr ? 0 : s.heads_q * rows / 16;
   }
-  // The persistent dk/dv kernel's block counter (FUSEFORGE_ATTN_BWD_PERSISTENT), zeroed by the row_dot kernel.
-  const at::Tensor tile_counter = at::empty({1}, q.options().dtype(at::kInt));
-  p.tile_counter = tile_counter.data_ptr<int>();
   // The row_dot kernel's view: every row of q once (varlen: one sequence of total_q rows).
   BwdParams row_dot_params = p;
   if (cu_q != nullptr) {

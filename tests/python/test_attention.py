@@ -363,14 +363,12 @@ def test_errors_cuda():
 # FUSEFORGE_ATTENTION_TMA=1 makes that a requirement) and cp.async (=0); the forward's ping-pong knob
 # and its K/V release order; head dim 64's 128-row tiles (the shapes here pick 192: fwd_query_rows_d64);
 # its persistent grid at 3 blocks, so every block runs many tiles (with an SM each, the small cases
-# here would give most blocks one), and the same for the backward's where it is built persistent
-# (FUSEFORGE_ATTN_BWD_PERSISTENT) --
+# here would give most blocks one) --
 FORWARD_KERNELS = {"tma_pingpong": {"FUSEFORGE_ATTENTION_TMA": "1"},
                    "tma_no_pingpong": {"FUSEFORGE_ATTENTION_TMA": "1", "FUSEFORGE_ATTENTION_PINGPONG": "0"},
                    "tma_late_k_release": {"FUSEFORGE_ATTENTION_TMA": "1", "FUSEFORGE_ATTENTION_EARLY_K_RELEASE": "0"},
                    "tma_rows_128": {"FUSEFORGE_ATTENTION_TMA": "1", "FUSEFORGE_ATTENTION_FWD_ROWS": "128"},
-                   "tma_3_blocks": {"FUSEFORGE_ATTENTION_TMA": "1", "FUSEFORGE_ATTENTION_FWD_BLOCKS": "3",
-                                    "FUSEFORGE_ATTENTION_BWD_BLOCKS": "3"},
+                   "tma_3_blocks": {"FUSEFORGE_ATTENTION_TMA": "1", "FUSEFORGE_ATTENTION_FWD_BLOCKS": "3"},
                    "cp_async": {"FUSEFORGE_ATTENTION_TMA": "0"}}
 
 
@@ -443,13 +441,6 @@ def test_cuda_kernel_knob_errors(monkeypatch):
         with pytest.raises(RuntimeError, match="FUSEFORGE_ATTENTION_FWD_ROWS: expected 128 or 192, got '64'"):
             attention(q, k, v)
         monkeypatch.delenv("FUSEFORGE_ATTENTION_FWD_ROWS")
-        # The backward's, read where its warp-specialized kernel runs (head dim 128).
-        monkeypatch.setenv("FUSEFORGE_ATTENTION_FWD_BLOCKS", "2")
-        monkeypatch.setenv("FUSEFORGE_ATTENTION_BWD_BLOCKS", "-1")
-        q, k, v = make_qkv(1, 2, 2, 64, 64, 128, torch.bfloat16, "cuda", requires_grad=True)
-        out = attention(q, k, v)
-        with pytest.raises(RuntimeError, match="FUSEFORGE_ATTENTION_BWD_BLOCKS: expected a positive integer, got '-1'"):
-            torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
 
 
 @requires_cuda
