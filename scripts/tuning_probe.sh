@@ -42,8 +42,9 @@ ADAMW=(c16k:)
 # hand-off deferred to the next tile and O stored by TMA won and are the code; head dim 64's
 # backward on the warp-specialized kernel won and is the code; a persistent dk/dv kernel timed level
 # and was removed (docs/notes_attention.md). Add "name:-DKNOB=1" (or "name:ENV=value") entries for
-# the next candidates.
-ATTN=(default:)
+# the next candidates. dqswap: dq_accum's halves swapped for half the lanes, so the dk/dv kernel's
+# dQ staging stores are free of bank conflicts (ncu at D128/S1024, 2026-11-26).
+ATTN=(default: dqswap:-DFUSEFORGE_ATTN_DQ_SWAP_HALVES=1)
 PARTS=${PARTS:-build tests time profile e2e lce}
 OPS=${OPS-adamw add_mul_act}
 has() { [[ " $PARTS " == *" $1 "* ]]; }

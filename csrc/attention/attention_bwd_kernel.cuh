@@ -75,8 +75,30 @@ __device__ __forceinline__ float* dq_accum_tile(const BwdParams& p, int b, int h
   const int64_t tile = b * p.dq_accum_batch_tiles + h * p.dq_accum_head_tiles + seq_tile0 + row_tile;
   return p.dq_accum + (tile * (kD / 8) + col_tile) * 128;
 }
-// tile[4 lane + e] += v[e], e = 0..3 (one vector reduction on sm_90).
+// Experiment knob (compile time, off until timed on a GPU): 1 swaps the two 8-byte halves (row r's
+// pair, row r + 8's) of the 16 bytes a lane owns in a dq_accum tile for lanes 8-15 and 24-31, at head
+// dims 64 and 128. Then the warp-specialized kernel's 8-byte stores of dQ into shared memory
+// (DqBulkAdd) hit each bank once a half-warp instead of twice: ncu at D128/S1024/full (H100,
+// 2026-11-26) counted 16.8M excess shared wavefronts in its dk/dv kernel (8% of all), 32 a warp and
+// tile, which is what those 16 stores of 512-byte spans give. Every writer and the convert kernel
+// follow dq_swap_halves.
+#ifndef FUSEFORGE_ATTN_DQ_SWAP_HALVES
+#define FUSEFORGE_ATTN_DQ_SWAP_HALVES 0
+#endif
+template <int kD>
+constexpr bool dq_swap_halves() {
+  return FUSEFORGE_ATTN_DQ_SWAP_HALVES && (kD == 64 || kD == 128);
+}
+
+// tile[4 lane + e] += v[e], e = 0..3 (one vector reduction on sm_90); halves swapped where
+// dq_swap_halves<kD> says so.
+template <int kD>
 __device__ __forceinline__ void dq_accum_add(float* tile, int lane, float v0, float v1, float v2, float v3) {
+  if constexpr (dq_swap_halves<kD>()) {
+    const bool swap = (lane & 8) != 0;
+    const float a0 = swap ? v2 : v0, a1 = swap ? v3 : v1, a2 = swap ? v0 : v2, a3 = swap ? v1 : v3;
+    v0 = a0, v1 = a1, v2 = a2, v3 = a3;
+  }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   atomicAdd(reinterpret_cast<float4*>(tile) + lane, make_float4(v0, v1, v2, v3));
 #else
@@ -90,13 +112,15 @@ __device__ __forceinline__ void dq_accum_add(float* tile, int lane, float v0, fl
 // accumulator layout): the 8 consecutive 16 x 8 tiles of dq_accum from `tile` on (4 KB, contiguous),
 // added with vector atomics where `valid` (the rows start inside Sq). The warp-specialized kernel passes
 // a bulk-reduce sink instead (DqBulkAdd).
+template <int kD>
 struct DqAtomicAdd {
   template <class Target>
   __device__ __forceinline__ void flush(const Target&) const {}  // nothing deferred (DqBulkAdd defers its hand-off)
   __device__ __forceinline__ void operator()(const float (&dq)[32], float* tile, int lane, bool valid) const {
     if (!valid) return;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) dq_accum_add(tile + 128 * j, lane, dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
+    for (int j = 0; j < 8; ++j)
+      dq_accum_add<kD>(tile + 128 * j, lane, dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
   }
 };
 
@@ -136,8 +160,10 @@ __global__ void attention_dq_convert_kernel(const __grid_constant__ BwdParams p)
     const uint4 out = {pack2<T>(v[0], v[1]), pack2<T>(v[2], v[3]), pack2<T>(v[4], v[5]), pack2<T>(v[6], v[7])};
     *reinterpret_cast<uint4*>(dst + static_cast<int64_t>(seq.q_row0 + i) * p.dq_row_stride) = out;
   };
-  store(row, lo);
-  store(row + 8, hi);
+  // Lanes 4 r .. 4 r + 3 have bit 3 set where r & 2: their halves are swapped (dq_swap_halves).
+  const bool swapped = dq_swap_halves<kD>() && (r & 2) != 0;
+  store(swapped ? row + 8 : row, lo);
+  store(swapped ? row : row + 8, hi);
 }
 
 // The key tile a dk/dv block owns (kBlockN keys of one (batch or sequence, kv head)) and the query
@@ -374,7 +400,7 @@ __device__ __forceinline__ void attention_bwd_dkdv_mma_body(const BwdParams& p) 
         if (row_tile * 16 < blk.seqlen_q) {
 #pragma unroll
           for (int dt = 0; dt < kCols / 8; ++dt)
-            dq_accum_add(dq_accum_tile(p, b, h, blk.seq_tile0, row_tile, (d_col0 >> 3) + dt, kD), lane, dq[rt][dt][0],
+            dq_accum_add<kD>(dq_accum_tile(p, b, h, blk.seq_tile0, row_tile, (d_col0 >> 3) + dt, kD), lane, dq[rt][dt][0],
                          dq[rt][dt][1], dq[rt][dt][2], dq[rt][dt][3]);
         }
       }
@@ -675,7 +701,7 @@ __device__ __forceinline__ void attention_bwd_dkdv_wgmma_body(const BwdParams& p
 
     dkdv_wgmma_tile<Tr, kMask, kSoftcap, kAtomicDq, /*kPinZeros=*/(Tr::kHeadDim >= 128)>(p, blk, it, sK, sV, sQ, sdO, s_lse, s_row_dot, sDs,
                                                      smem + (sDs - sK), warp, lane, dk, dv, [] { __syncthreads(); },
-                                                     DqAtomicAdd{});
+                                                     DqAtomicAdd<Tr::kHeadDim>{});
   }
 
   // dK = scale * sum dS^T Q, dV = sum P^T dO: staged through this warp's own rows of the first tile.

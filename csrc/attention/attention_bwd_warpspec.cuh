@@ -29,6 +29,7 @@ template <class Tr>
 struct WarpSpecBwdLayout {
   static constexpr int kStages = 2;
   static constexpr int kThreads = 384, kConsumerThreads = 256;
+  static constexpr int kHeadDim = Tr::kHeadDim;
   static constexpr int kPanels = Tr::kHeadDim / 64;
   // From the 1024-byte-aligned base: K, V; kStages x (Q, dO); kStages x (lse, row_dot); 2 x dS^T;
   // 8 consumer warps x 4 KB of dQ (the bulk reductions' source); the mbarriers (full_kv, full[s],
@@ -77,11 +78,14 @@ struct DqBulkAdd {
   // Stores the rows; their tile and `valid` come back to flush() one tile later.
   __device__ __forceinline__ void operator()(const float (&dq)[32], float*, int lane, bool) const {
     const uint32_t buf = buffer();
+    // Where dq_swap_halves: lanes with bit 3 set store row r + 8's pair first, so a half-warp's 8-byte
+    // stores cover all 32 banks once.
+    const uint32_t half = dq_swap_halves<L::kHeadDim>() ? (lane & 8) : 0;
     bulk_wait_group_read_all();
     __syncwarp();
 #pragma unroll
     for (int j = 0; j < 16; ++j)
-      asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(buf + 16 * (32 * (j / 2) + lane) + 8 * (j % 2)),
+      asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(buf + 16 * (32 * (j / 2) + lane) + ((8 * (j % 2)) ^ half)),
                    "f"(dq[2 * j]), "f"(dq[2 * j + 1])
                    : "memory");
   }
