@@ -21,6 +21,7 @@
 #include <type_traits>
 
 #include "attention/attention_fwd_kernel.cuh"
+#include "attention/attention_launch.h"
 #include "common/env.h"
 #include "common/tma.cuh"
 
@@ -44,47 +45,13 @@ struct FwdTmaParams {
 // dim 64 runs three consumer warpgroups on 192-row query tiles (FlashAttention-3's shape there): two
 // warpgroups' products cover one's softmax, which at head dim 64 is as long as its products (H100,
 // 2026-11-25: forward 9.97 -> 8.38 ms at S16384, 2.60 -> 2.29 at S4096; docs/notes_attention.md).
-// The cp.async kernel keeps 128 rows.
+// The cp.async kernel keeps 128 rows, and so does this one where fwd_query_rows_d64 (attention_launch.h)
+// says 192-row tiles would waste more than they gain.
 template <class Tr>
 struct WarpSpecFwdTraits {
   using type = std::conditional_t<Tr::kHeadDim == 64,
                                   FwdTraits<typename Tr::T, 64, 192, Tr::kBlockN, 12, Tr::kPadHeadDim>, Tr>;
 };
-
-// Query rows x keys the forward's tiles of block_m rows compute for one (sequence, head) of seqlen_q
-// x seqlen_k (the key tiles QueryBlock visits, each whole).
-inline int64_t fwd_tile_area(const FwdParams& p, bool local, int64_t seqlen_q, int64_t seqlen_k, int block_m,
-                             int block_n) {
-  const int64_t offset = seqlen_k - seqlen_q;
-  int64_t area = 0;
-  for (int64_t m0 = 0; m0 < seqlen_q; m0 += block_m) {
-    const int64_t rows = std::min<int64_t>(block_m, seqlen_q - m0);
-    const int64_t key_begin = local ? std::max<int64_t>(0, m0 + offset - p.window_left) : 0;
-    const int64_t key_end = local ? std::min(seqlen_k, std::max<int64_t>(0, m0 + rows + offset + p.window_right))
-                                  : seqlen_k;
-    area += std::max<int64_t>(0, ceil_div(key_end, block_n) - key_begin / block_n) * block_n * block_m;
-  }
-  return area;
-}
-
-// Head dim 64's forward tiles: 192 rows (WarpSpecFwdTraits) computes ~15% more a second than 128
-// (H100, 2026-11-25: S16384 causal 5.13 -> 4.55 ms for 2.3% more tile area, S4096 1.41 -> 1.33 for
-// 9% more), but where a sequence is a few tiles long its partial last tile and the causal diagonal
-// waste more of a 192-row tile: S1024 causal computes 33% more area than with 128 rows. So 128 rows
-// where the 192-row tiles' area is over 1.15x theirs. Varlen: the mean sequence (the lengths are on
-// the device). FUSEFORGE_ATTENTION_FWD_ROWS=128 or 192 forces one (A/B timings, tests).
-inline int fwd_query_rows_d64(const FwdParams& p, bool local) {
-  const std::string knob = env_string("FUSEFORGE_ATTENTION_FWD_ROWS");
-  TORCH_CHECK(knob.empty() || knob == "128" || knob == "192", "FUSEFORGE_ATTENTION_FWD_ROWS: expected 128 or 192, got '",
-              knob, "'");
-  if (!knob.empty()) return knob == "128" ? 128 : 192;
-  const bool varlen = p.cu_seqlens_q != nullptr;
-  const int64_t seqlen_q = varlen ? ceil_div(p.rows_q, std::max(1, p.batch)) : p.seqlen_q;
-  const int64_t seqlen_k = varlen ? ceil_div(p.rows_k, std::max(1, p.batch)) : p.seqlen_k;
-  const int64_t area128 = fwd_tile_area(p, local, seqlen_q, seqlen_k, 128, 128);
-  const int64_t area192 = fwd_tile_area(p, local, seqlen_q, seqlen_k, 192, 128);
-  return area192 * 100 > area128 * 115 ? 128 : 192;
-}
 
 template <class Tr>
 struct WarpSpecFwdLayout {

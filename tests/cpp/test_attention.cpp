@@ -1,0 +1,101 @@
+// attention on the C++ side: the forward's host-side tile choice (attention_launch.h), which decides
+// between two kernels on the GPU and so is checked here, where every machine can run it.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <string>
+
+#include "attention/attention_launch.h"
+
+namespace at_ = fuseforge::attention;
+
+namespace {
+
+at_::FwdParams fixed_length(int seqlen_q, int seqlen_k) {
+  at_::FwdParams p;
+  p.batch = 2;
+  p.seqlen_q = seqlen_q, p.seqlen_k = seqlen_k;
+  p.rows_q = seqlen_q, p.rows_k = seqlen_k;
+  return p;
+}
+
+at_::FwdParams causal(at_::FwdParams p) {  // as the host sets it: left side clamped, right bound 0
+  p.window_left = p.seqlen_k, p.window_right = 0;
+  return p;
+}
+
+// The tile area by brute force: every (query tile, key tile) pair with a visible (query, key) pair.
+int64_t brute_force_area(const at_::FwdParams& p, bool local, int sq, int sk, int bm, int bn) {
+  int64_t area = 0;
+  for (int m0 = 0; m0 < sq; m0 += bm)
+    for (int n0 = 0; n0 < sk; n0 += bn) {
+      bool seen = !local;
+      for (int i = m0; i < std::min(m0 + bm, sq) && !seen; ++i)
+        for (int j = n0; j < std::min(n0 + bn, sk) && !seen; ++j)
+          seen = i + (sk - sq) - p.window_left <= j && j <= i + (sk - sq) + p.window_right;
+      if (seen) area += static_cast<int64_t>(bm) * bn;
+    }
+  return area;
+}
+
+struct ScopedEnv {
+  explicit ScopedEnv(const char* value) { setenv("FUSEFORGE_ATTENTION_FWD_ROWS", value, 1); }
+  ~ScopedEnv() { unsetenv("FUSEFORGE_ATTENTION_FWD_ROWS"); }
+};
+
+}  // namespace
+
+TEST(AttentionTiling, AreaCountsTheKeyTilesEachQueryTileVisits) {
+  // S1024 causal: 36 of the 64 pairs of 128-row tiles; 32 of the 48 of 192-row ones (2, 3, 5, 6, 8, 8
+  // key tiles; the partial last query tile counts whole): 1.33x the area.
+  EXPECT_EQ(at_::fwd_tile_area(causal(fixed_length(1024, 1024)), true, 1024, 1024, 128, 128), 36 * 128 * 128);
+  EXPECT_EQ(at_::fwd_tile_area(causal(fixed_length(1024, 1024)), true, 1024, 1024, 192, 128), 32 * 192 * 128);
+  EXPECT_EQ(at_::fwd_tile_area(fixed_length(1024, 1024), false, 1024, 1024, 192, 128), 6 * 8 * 192 * 128);
+  // Against brute force: odd lengths, Sq != Sk (bottom-right aligned), sliding windows.
+  for (int sq : {1, 77, 300, 1000})
+    for (int sk : {1, 129, 700})
+      for (int left : {0, 40, 1 << 20})
+        for (int right : {0, 5}) {
+          at_::FwdParams p = fixed_length(sq, sk);
+          p.window_left = std::min(left, sk), p.window_right = std::min(right, sk);
+          for (int bm : {128, 192})
+            EXPECT_EQ(at_::fwd_tile_area(p, true, sq, sk, bm, 128), brute_force_area(p, true, sq, sk, bm, 128))
+                << "sq=" << sq << " sk=" << sk << " left=" << left << " right=" << right << " bm=" << bm;
+        }
+}
+
+TEST(AttentionTiling, HeadDim64TakesTheRowsThatWasteLess) {
+  // The H100's measurements (docs/notes_attention.md): 128 rows faster only at S1024 causal.
+  EXPECT_EQ(at_::fwd_query_rows_d64(causal(fixed_length(1024, 1024)), true), 128);
+  EXPECT_EQ(at_::fwd_query_rows_d64(fixed_length(1024, 1024), false), 192);
+  EXPECT_EQ(at_::fwd_query_rows_d64(causal(fixed_length(4096, 4096)), true), 192);
+  EXPECT_EQ(at_::fwd_query_rows_d64(fixed_length(4096, 4096), false), 192);
+  EXPECT_EQ(at_::fwd_query_rows_d64(causal(fixed_length(16384, 16384)), true), 192);
+  // Varlen: the mean length. 18 documents in 32768 tokens (the benchmark's) -> 192; 4 short ones -> 128.
+  const int cu[2] = {0, 0};  // only its being set matters here
+  at_::FwdParams docs = causal(fixed_length(5287, 5287));
+  docs.cu_seqlens_q = cu, docs.batch = 18, docs.rows_q = docs.rows_k = 32768;
+  EXPECT_EQ(at_::fwd_query_rows_d64(docs, true), 192);
+  docs.batch = 4, docs.rows_q = docs.rows_k = 221;
+  EXPECT_EQ(at_::fwd_query_rows_d64(docs, true), 128);
+}
+
+TEST(AttentionTiling, RowsKnobForcesOneAndNamesABadValue) {
+  {
+    ScopedEnv env("128");
+    EXPECT_EQ(at_::fwd_query_rows_d64(fixed_length(4096, 4096), false), 128);
+  }
+  {
+    ScopedEnv env("192");
+    EXPECT_EQ(at_::fwd_query_rows_d64(causal(fixed_length(1024, 1024)), true), 192);
+  }
+  ScopedEnv env("64");
+  try {
+    at_::fwd_query_rows_d64(fixed_length(64, 64), false);
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("FUSEFORGE_ATTENTION_FWD_ROWS: expected 128 or 192, got '64'"),
+              std::string::npos)
+        << e.what();
+  }
+}
