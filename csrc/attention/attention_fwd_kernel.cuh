@@ -206,11 +206,8 @@ struct QueryBlock {
     m0 = m_block * kBlockM;
     rows_q = min(kBlockM, seqlen_q - m0);
     offset = seqlen_k - seqlen_q;
-    int key_begin = 0, key_end = seqlen_k;
-    if constexpr (kMask == kWindow) key_begin = max(0, m0 + offset - p.window_left);
-    if constexpr (kMask != kNoMask) key_end = min(seqlen_k, max(0, m0 + rows_q + offset + p.window_right));
-    n_begin = key_begin / kBlockN;
-    n_end = max(n_begin, (key_end + kBlockN - 1) / kBlockN);
+    query_key_tiles<int>(kMask != kNoMask, kMask == kWindow, m0, rows_q, seqlen_k, offset, p.window_left,
+                         p.window_right, kBlockN, n_begin, n_end);
     lse_row0 = b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_row0;
     q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
         static_cast<int64_t>(seq.q_row0 + m0) * p.q_row_stride;

@@ -11,19 +11,17 @@
 namespace fuseforge::attention {
 
 // Query rows x keys the forward's tiles of block_m rows compute for one (sequence, head) of seqlen_q
-// x seqlen_k under p's mask (local: p.window_left / window_right): the key tiles QueryBlock visits,
-// each whole.
+// x seqlen_k under p's mask (local: p.window_left / window_right): the key tiles QueryBlock visits
+// (query_key_tiles), each whole. A causal mask has no left bound; with window_left clamped to the
+// max length, as the host does, the left bound reaches no key then either.
 inline int64_t fwd_tile_area(const FwdParams& p, bool local, int64_t seqlen_q, int64_t seqlen_k, int block_m,
                              int block_n) {
-  const int64_t offset = seqlen_k - seqlen_q;
   int64_t area = 0;
   for (int64_t m0 = 0; m0 < seqlen_q; m0 += block_m) {
-    const int64_t rows = std::min<int64_t>(block_m, seqlen_q - m0);
-    const int64_t key_begin = local ? std::max<int64_t>(0, m0 + offset - p.window_left) : 0;
-    const int64_t key_end =
-        local ? std::min(seqlen_k, std::max<int64_t>(0, m0 + rows + offset + p.window_right)) : seqlen_k;
-    const int64_t key_tiles = (key_end + block_n - 1) / block_n - key_begin / block_n;
-    area += std::max<int64_t>(0, key_tiles) * block_n * block_m;
+    int64_t n_begin = 0, n_end = 0;
+    query_key_tiles<int64_t>(local, /*left_bound=*/true, m0, std::min<int64_t>(block_m, seqlen_q - m0), seqlen_k,
+                             seqlen_k - seqlen_q, p.window_left, p.window_right, block_n, n_begin, n_end);
+    area += (n_end - n_begin) * block_n * block_m;
   }
   return area;
 }

@@ -2,9 +2,32 @@
 // passed by value, shared by the forward and backward launchers (no torch types, so a later Hopper
 // wgmma/TMA path can take the same struct).
 #pragma once
+#include <c10/macros/Macros.h>
+
+#include <algorithm>
 #include <cstdint>
 
 namespace fuseforge::attention {
+
+// The key tiles [n_begin, n_end) of block_n keys that query rows [m0, m0 + rows) of one sequence
+// (offset = Sk - Sq) may see: every tile without the local mask; with it, the tiles holding a key of
+// [m0 + offset - window_left, m0 + rows - 1 + offset + window_right] within [0, seqlen_k), the left
+// bound only where left_bound (a sliding window; causal has none). The kernels' QueryBlock and the
+// host's tile plan (fwd_tile_area) both take it. I: int on the device, int64_t on the host.
+template <typename I>
+C10_HOST_DEVICE inline void query_key_tiles(bool local, bool left_bound, I m0, I rows, I seqlen_k, I offset,
+                                            I window_left, I window_right, I block_n, I& n_begin, I& n_end) {
+#ifdef __CUDA_ARCH__
+  using ::max, ::min;
+#else
+  using std::max, std::min;
+#endif
+  I key_begin = 0, key_end = seqlen_k;
+  if (local && left_bound) key_begin = max(I{0}, m0 + offset - window_left);
+  if (local) key_end = min(seqlen_k, max(I{0}, m0 + rows + offset + window_right));
+  n_begin = key_begin / block_n;
+  n_end = max(n_begin, (key_end + block_n - 1) / block_n);
+}
 
 struct FwdParams {
   // q (B, Hq, Sq, D), k/v (B, Hk, Sk, D), out like q: any strides, the last dim contiguous.
