@@ -39,11 +39,10 @@ ADAMW=(c16k:)
 # Attention: FA3's dK-after-dQ order, the forward's K freed with V and 176-key forward tiles at head
 # dim 128 lost; the wgmma descriptor arithmetic, D64's three-warpgroup forward, the backward's lse /
 # row_dot read before its wgmma waits with its dQ hand-off deferred to the next tile, O stored by
-# TMA and head dim 64's backward on the warp-specialized kernel won and are the code; a persistent
-# dk/dv kernel timed level and was removed (docs/notes_attention.md). Add "name:-DKNOB=1" (or "name:ENV=value") entries for
-# the next candidates. dqswap: dq_accum's halves swapped for half the lanes, so the dk/dv kernel's
-# dQ staging stores are free of bank conflicts (ncu at D128/S1024, 2026-11-26).
-ATTN=(default: dqswap:-DFUSEFORGE_ATTN_DQ_SWAP_HALVES=1)
+# TMA, head dim 64's backward on the warp-specialized kernel and dQ staging without bank conflicts
+# won and are the code; a persistent dk/dv kernel timed level and was removed
+# (docs/notes_attention.md). Add "name:-DKNOB=1" (or "name:ENV=value") entries for the next candidates.
+ATTN=(default:)
 PARTS=${PARTS:-build tests time profile e2e lce}
 OPS=${OPS-adamw add_mul_act}
 has() { [[ " $PARTS " == *" $1 "* ]]; }

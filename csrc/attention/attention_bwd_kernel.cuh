@@ -75,19 +75,15 @@ __device__ __forceinline__ float* dq_accum_tile(const BwdParams& p, int b, int h
   const int64_t tile = b * p.dq_accum_batch_tiles + h * p.dq_accum_head_tiles + seq_tile0 + row_tile;
   return p.dq_accum + (tile * (kD / 8) + col_tile) * 128;
 }
-// Experiment knob (compile time, off until timed on a GPU): 1 swaps the two 8-byte halves (row r's
-// pair, row r + 8's) of the 16 bytes a lane owns in a dq_accum tile for lanes 8-15 and 24-31, at head
-// dims 64 and 128. Then the warp-specialized kernel's 8-byte stores of dQ into shared memory
-// (DqBulkAdd) hit each bank once a half-warp instead of twice: ncu at D128/S1024/full (H100,
-// 2026-11-26) counted 16.8M excess shared wavefronts in its dk/dv kernel (8% of all), 32 a warp and
-// tile, which is what those 16 stores of 512-byte spans give. Every writer and the convert kernel
-// follow dq_swap_halves.
-#ifndef FUSEFORGE_ATTN_DQ_SWAP_HALVES
-#define FUSEFORGE_ATTN_DQ_SWAP_HALVES 0
-#endif
+// The two 8-byte halves (row r's pair, row r + 8's) of the 16 bytes a lane owns in a dq_accum tile
+// are swapped for lanes 8-15 and 24-31 at head dims 64 and 128. Then the warp-specialized kernel's
+// 8-byte stores of dQ into shared memory (DqBulkAdd) hit each bank once a half-warp instead of twice:
+// ncu at D128/S1024/full (H100, 2026-11-26) counted 16.8M excess shared wavefronts in its dk/dv kernel
+// (8% of all) before, and D128 forward+backward timed 0.8-1.7% faster with the swap. Every writer and
+// the convert kernel follow dq_swap_halves.
 template <int kD>
 constexpr bool dq_swap_halves() {
-  return FUSEFORGE_ATTN_DQ_SWAP_HALVES && (kD == 64 || kD == 128);
+  return kD == 64 || kD == 128;
 }
 
 // tile[4 lane + e] += v[e], e = 0..3 (one vector reduction on sm_90); halves swapped where
