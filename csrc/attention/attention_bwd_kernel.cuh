@@ -11,8 +11,6 @@
 // warpgroup wgmma's (attention_wgmma.cuh; each warpgroup owns 64 keys); elsewhere mma.sync (each
 // warp owns 16 keys). Measured on the H100 in docs/notes_attention.md.
 #pragma once
-#include <type_traits>
-
 #include "attention/attention_fwd_kernel.cuh"
 
 namespace fuseforge::attention {
@@ -114,7 +112,6 @@ template <int kD>
 struct DqAtomicAdd {
   template <class Target>
   __device__ __forceinline__ void flush(const Target&) const {}  // nothing deferred (DqBulkAdd defers its hand-off)
-  static constexpr bool kStoresBetweenProducts = false;  // see DqLateStore
   __device__ __forceinline__ void operator()(const float (&dq)[32], float* tile, int lane, bool valid) const {
     if (!valid) return;
 #pragma unroll
@@ -470,13 +467,9 @@ __device__ __forceinline__ void dkdv_wgmma_tile(const BwdParams& p, const Blk& b
   const float scale_log2 = p.scale_log2;
 
   // S^T = K Q^T and dP^T = V dO^T: 64 keys x kBlockM queries each, both operands K-major.
-  constexpr bool kStoresBetween = std::decay_t<AddDq>::kStoresBetweenProducts;
   float st[kSN], dpt[kSN];
 #pragma unroll
-  for (int i = 0; i < kSN; ++i) {
-    st[i] = 0.f;
-    if constexpr (!kStoresBetween) dpt[i] = 0.f;
-  }
+  for (int i = 0; i < kSN; ++i) st[i] = dpt[i] = 0.f;
   // kPinZeros pins the zeros before the fence: else the compiler sinks dpt's zeroing past S^T's issue
   // and ptxas serializes both groups (injected warpgroup.arrive / wait, C7519 / C7517; at head dim 128
   // on the atomic path, every product of the tile; on the warp-specialized kernel at head dim 64,
@@ -484,25 +477,13 @@ __device__ __forceinline__ void dkdv_wgmma_tile(const BwdParams& p, const Blk& b
   // up: at 64 (its calls there: TMA off, or operands a tensor map cannot describe) it keeps the old
   // schedule, with the pin its causal forward+backward measured 10-15% slower on the H100 (full 1-2%
   // faster; 2026-11-25, before head dim 64 moved to the warp-specialized kernel).
-  if constexpr (kStoresBetween) {
-    // The previous tile's dQ rows stored between the two products (the warp-specialized kernel's
-    // DqLateStore). dP^T's first step overwrites (no zeros: written between S^T's issue and its wait
-    // they made ptxas wait on S^T, C7517, and they would be live beside the kept rows).
+  if constexpr (kPinZeros) {
     wgmma_fence_operands(st);
-    wgmma_fence();
-    wgmma_ss_k_major<T, kBlockM, kD / 16>(st, sK + wg_rows, KVTile::kPanelBytes, sQ, QTile::kPanelBytes);
-    add_dq.store_kept(it);
-    wgmma_ss_k_major<T, kBlockM, kD / 16, /*kOverwrite=*/true>(dpt, sV + wg_rows, KVTile::kPanelBytes, sdO,
-                                                               QTile::kPanelBytes);
-  } else {
-    if constexpr (kPinZeros) {
-      wgmma_fence_operands(st);
-      wgmma_fence_operands(dpt);
-    }
-    wgmma_fence();
-    wgmma_ss_k_major<T, kBlockM, kD / 16>(st, sK + wg_rows, KVTile::kPanelBytes, sQ, QTile::kPanelBytes);
-    wgmma_ss_k_major<T, kBlockM, kD / 16>(dpt, sV + wg_rows, KVTile::kPanelBytes, sdO, QTile::kPanelBytes);
+    wgmma_fence_operands(dpt);
   }
+  wgmma_fence();
+  wgmma_ss_k_major<T, kBlockM, kD / 16>(st, sK + wg_rows, KVTile::kPanelBytes, sQ, QTile::kPanelBytes);
+  wgmma_ss_k_major<T, kBlockM, kD / 16>(dpt, sV + wg_rows, KVTile::kPanelBytes, sdO, QTile::kPanelBytes);
   // lse and row_dot of this thread's query columns (element i: 2 (i / 4) + i % 2), read while the
   // products run: read after a wgmma wait (its memory clobber pins them there), P^T's and dS^T's
   // arithmetic stalled on the loads (~5% of the dk/dv kernel's stall samples, ncu at D128/S4096).

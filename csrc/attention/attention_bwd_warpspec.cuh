@@ -9,22 +9,10 @@
 // float32 reduction, instead of 8 vector atomics a thread. The row_dot, dq-convert and deterministic
 // dq kernels are the cp.async path's.
 #pragma once
-#include <utility>
-
 #include "attention/attention_bwd_kernel.cuh"
 #include "attention/attention_fwd_warpspec.cuh"
 
 namespace fuseforge::attention {
-
-// Experiment knob (compile time, off until timed on a GPU): 1 stores a tile's dQ rows into shared
-// memory after the next tile's S^T has been issued (DqLateStore), instead of right after the tile's
-// last wait. ncu of this kernel at D128/S1024/full (H100, 2026-11-26): the wait before the
-// stores took 6.0% of the stall samples, and both warpgroups store at once (the named barrier before
-// dQ = dS K keeps them in step), so the tensor cores idle while they do.
-#ifndef FUSEFORGE_ATTN_BWD_LATE_DQ_STORE
-#define FUSEFORGE_ATTN_BWD_LATE_DQ_STORE 0
-#endif
-constexpr int kLateDqStore = FUSEFORGE_ATTN_BWD_LATE_DQ_STORE;
 
 // Head dim 128 (64-query tiles) and 64 (128-query tiles) run this kernel, 256 the cp.async one
 // (head dim 64 since 2026-11-26: forward+backward 7-12% faster on the H100, see use_bwd_warpspec).
@@ -63,12 +51,6 @@ struct WarpSpecBwdLayout {
 };
 
 #if FUSEFORGE_ATTENTION_WGMMA
-// st.shared.v2.f32 at addr + kOffset, the offset an immediate of the instruction.
-template <int kOffset>
-__device__ __forceinline__ void st_shared_v2_at(uint32_t addr, float a, float b) {
-  asm volatile("st.shared.v2.f32 [%0+%3], {%1, %2};\n" ::"r"(addr), "f"(a), "f"(b), "n"(kOffset) : "memory");
-}
-
 // The consumer warp's dQ rows (see DqAtomicAdd) through its 4 KB of shared memory (same layout as the
 // 4 KB of dq_accum from `tile`) into dq_accum by one bulk reduction, issued and tracked by lane 0; the
 // next tile's stores first wait until the TMA unit has read the buffer (long done by then).
@@ -93,7 +75,6 @@ struct DqBulkAdd {
     __syncwarp();
     bulk_reduce_add_f32(target.valid && (threadIdx.x & 31) == 0, target.tile, buffer(), L::kDqWarpBytes);
   }
-  static constexpr bool kStoresBetweenProducts = false;
   // Stores the rows; their tile and `valid` come back to flush() one tile later.
   __device__ __forceinline__ void operator()(const float (&dq)[32], float*, int lane, bool) const {
     const uint32_t buf = buffer();
@@ -102,40 +83,11 @@ struct DqBulkAdd {
     const uint32_t half = dq_swap_halves<L::kHeadDim>() ? (lane & 8) : 0;
     bulk_wait_group_read_all();
     __syncwarp();
-    if constexpr (kLateDqStore > 0) {
-      // Two base addresses and immediate offsets: the 16 addresses held across the tile loop are
-      // registers the kept rows need (C7512 without).
-      const uint32_t base[2] = {buf + 16 * lane + half, buf + 16 * lane + (8 ^ half)};
-      [&]<int... J>(std::integer_sequence<int, J...>) {
-        (st_shared_v2_at<512 * (J / 2)>(base[J % 2], dq[2 * J], dq[2 * J + 1]), ...);
-      }(std::make_integer_sequence<int, 16>{});
-    } else {
 #pragma unroll
-      for (int j = 0; j < 16; ++j)
-        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(buf + 16 * (32 * (j / 2) + lane) + ((8 * (j % 2)) ^ half)),
-                     "f"(dq[2 * j]), "f"(dq[2 * j + 1])
-                     : "memory");
-    }
-  }
-};
-
-// kLateDqStore: a tile's dQ rows kept in registers (`kept`) and stored by DqBulkAdd during the next
-// tile, once its S^T has been issued (dkdv_wgmma_tile, kStoresBetweenProducts); the previous tile's
-// hand-off as DqBulkAdd's.
-template <class L>
-struct DqLateStore {
-  float (&kept)[32];
-  const DqBulkAdd<L>& bulk;
-  static constexpr bool kStoresBetweenProducts = true;
-  // Tile it's call: tile it - 1's rows. Unconditional (no branch between a wgmma's issue and its wait):
-  // at it = 0 it stores the zeros `kept` starts with, which no hand-off reads.
-  __device__ __forceinline__ void store_kept(int) const { bulk(kept, nullptr, threadIdx.x & 31, true); }
-  __device__ __forceinline__ void flush(const DqTarget& target) const { bulk.flush(target); }
-  // A copy by explicit moves: kept in the wgmma's own registers, ptxas counted the next tile's reads of
-  // them as reads of registers a wgmma defines and waited on the just-issued S^T there (C7517).
-  __device__ __forceinline__ void operator()(const float (&rows)[32], float*, int, bool) const {
-#pragma unroll
-    for (int i = 0; i < 32; ++i) asm volatile("mov.b32 %0, %1;\n" : "=f"(kept[i]) : "f"(rows[i]));
+    for (int j = 0; j < 16; ++j)
+      asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(buf + 16 * (32 * (j / 2) + lane) + ((8 * (j % 2)) ^ half)),
+                   "f"(dq[2 * j]), "f"(dq[2 * j + 1])
+                   : "memory");
   }
 };
 
@@ -237,11 +189,11 @@ __device__ __forceinline__ void store_dk_dv(const BwdParams& p, const Blk& blk, 
 
 // A consumer thread: query tile `it` of `blk` from stage s, once it has landed (`parity`), then the
 // stage's release.
-template <class Tr, int kMask, bool kSoftcap, bool kAtomicDq, class Blk, class AddDq>
+template <class Tr, int kMask, bool kSoftcap, bool kAtomicDq, class Blk>
 __device__ __forceinline__ void consume_query_tile(const BwdParams& p, const WarpSpecBwdSmem<Tr>& sm, const Blk& blk,
                                                    int it, int s, int parity, int cwarp, int lane,
                                                    float (&dk)[Tr::kHeadDim / 2], float (&dv)[Tr::kHeadDim / 2],
-                                                   const AddDq& dq_add) {
+                                                   const DqBulkAdd<WarpSpecBwdLayout<Tr>>& dq_add) {
   using L = WarpSpecBwdLayout<Tr>;
   mbarrier_wait(sm.full(s), parity);
   const uint32_t sDs = sm.sK + L::kDsOffset + (it & 1) * Tr::kTileDsBytes;
@@ -299,20 +251,9 @@ __device__ __forceinline__ void attention_bwd_dkdv_warpspec_body(const BwdParams
   for (int i = 0; i < kD / 2; ++i) dk[i] = dv[i] = 0.f;
   mbarrier_wait(sm.full_kv(), 0);  // also when no tile runs: the copies must land before the stores below
   const DqBulkAdd<L> dq_add;
-  if constexpr (kLateDqStore > 0 && kAtomicDq) {
-    float kept[32];
-#pragma unroll
-    for (int i = 0; i < 32; ++i) kept[i] = 0.f;
-    const DqLateStore<L> late{kept, dq_add};
-    for (int it = 0; it < iterations; ++it)
-      consume_query_tile<Tr, kMask, kSoftcap, kAtomicDq>(p, sm, blk, it, it % kStages, (it / kStages) & 1, cwarp,
-                                                         lane, dk, dv, late);
-    if (iterations > 0) late.store_kept(iterations);  // the last tile's rows
-  } else {
-    for (int it = 0; it < iterations; ++it)
-      consume_query_tile<Tr, kMask, kSoftcap, kAtomicDq>(p, sm, blk, it, it % kStages, (it / kStages) & 1, cwarp,
-                                                         lane, dk, dv, dq_add);
-  }
+  for (int it = 0; it < iterations; ++it)
+    consume_query_tile<Tr, kMask, kSoftcap, kAtomicDq>(p, sm, blk, it, it % kStages, (it / kStages) & 1, cwarp, lane,
+                                                       dk, dv, dq_add);
   finish_dq<Tr, kAtomicDq>(p, blk, cwarp, dq_add);  // before leaving
 
   // dK = scale * sum dS^T Q, dV = sum P^T dO: staged through this warp's own rows of sK / sV, once both

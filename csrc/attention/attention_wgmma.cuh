@@ -98,26 +98,26 @@ __device__ __forceinline__ void wgmma_fence_operands(float (&d)[N]) {
 
 // d (64 x 64, fp32) += A (64 x 16, shared memory) * B (16 x 64, shared memory).
 template <typename T, int kTransA, int kTransB>
-__device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int scale_d = 1) {
+__device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b) {
 #define FUSEFORGE_WGMMA_ASM(TYPE)                                                                      \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                          \
                "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " " FUSEFORGE_WGMMA_D32 ", " \
                "%32, %33, p, 1, 1, %35, %36;\n}\n"                                                     \
                : FUSEFORGE_WGMMA_D32_OUT                                                               \
-               : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB))
+               : "l"(desc_a), "l"(desc_b), "r"(1), "n"(kTransA), "n"(kTransB))
   FUSEFORGE_WGMMA_TYPED(T, FUSEFORGE_WGMMA_ASM)
 #undef FUSEFORGE_WGMMA_ASM
 }
 
 // d (64 x 128, fp32) += A (64 x 16, shared memory) * B (16 x 128, shared memory).
 template <typename T, int kTransA, int kTransB>
-__device__ __forceinline__ void wgmma_m64n128k16_ss(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int scale_d = 1) {
+__device__ __forceinline__ void wgmma_m64n128k16_ss(float (&d)[64], uint64_t desc_a, uint64_t desc_b) {
 #define FUSEFORGE_WGMMA_ASM(TYPE)                                                                       \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                           \
                "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " " FUSEFORGE_WGMMA_D64 ", " \
                "%64, %65, p, 1, 1, %67, %68;\n}\n"                                                     \
                : FUSEFORGE_WGMMA_D64_OUT                                                                \
-               : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB))
+               : "l"(desc_a), "l"(desc_b), "r"(1), "n"(kTransA), "n"(kTransB))
   FUSEFORGE_WGMMA_TYPED(T, FUSEFORGE_WGMMA_ASM)
 #undef FUSEFORGE_WGMMA_ASM
 }
@@ -181,8 +181,7 @@ __device__ __forceinline__ void wgmma_rs_mn_major(float (&d)[kN / 2], const uint
 // panels along K: A's from sA, a_panel_bytes apart; B's from sB, b_panel_bytes apart), committed as
 // one group: the S = Q K^T, S^T = K Q^T and dP^T = V dO^T products. kN = 64 or 128. Unlike
 // wgmma_rs_mn_major it does not fence: the caller fences once before one or more of these groups.
-// kOverwrite: the first step ignores d's old value (scale-d 0), so d needs no zeros written before.
-template <typename T, int kN, int kKSteps, bool kOverwrite = false>
+template <typename T, int kN, int kKSteps>
 __device__ __forceinline__ void wgmma_ss_k_major(float (&d)[kN / 2], uint32_t sA, uint32_t a_panel_bytes, uint32_t sB,
                                                  uint32_t b_panel_bytes) {
   static_assert(kN == 64 || kN == 128, "m64n64k16 or m64n128k16");
@@ -191,9 +190,8 @@ __device__ __forceinline__ void wgmma_ss_k_major(float (&d)[kN / 2], uint32_t sA
   for (int ks = 0; ks < kKSteps; ++ks) {
     const uint64_t desc_a = wgmma_desc_add(desc_a0, (ks >> 2) * a_panel_bytes + (ks & 3) * 32);
     const uint64_t desc_b = wgmma_desc_add(desc_b0, (ks >> 2) * b_panel_bytes + (ks & 3) * 32);
-    const int scale_d = kOverwrite && ks == 0 ? 0 : 1;
-    if constexpr (kN == 128) wgmma_m64n128k16_ss<T, 0, 0>(d, desc_a, desc_b, scale_d);
-    else wgmma_m64n64k16_ss<T, 0, 0>(d, desc_a, desc_b, scale_d);
+    if constexpr (kN == 128) wgmma_m64n128k16_ss<T, 0, 0>(d, desc_a, desc_b);
+    else wgmma_m64n64k16_ss<T, 0, 0>(d, desc_a, desc_b);
   }
   wgmma_commit();
 }
