@@ -162,14 +162,6 @@ __global__ void attention_dq_convert_kernel(const __grid_constant__ BwdParams p)
   store(swapped ? row : row + 8, hi);
 }
 
-// Experiment knob (compile time, off until timed on a GPU): without a mask every key block starts its
-// query loop at tile 0, so a head's key blocks, which run side by side, reduce dQ into the same
-// dq_accum tile at about the same time (and the dk/dv kernel is furthest behind cuDNN on the
-// full-mask rows). 1 starts key block n at query tile n % m_count (KeyBlock::rotation).
-#ifndef FUSEFORGE_ATTN_BWD_ROTATE_QUERY_TILES
-#define FUSEFORGE_ATTN_BWD_ROTATE_QUERY_TILES 0
-#endif
-
 // The key tile a dk/dv block owns (kBlockN keys of one (batch or sequence, kv head)) and the query
 // tiles it visits: iteration it is query tile row0(it) of query head head(it), over every head of the
 // GQA group, only the tiles with a query that sees one of the keys. rows_k <= 0: the block is past
@@ -202,20 +194,9 @@ struct KeyBlock {
     m_count = last_row < first_row ? 0 : last_row / kBlockM - m_first + 1;
     iterations = p.group * m_count;
     seq_tile0 = dq_accum_seq_tile0<kVarlen>(p, b);
-    if constexpr (kRotate) rotation = m_count > 0 ? n_block % m_count : 0;
   }
   __device__ __forceinline__ int head(int it, const BwdParams& p) const { return hk * p.group + it / m_count; }
-  __device__ __forceinline__ int row0(int it) const {
-    if constexpr (kRotate) {
-      int tile = it % m_count + rotation;
-      if (tile >= m_count) tile -= m_count;
-      return (m_first + tile) * kBlockM;
-    } else {
-      return (m_first + it % m_count) * kBlockM;
-    }
-  }
-  static constexpr bool kRotate = FUSEFORGE_ATTN_BWD_ROTATE_QUERY_TILES && kMask == kNoMask;
-  int rotation = 0;
+  __device__ __forceinline__ int row0(int it) const { return (m_first + it % m_count) * kBlockM; }
 };
 
 // The block's K and V rows [n0, n0 + kBlockN) into sK / sV (Tile layout), zero rows past Sk.
