@@ -329,7 +329,7 @@ void launch_attention_bwd(const BwdParams& params, const BwdParams& row_dot_para
       static_cast<int64_t>(prop->multiProcessorCount) *
       std::max<int64_t>(1, prop->sharedMemPerMultiprocessor / (DkdvTr::kSmemBytes + prop->reservedSharedMemPerBlock));
   BwdParams p = params;
-  p.kv_block_slowest = local && blocks <= 8 * resident && kv_blocks <= 65535;
+  p.kv_block_slowest = bwd_kv_block_slowest(local, blocks, resident, kv_blocks);
   const dim3 grid_kv = p.kv_block_slowest
                            ? dim3(static_cast<unsigned>(params.heads_kv), static_cast<unsigned>(params.batch),
                                   static_cast<unsigned>(kv_blocks))
