@@ -320,23 +320,30 @@ void launch_attention_bwd(const BwdParams& params, const BwdParams& row_dot_para
   // first and leaves the short ones for the last wave. Measured on the H100 (docs/notes_attention.md):
   // the 1.2B Llama's step (2.9 waves) 29.5 -> 24.0 ms in this kernel; on the benchmark's 31-wave
   // grids the default order (a head's key blocks side by side, sharing its Q/dO tiles in L2) is 3-5%
-  // faster. The crossover between 3 and 31 waves was not measured: 8 is a guess. (Applied to every
-  // local mask; a sliding window's key blocks weigh about the same, so the order matters little.)
+  // faster; at 7.75 waves (GQA softcap, S4096, 2026-11-26) the default order was 8% faster on the
+  // warp-specialized kernel (3.31 -> 3.06 ms fwd+bwd) and 5.5% slower on head dim 256's cp.async one
+  // (3.67 -> 3.89). So key blocks slowest up to 4 waves on the warp-specialized kernel (between the
+  // measured 2.9 and 7.75), up to 8 on the others. Packed documents (varlen, ~90 waves of blocks,
+  // most past their document) measured 1.55x slower with key blocks slowest. (Applied to every local
+  // mask; a sliding window's key blocks weigh about the same, so the order matters little.)
   const int64_t kv_blocks = ceil_div(params.seqlen_k, DkdvTr::kBlockN);
   const int64_t blocks = kv_blocks * params.heads_kv * params.batch;
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
-  const int64_t resident =
-      static_cast<int64_t>(prop->multiProcessorCount) *
-      std::max<int64_t>(1, prop->sharedMemPerMultiprocessor / (DkdvTr::kSmemBytes + prop->reservedSharedMemPerBlock));
   BwdParams p = params;
-  p.kv_block_slowest = bwd_kv_block_slowest(local, blocks, resident, kv_blocks);
+  BwdTmaParams tma;
+  const bool warpspec = use_bwd_warpspec<DkdvTr>(p, &tma);
+  int64_t smem_bytes = DkdvTr::kSmemBytes;
+  if constexpr (bwd_warpspec_head_dim<kD>())
+    if (warpspec) smem_bytes = WarpSpecBwdLayout<DkdvTr>::kSmemBytes;
+  const int64_t resident = static_cast<int64_t>(prop->multiProcessorCount) *
+                           std::max<int64_t>(1, prop->sharedMemPerMultiprocessor /
+                                                    (smem_bytes + prop->reservedSharedMemPerBlock));
+  p.kv_block_slowest = bwd_kv_block_slowest(local, blocks, resident, kv_blocks, warpspec ? 4 : 8);
   const dim3 grid_kv = p.kv_block_slowest
                            ? dim3(static_cast<unsigned>(params.heads_kv), static_cast<unsigned>(params.batch),
                                   static_cast<unsigned>(kv_blocks))
                            : dim3(static_cast<unsigned>(kv_blocks), static_cast<unsigned>(params.heads_kv),
                                   static_cast<unsigned>(params.batch));
-  BwdTmaParams tma;
-  const bool warpspec = use_bwd_warpspec<DkdvTr>(p, &tma);
   auto launch_dkdv = [&]<int kMask, bool kVarlen, bool kAtomicDq>() {
     if constexpr (bwd_warpspec_head_dim<kD>()) {
       if (warpspec) {

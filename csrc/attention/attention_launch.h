@@ -47,15 +47,17 @@ inline int fwd_query_rows_d64(const FwdParams& p, bool local) {
   return area192 * 100 > area128 * 115 ? 128 : 192;
 }
 
-// The dk/dv kernel's block order for a local mask (see launch_attention_bwd): key blocks slowest when
-// the grid is at most 8 waves of `resident` blocks. FUSEFORGE_ATTENTION_BWD_KV_SLOWEST=0 or 1 forces
-// the order (A/B timings); without a local mask the kernel has one order only.
-inline bool bwd_kv_block_slowest(bool local, int64_t blocks, int64_t resident, int64_t kv_blocks) {
+// The dk/dv kernel's block order for a local mask (see launch_attention_bwd): key blocks slowest (every
+// head's heaviest causal block in the first wave) when the grid is at most `max_waves` waves of
+// `resident` blocks, else a head's key blocks side by side (sharing its Q / dO tiles in L2).
+// FUSEFORGE_ATTENTION_BWD_KV_SLOWEST=0 or 1 forces the order (A/B timings); without a local mask
+// the kernel has one order only.
+inline bool bwd_kv_block_slowest(bool local, int64_t blocks, int64_t resident, int64_t kv_blocks, int max_waves) {
   const std::string knob = env_string("FUSEFORGE_ATTENTION_BWD_KV_SLOWEST");
   TORCH_CHECK(knob.empty() || knob == "0" || knob == "1",
               "FUSEFORGE_ATTENTION_BWD_KV_SLOWEST: expected 0 or 1, got '", knob, "'");
   if (!local || kv_blocks > 65535) return false;  // grid z holds the key blocks
-  return knob.empty() ? blocks <= 8 * resident : knob == "1";
+  return knob.empty() ? blocks <= max_waves * resident : knob == "1";
 }
 
 }  // namespace fuseforge::attention

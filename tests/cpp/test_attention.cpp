@@ -1,5 +1,6 @@
-// attention on the C++ side: the forward's host-side tile choice (attention_launch.h), which decides
-// between two kernels on the GPU and so is checked here, where every machine can run it.
+// attention on the C++ side: the host-side launch choices of attention_launch.h (the forward's tiles,
+// which decide between two kernels, and the backward's block order), checked here, where every
+// machine can run them.
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -98,4 +99,33 @@ TEST(AttentionTiling, RowsKnobForcesOneAndNamesABadValue) {
               std::string::npos)
         << e.what();
   }
+}
+
+TEST(AttentionBackwardOrder, KeyBlocksSlowestOnlyForSmallLocalGrids) {
+  // 132 resident blocks (an H100 with one dk/dv block an SM); the warp-specialized kernel's limit is 4
+  // waves, the others' 8 (launch_attention_bwd).
+  EXPECT_TRUE(at_::bwd_kv_block_slowest(true, 383, 132, 8, 4));     // the 1.2B Llama's step: 2.9 waves
+  EXPECT_FALSE(at_::bwd_kv_block_slowest(true, 1024, 132, 32, 4));  // GQA softcap S4096: 7.75 waves
+  EXPECT_TRUE(at_::bwd_kv_block_slowest(true, 1024, 132, 64, 8));   // the same grid on head dim 256's kernel
+  EXPECT_FALSE(at_::bwd_kv_block_slowest(false, 16, 132, 8, 4));    // no mask: one order only
+  EXPECT_FALSE(at_::bwd_kv_block_slowest(true, 70000, 132 * 1000, 70000, 4));  // past grid z's 65535
+}
+
+TEST(AttentionBackwardOrder, KnobForcesTheOrderAndNamesABadValue) {
+  const char* name = "FUSEFORGE_ATTENTION_BWD_KV_SLOWEST";
+  setenv(name, "1", 1);
+  EXPECT_TRUE(at_::bwd_kv_block_slowest(true, 100000, 132, 64, 4));
+  EXPECT_FALSE(at_::bwd_kv_block_slowest(false, 16, 132, 8, 4));  // no mask: still the one order
+  setenv(name, "0", 1);
+  EXPECT_FALSE(at_::bwd_kv_block_slowest(true, 16, 132, 8, 4));
+  setenv(name, "yes", 1);
+  try {
+    at_::bwd_kv_block_slowest(true, 16, 132, 8, 4);
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("FUSEFORGE_ATTENTION_BWD_KV_SLOWEST: expected 0 or 1, got 'yes'"),
+              std::string::npos)
+        << e.what();
+  }
+  unsetenv(name);
 }
