@@ -42,8 +42,7 @@ ADAMW=(c16k:)
 # TMA, head dim 64's backward on the warp-specialized kernel and dQ staging without bank conflicts
 # won and are the code; a persistent dk/dv kernel timed level and was removed
 # (docs/notes_attention.md). Add "name:-DKNOB=1" (or "name:ENV=value") entries for the next candidates.
-# writer: warp 1 of the producer warpgroup hands each tile's dQ to the TMA unit (FlashAttention-3's dQ writer).
-ATTN=(default: writer:-DFUSEFORGE_ATTN_BWD_DQ_WRITER=1)
+ATTN=(default:)
 PARTS=${PARTS:-build tests time profile e2e lce}
 OPS=${OPS-adamw add_mul_act}
 has() { [[ " $PARTS " == *" $1 "* ]]; }

@@ -14,18 +14,6 @@
 
 namespace fuseforge::attention {
 
-// Experiment knob (compile time, off until timed on a GPU): 1 gives the dQ hand-off to a writer warp
-// (warp 1 of the producer warpgroup, as FlashAttention-3's backward does): the consumer warps store
-// their rows, fence and arrive on a named barrier; the writer hands the tile's 32 KB to the TMA unit
-// as one bulk reduction, waits for its read and frees the buffer. ncu at D128/S1024 and S16384
-// (H100, 2026-11-26): cuDNN's bprop keeps 10 warps resident to our 9 and issues 11% more
-// instructions a cycle at the same cycles per instruction a warp.
-#ifndef FUSEFORGE_ATTN_BWD_DQ_WRITER
-#define FUSEFORGE_ATTN_BWD_DQ_WRITER 0
-#endif
-constexpr bool kDqWriter = FUSEFORGE_ATTN_BWD_DQ_WRITER;
-constexpr int kDqFullBarrier = 2, kDqEmptyBarrier = 3;  // named barriers: consumers + the writer warp
-
 // Head dim 128 (64-query tiles) and 64 (128-query tiles) run this kernel, 256 the cp.async one
 // (head dim 64 since 2026-11-26: forward+backward 7-12% faster on the H100, see use_bwd_warpspec).
 template <int kD>
@@ -41,7 +29,7 @@ template <class Tr>
 struct WarpSpecBwdLayout {
   static constexpr int kStages = 2;
   static constexpr int kThreads = 384, kConsumerThreads = 256;
-  static constexpr int kHeadDim = Tr::kHeadDim, kBlockM = Tr::kBlockM;
+  static constexpr int kHeadDim = Tr::kHeadDim;
   static constexpr int kPanels = Tr::kHeadDim / 64;
   // From the 1024-byte-aligned base: K, V; kStages x (Q, dO); kStages x (lse, row_dot); 2 x dS^T;
   // 8 consumer warps x 4 KB of dQ (the bulk reductions' source); the mbarriers (full_kv, full[s],
@@ -78,35 +66,14 @@ struct DqBulkAdd {
   __device__ __forceinline__ static uint32_t buffer() {
     // attention_smem_base() spelled out: through the helper ptxas schedules these kernels differently
     // (same results, SASS not identical), and that schedule has not been timed.
-    const uint32_t cwarp = threadIdx.x / 32 - 4;  // consumer warps are 4..11
-    // kDqWriter: the buffers in dq_accum's order, so a tile's rows are one contiguous 32 KB (head dim
-    // 128: a 16-row tile's 64 columns of warpgroup 0, then of warpgroup 1; 64: warp order).
-    const uint32_t slot = kDqWriter && L::kHeadDim == 128 ? (cwarp & 3) * 2 + (cwarp >> 2) : cwarp;
-    return ((smem_addr(attention_smem) + 1023) & ~1023u) + L::kDqOffset + slot * L::kDqWarpBytes;
-  }
-  // The writer warp's side (kDqWriter): tile `it`'s rows, once every consumer has stored and fenced
-  // them, as one bulk reduction of the row tiles within Sq; then the wait for the TMA unit's read.
-  template <class Blk>
-  __device__ __forceinline__ static void write_tile(const BwdParams& p, const Blk& blk, int it) {
-    named_barrier_sync(kDqFullBarrier, 256 + 32);
-    const int m0 = blk.row0(it);
-    const int row_tiles = min(L::kBlockM / 16, max(0, (blk.seqlen_q - m0 + 15) / 16));
-    float* tile = dq_accum_tile(p, blk.b, blk.head(it, p), blk.seq_tile0, m0 / 16, 0, L::kHeadDim);
-    bulk_reduce_add_f32((threadIdx.x & 31) == 0 && row_tiles > 0, tile,
-                        ((smem_addr(attention_smem) + 1023) & ~1023u) + L::kDqOffset,
-                        row_tiles * 16 * L::kHeadDim * 4);
-    bulk_wait_group_read_all();
-    __syncwarp();
+    return ((smem_addr(attention_smem) + 1023) & ~1023u) + L::kDqOffset +
+           (threadIdx.x / 32 - 4) * L::kDqWarpBytes;  // consumer warps are 4..11
   }
   // The hand-off of the rows stored for `target` (dq_target of the tile that stored them).
   __device__ __forceinline__ void flush(const DqTarget& target) const {
     fence_proxy_async_shared();  // the stores, visible to the TMA unit's reads
-    if constexpr (kDqWriter) {
-      named_barrier_arrive(kDqFullBarrier, 256 + 32);
-    } else {
-      __syncwarp();
-      bulk_reduce_add_f32(target.valid && (threadIdx.x & 31) == 0, target.tile, buffer(), L::kDqWarpBytes);
-    }
+    __syncwarp();
+    bulk_reduce_add_f32(target.valid && (threadIdx.x & 31) == 0, target.tile, buffer(), L::kDqWarpBytes);
   }
   // Stores the rows; their tile and `valid` come back to flush() one tile later.
   __device__ __forceinline__ void operator()(const float (&dq)[32], float*, int lane, bool) const {
@@ -114,12 +81,8 @@ struct DqBulkAdd {
     // Where dq_swap_halves: lanes with bit 3 set store row r + 8's pair first, so a half-warp's 8-byte
     // stores cover all 32 banks once.
     const uint32_t half = dq_swap_halves<L::kHeadDim>() ? (lane & 8) : 0;
-    if constexpr (kDqWriter) {
-      named_barrier_sync(kDqEmptyBarrier, 256 + 32);  // the writer has the previous tile's read back
-    } else {
-      bulk_wait_group_read_all();
-      __syncwarp();
-    }
+    bulk_wait_group_read_all();
+    __syncwarp();
 #pragma unroll
     for (int j = 0; j < 16; ++j)
       asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(buf + 16 * (32 * (j / 2) + lane) + ((8 * (j % 2)) ^ half)),
@@ -247,7 +210,7 @@ __device__ __forceinline__ void finish_dq(const BwdParams& p, const Blk& blk, in
                                           const DqBulkAdd<WarpSpecBwdLayout<Tr>>& dq_add) {
   if (kAtomicDq) {
     if (blk.iterations > 0) dq_add.flush(dq_target<Tr>(p, blk, blk.iterations - 1, cwarp));
-    if constexpr (!kDqWriter) bulk_wait_group_all();
+    bulk_wait_group_all();
   }
 }
 
@@ -264,20 +227,8 @@ __device__ __forceinline__ void attention_bwd_dkdv_warpspec_body(const BwdParams
   const WarpSpecBwdSmem<Tr> sm;
   sm.init_barriers(tid);
 
-  if (warp < 4) {  // producer warpgroup: warp 0 works (and warp 1 with kDqWriter), the others leave
+  if (warp < 4) {  // producer warpgroup: warp 0 works, the others leave
     setmaxnreg_dec<L::kProducerRegs>();
-    if constexpr (kDqWriter && kAtomicDq) {
-      if (warp == 1) {
-        // As many empty-barrier arrivals as the consumers' syncs (one before each tile's stores).
-        if (iterations > 0) named_barrier_arrive(kDqEmptyBarrier, 256 + 32);
-        for (int it = 0; it < iterations; ++it) {
-          DqBulkAdd<L>::write_tile(p, blk, it);
-          if (it + 1 < iterations) named_barrier_arrive(kDqEmptyBarrier, 256 + 32);
-        }
-        bulk_wait_group_all();  // the reductions done before the block's shared memory goes
-        return;
-      }
-    }
     if (warp != 0) return;
     const int batch = kVarlen ? 0 : blk.b;
     if (lane == 0) {
