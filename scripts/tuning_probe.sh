@@ -41,7 +41,8 @@ ADAMW=(c16k:)
 # row_dot read before its wgmma waits with its dQ hand-off deferred to the next tile, O stored by
 # TMA, head dim 64's backward on the warp-specialized kernel and dQ staging without bank conflicts
 # won and are the code; a persistent dk/dv kernel timed level, and a late dQ store, query tiles
-# rotated per key block and a dQ-writer warp lost; all removed (docs/notes_attention.md). Add "name:-DKNOB=1" (or "name:ENV=value") entries for the next candidates.
+# rotated per key block and a dQ-writer warp lost; all removed (docs/notes_attention.md). Add
+# "name:-DKNOB=1" (or "name:ENV=value") entries for the next candidates.
 ATTN=(default:)
 PARTS=${PARTS:-build tests time profile e2e lce}
 OPS=${OPS-adamw add_mul_act}

@@ -39,9 +39,11 @@ int64_t brute_force_area(const at_::FwdParams& p, bool local, int sq, int sk, in
   return area;
 }
 
+// Sets a knob for one scope and unsets it after, also when a failed check returns early.
 struct ScopedEnv {
-  explicit ScopedEnv(const char* value) { setenv("FUSEFORGE_ATTENTION_FWD_ROWS", value, 1); }
-  ~ScopedEnv() { unsetenv("FUSEFORGE_ATTENTION_FWD_ROWS"); }
+  const char* name;
+  ScopedEnv(const char* name_, const char* value) : name(name_) { setenv(name, value, 1); }
+  ~ScopedEnv() { unsetenv(name); }
 };
 
 }  // namespace
@@ -83,14 +85,14 @@ TEST(AttentionTiling, HeadDim64TakesTheRowsThatWasteLess) {
 
 TEST(AttentionTiling, RowsKnobForcesOneAndNamesABadValue) {
   {
-    ScopedEnv env("128");
+    ScopedEnv env("FUSEFORGE_ATTENTION_FWD_ROWS", "128");
     EXPECT_EQ(at_::fwd_query_rows_d64(fixed_length(4096, 4096), false), 128);
   }
   {
-    ScopedEnv env("192");
+    ScopedEnv env("FUSEFORGE_ATTENTION_FWD_ROWS", "192");
     EXPECT_EQ(at_::fwd_query_rows_d64(causal(fixed_length(1024, 1024)), true), 192);
   }
-  ScopedEnv env("64");
+  ScopedEnv env("FUSEFORGE_ATTENTION_FWD_ROWS", "64");
   try {
     at_::fwd_query_rows_d64(fixed_length(64, 64), false);
     FAIL() << "expected an error";
@@ -113,12 +115,16 @@ TEST(AttentionBackwardOrder, KeyBlocksSlowestOnlyForSmallLocalGrids) {
 
 TEST(AttentionBackwardOrder, KnobForcesTheOrderAndNamesABadValue) {
   const char* name = "FUSEFORGE_ATTENTION_BWD_KV_SLOWEST";
-  setenv(name, "1", 1);
-  EXPECT_TRUE(at_::bwd_kv_block_slowest(true, 100000, 132, 64, 4));
-  EXPECT_FALSE(at_::bwd_kv_block_slowest(false, 16, 132, 8, 4));  // no mask: still the one order
-  setenv(name, "0", 1);
-  EXPECT_FALSE(at_::bwd_kv_block_slowest(true, 16, 132, 8, 4));
-  setenv(name, "yes", 1);
+  {
+    ScopedEnv env(name, "1");
+    EXPECT_TRUE(at_::bwd_kv_block_slowest(true, 100000, 132, 64, 4));
+    EXPECT_FALSE(at_::bwd_kv_block_slowest(false, 16, 132, 8, 4));  // no mask: still the one order
+  }
+  {
+    ScopedEnv env(name, "0");
+    EXPECT_FALSE(at_::bwd_kv_block_slowest(true, 16, 132, 8, 4));
+  }
+  ScopedEnv env(name, "yes");
   try {
     at_::bwd_kv_block_slowest(true, 16, 132, 8, 4);
     FAIL() << "expected an error";
@@ -127,5 +133,4 @@ TEST(AttentionBackwardOrder, KnobForcesTheOrderAndNamesABadValue) {
               std::string::npos)
         << e.what();
   }
-  unsetenv(name);
 }
