@@ -7,7 +7,8 @@
 #                             built once with $BASE_FLAGS, when
 #                             the spec has no nvcc flags)
 #   spec "" (name:)           the shared build as it is
-# Env: CASES (the benchmark's --cases), IMPLS (its --impls; default fuseforge), BASE_FLAGS, BENCH_TIMEOUT, ROUNDS,
+# Env: CASES (the benchmark's --cases), IMPLS (its --impls; default fuseforge), BENCH (the benchmark
+# benchmarks/bench_$BENCH.py; default OP, e.g. BENCH=attention_varlen with OP attention), BASE_FLAGS, BENCH_TIMEOUT, ROUNDS,
 # BUILD_ONLY=1 (build every variant's library, in parallel, and time nothing; a later call reuses
 # the builds under /tmp/tune/OP), PRINT_LIBS=1 (print each variant's built library, build nothing).
 # Prints each variant's rows of benchmarks/bench_OP.py's table.
@@ -20,6 +21,7 @@ source scripts/device_env.sh
 OP=$1; shift
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python FUSEFORGE_OPS=$OP ADAMW_BENCH_COMPILE=${ADAMW_BENCH_COMPILE:-0}
 IMPLS=${IMPLS:-fuseforge}
+BENCH=${BENCH:-$OP}
 lib_of() { ls /tmp/tune/$OP/$1/lib/fuseforge/_C*.so 2>/dev/null; }
 build() {  # build NAME FLAGS
   [ -n "$(lib_of "$1")" ] && return 0
@@ -71,9 +73,9 @@ for variant in "${order[@]}"; do
   echo "== $OP $tag (${spec:-as built})"
   cases=(); [ -n "${CASES:-}" ] && cases=(--cases "$CASES")
   # A hung variant (a new kernel's barriers) costs BENCH_TIMEOUT seconds, not the device call.
-  env $envs FUSEFORGE_EXTENSION="$lib" timeout -s INT -k 20 "${BENCH_TIMEOUT:-240}" python3 benchmarks/bench_$OP.py "${cases[@]}" --impls "$IMPLS" \
-    --no-memory --out /tmp/tune/$OP/res_$tag > "$LOGS/bench_${OP}_$tag.log" 2>&1 \
-    || { tail -5 "$LOGS/bench_${OP}_$tag.log"; continue; }
-  grep -E "^\| [^c-]" /tmp/tune/$OP/res_$tag/$OP.md | awk -F'|' '{print $2,$3,$4,$5,$6}'
+  env $envs FUSEFORGE_EXTENSION="$lib" timeout -s INT -k 20 "${BENCH_TIMEOUT:-240}" python3 benchmarks/bench_$BENCH.py "${cases[@]}" --impls "$IMPLS" \
+    --no-memory --out /tmp/tune/$OP/res_$tag > "$LOGS/bench_${BENCH}_$tag.log" 2>&1 \
+    || { tail -5 "$LOGS/bench_${BENCH}_$tag.log"; continue; }
+  grep -E "^\| [^c-]" /tmp/tune/$OP/res_$tag/$BENCH.md | awk -F'|' '{print $2,$3,$4,$5,$6}'
 done
 done

@@ -16,7 +16,8 @@
 #    throughput, occupancy)
 # 6. mix: scripts/stream_mix_probe.py (streaming ceilings by read:write mix; add_mul_act's and
 #    torch.compile's fwd+bwd kernel by kernel)
-# 7. attn: the attention variants (ATTN) built; the rows of ATTN_CASES timed beside the default (ROUNDS=2: A B B A); the
+# 7. attn: the attention variants (ATTN) built; the rows of ATTN_CASES timed beside the default (ROUNDS=2: A B B A;
+#    ATTN_CASES="" skips them), and the bench_attention_varlen rows of ATTN_VARLEN_CASES (if set); the
 #    GPU tests of each candidate (TEST_K, default "cuda"); then ncu of each impl's longest forward
 #    and backward kernel (ATTN_NCU_IMPLS, default fuseforge and sdpa_cudnn) on one benchmark case
 #    (ATTN_CASE): pipe and shared-memory use, stalls (ATTN_NCU=0 skips it; ATTN_NCU_SOURCE=1 prints
@@ -43,7 +44,7 @@ ADAMW=(c16k:)
 # won and are the code; a persistent dk/dv kernel timed level, and a late dQ store, query tiles
 # rotated per key block and a dQ-writer warp lost; all removed (docs/notes_attention.md). Add
 # "name:-DKNOB=1" (or "name:ENV=value") entries for the next candidates.
-ATTN=(default:)
+ATTN=(default: "old:-DFUSEFORGE_ATTN_AB_MASK=0")
 PARTS=${PARTS:-build tests time profile e2e lce}
 OPS=${OPS-adamw add_mul_act}
 has() { [[ " $PARTS " == *" $1 "* ]]; }
@@ -105,7 +106,9 @@ fi
 if has attn; then
 # Timings first (what decides), then the candidates' GPU tests (the default's ran at its commit).
 echo "== attention timings ($(( $(date +%s) - t0 )) s)"
-CASES=${ATTN_CASES:-D64/S16384,D128/S16384} IMPLS=fuseforge bash $T attention "${ATTN[@]}"
+[ -n "${ATTN_CASES-x}" ] && CASES=${ATTN_CASES:-D64/S16384,D128/S16384} IMPLS=fuseforge bash $T attention "${ATTN[@]}"
+[ -n "${ATTN_VARLEN_CASES:-}" ] && BENCH=attention_varlen CASES=$ATTN_VARLEN_CASES IMPLS=fuseforge,fuseforge_causal \
+  bash $T attention "${ATTN[@]}"
 declare -A tested=()
 while read -r name so; do
   # ATTN_TEST: the variants whose builds are tested (default: every candidate, not the default)
