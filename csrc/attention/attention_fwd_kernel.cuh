@@ -64,16 +64,8 @@ __device__ __forceinline__ bool tile_needs_mask(int m0, int n0, int seqlen_k, in
 // Whether query row `row` of a sequence sees key `key` (both sequence-relative). Bitwise & on purpose:
 // with && the window's test (a load of p.window_left) was a short-circuit branch, and ptxas branched
 // around every element of the dk/dv kernels' masked exp (62 branches a tile) instead of predicating.
-// A/B knob (temporary): 0 the old mask code (&& here, one predicated loop in the dk/dv tile), 2 the new.
-#ifndef FUSEFORGE_ATTN_AB_MASK
-#define FUSEFORGE_ATTN_AB_MASK 2
-#endif
 template <int kMask>
 __device__ __forceinline__ bool key_visible(int key, int row, int seqlen_k, int offset, const FwdParams& p) {
-#if FUSEFORGE_ATTN_AB_MASK == 0
-  return key < seqlen_k && (kMask == kNoMask || key <= row + offset + p.window_right) &&
-         (kMask != kWindow || key >= row + offset - p.window_left);
-#endif
   bool visible = key < seqlen_k;
   if constexpr (kMask != kNoMask) visible &= key <= row + offset + p.window_right;
   if constexpr (kMask == kWindow) visible &= key >= row + offset - p.window_left;
