@@ -62,23 +62,6 @@ __global__ void attention_row_dot_kernel(const __grid_constant__ BwdParams p) {
   }
 }
 
-// Varlen dk/dv grids: key-block slot g (grid x) -> its sequence (the last b whose first slot,
-// kv_block_first_slot in attention_params.h, is <= g; binary search over cu_k), or -1 for an unused
-// slot. A thread a slot, launched ahead of the dk/dv kernel.
-template <int kBlockN>
-__global__ void attention_kv_block_seq_kernel(const int* cu_k, int batch, int slots, int* seq_of_slot) {
-  const int g = blockIdx.x * blockDim.x + threadIdx.x;
-  if (g >= slots) return;
-  int lo = 0, hi = batch - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (kv_block_first_slot(cu_k[mid], mid, kBlockN) <= g) lo = mid;
-    else hi = mid - 1;
-  }
-  const int k_row0 = cu_k[lo], n = g - kv_block_first_slot(k_row0, lo, kBlockN);
-  seq_of_slot[g] = n * kBlockN < cu_k[lo + 1] - k_row0 ? lo : -1;
-}
-
 // dq_accum (atomic path): fp32, for each (batch, head) ceil(Sq / 16) x (D / 8) tiles of 16 rows x 8
 // columns, each stored in mma C-fragment order (lane l's element e at 4 l + e: row l / 4 + 8 (e / 2),
 // column 2 (l % 4) + e % 2). A warp's atomic add of one tile is then 512 contiguous bytes, one
@@ -196,23 +179,11 @@ struct KeyBlock {
     if constexpr (kMask != kNoMask) {
       if (p.kv_block_slowest) n_block = blockIdx.z, hk = blockIdx.x, b = blockIdx.y;
     }
-    if constexpr (kVarlen) {
-      if (p.kv_block_seq != nullptr) {  // grid x: key-block slots of every sequence
-        b = p.kv_block_seq[blockIdx.x];
-        if (b < 0) {  // the unused slot between two sequences
-          rows_k = 0;
-          return;
-        }
-      }
-    }
     const SeqInfo<kVarlen> seq(p, b);
     seqlen_q = seq.seqlen_q;
     seqlen_k = seq.seqlen_k;
     q_row0 = seq.q_row0;
     k_row0 = seq.k_row0;
-    if constexpr (kVarlen) {
-      if (p.kv_block_seq != nullptr) n_block = blockIdx.x - kv_block_first_slot(k_row0, b, kBlockN);
-    }
     n0 = n_block * kBlockN;
     rows_k = min(kBlockN, seqlen_k - n0);
     offset = seqlen_k - seqlen_q;

@@ -339,22 +339,11 @@ void launch_attention_bwd(const BwdParams& params, const BwdParams& row_dot_para
                            std::max<int64_t>(1, prop->sharedMemPerMultiprocessor /
                                                     (smem_bytes + prop->reservedSharedMemPerBlock));
   p.kv_block_slowest = bwd_kv_block_slowest(local, blocks, resident, kv_blocks, warpspec ? 4 : 8);
-  dim3 grid_kv = p.kv_block_slowest ? dim3(static_cast<unsigned>(params.heads_kv), static_cast<unsigned>(params.batch),
-                                           static_cast<unsigned>(kv_blocks))
-                                    : dim3(static_cast<unsigned>(kv_blocks), static_cast<unsigned>(params.heads_kv),
-                                           static_cast<unsigned>(params.batch));
-  // Varlen: grid x the key blocks of every sequence (kv_block_first_slot) instead of the longest
-  // one's x sequences.
-  const int64_t slots = kv_block_slots(params.rows_k, params.batch, DkdvTr::kBlockN);
-  if (params.kv_block_seq == nullptr || p.kv_block_slowest || !env_flag("FUSEFORGE_ATTN_AB_KV_SLOTS", true)) {  // A/B knob (temporary)
-    p.kv_block_seq = nullptr;
-  } else {
-    TORCH_CHECK(slots <= params.kv_block_seq_capacity, "attention backward: kv_block_seq holds ",
-                params.kv_block_seq_capacity, " slots, ", slots, " needed");
-    launch_kernel(attention_kv_block_seq_kernel<DkdvTr::kBlockN>, dim3(static_cast<unsigned>(ceil_div(slots, 256))),
-                  dim3(256), 0, params.cu_seqlens_k, params.batch, static_cast<int>(slots), p.kv_block_seq);
-    grid_kv = dim3(static_cast<unsigned>(slots), static_cast<unsigned>(params.heads_kv), 1);
-  }
+  const dim3 grid_kv = p.kv_block_slowest
+                           ? dim3(static_cast<unsigned>(params.heads_kv), static_cast<unsigned>(params.batch),
+                                  static_cast<unsigned>(kv_blocks))
+                           : dim3(static_cast<unsigned>(kv_blocks), static_cast<unsigned>(params.heads_kv),
+                                  static_cast<unsigned>(params.batch));
   auto launch_dkdv = [&]<int kMask, bool kVarlen, bool kAtomicDq>() {
     if constexpr (bwd_warpspec_head_dim<kD>()) {
       if (warpspec) {

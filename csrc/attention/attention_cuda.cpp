@@ -167,16 +167,11 @@ void backward(const Shape& s, const at::Tensor& grad_out_in, const at::Tensor& q
   }
   // The row_dot kernel's view: every row of q once (varlen: one sequence of total_q rows).
   BwdParams row_dot_params = p;
-  at::Tensor kv_block_seq;
   if (cu_q != nullptr) {
     set_varlen(p, *cu_q, *cu_k);
     p.do_batch_stride = p.dq_batch_stride = p.dk_batch_stride = p.dv_batch_stride = 0;
     row_dot_params.batch = 1;
     row_dot_params.seqlen_q = static_cast<int>(q.size(2));
-    // The dk/dv grid's key-block slots (attention_params.h), for the smallest key blocks (64).
-    p.kv_block_seq_capacity = kv_block_slots(p.rows_k, s.batch, 64);
-    kv_block_seq = at::empty({p.kv_block_seq_capacity}, q.options().dtype(at::kInt));
-    p.kv_block_seq = kv_block_seq.data_ptr<int>();
   }
   dispatch_dtype_head_dim(q.scalar_type(), s.head_dim, o.softcap > 0.0, [&]<typename T, int kD, bool kSoftcap, bool kPad>() {
     run_attention_bwd<T, kD, kSoftcap, kPad>(p, row_dot_params, o.local(), deterministic);

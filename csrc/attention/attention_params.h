@@ -29,19 +29,6 @@ C10_HOST_DEVICE inline void query_key_tiles(bool local, bool left_bound, I m0, I
   n_end = max(n_begin, (key_end + block_n - 1) / block_n);
 }
 
-// Varlen dk/dv grids: sequence b's key blocks take slots [first, first + ceil(len_k / block_n)) of
-// grid x, first = cu_k[b] / block_n + b. They are disjoint (floor(c / n) + ceil(l / n) <=
-// floor((c + l) / n) + 1) with at most one unused slot after a sequence, so kv_block_slots cover
-// every sequence. The grid of the longest sequence's key blocks x sequences had mostly blocks past
-// their sequence (packed documents of 64..8192 tokens: 7,872 of 12,096), each launched to exit.
-template <typename I>
-C10_HOST_DEVICE inline I kv_block_first_slot(I k_row0, I b, I block_n) {
-  return k_row0 / block_n + b;
-}
-inline int64_t kv_block_slots(int64_t total_k, int64_t batch, int64_t block_n) {
-  return batch > 0 ? total_k / block_n + batch : 0;
-}
-
 struct FwdParams {
   // q (B, Hq, Sq, D), k/v (B, Hk, Sk, D), out like q: any strides, the last dim contiguous.
   const void* q = nullptr;
@@ -100,11 +87,6 @@ struct BwdParams : FwdParams {
   int64_t dq_accum_batch_tiles = 0, dq_accum_head_tiles = 0;  // in 16-row tiles
   int64_t dq_accum_floats = 0;  // its size; the row_dot kernel zeroes it
   bool kv_block_slowest = false;  // set by the launcher: the dk/dv grid is (Hk, B, key blocks), heaviest first
-  // Varlen: the dk/dv grid's x as key-block slots (attention_kv_block_seq_kernel): the sequence of
-  // slot g, or -1. The caller allocates it for 64-key blocks (kv_block_seq_capacity ints); the
-  // launcher fills it, or sets it null where the grid is the longest sequence's key blocks x batch.
-  int* kv_block_seq = nullptr;
-  int64_t kv_block_seq_capacity = 0;
 };
 
 // Launchers, one explicit instantiation per (element type, head dim, softcap, padded head dim) in

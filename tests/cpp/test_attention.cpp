@@ -1,11 +1,10 @@
 // attention on the C++ side: the host-side launch choices of attention_launch.h (the forward's tiles,
-// which decide between two kernels, the backward's block order and its varlen key-block slots),
-// checked here, where every machine can run them.
+// which decide between two kernels, and the backward's block order), checked here, where every
+// machine can run them.
 #include <gtest/gtest.h>
 
 #include <cstdlib>
 #include <string>
-#include <vector>
 
 #include "attention/attention_launch.h"
 
@@ -133,29 +132,5 @@ TEST(AttentionBackwardOrder, KnobForcesTheOrderAndNamesABadValue) {
     EXPECT_NE(std::string(e.what()).find("FUSEFORGE_ATTENTION_BWD_KV_SLOWEST: expected 0 or 1, got 'yes'"),
               std::string::npos)
         << e.what();
-  }
-}
-
-TEST(AttentionVarlenKeyBlockSlots, DisjointAndWithinTheGrid) {
-  // Packed sequences (empty ones, one token, tile edges, long ones) at both key-block sizes: each
-  // sequence's ceil(len / n) slots start after the previous sequence's and end inside kv_block_slots,
-  // and the slots the grid holds beyond the blocks are at most one a sequence.
-  const std::vector<std::vector<int64_t>> batches = {
-      {1, 17, 64, 130, 0, 255, 3}, {513}, {0, 0, 7}, {128, 128, 1, 127, 129, 8192, 64}, {}};
-  for (const int64_t n : {64, 128}) {
-    for (const auto& lengths : batches) {
-      int64_t cu = 0, next_free = 0, blocks = 0;
-      const int64_t batch = static_cast<int64_t>(lengths.size());
-      for (int64_t b = 0; b < batch; ++b) {
-        const int64_t first = at_::kv_block_first_slot<int64_t>(cu, b, n);
-        EXPECT_GE(first, next_free) << "sequence " << b << ", block_n " << n;
-        next_free = first + (lengths[b] + n - 1) / n;
-        blocks += (lengths[b] + n - 1) / n;
-        cu += lengths[b];
-      }
-      const int64_t slots = at_::kv_block_slots(cu, batch, n);
-      EXPECT_LE(next_free, slots) << "block_n " << n;
-      EXPECT_LE(slots - blocks, batch) << "block_n " << n;
-    }
   }
 }

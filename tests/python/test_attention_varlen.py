@@ -160,13 +160,13 @@ def check_varlen_matches_each_sequence(device, dtype, lengths, options, d):
 
 
 @requires_cuda
-@pytest.mark.parametrize("order", ["0", "1"], ids=["key_block_slots", "key_blocks_slowest"])
+@pytest.mark.parametrize("order", ["0", "1"], ids=["key_blocks_fastest", "key_blocks_slowest"])
 @pytest.mark.parametrize("options", VARLEN_OPTIONS, ids=options_id)
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_cuda_varlen_backward_grids(d, options, order, monkeypatch):
-    """Both dk/dv grids with a mask: every sequence's key blocks as slots of grid x (the default past
-    a few waves, which these small batches are not) and key blocks slowest (the longest sequence's
-    key blocks x sequences). Without a mask the slots are the one grid."""
+def test_cuda_varlen_backward_block_orders(d, options, order, monkeypatch):
+    """Both dk/dv block orders with a mask: a sequence's key blocks side by side (the default past a
+    few waves, which these small batches are not) and key blocks slowest. Without a mask the first
+    is the one order."""
     monkeypatch.setenv("FUSEFORGE_ATTENTION_BWD_KV_SLOWEST", order)
     check_varlen_matches_each_sequence("cuda", torch.bfloat16, [1, 17, 64, 130, 0, 0, 255, 3, 129, 128], options, d)
 
@@ -329,8 +329,8 @@ def test_cuda_varlen_deterministic_is_bitwise_repeatable(d):
 def test_cuda_sanitize_varlen_window_softcap(d, deterministic, monkeypatch):
     # Two blocks for the persistent forward: each runs many tiles and skips those past their sequence.
     monkeypatch.setenv("FUSEFORGE_ATTENTION_FWD_BLOCKS", "2")
-    # Both dk/dv grids (test_cuda_varlen_backward_grids): key-block slots on the atomic path, key
-    # blocks slowest on the deterministic one.
+    # Both dk/dv block orders (test_cuda_varlen_backward_block_orders): a sequence's key blocks side
+    # by side on the atomic path, key blocks slowest on the deterministic one.
     monkeypatch.setenv("FUSEFORGE_ATTENTION_BWD_KV_SLOWEST", "1" if deterministic else "0")
     lengths = [70, 0, 150, 1]
     q, k, v, cu_q, cu_k, max_q, max_k = varlen_case(lengths, lengths, 4, 2, d, torch.float16, "cuda")
