@@ -44,7 +44,7 @@ ADAMW=(c16k:)
 # won and are the code; a persistent dk/dv kernel timed level, and a late dQ store, query tiles
 # rotated per key block and a dQ-writer warp lost; all removed (docs/notes_attention.md). Add
 # "name:-DKNOB=1" (or "name:ENV=value") entries for the next candidates.
-ATTN=(default: "old:-DFUSEFORGE_ATTN_AB_DIV=1")
+ATTN=(default: "old:-DFUSEFORGE_ATTN_AB_STS=1")
 PARTS=${PARTS:-build tests time profile e2e lce}
 OPS=${OPS-adamw add_mul_act}
 has() { [[ " $PARTS " == *" $1 "* ]]; }

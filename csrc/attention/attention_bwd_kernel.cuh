@@ -13,9 +13,9 @@
 #pragma once
 #include <type_traits>
 
-// A/B knob (temporary): 1 builds the per-tile division and the dQ staging addresses as before.
-#ifndef FUSEFORGE_ATTN_AB_DIV
-#define FUSEFORGE_ATTN_AB_DIV 0
+// A/B knob (temporary): 1 builds the dQ staging addresses as before.
+#ifndef FUSEFORGE_ATTN_AB_STS
+#define FUSEFORGE_ATTN_AB_STS 0
 #endif
 
 #include "attention/attention_fwd_kernel.cuh"
@@ -202,22 +202,8 @@ struct KeyBlock {
     iterations = p.group * m_count;
     seq_tile0 = dq_accum_seq_tile0<kVarlen>(p, b);
   }
-  // Without GQA (group 1) iteration it is query tile it: no division a tile (ptxas emits ~25
-  // instructions for one by a run-time divisor).
-  __device__ __forceinline__ int head(int it, const BwdParams& p) const {
-#if FUSEFORGE_ATTN_AB_DIV
-    return hk * p.group + it / m_count;
-#else
-    return hk * p.group + (p.group > 1 ? it / m_count : 0);
-#endif
-  }
-  __device__ __forceinline__ int row0(int it, const BwdParams& p) const {
-#if FUSEFORGE_ATTN_AB_DIV
-    return (m_first + it % m_count) * kBlockM;
-#else
-    return (m_first + (p.group > 1 ? it % m_count : it)) * kBlockM;
-#endif
-  }
+  __device__ __forceinline__ int head(int it, const BwdParams& p) const { return hk * p.group + it / m_count; }
+  __device__ __forceinline__ int row0(int it) const { return (m_first + it % m_count) * kBlockM; }
 };
 
 // The block's K and V rows [n0, n0 + kBlockN) into sK / sV (Tile layout), zero rows past Sk.
@@ -276,7 +262,7 @@ __device__ __forceinline__ void attention_bwd_dkdv_mma_body(const BwdParams& p) 
   auto prefetch = [&](int it) {
     const uint32_t stage = sStage0 + (it & 1) * kStageBytes;
     load_query_tiles<T, kBlockM, kD, Tr::kThreads, Tile>(p, b, blk.head(it, p), blk.q_row0, blk.seqlen_q,
-                                                         blk.row0(it, p), stage, stage + Tr::kTileQBytes,
+                                                         blk.row0(it), stage, stage + Tr::kTileQBytes,
                                                          stage_floats0 + (it & 1) * (kStageBytes / 4), head_dim, tid);
   };
 
@@ -298,7 +284,7 @@ __device__ __forceinline__ void attention_bwd_dkdv_mma_body(const BwdParams& p) 
     __syncthreads();  // stage it % 2 landed; every warp is done with iteration it - 1
     if (it + 1 < iterations) prefetch(it + 1);
     cp_async_commit();
-    const int h = blk.head(it, p), m0 = blk.row0(it, p);
+    const int h = blk.head(it, p), m0 = blk.row0(it);
     const uint32_t sQ = sStage0 + (it & 1) * kStageBytes;
     const uint32_t sdO = sQ + Tr::kTileQBytes;
     const float* s_lse = stage_floats0 + (it & 1) * (kStageBytes / 4);
@@ -449,7 +435,7 @@ template <class Tr, class Blk>
 __device__ __forceinline__ DqTarget dq_target(const BwdParams& p, const Blk& blk, int it, int warp) {
   const int wg = warp >> 2;
   const int q0 = Tr::kBlockM == 128 ? wg * 64 : 0, col0 = Tr::kHeadDim == 128 ? wg * 64 : 0;
-  const int row_tile = (blk.row0(it, p) + q0) / 16 + (warp & 3);
+  const int row_tile = (blk.row0(it) + q0) / 16 + (warp & 3);
   return {dq_accum_tile(p, blk.b, blk.head(it, p), blk.seq_tile0, row_tile, col0 >> 3, Tr::kHeadDim),
           row_tile * 16 < blk.seqlen_q};
 }
@@ -483,7 +469,7 @@ __device__ __forceinline__ void dkdv_wgmma_tile(const BwdParams& p, const Blk& b
   const int col_half = kSplit ? wg : 0;
   const uint32_t out_panels = col_half * (kDOut / 64) * QTile::kPanelBytes;
   const uint32_t ds_off = kSplit ? wg * Tr::kTileDsBytes : 0;
-  const int h = blk.head(it, p), m0 = blk.row0(it, p), n0 = blk.n0, b = blk.b, offset = blk.offset,
+  const int h = blk.head(it, p), m0 = blk.row0(it), n0 = blk.n0, b = blk.b, offset = blk.offset,
             seqlen_k = blk.seqlen_k;
   const float scale_log2 = p.scale_log2;
 
@@ -700,7 +686,7 @@ __device__ __forceinline__ void attention_bwd_dkdv_wgmma_body(const BwdParams& p
   auto prefetch = [&](int it) {
     const uint32_t sQ = sStage0 + (it & 1) * 2 * Tr::kTileQBytes;
     load_query_tiles<T, kBlockM, kD, Tr::kThreads, QTile>(p, b, blk.head(it, p), blk.q_row0, blk.seqlen_q,
-                                                          blk.row0(it, p), sQ, sQ + Tr::kTileQBytes,
+                                                          blk.row0(it), sQ, sQ + Tr::kTileQBytes,
                                                           stage_floats0 + (it & 1) * 2 * kBlockM, head_dim, tid);
   };
 

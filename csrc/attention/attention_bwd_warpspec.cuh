@@ -91,7 +91,7 @@ struct DqBulkAdd {
     const uint32_t half = dq_swap_halves<L::kHeadDim>() ? (lane & 8) : 0;
     bulk_wait_group_read_all();
     __syncwarp();
-#if FUSEFORGE_ATTN_AB_DIV
+#if FUSEFORGE_ATTN_AB_STS
 #pragma unroll
     for (int j = 0; j < 16; ++j)
       asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(buf + 16 * (32 * (j / 2) + lane) + ((8 * (j % 2)) ^ half)),
@@ -164,7 +164,7 @@ __device__ __forceinline__ void load_query_tile(const BwdParams& p, const BwdTma
                                                 int batch, uint32_t sQ, float* f, uint32_t full, int lane) {
   using QTile = PanelTile<Tr::kBlockM>;
   constexpr int kBlockM = Tr::kBlockM;
-  const int h = blk.head(it, p), m0 = blk.row0(it, p);
+  const int h = blk.head(it, p), m0 = blk.row0(it);
   if (lane == 0) {
     mbarrier_expect_tx(full, 2 * Tr::kTileQBytes);
     const int row = blk.q_row0 + m0;
