@@ -13,11 +13,6 @@
 #pragma once
 #include <type_traits>
 
-// A/B knob (temporary): 1 builds the dQ staging addresses as before.
-#ifndef FUSEFORGE_ATTN_AB_STS
-#define FUSEFORGE_ATTN_AB_STS 0
-#endif
-
 #include "attention/attention_fwd_kernel.cuh"
 
 namespace fuseforge::attention {

@@ -9,8 +9,6 @@
 // float32 reduction, instead of 8 vector atomics a thread. The row_dot, dq-convert and deterministic
 // dq kernels are the cp.async path's.
 #pragma once
-#include <utility>
-
 #include "attention/attention_bwd_kernel.cuh"
 #include "attention/attention_fwd_warpspec.cuh"
 
@@ -53,12 +51,6 @@ struct WarpSpecBwdLayout {
 };
 
 #if FUSEFORGE_ATTENTION_WGMMA
-// st.shared.v2.f32 at addr + kOffset, the offset an immediate of the instruction.
-template <int kOffset>
-__device__ __forceinline__ void st_shared_v2_at(uint32_t addr, float a, float b) {
-  asm volatile("st.shared.v2.f32 [%0+%3], {%1, %2};\n" ::"r"(addr), "f"(a), "f"(b), "n"(kOffset) : "memory");
-}
-
 // The consumer warp's dQ rows (see DqAtomicAdd) through its 4 KB of shared memory (same layout as the
 // 4 KB of dq_accum from `tile`) into dq_accum by one bulk reduction, issued and tracked by lane 0; the
 // next tile's stores first wait until the TMA unit has read the buffer (long done by then).
@@ -91,20 +83,11 @@ struct DqBulkAdd {
     const uint32_t half = dq_swap_halves<L::kHeadDim>() ? (lane & 8) : 0;
     bulk_wait_group_read_all();
     __syncwarp();
-#if FUSEFORGE_ATTN_AB_STS
 #pragma unroll
     for (int j = 0; j < 16; ++j)
       asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(buf + 16 * (32 * (j / 2) + lane) + ((8 * (j % 2)) ^ half)),
                    "f"(dq[2 * j]), "f"(dq[2 * j + 1])
                    : "memory");
-#else
-    // Two base addresses and immediate offsets (row pair j / 2 at 512 (j / 2) bytes): with the
-    // address arithmetic in C++ ptxas merged the offsets by OR and computed 16 addresses a tile.
-    const uint32_t base[2] = {buf + 16 * lane + half, buf + 16 * lane + (8 ^ half)};
-    [&]<int... J>(std::integer_sequence<int, J...>) {
-      (st_shared_v2_at<512 * (J / 2)>(base[J % 2], dq[2 * J], dq[2 * J + 1]), ...);
-    }(std::make_integer_sequence<int, 16>{});
-#endif
   }
 };
 
