@@ -11,7 +11,7 @@
 # benchmarks/bench_$BENCH.py; default OP, e.g. BENCH=attention_varlen with OP attention), BASE_FLAGS, BENCH_TIMEOUT, ROUNDS,
 # BUILD_ONLY=1 (build every variant's library, in parallel, and time nothing; a later call reuses
 # the builds under /tmp/tune/OP), PRINT_LIBS=1 (print each variant's built library, build nothing).
-# Prints each variant's rows of benchmarks/bench_OP.py's table.
+# Prints each variant's rows of the benchmark's table.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # Logs stay in /tmp/tune/logs: the device returns at most 8 files from $OUT (tuning_probe.sh packs
