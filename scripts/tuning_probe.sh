@@ -20,7 +20,8 @@
 #    ATTN_CASES="" skips them), and the bench_attention_varlen rows of ATTN_VARLEN_CASES (if set); the
 #    GPU tests of each candidate (TEST_K, default "cuda"); then ncu of each impl's longest forward
 #    and backward kernel (ATTN_NCU_IMPLS, default fuseforge and sdpa_cudnn) on one benchmark case
-#    (ATTN_CASE): pipe and shared-memory use, stalls (ATTN_NCU=0 skips it; ATTN_NCU_SOURCE=1 prints
+#    (ATTN_CASE; ATTN_NCU_PASSES="fwd" for the forward only): pipe and shared-memory use, stalls
+#    (ATTN_NCU=0 skips it; ATTN_NCU_SOURCE=1 prints
 #    instead where the stall samples sit, by SASS instruction: scripts/ncu_sass_hotspots.py). Two
 #    attention builds in parallel take ~4 min.
 set -uo pipefail
@@ -139,7 +140,7 @@ keep() { grep -vE "^==PROF==|^\s*$|^\s*-+\s*$" | tail -"$1"; }
   names=$(FUSEFORGE_EXTENSION=$(lib attention shared) timeout 120 python3 scripts/kernel_workload.py attention_kernels \
     $ATTN_CASE $impl 2>/dev/null)
   echo "$names"
-  for pass in fwd bwd; do
+  for pass in ${ATTN_NCU_PASSES:-fwd bwd}; do
     # the function name without the return type, namespace, template arguments and parameters
     name=$(echo "$names" | awk -v p=$pass '$1 == p {print $2}' | sed -E 's/^void_//; s/[<(].*//; s/.*:://')
     [ -z "$name" ] && continue
