@@ -3,7 +3,13 @@ bar on CUDA, GQA, bottom-right causal masks, strided inputs, errors, opcheck, gr
 from __future__ import annotations
 
 import functools
+import importlib.util
 import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -564,3 +570,27 @@ def test_cuda_sanitize_small(d, deterministic):
         assert rel_err(out, ref) <= TOL[torch.float16]
         for g, r in ((dq, rq), (dk, rk), (dv, rv)):
             assert rel_err(g, r) <= 2 * TOL[torch.float16]
+
+
+# ---- what ptxas made of the kernels (read from the built extension; no GPU needed) --------------
+WINDOW_DKDV_KERNEL = re.compile(r"attention_bwd_dkdv_warpspec_kernel.*EEELi2ELb[01]ELb[01]ELb[01]EEEv")
+
+
+def test_sass_window_mask_tile_loop_has_no_branch_an_element():
+    """The warp-specialized dk/dv kernels with the sliding-window mask: their tile loop branches a few
+    times a tile, not around every element. With `&&` in key_visible ptxas kept the short circuit
+    and the loop held 62-69 branches a tile at head dim 128 (the window's backward ran 7.5% slower;
+    docs/notes_attention.md, thirteenth session); now about 10."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    import sass_report
+    path = os.environ.get("FUSEFORGE_EXTENSION") or importlib.util.find_spec("fuseforge._C").origin
+    try:
+        names = [n for n in sass_report.kernel_names(path) if WINDOW_DKDV_KERNEL.search(n)]
+    except (SystemExit, subprocess.CalledProcessError) as e:
+        pytest.skip(f"no cuobjdump to read the extension with ({e})")
+    if not names:
+        pytest.skip("this build has no sm_90a dk/dv kernels (a CPU-only or non-9.0a build)")
+    for name, code in sass_report.kernels(path, names).items():
+        tile_loop = min((loop for loop in sass_report.loops(code, 1600) if loop["HGMMA"]),
+                        key=lambda loop: loop["instructions"])
+        assert tile_loop["BRA"] <= 24, f"{name}: {tile_loop}"
