@@ -1,5 +1,6 @@
 """attention: forward and backward against a float64 reference, SDPA's math path as the accuracy
-bar on CUDA, GQA, bottom-right causal masks, strided inputs, errors, opcheck, gradcheck, compile."""
+bar on CUDA, GQA, bottom-right causal masks, strided inputs, errors, opcheck, gradcheck, compile, and
+the window backward's tile loop in the built extension's SASS."""
 from __future__ import annotations
 
 import functools
