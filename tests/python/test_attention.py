@@ -9,7 +9,6 @@ import math
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -581,9 +580,11 @@ def test_sass_window_mask_tile_loop_has_no_branch_an_element():
     """The warp-specialized dk/dv kernels with the sliding-window mask: their tile loop branches a few
     times a tile, not around every element. With `&&` in key_visible ptxas kept the short circuit
     and the loop held 62-69 branches a tile at head dim 128 (the window's backward ran 7.5% slower;
-    docs/notes_attention.md, thirteenth session); now about 10."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-    import sass_report
+    docs/notes_attention.md, thirteenth session); 5-8 in the build of 711c36a."""
+    spec = importlib.util.spec_from_file_location(
+        "sass_report", Path(__file__).resolve().parents[2] / "scripts" / "sass_report.py")
+    sass_report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sass_report)
     path = os.environ.get("FUSEFORGE_EXTENSION") or importlib.util.find_spec("fuseforge._C").origin
     try:
         names = [n for n in sass_report.kernel_names(path) if WINDOW_DKDV_KERNEL.search(n)]
