@@ -17,7 +17,8 @@
 # 6. mix: scripts/stream_mix_probe.py (streaming ceilings by read:write mix; add_mul_act's and
 #    torch.compile's fwd+bwd kernel by kernel)
 # 7. attn: the attention variants (ATTN) built; the rows of ATTN_CASES timed beside the default (ROUNDS=2: A B B A;
-#    ATTN_CASES="" skips them), and the bench_attention_varlen rows of ATTN_VARLEN_CASES (if set); the
+#    ATTN_CASES="" skips them), and the bench_attention_varlen rows of ATTN_VARLEN_CASES (if set; impls
+#    ATTN_VARLEN_IMPLS, default fuseforge,fuseforge_causal); the
 #    GPU tests of each candidate (TEST_K, default "cuda"); then ncu of each impl's longest forward
 #    and backward kernel (ATTN_NCU_IMPLS, default fuseforge and sdpa_cudnn) on one benchmark case
 #    (ATTN_CASE; ATTN_NCU_PASSES="fwd" for the forward only): pipe and shared-memory use, stalls
@@ -47,7 +48,7 @@ ADAMW=(c16k:)
 # store, query tiles rotated per key block, a dQ-writer warp and no division a tile without GQA
 # lost; all removed (docs/notes_attention.md). Add "name:-DKNOB=1" (or "name:ENV=value") entries
 # for the next candidates.
-ATTN=(default:)
+ATTN=("tanh1:-DFUSEFORGE_TANH_MODE=1" "tanh3:-DFUSEFORGE_TANH_MODE=3")
 PARTS=${PARTS:-build tests time profile e2e lce}
 OPS=${OPS-adamw add_mul_act}
 has() { [[ " $PARTS " == *" $1 "* ]]; }
@@ -110,7 +111,7 @@ if has attn; then
 # Timings first (what decides), then the candidates' GPU tests (the default's ran at its commit).
 echo "== attention timings ($(( $(date +%s) - t0 )) s)"
 [ -n "${ATTN_CASES-x}" ] && CASES=${ATTN_CASES:-D64/S16384,D128/S16384} IMPLS=fuseforge bash $T attention "${ATTN[@]}"
-[ -n "${ATTN_VARLEN_CASES:-}" ] && BENCH=attention_varlen CASES=$ATTN_VARLEN_CASES IMPLS=fuseforge,fuseforge_causal \
+[ -n "${ATTN_VARLEN_CASES:-}" ] && BENCH=attention_varlen CASES=$ATTN_VARLEN_CASES IMPLS=${ATTN_VARLEN_IMPLS:-fuseforge,fuseforge_causal} \
   bash $T attention "${ATTN[@]}"
 declare -A tested=()
 while read -r name so; do

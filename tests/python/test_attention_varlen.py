@@ -34,6 +34,8 @@ MASK_CASES = [
     (1, 4, 2, 200, 200, 256, True, (60, 0), 4.0),       # head dim 256 (Gemma 2): window + softcap, GQA
     (2, 2, 2, 150, 150, 256, False, None, 5.0),         # head dim 256, softcap, full
     (1, 2, 1, 90, 200, 256, False, (33, 70), None),     # head dim 256, two-sided window, MQA, Sq < Sk
+    (1, 4, 2, 256, 256, 128, True, None, 50.0),         # Gemma 2's cap 50, scores up to ~4x past it
+    (1, 4, 2, 200, 200, 256, True, None, 50.0),         # the same at head dim 256
 ]
 
 
@@ -48,8 +50,9 @@ def case_id(c):
 def test_window_softcap_forward_backward(device, dtype, case):
     b, hq, hk, sq, sk, d, causal, window, cap = case
     q, k, v = make_qkv(b, hq, hk, sq, sk, d, dtype, device)
-    # With a softcap, scores scaled up so the cap bites (|z| well past it for many pairs).
-    q = (q.float() * (3.0 if cap else 1.0)).to(dtype).requires_grad_(True)
+    # With a softcap, scores scaled up so the cap bites (|z| well past it for many pairs; x3 for the
+    # small caps, cap / 2 for 50, as in bench_attention_varlen).
+    q = (q.float() * (max(3.0, cap / 2) if cap else 1.0)).to(dtype).requires_grad_(True)
     k, v = k.requires_grad_(True), v.requires_grad_(True)
     poison_allocations(q, q, q)
     out, lse = attention(q, k, v, causal=causal, window=window, softcap=cap, return_lse=True)
