@@ -43,12 +43,13 @@ ADAMW=(c16k:)
 # dim 128 lost; the wgmma descriptor arithmetic, D64's three-warpgroup forward, the backward's lse /
 # row_dot read before its wgmma waits with its dQ hand-off deferred to the next tile, O stored by
 # TMA, head dim 64's backward on the warp-specialized kernel and dQ staging without bank conflicts
-# won and are the code, as is the mask code without branches (2026-11-26); a persistent dk/dv
-# kernel, varlen key-block slots and immediate-offset dQ staging stores timed level, and a late dQ
-# store, query tiles rotated per key block, a dQ-writer warp and no division a tile without GQA
-# lost; all removed (docs/notes_attention.md). Add "name:-DKNOB=1" (or "name:ENV=value") entries
+# won and are the code, as are the mask code without branches and the softcap's tanh.approx
+# (2026-11-26); a persistent dk/dv kernel, varlen key-block slots and immediate-offset dQ staging
+# stores timed level, and a late dQ store, query tiles rotated per key block, a dQ-writer warp and
+# no division a tile without GQA lost, and half the softcap's reciprocals by Newton steps timed
+# level; all removed (docs/notes_attention.md). Add "name:-DKNOB=1" (or "name:ENV=value") entries
 # for the next candidates.
-ATTN=("tanh1:-DFUSEFORGE_TANH_MODE=1" "tanh3:-DFUSEFORGE_TANH_MODE=3")
+ATTN=(default:)
 PARTS=${PARTS:-build tests time profile e2e lce}
 OPS=${OPS-adamw add_mul_act}
 has() { [[ " $PARTS " == *" $1 "* ]]; }

@@ -303,7 +303,7 @@ __device__ __forceinline__ void attention_bwd_dkdv_mma_body(const BwdParams& p) 
         for (int nt = 0; nt < kBlockM / 8; ++nt)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const float t = fast_tanh(p.softcap_in * pt[mt][nt][e], e);
+            const float t = fast_tanh(p.softcap_in * pt[mt][nt][e]);
             pt[mt][nt][e] = p.softcap_out * t;
             dtanh[mt][nt][e] = fmaf(-t, t, 1.f);
           }
@@ -519,7 +519,7 @@ __device__ __forceinline__ void dkdv_wgmma_tile(const BwdParams& p, const Blk& b
   if constexpr (kSoftcap) {
 #pragma unroll
     for (int i = 0; i < kSN; ++i) {
-      const float t = fast_tanh(p.softcap_in * st[i], i);
+      const float t = fast_tanh(p.softcap_in * st[i]);
       st[i] = p.softcap_out * t;
       dtanh[i] = fmaf(-t, t, 1.f);
     }
@@ -809,7 +809,7 @@ __device__ __forceinline__ void attention_bwd_dq_body(const BwdParams& p) {
         for (int nt = 0; nt < kBlockN / 8; ++nt)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const float t = fast_tanh(p.softcap_in * s[mt][nt][e], e);
+            const float t = fast_tanh(p.softcap_in * s[mt][nt][e]);
             s[mt][nt][e] = p.softcap_out * t;
             dtanh[mt][nt][e] = fmaf(-t, t, 1.f);
           }

@@ -77,7 +77,7 @@ template <bool kSoftcap, int kN>
 __device__ __forceinline__ void apply_softcap(float (&s)[kN], const FwdParams& p) {
   if constexpr (kSoftcap) {
 #pragma unroll
-    for (int i = 0; i < kN; ++i) s[i] = p.softcap_out * fast_tanh(p.softcap_in * s[i], i);
+    for (int i = 0; i < kN; ++i) s[i] = p.softcap_out * fast_tanh(p.softcap_in * s[i]);
   }
 }
 
