@@ -112,7 +112,6 @@ __device__ __forceinline__ void dq_accum_add(float* tile, int lane, float v0, fl
 // a bulk-reduce sink instead (DqBulkAdd).
 template <int kD>
 struct DqAtomicAdd {
-  static constexpr bool kOwnKeys = false;  // dQ of all the block's keys a warpgroup (see DqBulkAdd)
   template <class Target>
   __device__ __forceinline__ void flush(const Target&) const {}  // nothing deferred (DqBulkAdd defers its hand-off)
   __device__ __forceinline__ void operator()(const float (&dq)[32], float* tile, int lane, bool valid) const {
@@ -427,10 +426,9 @@ struct DqTarget {
   float* tile;
   bool valid;
 };
-// kOwnKeys: each warpgroup adds dQ's whole 16 x 128 rows of its own 64 keys (head dim 128).
-template <class Tr, bool kOwnKeys = false, class Blk>
+template <class Tr, class Blk>
 __device__ __forceinline__ DqTarget dq_target(const BwdParams& p, const Blk& blk, int it, int warp) {
-  const int wg = kOwnKeys ? 0 : warp >> 2;
+  const int wg = warp >> 2;
   const int q0 = Tr::kBlockM == 128 ? wg * 64 : 0, col0 = Tr::kHeadDim == 128 ? wg * 64 : 0;
   const int row_tile = (blk.row0(it) + q0) / 16 + (warp & 3);
   return {dq_accum_tile(p, blk.b, blk.head(it, p), blk.seq_tile0, row_tile, col0 >> 3, Tr::kHeadDim),
@@ -557,9 +555,8 @@ __device__ __forceinline__ void dkdv_wgmma_tile(const BwdParams& p, const Blk& b
   wgmma_rs_mn_major<T, kDOut, kBlockM / 16>(dv, pa, sdO + out_panels, QTile::kPanelBytes);
   // The previous tile's dQ hand-off, under this tile's products (DqBulkAdd; its target recomputed,
   // not held across the loop).
-  constexpr bool kOwnKeys = std::remove_cvref_t<AddDq>::kOwnKeys;
   if constexpr (kAtomicDq && !kSplit)
-    if (it > 0) add_dq.flush(dq_target<Tr, kOwnKeys>(p, blk, it - 1, warp));
+    if (it > 0) add_dq.flush(dq_target<Tr>(p, blk, it - 1, warp));
   wgmma_wait<1>();  // dP^T done (dV may still run: pa stays untouched)
   wgmma_fence_operands(dpt);
 
@@ -617,27 +614,6 @@ __device__ __forceinline__ void dkdv_wgmma_tile(const BwdParams& p, const Blk& b
       wgmma_fence_operands(dq);
       add_dq(dq, dq_accum_tile(p, b, h, blk.seq_tile0, row_tile, col0 >> 3, kD), lane, row_tile * 16 < blk.seqlen_q);
     }
-  } else if constexpr (kAtomicDq && kOwnKeys) {
-    // dQ's 64 x 128 over this warpgroup's own 64 keys (dS^T rows it wrote itself, K's rows it owns):
-    // no barrier with the other warpgroup, whose 64 keys add their own share to dq_accum. dV's
-    // product waited for first: its A fragments (pa) then free their registers for dq's 64.
-    static_assert(kBlockM == 64 && kD == 128, "head dim 128's 64-query tiles");
-    wgmma_wait<1>();
-    float dq[64];
-#pragma unroll
-    for (int i = 0; i < 64; ++i) dq[i] = 0.f;
-    wgmma_fence();
-    const uint64_t ds_desc = wgmma_desc(sDs, DsTile::kPanelBytes), k_desc = wgmma_desc(sK, KVTile::kPanelBytes);
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      const uint32_t row_off = (wg * 64 + kk * 16) * 128;
-      wgmma_m64n128k16_ss<T, 1, 1>(dq, wgmma_desc_add(ds_desc, row_off), wgmma_desc_add(k_desc, row_off));
-    }
-    wgmma_commit();
-    wgmma_wait<0>();
-    wgmma_fence_operands(dq);
-    const DqTarget target = dq_target<Tr, true>(p, blk, it, warp);
-    add_dq(dq, target.tile, lane, target.valid);
   } else if constexpr (kAtomicDq) {
     // dQ = dS K, a 64 x 64 block a warpgroup (queries q0.., columns col0..) over all 128 keys: dS
     // from sDs MN-major (rows = keys, queries along the row), K MN-major (rows = keys).

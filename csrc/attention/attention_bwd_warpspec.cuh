@@ -12,10 +12,6 @@
 #include "attention/attention_bwd_kernel.cuh"
 #include "attention/attention_fwd_warpspec.cuh"
 
-#ifndef FUSEFORGE_ATTN_DQ_OWN_KEYS
-#define FUSEFORGE_ATTN_DQ_OWN_KEYS 0
-#endif
-
 namespace fuseforge::attention {
 
 // Head dim 128 (64-query tiles) and 64 (128-query tiles) run this kernel, 256 the cp.async one
@@ -42,15 +38,9 @@ struct WarpSpecBwdLayout {
   static constexpr int kStageBytes = 2 * Tr::kTileQBytes;
   static constexpr int kFloatsOffset = kStagesOffset + kStages * kStageBytes;
   static constexpr int kFloatsBytes = 2 * Tr::kBlockM * 4;
-  // kDqOwnKeys (knob FUSEFORGE_ATTN_DQ_OWN_KEYS, head dim 128): each warpgroup computes dQ's 64 x 128
-  // over its own 64 keys (dkdv_wgmma_tile), so no barrier couples the two warpgroups within a tile;
-  // one dS^T buffer (each warpgroup reads back only its own rows), 8 KB of dQ a warp.
-  static constexpr bool kDqOwnKeys = FUSEFORGE_ATTN_DQ_OWN_KEYS != 0 && kHeadDim == 128;
-  static constexpr int kDsBuffers = kDqOwnKeys ? 1 : 2;
   static constexpr int kDsOffset = (kFloatsOffset + kStages * kFloatsBytes + 1023) / 1024 * 1024;
-  static constexpr int kDqOffset = kDsOffset + kDsBuffers * Tr::kTileDsBytes;
-  static constexpr int kDqFloats = kDqOwnKeys ? 64 : 32;  // a thread's dQ floats a tile
-  static constexpr int kDqWarpBytes = 16 * 2 * kDqFloats * 4;
+  static constexpr int kDqOffset = kDsOffset + 2 * Tr::kTileDsBytes;
+  static constexpr int kDqWarpBytes = 16 * 64 * 4;
   static constexpr int kBarriersOffset = kDqOffset + 8 * kDqWarpBytes;
   static constexpr int kSmemBytes = 1024 + kBarriersOffset + 8 * (1 + 2 * kStages);
   static_assert(kSmemBytes <= 227 * 1024, "fits an H100 SM's shared memory");
@@ -73,7 +63,6 @@ struct WarpSpecBwdLayout {
 // need 4-aligned register quads); nothing branches on the lane or on `valid` (predicated instead).
 template <class L>
 struct DqBulkAdd {
-  static constexpr bool kOwnKeys = L::kDqOwnKeys;
   __device__ __forceinline__ static uint32_t buffer() {
     // attention_smem_base() spelled out: through the helper ptxas schedules these kernels differently
     // (same results, SASS not identical), and that schedule has not been timed.
@@ -87,7 +76,7 @@ struct DqBulkAdd {
     bulk_reduce_add_f32(target.valid && (threadIdx.x & 31) == 0, target.tile, buffer(), L::kDqWarpBytes);
   }
   // Stores the rows; their tile and `valid` come back to flush() one tile later.
-  __device__ __forceinline__ void operator()(const float (&dq)[L::kDqFloats], float*, int lane, bool) const {
+  __device__ __forceinline__ void operator()(const float (&dq)[32], float*, int lane, bool) const {
     const uint32_t buf = buffer();
     // Where dq_swap_halves: lanes with bit 3 set store row r + 8's pair first, so a half-warp's 8-byte
     // stores cover all 32 banks once.
@@ -95,7 +84,7 @@ struct DqBulkAdd {
     bulk_wait_group_read_all();
     __syncwarp();
 #pragma unroll
-    for (int j = 0; j < L::kDqFloats / 2; ++j)
+    for (int j = 0; j < 16; ++j)
       asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(buf + 16 * (32 * (j / 2) + lane) + ((8 * (j % 2)) ^ half)),
                    "f"(dq[2 * j]), "f"(dq[2 * j + 1])
                    : "memory");
@@ -207,15 +196,10 @@ __device__ __forceinline__ void consume_query_tile(const BwdParams& p, const War
                                                    const DqBulkAdd<WarpSpecBwdLayout<Tr>>& dq_add) {
   using L = WarpSpecBwdLayout<Tr>;
   mbarrier_wait(sm.full(s), parity);
-  const uint32_t sDs = sm.sK + L::kDsOffset + (L::kDsBuffers == 2 ? (it & 1) * Tr::kTileDsBytes : 0);
-  // dS^T written: by both warpgroups (dQ reads every key's), or by this one (kDqOwnKeys; barrier 2 + g)
-  auto sync_ds = [cwarp] {
-    if constexpr (L::kDqOwnKeys) named_barrier_sync(2 + cwarp / 4, 128);
-    else named_barrier_sync(1, L::kConsumerThreads);
-  };
+  const uint32_t sDs = sm.sK + L::kDsOffset + (it & 1) * Tr::kTileDsBytes;
   dkdv_wgmma_tile<Tr, kMask, kSoftcap, kAtomicDq, /*kPinZeros=*/true>(
       p, blk, it, sm.sK, sm.sV, sm.sQ(s), sm.sQ(s) + Tr::kTileQBytes, sm.floats(s), sm.floats(s) + Tr::kBlockM, sDs,
-      sm.smem + (sDs - sm.sK), cwarp, lane, dk, dv, sync_ds, dq_add);
+      sm.smem + (sDs - sm.sK), cwarp, lane, dk, dv, [] { named_barrier_sync(1, L::kConsumerThreads); }, dq_add);
   mbarrier_arrive(sm.empty(s));  // this thread is done with stage s
 }
 
@@ -225,7 +209,7 @@ template <class Tr, bool kAtomicDq, class Blk>
 __device__ __forceinline__ void finish_dq(const BwdParams& p, const Blk& blk, int cwarp,
                                           const DqBulkAdd<WarpSpecBwdLayout<Tr>>& dq_add) {
   if (kAtomicDq) {
-    if (blk.iterations > 0) dq_add.flush(dq_target<Tr, DqBulkAdd<WarpSpecBwdLayout<Tr>>::kOwnKeys>(p, blk, blk.iterations - 1, cwarp));
+    if (blk.iterations > 0) dq_add.flush(dq_target<Tr>(p, blk, blk.iterations - 1, cwarp));
     bulk_wait_group_all();
   }
 }
