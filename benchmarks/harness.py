@@ -357,7 +357,9 @@ def markdown_table(result: dict) -> str:
                 cells.append(f"{r['peak_extra_mib']:.0f}" if r and "peak_extra_mib" in r else "-")
         lines.append("| " + " | ".join(cells) + " |")
     where = result["cpu"] if result.get("gpu") == "cpu" and "cpu" in result else result["gpu"]
-    meta = (f"\n{where}, torch {result['torch']}, CUDA {result['cuda']}, commit `{result['commit'][:12]}`, "
+    # "-dirty": the tree differed from that commit (a device's .git can be older than its tree)
+    commit = result["commit"][:12] + ("-dirty" if result["commit"].endswith("-dirty") else "")
+    meta = (f"\n{where}, torch {result['torch']}, CUDA {result['cuda']}, commit `{commit}`, "
             f"{result['date']}; ceilings {result.get('ceilings', {})}. `vs X` = X's time / fuseforge's.\n")
     return "\n".join(lines) + "\n" + meta
 
