@@ -1,4 +1,5 @@
-"""`fuseforge.patch(model)` / `fuseforge.unpatch(model)` for Hugging Face Llama-family models.
+"""`fuseforge.patch(model)` / `fuseforge.unpatch(model)` for Hugging Face Llama-family models (Llama,
+Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3: SUPPORTED_MODELS).
 
 patch() does two things to one model instance and nothing else:
 
@@ -22,8 +23,8 @@ patch() does two things to one model instance and nothing else:
    would build the full mask: a decision on shapes alone) and for decode steps, as SDPA's does.
    Packed documents run `attention_varlen` on the (total, H, D) views of q, k, v; their cu_seqlens are
    computed once per mask (one host synchronisation, cached on the KernelMask the layers share: one per
-   forward for Llama / Mistral / Qwen2, one per mask kind for Gemma 2), or taken as given from the
-   `cu_seq_lens_q/k`, `max_length_q/k` keyword arguments (flash-attention's varlen kwargs, e.g.
+   mask kind a forward builds, so one for Llama, two for Gemma 2/3's sliding and full layers), or taken
+   as given from the `cu_seq_lens_q/k`, `max_length_q/k` keyword arguments (flash-attention's varlen kwargs, e.g.
    `DataCollatorWithFlattening(return_flash_attn_kwargs=True)`), which need no synchronisation.
    Gemma 2's `softcap` (attn_logit_softcapping) is the kernel's softcap. While torch.compile traces,
    packed position_ids are left to SDPA's mask (cu_seqlens need the host). Everything the kernel does
@@ -62,7 +63,8 @@ from fuseforge.ops.linear_cross_entropy import linear_cross_entropy
 
 ATTN_IMPLEMENTATION = "fuseforge"
 SUPPORTED_MODELS = ("LlamaForCausalLM", "LlamaModel", "MistralForCausalLM", "MistralModel",
-                    "Qwen2ForCausalLM", "Qwen2Model", "Gemma2ForCausalLM", "Gemma2Model")
+                    "Qwen2ForCausalLM", "Qwen2Model", "Qwen3ForCausalLM", "Qwen3Model", "Phi3ForCausalLM",
+                    "Phi3Model", "Gemma2ForCausalLM", "Gemma2Model", "Gemma3ForCausalLM", "Gemma3TextModel")
 
 
 def _cuda_head_dim_supported(d: int) -> bool:
@@ -516,7 +518,7 @@ def is_patched(model: nn.Module) -> bool:
 
 
 def patch(model: nn.Module) -> nn.Module:
-    """Routes a Llama / Mistral / Qwen2 / Gemma 2 model's attention through fuseforge attention and, for the
+    """Routes a Llama / Mistral / Qwen2 / Qwen3 / Phi-3 / Gemma 2 / Gemma 3 model's attention through fuseforge attention and, for the
     ForCausalLM classes, computes the training loss with linear_cross_entropy. In place; returns the
     model. Patching a patched model does nothing."""
     name = type(model).__name__

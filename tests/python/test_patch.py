@@ -1,4 +1,5 @@
-"""fuseforge.patch / unpatch on tiny random Hugging Face Llama, Mistral, Qwen2 and Gemma 2 models:
+"""fuseforge.patch / unpatch on tiny random Hugging Face Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and
+Gemma 3 models:
 patched and unpatched losses, gradients, logits and generations agree (packed batches, sliding
 windows and softcapping included); unpatch restores the model."""
 import copy
@@ -43,9 +44,10 @@ AttentionMaskInterface.register("exact_eager", eager_mask)
 
 
 def tiny_config(family: str, head_dim: int = 16, **extra):
-    """family: llama, mistral, qwen2; mistral-swa (every layer sliding), qwen2-swa (layer 0 full,
-    layer 1 sliding); gemma2 (alternating sliding / full layers, attention and final logit softcaps,
-    weights large enough that both caps bind)."""
+    """family: llama, mistral, qwen2, qwen3 (q/k norms); mistral-swa (every layer sliding), qwen2-swa
+    (layer 0 full, layer 1 sliding), phi3 (every layer sliding; head dim hidden / heads, no head_dim
+    field); gemma2 (alternating sliding / full layers, attention and final logit softcaps, weights
+    large enough that both caps bind); gemma3 (a sliding and a full layer, q/k norms, no softcap)."""
     common = dict(vocab_size=VOCAB, hidden_size=4 * head_dim, intermediate_size=88, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, head_dim=head_dim,
                   attn_implementation="sdpa")
@@ -58,6 +60,14 @@ def tiny_config(family: str, head_dim: int = 16, **extra):
         swa = family == "qwen2-swa"
         return transformers.Qwen2Config(use_sliding_window=swa, sliding_window=WINDOW if swa else None,
                                         max_window_layers=1, **common)
+    if family == "qwen3":
+        return transformers.Qwen3Config(**common)
+    if family == "phi3":
+        common.pop("head_dim")  # hidden_size / num_attention_heads
+        return transformers.Phi3Config(sliding_window=WINDOW, pad_token_id=0, bos_token_id=1, eos_token_id=2, **common)
+    if family == "gemma3":
+        return transformers.Gemma3TextConfig(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
+                                             query_pre_attn_scalar=head_dim, pad_token_id=0, **common)
     if family == "gemma2":
         # transformers' Gemma 2 has no SDPA support (no softcapping there): eager is its reference.
         common.update(attn_implementation="exact_eager", initializer_range=0.3)
@@ -68,7 +78,8 @@ def tiny_config(family: str, head_dim: int = 16, **extra):
 
 
 MODEL_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mistral-swa": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "qwen2-swa": "Qwen2ForCausalLM", "gemma2": "Gemma2ForCausalLM"}
+                 "qwen2": "Qwen2ForCausalLM", "qwen2-swa": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 
 
 def make_model(family: str, dtype=torch.float32, device="cpu", **extra):
@@ -108,12 +119,16 @@ def kernel_calls():
     return stats["fuseforge"], stats["sdpa"], stats["varlen"]
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "mistral-swa", "qwen2-swa", "gemma2"])
+SLIDING = ("mistral-swa", "qwen2-swa", "phi3", "gemma2", "gemma3")  # families with a window that binds
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "mistral-swa", "qwen2-swa", "phi3", "gemma2",
+                                    "gemma3"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 def test_patched_loss_and_gradients_match_unpatched(family, dtype):
     """An unpacked batch (sliding windows and softcapping by the kernel, no fallback)."""
     model = make_model(family, dtype)
-    ids = tokens(3, 19 if "swa" not in family and family != "gemma2" else 24)
+    ids = tokens(3, 24 if family in SLIDING else 19)
     labels = ids.clone()
     labels[0, :4] = -100  # ignored positions
     ref_loss, ref_grads = reference_loss_and_grads(model, ids, labels)
@@ -343,10 +358,14 @@ def test_unsupported_model_is_refused():
 
 @requires_cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_bf16_cuda_matches_unpatched(family):
-    """The recommended recipe: bf16 weights; head_dim 64 (a kernel head dim)."""
-    model = make_model(family, torch.bfloat16, "cuda", head_dim=64)
+@pytest.mark.parametrize("family,head_dim", [("llama", 64), ("qwen2", 64), ("qwen3", 128), ("phi3", 96),
+                                             ("gemma3", 256)])
+def test_bf16_cuda_matches_unpatched(family, head_dim):
+    """The recommended recipe: bf16 weights; each family at a kernel head dim (Phi-3-mini's 96, Gemma 3's
+    256, whose backward is sm_90a code: elsewhere the patch sends it to SDPA)."""
+    if head_dim == 256 and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("head dim 256's backward kernel needs compute capability 9.0")
+    model = make_model(family, torch.bfloat16, "cuda", head_dim=head_dim)
     ids = tokens(2, 160, "cuda")
     ref, ref_grads = loss_and_grads(model, input_ids=ids, labels=ids)
     patch(model)
@@ -400,7 +419,7 @@ def reference_packed(model, batch):
     return loss, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral-swa", "qwen2-swa", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "mistral-swa", "qwen2-swa", "qwen3", "phi3", "gemma2", "gemma3"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 @pytest.mark.parametrize("use_cache", [False, None], ids=["no_cache", "default_cache"])
 def test_packed_batch_matches_unpatched(family, dtype, use_cache):
@@ -426,7 +445,7 @@ def test_packed_batch_matches_unpatched(family, dtype, use_cache):
         assert_rel_close(got_grads[name], g, 20 * tol, f"grad {name}")
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral-swa", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "mistral-swa", "phi3", "gemma2", "gemma3"])
 def test_packed_documents_do_not_see_each_other(family):
     """The patched model's logits on a packed row are, document by document, the unpatched model's
     on each document alone (a few steps of training in between: the documents stay apart)."""
@@ -498,6 +517,14 @@ def test_fallback_keeps_the_mask(family, use_cache):
     assert after[1] - before[1] == model.config.num_hidden_layers and after[0] == before[0]
     # transformers' Gemma 2 eager function (the fallback) takes the softmax in float32
     assert_rel_close(got.logits, ref, 1e-6 if family == "gemma2" else 1e-12, "logits")
+    if family == "qwen3":
+        return transformers.Qwen3Config(**common)
+    if family == "phi3":
+        common.pop("head_dim")  # hidden_size / num_attention_heads
+        return transformers.Phi3Config(sliding_window=WINDOW, pad_token_id=0, bos_token_id=1, eos_token_id=2, **common)
+    if family == "gemma3":
+        return transformers.Gemma3TextConfig(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
+                                             query_pre_attn_scalar=head_dim, pad_token_id=0, **common)
     if family == "gemma2":  # eager returns the attention weights: no cross-document weight
         doc = torch.repeat_interleave(torch.arange(len(DOC_LENGTHS)), torch.tensor(DOC_LENGTHS))
         cross = doc[:, None] != doc[None, :]
@@ -598,6 +625,14 @@ def test_packed_bf16_cuda_matches_unpatched(family, head_dim):
             assert_rel_close(got_grads[name], exact_grads[name], 1.5 * ref_err + 1e-3,
                              f"grad {name} vs float64 (bf16 reference's own error {ref_err:.3e})")
             assert_rel_close(got_grads[name], g, 5e-2, f"grad {name}")
+    if family == "qwen3":
+        return transformers.Qwen3Config(**common)
+    if family == "phi3":
+        common.pop("head_dim")  # hidden_size / num_attention_heads
+        return transformers.Phi3Config(sliding_window=WINDOW, pad_token_id=0, bos_token_id=1, eos_token_id=2, **common)
+    if family == "gemma3":
+        return transformers.Gemma3TextConfig(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
+                                             query_pre_attn_scalar=head_dim, pad_token_id=0, **common)
     if family == "gemma2":
         # Per parameter, the ratio of two errors of 10-40% is itself noisy: measured on the H100 over six
         # token draws (scripts of 2026-11-25, both kernel sets bitwise equal), 0.86-1.38 per parameter and
