@@ -1,6 +1,18 @@
-# Sourced by the GPU-machine scripts (gpu_check.sh, tune_variants.sh).
+# Sourced by the GPU-machine scripts (gpu_check.sh, e2e_gpu.sh, tune_variants.sh, tuning_probe.sh).
 # The GPU image sets CXX=/opt/gcc/bin/g++, a wrapper that links libstdc++ statically into the
 # extension; its stream code then formats into torch's stream objects and crashes on the first
 # error message (seen 2026-11-23: a segfault in std::ostream::_M_insert<long> inside _C.abi3.so).
 # Build with the system compiler, which links the shared libstdc++ torch uses.
 if [ "${CXX:-}" = /opt/gcc/bin/g++ ] && [ -x /usr/bin/g++ ]; then export CXX=/usr/bin/g++ CC=/usr/bin/gcc; fi
+# The commit the benchmarks record (FUSEFORGE_COMMIT): the one given, else HEAD with "-dirty" where
+# csrc, python or the benchmarks differ from it. The device's .git, where one travels, can name an
+# older commit than the tree (2026-11-25, 2026-11-26: the session's first), so give the sha as a
+# literal in the command; "-dirty" marks a run that did not.
+if [ -z "${FUSEFORGE_COMMIT:-}" ]; then
+  if FUSEFORGE_COMMIT=$(git rev-parse HEAD 2>/dev/null); then
+    git diff --quiet HEAD -- csrc python 'benchmarks/*.py' 2>/dev/null || FUSEFORGE_COMMIT=$FUSEFORGE_COMMIT-dirty
+  else
+    FUSEFORGE_COMMIT=unknown
+  fi
+fi
+export FUSEFORGE_COMMIT

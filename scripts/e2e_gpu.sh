@@ -9,6 +9,7 @@
 # cannot take the others' results with it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+source scripts/device_env.sh  # the build's compiler (as gpu_check.sh) and FUSEFORGE_COMMIT
 OUT=${OUT:-$PWD/out}
 BUDGET=400 IMPLS=eager,fuseforge,compile,fuseforge_compile BENCH_ARGS="" DEMO_STEPS=120 TESTS=1 DEMO=1
 while [ $# -gt 0 ]; do
@@ -35,9 +36,8 @@ pack() {
 }
 trap pack EXIT
 
-# The device's .git, where one travels, can name an older commit than the tree: pass
-# FUSEFORGE_COMMIT=<sha> as a literal in the command (bench_e2e records it).
-summary "== $(date -u +%FT%TZ) commit ${FUSEFORGE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+# FUSEFORGE_COMMIT (device_env.sh): pass the sha as a literal in the command (bench_e2e records it).
+summary "== $(date -u +%FT%TZ) commit $FUSEFORGE_COMMIT"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$WORK/logs/summary.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
   | tee -a "$WORK/logs/summary.txt"

@@ -45,9 +45,7 @@ pack() {
 }
 trap pack EXIT
 
-# The device's .git, where one travels, can name an older commit than the tree (2026-11-25: the
-# session's first), so pass FUSEFORGE_COMMIT=<sha> as a literal in the command (the benchmarks record it).
-export FUSEFORGE_COMMIT=${FUSEFORGE_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+# FUSEFORGE_COMMIT (device_env.sh): pass the sha as a literal in the command.
 summary "== $(date -u +%FT%TZ) commit $FUSEFORGE_COMMIT ops=${OPS:-all}"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$LOG/summary.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$LOG/summary.txt"
