@@ -45,7 +45,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: O
     ``window=(left, right)`` when ``i + off - left <= j <= i + off + right`` (``-1`` or ``None``: no
     bound on that side; with ``causal`` the right bound is 0). A sliding window of W tokens
     including the query itself (Mistral's ``sliding_window=W``) is ``causal=True, window=(W - 1, 0)``.
-    ``softcap=c`` replaces the scores by ``c * tanh(z / c)`` (Gemma 2's attention logit softcapping).
+    ``softcap=c`` replaces the scores by ``c * tanh(z / c)`` (Gemma 2's attention logit softcapping;
+    on CUDA tanh is the GPU's ``tanh.approx.f32``, ~2^-11 relative, as in FlashAttention).
     A row that sees no key gives zeros (and an LSE of -inf).
 
     CUDA: float16 and bfloat16, head dims that are multiples of 8 up to 128 (the kernels are built
