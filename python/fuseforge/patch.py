@@ -518,9 +518,9 @@ def is_patched(model: nn.Module) -> bool:
 
 
 def patch(model: nn.Module) -> nn.Module:
-    """Routes a Llama / Mistral / Qwen2 / Qwen3 / Phi-3 / Gemma 2 / Gemma 3 model's attention through fuseforge attention and, for the
-    ForCausalLM classes, computes the training loss with linear_cross_entropy. In place; returns the
-    model. Patching a patched model does nothing."""
+    """Routes a Llama / Mistral / Qwen2 / Qwen3 / Phi-3 / Gemma 2 / Gemma 3 model's attention through
+    fuseforge attention and, for the ForCausalLM classes, computes the training loss with
+    linear_cross_entropy. In place; returns the model. Patching a patched model does nothing."""
     name = type(model).__name__
     if name not in SUPPORTED_MODELS:
         raise TypeError(f"fuseforge.patch: model must be one of {', '.join(SUPPORTED_MODELS)}, got {name}")
