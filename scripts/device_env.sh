@@ -4,15 +4,12 @@
 # error message (seen 2026-11-23: a segfault in std::ostream::_M_insert<long> inside _C.abi3.so).
 # Build with the system compiler, which links the shared libstdc++ torch uses.
 if [ "${CXX:-}" = /opt/gcc/bin/g++ ] && [ -x /usr/bin/g++ ]; then export CXX=/usr/bin/g++ CC=/usr/bin/gcc; fi
-# The commit the benchmarks record (FUSEFORGE_COMMIT): the one given, else HEAD with "-dirty" where
-# csrc, python or the benchmarks differ from it. The device's .git, where one travels, can name an
-# older commit than the tree (2026-11-25, 2026-11-26: the session's first), so give the sha as a
-# literal in the command; "-dirty" marks a run that did not.
+# The commit the benchmarks record (FUSEFORGE_COMMIT): the one given, else benchmarks/harness.py's
+# git_commit() (HEAD, with "-dirty" where csrc, python or the benchmarks differ from it). The device's
+# .git, where one travels, can name an older commit than the tree (2026-11-25, 2026-11-26: the
+# session's first), so give the sha as a literal in the command; "-dirty" marks a run that did not.
 if [ -z "${FUSEFORGE_COMMIT:-}" ]; then
-  if FUSEFORGE_COMMIT=$(git rev-parse HEAD 2>/dev/null); then
-    git diff --quiet HEAD -- csrc python 'benchmarks/*.py' 2>/dev/null || FUSEFORGE_COMMIT=$FUSEFORGE_COMMIT-dirty
-  else
-    FUSEFORGE_COMMIT=unknown
-  fi
+  FUSEFORGE_COMMIT=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import harness
+print(harness.git_commit())" 2>/dev/null || echo unknown)
 fi
 export FUSEFORGE_COMMIT
