@@ -422,19 +422,6 @@ __device__ __forceinline__ void attention_bwd_dkdv_mma_body(const BwdParams& p) 
 // Where warp `warp`'s 16 x 64 block of dQ for query tile `it` goes (the wgmma body's split without
 // Tr::kSplitCols: warpgroup g computes dQ's columns [64 g, +64) at head dim 128, its rows [64 g, +64)
 // at 64), and whether those rows lie within Sq.
-#ifndef FUSEFORGE_ATTN_BWD_SKIP_HIDDEN
-#define FUSEFORGE_ATTN_BWD_SKIP_HIDDEN 0
-#endif
-constexpr bool kSkipHidden = FUSEFORGE_ATTN_BWD_SKIP_HIDDEN != 0;
-// Whether no query row of [m0, m0 + kBlockM) sees any of the 64 keys from k0 (sequence-relative).
-template <int kMask, int kBlockM>
-__device__ __forceinline__ bool warpgroup_keys_hidden(int m0, int k0, int seqlen_k, int offset, const FwdParams& p) {
-  bool hidden = k0 >= seqlen_k;
-  if constexpr (kMask != kNoMask) hidden |= k0 > m0 + kBlockM - 1 + offset + p.window_right;
-  if constexpr (kMask == kWindow) hidden |= k0 + 63 < m0 + offset - p.window_left;
-  return hidden;
-}
-
 struct DqTarget {
   float* tile;
   bool valid;
@@ -481,18 +468,6 @@ __device__ __forceinline__ void dkdv_wgmma_tile(const BwdParams& p, const Blk& b
             seqlen_k = blk.seqlen_k;
   const float scale_log2 = p.scale_log2;
 
-  // kSkipHidden: a warpgroup none of whose 64 keys a query of the tile sees (on a causal diagonal the
-  // block's upper 64 keys in its first query tile; keys past a varlen sequence's end) issues none of
-  // S^T, dP^T, dV and dK, and stores zeros as its dS^T for dQ.
-  const bool hidden = kSkipHidden && !kSplit && kMask != kNoMask &&
-                      warpgroup_keys_hidden<kMask, kBlockM>(m0, n0 + wg * 64, seqlen_k, offset, p);
-  uint32_t dsa[kBlockM / 16][4];
-  if (hidden) {
-#pragma unroll
-    for (int kk = 0; kk < kBlockM / 16; ++kk) dsa[kk][0] = dsa[kk][1] = dsa[kk][2] = dsa[kk][3] = 0u;
-    if constexpr (kAtomicDq && !kSplit)
-      if (it > 0) add_dq.flush(dq_target<Tr>(p, blk, it - 1, warp));
-  } else {
   // S^T = K Q^T and dP^T = V dO^T: 64 keys x kBlockM queries each, both operands K-major.
   float st[kSN], dpt[kSN];
 #pragma unroll
@@ -586,6 +561,7 @@ __device__ __forceinline__ void dkdv_wgmma_tile(const BwdParams& p, const Blk& b
   wgmma_fence_operands(dpt);
 
   // dS^T = P^T (dP^T - D[query]); dK += dS^T Q (Q MN-major).
+  uint32_t dsa[kBlockM / 16][4];
 #pragma unroll
   for (int i = 0; i < kSN; ++i) {
     const int col = (i >> 2) * 8 + (lane & 3) * 2 + (i & 1);
@@ -596,7 +572,6 @@ __device__ __forceinline__ void dkdv_wgmma_tile(const BwdParams& p, const Blk& b
 #pragma unroll
   for (int kk = 0; kk < kBlockM / 16; ++kk) c_to_a_fragment<T>(dpt4[2 * kk], dpt4[2 * kk + 1], dsa[kk]);
   wgmma_rs_mn_major<T, kDOut, kBlockM / 16>(dk, dsa, sQ + out_panels, QTile::kPanelBytes);
-  }
 
   if constexpr (kAtomicDq) {
     // dS^T to shared memory ([key][query]); element pair (2t, 2t + 1) of query block j, key row

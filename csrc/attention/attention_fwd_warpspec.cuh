@@ -53,12 +53,9 @@ struct WarpSpecFwdTraits {
                                   FwdTraits<typename Tr::T, 64, 192, Tr::kBlockN, 12, Tr::kPadHeadDim>, Tr>;
 };
 
-#ifndef FUSEFORGE_ATTN_FWD_STAGES3
-#define FUSEFORGE_ATTN_FWD_STAGES3 0
-#endif
 template <class Tr>
 struct WarpSpecFwdLayout {
-  static constexpr int kStages = (FUSEFORGE_ATTN_FWD_STAGES3 && Tr::kHeadDim == 128 && Tr::kBlockM == 128) ? 3 : 2;
+  static constexpr int kStages = 2;
   static constexpr int kConsumers = Tr::kBlockM / 64;  // warpgroups of 64 query rows
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kConsumerThreads = 128 * kConsumers;
