@@ -369,12 +369,14 @@ def test_errors_cuda():
 # FUSEFORGE_ATTENTION_TMA=1 makes that a requirement) and cp.async (=0); the forward's ping-pong knob
 # and its K/V release order; head dim 64's 128-row tiles (the shapes here pick 192: fwd_query_rows_d64);
 # its persistent grid at 3 blocks, so every block runs many tiles (with an SM each, the small cases
-# here would give most blocks one) --
+# here would give most blocks one), with either tile height --
 FORWARD_KERNELS = {"tma_pingpong": {"FUSEFORGE_ATTENTION_TMA": "1"},
                    "tma_no_pingpong": {"FUSEFORGE_ATTENTION_TMA": "1", "FUSEFORGE_ATTENTION_PINGPONG": "0"},
                    "tma_late_k_release": {"FUSEFORGE_ATTENTION_TMA": "1", "FUSEFORGE_ATTENTION_EARLY_K_RELEASE": "0"},
                    "tma_rows_128": {"FUSEFORGE_ATTENTION_TMA": "1", "FUSEFORGE_ATTENTION_FWD_ROWS": "128"},
                    "tma_3_blocks": {"FUSEFORGE_ATTENTION_TMA": "1", "FUSEFORGE_ATTENTION_FWD_BLOCKS": "3"},
+                   "tma_rows_128_3_blocks": {"FUSEFORGE_ATTENTION_TMA": "1", "FUSEFORGE_ATTENTION_FWD_ROWS": "128",
+                                             "FUSEFORGE_ATTENTION_FWD_BLOCKS": "3"},
                    "cp_async": {"FUSEFORGE_ATTENTION_TMA": "0"}}
 
 
