@@ -53,9 +53,6 @@ struct WarpSpecFwdTraits {
                                   FwdTraits<typename Tr::T, 64, 192, Tr::kBlockN, 12, Tr::kPadHeadDim>, Tr>;
 };
 
-#ifndef FUSEFORGE_ATTN_FWD_SPLIT_TILES
-#define FUSEFORGE_ATTN_FWD_SPLIT_TILES 0
-#endif
 template <class Tr>
 struct WarpSpecFwdLayout {
   static constexpr int kStages = 2;
@@ -63,28 +60,17 @@ struct WarpSpecFwdLayout {
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kConsumerThreads = 128 * kConsumers;
   static constexpr int kPanels = Tr::kHeadDim / 64;
-  // kSplitTiles: each consumer warpgroup runs its own 64-row query tiles with its own K/V ring, Q, O
-  // and barriers (a "stream"; a producer thread a stream), so one warpgroup's prologue and epilogue
-  // run under the other's products instead of beside them.
-  static constexpr bool kSplitTiles = FUSEFORGE_ATTN_FWD_SPLIT_TILES && Tr::kHeadDim == 64 && kConsumers == 2;
-  static constexpr int kStreams = kSplitTiles ? kConsumers : 1;
-  static constexpr int kTileRows = kSplitTiles ? 64 : Tr::kBlockM;  // a stream's query tile
-  static constexpr int kStreamConsumers = kConsumers / kStreams;    // consumer warpgroups a stream
-  static constexpr int kTileQBytes = kTileRows * Tr::kHeadDim * 2;
   // The output is staged in its own tile where it fits (the next tile's Q then loads under this
   // tile's last P V product and its stores), else in Q's (head dim 256).
   static constexpr int kBarrierBytes = 8 * (2 + 4 * kStages) + 8;  // the mbarriers, the tile slot
   static constexpr bool kOwnOutputTile =
-      1024 + kStreams * (2 * kTileQBytes + kStages * 2 * Tr::kTileKVBytes + kBarrierBytes) + (kStreams - 1) * 1024 <=
-      227 * 1024;
-  // A stream's region: Q, kStages x (K, V), O if kOwnOutputTile, the mbarriers (full_q, empty_q,
-  // full_k[s], full_v[s], empty_k[s], empty_v[s]) and the tile slot; 1 KB to align the tiles on 1024
-  // bytes (the 128-byte swizzle's period), and each stream's region on 1024.
-  static constexpr int kKVOffset = kTileQBytes;
+      1024 + 2 * Tr::kTileQBytes + kStages * 2 * Tr::kTileKVBytes + kBarrierBytes <= 227 * 1024;
+  // Q, kStages x (K, V), O if kOwnOutputTile, the mbarriers (full_q, empty_q, full_k[s], full_v[s],
+  // empty_k[s], empty_v[s]) and the tile slot; 1 KB to align the tiles on 1024 bytes (the 128-byte swizzle's period).
+  static constexpr int kKVOffset = Tr::kTileQBytes;
   static constexpr int kOutOffset = kOwnOutputTile ? kKVOffset + kStages * 2 * Tr::kTileKVBytes : 0;
-  static constexpr int kBarriersOffset = kKVOffset + kStages * 2 * Tr::kTileKVBytes + (kOwnOutputTile ? kTileQBytes : 0);
-  static constexpr int kStreamBytes = (kBarriersOffset + kBarrierBytes + 1023) / 1024 * 1024;
-  static constexpr int kSmemBytes = 1024 + (kStreams - 1) * kStreamBytes + kBarriersOffset + kBarrierBytes;
+  static constexpr int kBarriersOffset = kKVOffset + kStages * 2 * Tr::kTileKVBytes + (kOwnOutputTile ? Tr::kTileQBytes : 0);
+  static constexpr int kSmemBytes = 1024 + kBarriersOffset + kBarrierBytes;
   static_assert(kSmemBytes <= 227 * 1024, "fits an H100 SM's shared memory");
   // The block starts with 65536 / kThreads registers a thread (168 for 384 threads, 128 for 512); the
   // consumers' increase comes out of what the producer gives back.
@@ -105,10 +91,9 @@ template <class Tr, int kMask, bool kSoftcap, bool kVarlen>
 __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, const FwdTmaParams& tma) {
   using T = typename Tr::T;
   using L = WarpSpecFwdLayout<Tr>;
-  constexpr bool kSplit = L::kSplitTiles;
-  using Block = QueryBlock<T, L::kTileRows, Tr::kBlockN, kMask, kVarlen>;
-  constexpr int kBlockM = L::kTileRows, kBlockN = Tr::kBlockN, kD = Tr::kHeadDim, kStages = L::kStages;
-  static_assert(Tr::kBlockM == 128 || Tr::kBlockM == 192, "two or three consumer warpgroups of 64 rows");
+  using Block = QueryBlock<T, Tr::kBlockM, Tr::kBlockN, kMask, kVarlen>;
+  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kD = Tr::kHeadDim, kStages = L::kStages;
+  static_assert(kBlockM == 128 || kBlockM == 192, "two or three consumer warpgroups of 64 rows");
   static_assert(wgmma_fwd_tile_supported<Tr>(), "a key-tile / head-dim pair the wgmma forward bodies take");
   using QTile = PanelTile<kBlockM>;
   using KVTile = PanelTile<kBlockN>;
@@ -117,10 +102,8 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
     const int m = tile % tma.m_blocks, bh = tile / tma.m_blocks;
     return Block(p, tma.m_blocks - 1 - m, bh % p.heads_q, bh / p.heads_q);
   };
-  // This thread's stream (kSplit: producer warp w serves stream w, consumer warpgroup g stream g).
-  const int stream = !kSplit ? 0 : wg == 0 ? warp : wg - 1;
 
-  const uint32_t sQ = attention_smem_base() + stream * L::kStreamBytes;
+  const uint32_t sQ = attention_smem_base();
   unsigned char* smem = attention_smem + (sQ - smem_addr(attention_smem));
   auto sK = [&](int s) { return sQ + L::kKVOffset + s * 2 * Tr::kTileKVBytes; };
   const uint32_t bars = sQ + L::kBarriersOffset;
@@ -130,31 +113,30 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
   auto empty_k = [&](int s) { return bars + 8 * (2 + 2 * kStages + s); };
   auto empty_v = [&](int s) { return bars + 8 * (2 + 3 * kStages + s); };
   volatile int* tile_slot = reinterpret_cast<volatile int*>(smem + L::kBarriersOffset + 8 * (2 + 4 * kStages));
-  if (wg == 0 && lane == 0 && warp < L::kStreams) {  // each stream's producer thread, its barriers
+  if (tid == 0) {
     mbarrier_init(full_q, 1);
     // Every consumer thread arrives after its last read of Q and the slot (the slot: a generic load of
     // the producer's generic store; an arrive a thread is the order compute-sanitizer's racecheck sees).
-    mbarrier_init(empty_q, L::kStreamConsumers * 128);
+    mbarrier_init(empty_q, L::kConsumerThreads);
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(full_k(s), 1);
       mbarrier_init(full_v(s), 1);
-      mbarrier_init(empty_k(s), L::kStreamConsumers * 4);  // one arrive a consumer warp (K/V: wgmma reads only)
-      mbarrier_init(empty_v(s), L::kStreamConsumers * 4);
+      mbarrier_init(empty_k(s), L::kConsumers * 4);  // one arrive a consumer warp (K/V: wgmma reads only)
+      mbarrier_init(empty_v(s), L::kConsumers * 4);
     }
     fence_mbarrier_init();
   }
   __syncthreads();
 
-  if (wg == 0) {  // producer: one thread a stream picks the tiles and issues every copy
+  if (wg == 0) {  // producer: one thread picks the tiles and issues every copy
     setmaxnreg_dec<L::kProducerRegs>();
-    if (lane == 0 && warp < L::kStreams) {
+    if (tid == 0) {
       prefetch_tma_map(&tma.q);
       prefetch_tma_map(&tma.k);
       prefetch_tma_map(&tma.v);
-      // Each stream's first tile is its own index; the counter hands out the rest.
-      const int first_tiles = L::kStreams * static_cast<int>(gridDim.x);
-      auto next_tile = [&] { return atomicAdd(p.tile_counter, 1) + first_tiles; };
-      int tile = blockIdx.x + stream * static_cast<int>(gridDim.x), kv = 0;  // kv: K/V tiles issued so far
+      // Each block's first tile is its own index; the counter hands out the rest.
+      auto next_tile = [&] { return atomicAdd(p.tile_counter, 1) + static_cast<int>(gridDim.x); };
+      int tile = blockIdx.x, kv = 0;  // kv: K/V tiles issued so far (the ring position)
       for (int j = 0;; ++j) {
         // varlen: tiles past their sequence have no rows; skip them here, the consumers never see them
         if constexpr (kVarlen)
@@ -168,7 +150,7 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
         *tile_slot = tile;
         const Block blk = block_of(tile);
         const int batch = kVarlen ? 0 : blk.b;
-        mbarrier_arrive_expect_tx(full_q, L::kTileQBytes);
+        mbarrier_arrive_expect_tx(full_q, Tr::kTileQBytes);
 #pragma unroll
         for (int c = 0; c < L::kPanels; ++c)
           tma_load_4d(sQ + c * QTile::kPanelBytes, &tma.q, full_q, c * 64, blk.q_row0 + blk.m0, blk.h, batch);
@@ -196,10 +178,10 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
 
   setmaxnreg_inc<L::kConsumerRegs>();
   const int cwarp = warp - 4, cwg = cwarp >> 2;  // consumer warp and warpgroup (0..kConsumers - 1)
-  const int warp_row0 = (kSplit ? cwarp & 3 : cwarp) * 16;  // within the stream's query tile
-  const uint32_t wg_rows = kSplit ? 0 : cwg * 64 * 128;  // byte offset of the warpgroup's first row in a Q panel
+  const int warp_row0 = cwarp * 16;
+  const uint32_t wg_rows = cwg * 64 * 128;  // byte offset of the warpgroup's first row in a Q panel
   const float scale_log2 = p.scale_log2;
-  const bool pingpong = !kSplit && tma.pingpong != 0;  // streams issue as they go
+  const bool pingpong = tma.pingpong != 0;
   // Named barriers 2.. (one a consumer warpgroup, "warpgroup g may issue", 256 threads: g and the one
   // before it) and 1 (all consumers).
   constexpr int kMyTurn = 2, kThreads2 = L::kConsumerThreads, kTurnThreads = 256;
@@ -412,7 +394,7 @@ bool use_fwd_warpspec(const FwdParams& p, FwdTmaParams* tma) {
                                         p.out_batch_stride, 16);
   return require_tma(
       encode_rows_map<T>(&tma->q, p, p.q, p.rows_q, p.heads_q, p.q_row_stride, p.q_head_stride, p.q_batch_stride,
-                         WarpSpecFwdLayout<Tr>::kTileRows) &&
+                         Tr::kBlockM) &&
       encode_rows_map<T>(&tma->k, p, p.k, p.rows_k, p.heads_kv, p.k_row_stride, p.k_head_stride, p.k_batch_stride,
                          Tr::kBlockN) &&
       encode_rows_map<T>(&tma->v, p, p.v, p.rows_k, p.heads_kv, p.v_row_stride, p.v_head_stride, p.v_batch_stride,
@@ -428,11 +410,10 @@ void launch_attention_fwd_tiles(const FwdParams& params, bool local) {
                   static_cast<unsigned>(params.heads_q), static_cast<unsigned>(params.batch));
   FwdTmaParams tma;
   const bool warpspec = use_fwd_warpspec<WsTr>(params, &tma);
-  constexpr int kTileRows = WarpSpecFwdLayout<WsTr>::kTileRows, kStreams = WarpSpecFwdLayout<WsTr>::kStreams;
-  const int64_t m_blocks = (params.seqlen_q + kTileRows - 1) / kTileRows;
+  const int64_t m_blocks = (params.seqlen_q + WsTr::kBlockM - 1) / WsTr::kBlockM;
   const int64_t tiles = m_blocks * grid.y * grid.z;
-  TORCH_CHECK(!warpspec || tiles < (int64_t{1} << 31) - 1024, "attention: ", tiles, " query tiles of ", kTileRows,
-              " rows; at most 2^31 - 1024 (batch * heads * query blocks)");
+  TORCH_CHECK(!warpspec || tiles < (int64_t{1} << 31) - 1024, "attention: ", tiles, " query tiles of ",
+              WsTr::kBlockM, " rows; at most 2^31 - 1024 (batch * heads * query blocks)");
   tma.m_blocks = static_cast<int>(m_blocks);
   tma.num_tiles = static_cast<int>(tiles);
   dispatch_mask_varlen(params, local, [&]<int kMask, bool kVarlen>() {
@@ -441,8 +422,7 @@ void launch_attention_fwd_tiles(const FwdParams& params, bool local) {
       // One block an SM. FUSEFORGE_ATTENTION_FWD_BLOCKS=n: at most n (tests give a few blocks many
       // tiles; n >= the tiles is one block a tile, each finding none left after its own: A/B timings).
       const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-      const int64_t streams = (tiles + kStreams - 1) / kStreams;  // kStreams tiles a block at once
-      const dim3 blocks(static_cast<unsigned>(std::min(streams, tma.max_blocks > 0 ? tma.max_blocks : sms)));
+      const dim3 blocks(static_cast<unsigned>(std::min(tiles, tma.max_blocks > 0 ? tma.max_blocks : sms)));
       launch_kernel(attention_fwd_warpspec_kernel<WsTr, kMask, kSoftcap, kVarlen>, blocks, dim3(L::kThreads),
                     L::kSmemBytes, params, tma);
     } else {
