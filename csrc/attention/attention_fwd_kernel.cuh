@@ -231,12 +231,9 @@ struct QueryBlock {
 // One key tile of the online softmax, for a warp's kMT x 16 rows: new running max, the factor
 // (correction) by which O and the running sum shrink, the running sum, and P = exp2(S * scale_log2 -
 // max) in place of S. O is left alone: rescale_rows applies the correction (online_softmax does both).
-// kPolyGroups of each row's kNCols / 8 column groups (spread evenly) take 2^x from poly_exp2 on the
-// FMA pipe, the others from the SFU.
-template <int kMT, int kNCols, int kPolyGroups = 0>
+template <int kMT, int kNCols>
 __device__ __forceinline__ void softmax_rows(float (&s)[kMT][kNCols / 8][4], float (&row_max)[kMT][2],
                                              float (&row_sum)[kMT][2], float (&correction)[kMT][2], float scale_log2) {
-  constexpr int kGroups = kNCols / 8;
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
@@ -254,8 +251,7 @@ __device__ __forceinline__ void softmax_rows(float (&s)[kMT][kNCols / 8][4], flo
       for (int nt = 0; nt < kNCols / 8; ++nt)
 #pragma unroll
         for (int e = 2 * hh; e < 2 * hh + 2; ++e) {
-          const float x = fmaf(s[mt][nt][e], scale_log2, -max_scaled);
-          s[mt][nt][e] = (nt * kPolyGroups) % kGroups < kPolyGroups ? poly_exp2(x) : fast_exp2(x);
+          s[mt][nt][e] = fast_exp2(fmaf(s[mt][nt][e], scale_log2, -max_scaled));
           sum += s[mt][nt][e];
         }
       row_sum[mt][hh] = row_sum[mt][hh] * correction[mt][hh] + sum;  // per-thread partial; reduced at the end
@@ -276,11 +272,11 @@ __device__ __forceinline__ void rescale_rows(float (&o)[kMT][kD / 8][4], const f
 }
 
 // Both, for a tile whose O product has finished.
-template <int kMT, int kNCols, int kD, int kPolyGroups = 0>
+template <int kMT, int kNCols, int kD>
 __device__ __forceinline__ void online_softmax(float (&s)[kMT][kNCols / 8][4], float (&o)[kMT][kD / 8][4],
                                                float (&row_max)[kMT][2], float (&row_sum)[kMT][2], float scale_log2) {
   float correction[kMT][2];
-  softmax_rows<kMT, kNCols, kPolyGroups>(s, row_max, row_sum, correction, scale_log2);
+  softmax_rows<kMT, kNCols>(s, row_max, row_sum, correction, scale_log2);
   rescale_rows<kMT, kD>(o, correction);
 }
 

@@ -53,9 +53,6 @@ struct WarpSpecFwdTraits {
                                   FwdTraits<typename Tr::T, 64, 192, Tr::kBlockN, 12, Tr::kPadHeadDim>, Tr>;
 };
 
-#ifndef FUSEFORGE_ATTN_EXP2_POLY
-#define FUSEFORGE_ATTN_EXP2_POLY 0  // column groups of 16 a row whose 2^x runs on the FMA pipe (head dim 64)
-#endif
 template <class Tr>
 struct WarpSpecFwdLayout {
   static constexpr int kStages = 2;
@@ -231,7 +228,7 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
       auto& s3 = reinterpret_cast<float(&)[1][kBlockN / 8][4]>(sacc);
       if (tile_needs_mask<kMask, kBlockM, kBlockN>(m0, n0, seqlen_k, offset, p))
         apply_mask<kMask, 1, kBlockN>(s3, m0 + warp_row0, n0, seqlen_k, offset, p, lane);
-      online_softmax<1, kBlockN, kD, kD == 64 ? FUSEFORGE_ATTN_EXP2_POLY : 0>(s3, o3, row_max, row_sum, scale_log2);
+      online_softmax<1, kBlockN, kD>(s3, o3, row_max, row_sum, scale_log2);
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk) c_to_a_fragment<T>(s3[0][2 * kk], s3[0][2 * kk + 1], pa[kk]);
     };

@@ -14,19 +14,6 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
-// 2^x on the FMA and integer pipes instead of the SFU (FlashAttention-4's offload, for kernels whose
-// SFU is the busiest pipe): 2^x = 2^j 2^f with j = round(x) (by the 1.5 * 2^23 rounding trick) and
-// f in [-0.5, 0.5], 2^f by a degree-3 polynomial (relative error < 7.5e-5 in float32, fitted for
-// minimax relative error), 2^j added to the exponent bits. x below -125 gives 0 (-inf included).
-__device__ __forceinline__ float poly_exp2(float x) {
-  const float xc = fmaxf(x, -125.f);
-  const float t = xc + 12582912.f;
-  const float f = xc - (t - 12582912.f);
-  const float p = fmaf(fmaf(fmaf(0.0551715009f, f, 0.242610961f), f, 0.693260968f), f, 0.999928057f);
-  const float y = __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
-  return x < -125.f ? 0.f : y;
-}
-
 // tanh on the SFU's tanh.approx.f32 (one SFU op; FlashAttention-2/3's softcap uses it as well).
 // Its ~2^-11 relative error stays under the bf16 output's rounding: at Gemma 2's cap of 50 (scores
 // up to 4x past it) bench_attention_varlen's rel_err stayed 0.00179, and the tests' float64 checks
