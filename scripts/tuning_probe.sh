@@ -49,7 +49,7 @@ ADAMW=(c16k:)
 # no division a tile without GQA lost, and half the softcap's reciprocals by Newton steps timed
 # level; all removed (docs/notes_attention.md). Add "name:-DKNOB=1" (or "name:ENV=value") entries
 # for the next candidates.
-ATTN=(default: "tree:-DFUSEFORGE_ATTN_MAX_TREE=1")
+ATTN=(default:)
 PARTS=${PARTS:-build tests time profile e2e lce}
 OPS=${OPS-adamw add_mul_act}
 has() { [[ " $PARTS " == *" $1 "* ]]; }

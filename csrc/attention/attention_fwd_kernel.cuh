@@ -231,9 +231,6 @@ struct QueryBlock {
 // One key tile of the online softmax, for a warp's kMT x 16 rows: new running max, the factor
 // (correction) by which O and the running sum shrink, the running sum, and P = exp2(S * scale_log2 -
 // max) in place of S. O is left alone: rescale_rows applies the correction (online_softmax does both).
-#ifndef FUSEFORGE_ATTN_MAX_TREE
-#define FUSEFORGE_ATTN_MAX_TREE 0
-#endif
 template <int kMT, int kNCols>
 __device__ __forceinline__ void softmax_rows(float (&s)[kMT][kNCols / 8][4], float (&row_max)[kMT][2],
                                              float (&row_sum)[kMT][2], float (&correction)[kMT][2], float scale_log2) {
@@ -241,23 +238,10 @@ __device__ __forceinline__ void softmax_rows(float (&s)[kMT][kNCols / 8][4], flo
   for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-#if FUSEFORGE_ATTN_MAX_TREE
-      // Four interleaved chains over the row's pairs: depth kNCols / 32 + 3 instead of kNCols / 8
-      // (a full tree kept more temporaries live and spilled the 160-register three-warpgroup kernels).
-      static_assert(kNCols % 32 == 0, "four chains of column pairs");
-      float part[4];
-#pragma unroll
-      for (int c = 0; c < 4; ++c) part[c] = fmaxf(s[mt][c][2 * hh], s[mt][c][2 * hh + 1]);
-#pragma unroll
-      for (int nt = 4; nt < kNCols / 8; ++nt)
-        part[nt % 4] = fmaxf(part[nt % 4], fmaxf(s[mt][nt][2 * hh], s[mt][nt][2 * hh + 1]));
-      float mx = warp_max4(fmaxf(fmaxf(row_max[mt][hh], fmaxf(part[0], part[1])), fmaxf(part[2], part[3])));
-#else
       float mx = row_max[mt][hh];
 #pragma unroll
       for (int nt = 0; nt < kNCols / 8; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * hh], s[mt][nt][2 * hh + 1]));
       mx = warp_max4(mx);
-#endif
       // A row with every key masked so far keeps max -inf: subtract 0 instead (no inf - inf).
       const float max_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
       correction[mt][hh] = fast_exp2(row_max[mt][hh] * scale_log2 - max_scaled);
