@@ -47,7 +47,9 @@ ADAMW=(c16k:)
 # (2026-11-26); a persistent dk/dv kernel, varlen key-block slots and immediate-offset dQ staging
 # stores timed level, and a late dQ store, query tiles rotated per key block, a dQ-writer warp and
 # no division a tile without GQA lost, and half the softcap's reciprocals by Newton steps timed
-# level; all removed (docs/notes_attention.md). Add "name:-DKNOB=1" (or "name:ENV=value") entries
+# level; on 2026-11-26 (fifteenth session) the backward's hidden-warpgroup skip, a 3-stage forward
+# ring and exponentials on the FMA pipe lost, independent 64-row streams and the row max over four
+# chains timed level; all removed (docs/notes_attention.md). Add "name:-DKNOB=1" (or "name:ENV=value") entries
 # for the next candidates.
 ATTN=(default:)
 PARTS=${PARTS:-build tests time profile e2e lce}
