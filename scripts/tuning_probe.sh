@@ -51,7 +51,7 @@ ADAMW=(c16k:)
 # ring and exponentials on the FMA pipe lost, independent 64-row streams and the row max over four
 # chains timed level; all removed (docs/notes_attention.md). Add "name:-DKNOB=1" (or "name:ENV=value") entries
 # for the next candidates.
-ATTN=(default: "dkq1:-DFUSEFORGE_ATTN_BWD_DK_AFTER_DQ=1")
+ATTN=(default:)
 PARTS=${PARTS:-build tests time profile e2e lce}
 OPS=${OPS-adamw add_mul_act}
 has() { [[ " $PARTS " == *" $1 "* ]]; }

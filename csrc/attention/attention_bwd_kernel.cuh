@@ -422,9 +422,6 @@ __device__ __forceinline__ void attention_bwd_dkdv_mma_body(const BwdParams& p) 
 // Where warp `warp`'s 16 x 64 block of dQ for query tile `it` goes (the wgmma body's split without
 // Tr::kSplitCols: warpgroup g computes dQ's columns [64 g, +64) at head dim 128, its rows [64 g, +64)
 // at 64), and whether those rows lie within Sq.
-#ifndef FUSEFORGE_ATTN_BWD_DK_AFTER_DQ
-#define FUSEFORGE_ATTN_BWD_DK_AFTER_DQ 0  // 1: with a causal or window mask; 2: every mask
-#endif
 struct DqTarget {
   float* tile;
   bool valid;
@@ -574,10 +571,7 @@ __device__ __forceinline__ void dkdv_wgmma_tile(const BwdParams& p, const Blk& b
   auto& dpt4 = reinterpret_cast<const float(&)[kSN / 4][4]>(dpt);
 #pragma unroll
   for (int kk = 0; kk < kBlockM / 16; ++kk) c_to_a_fragment<T>(dpt4[2 * kk], dpt4[2 * kk + 1], dsa[kk]);
-  // kDkAfterDq (FlashAttention-3's order): dK issued after dQ, so dQ's staging runs under dK.
-  constexpr bool kDkAfterDq = kAtomicDq && !kSplit &&
-                              (FUSEFORGE_ATTN_BWD_DK_AFTER_DQ == 2 || (FUSEFORGE_ATTN_BWD_DK_AFTER_DQ == 1 && kMask != kNoMask));
-  if constexpr (!kDkAfterDq) wgmma_rs_mn_major<T, kDOut, kBlockM / 16>(dk, dsa, sQ + out_panels, QTile::kPanelBytes);
+  wgmma_rs_mn_major<T, kDOut, kBlockM / 16>(dk, dsa, sQ + out_panels, QTile::kPanelBytes);
 
   if constexpr (kAtomicDq) {
     // dS^T to shared memory ([key][query]); element pair (2t, 2t + 1) of query block j, key row
@@ -638,12 +632,10 @@ __device__ __forceinline__ void dkdv_wgmma_tile(const BwdParams& p, const Blk& b
                                   wgmma_desc_add(k_desc, row_off));
     }
     wgmma_commit();
-    if constexpr (kDkAfterDq) wgmma_rs_mn_major<T, kDOut, kBlockM / 16>(dk, dsa, sQ + out_panels, QTile::kPanelBytes);
-    wgmma_wait<kDkAfterDq ? 1 : 0>();  // dQ done (dK may still run)
+    wgmma_wait<0>();
     wgmma_fence_operands(dq);
     const DqTarget target = dq_target<Tr>(p, blk, it, warp);
     add_dq(dq, target.tile, lane, target.valid);
-    if constexpr (kDkAfterDq) wgmma_wait<0>();
   } else {
     wgmma_wait<0>();
   }
