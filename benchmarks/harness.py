@@ -358,7 +358,8 @@ def markdown_table(result: dict) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     where = result["cpu"] if result.get("gpu") == "cpu" and "cpu" in result else result["gpu"]
     # "-dirty": the tree differed from that commit (a device's .git can be older than its tree)
-    commit = result["commit"][:12] + ("-dirty" if result["commit"].endswith("-dirty") else "")
+    sha = result["commit"].removesuffix("-dirty")
+    commit = sha[:12] + ("-dirty" if sha != result["commit"] else "")
     meta = (f"\n{where}, torch {result['torch']}, CUDA {result['cuda']}, commit `{commit}`, "
             f"{result['date']}; ceilings {result.get('ceilings', {})}. `vs X` = X's time / fuseforge's.\n")
     return "\n".join(lines) + "\n" + meta
