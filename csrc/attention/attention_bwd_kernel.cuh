@@ -179,6 +179,7 @@ struct KeyBlock {
     if constexpr (kMask != kNoMask) {
       if (p.kv_block_slowest) n_block = blockIdx.z, hk = blockIdx.x, b = blockIdx.y;
     }
+    if constexpr (kVarlen) b = p.seq_order[b];  // longest sequences first
     const SeqInfo<kVarlen> seq(p, b);
     seqlen_q = seq.seqlen_q;
     seqlen_k = seq.seqlen_k;

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "attention/attention.h"
+#include "attention/attention_launch.h"
 #include "attention/attention_params.h"
 
 namespace fuseforge::attention {
@@ -72,9 +73,26 @@ void fill_forward(FwdParams& p, const Shape& s, const at::Tensor& q, const at::T
 }
 
 // Varlen: batch strides 0 (the views are a batch of one), the sequences from cu_seqlens.
-void set_varlen(FwdParams& p, const at::Tensor& cu_q, const at::Tensor& cu_k) {
-  p.cu_seqlens_q = cu_q.data_ptr<int>();
-  p.cu_seqlens_k = cu_k.data_ptr<int>();
+struct VarlenArgs {
+  at::Tensor cu_q, cu_k;
+  at::Tensor seq_order;  // the kernels' order of the sequences (FwdParams::seq_order)
+};
+
+// Checks cu_seqlens and writes the sequence order, on the device (check_and_order_sequences_async).
+VarlenArgs prepare_varlen(const Shape& s, const at::Tensor& q, const at::Tensor& k, const at::Tensor& cu_seqlens_q,
+                          const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k) {
+  VarlenArgs a{cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(),
+               at::empty({std::max<int64_t>(s.batch, 1)}, cu_seqlens_q.options())};
+  check_and_order_sequences_async(a.cu_q.data_ptr<int>(), a.cu_k.data_ptr<int>(), static_cast<int>(s.batch), q.size(0),
+                                  k.size(0), max_seqlen_q, max_seqlen_k, varlen_longest_first(),
+                                  a.seq_order.data_ptr<int>());
+  return a;
+}
+
+void set_varlen(FwdParams& p, const VarlenArgs& a) {
+  p.cu_seqlens_q = a.cu_q.data_ptr<int>();
+  p.cu_seqlens_k = a.cu_k.data_ptr<int>();
+  p.seq_order = a.seq_order.data_ptr<int>();
   p.q_batch_stride = p.k_batch_stride = p.v_batch_stride = p.out_batch_stride = 0;
   p.lse_batch_stride = 0;
 }
@@ -112,13 +130,13 @@ void dispatch_dtype_head_dim(at::ScalarType dtype, int64_t head_dim, bool softca
 // The forward on (B, H, S, D) views; lse preallocated. Shared by the fixed-length and varlen ops.
 void forward(const Shape& s, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
              const at::Tensor& out, const at::Tensor& lse, double scale, const MaskOptions& o,
-             const at::Tensor* cu_q, const at::Tensor* cu_k) {
+             const VarlenArgs* varlen) {
   if (out.numel() == 0) return;
   const at::Tensor q = kernel_ready(q_in), k = kernel_ready(k_in), v = kernel_ready(v_in);
   at::Tensor out_k = kernel_ready(out);
   FwdParams p;
   fill_forward(p, s, q, k, v, out_k, lse, scale, o);
-  if (cu_q != nullptr) set_varlen(p, *cu_q, *cu_k);
+  if (varlen != nullptr) set_varlen(p, *varlen);
   const at::Tensor tile_counter = at::zeros({1}, q.options().dtype(at::kInt));
   p.tile_counter = tile_counter.data_ptr<int>();
   dispatch_dtype_head_dim(q.scalar_type(), s.head_dim, o.softcap > 0.0,
@@ -132,7 +150,7 @@ void forward(const Shape& s, const at::Tensor& q_in, const at::Tensor& k_in, con
 void backward(const Shape& s, const at::Tensor& grad_out_in, const at::Tensor& q_in, const at::Tensor& k_in,
               const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& lse_in, double scale,
               const MaskOptions& o, bool deterministic, const at::Tensor& grad_q, const at::Tensor& grad_k,
-              const at::Tensor& grad_v, const at::Tensor* cu_q, const at::Tensor* cu_k) {
+              const at::Tensor& grad_v, const VarlenArgs* varlen) {
   // grad_out may come with any strides (an expanded ones_like, a transposed view): copy if needed.
   const at::Tensor grad_out = kernel_ready(grad_out_in.stride(3) == 1 ? grad_out_in : grad_out_in.contiguous());
   const at::Tensor q = kernel_ready(q_in), k = kernel_ready(k_in), v = kernel_ready(v_in);
@@ -155,20 +173,20 @@ void backward(const Shape& s, const at::Tensor& grad_out_in, const at::Tensor& q
   if (!deterministic) {
     // Whole 16-row tiles (the kernels add 16 x 8 tiles, attention_bwd_kernel.cuh); varlen: sequence b
     // from tile cu[b] / 16 + b, so R = 16 (total / 16 + B + 1) rows a head.
-    const int64_t rows = cu_q != nullptr ? 16 * (q.size(2) / 16 + s.batch + 1) : (s.seqlen_q + 15) / 16 * 16;
-    const int64_t batches = cu_q != nullptr ? 1 : s.batch;
+    const int64_t rows = varlen != nullptr ? 16 * (q.size(2) / 16 + s.batch + 1) : (s.seqlen_q + 15) / 16 * 16;
+    const int64_t batches = varlen != nullptr ? 1 : s.batch;
     // The kernel head dim's columns: the kernels add the zero columns past the head dim too. Zeroed
     // by the row_dot kernel.
     dq_accum = at::empty({batches, s.heads_q, rows, cuda_kernel_head_dim(s.head_dim)}, q.options().dtype(at::kFloat));
     p.dq_accum = dq_accum.data_ptr<float>();
     p.dq_accum_floats = dq_accum.numel();
     p.dq_accum_head_tiles = rows / 16;
-    p.dq_accum_batch_tiles = cu_q != nullptr ? 0 : s.heads_q * rows / 16;
+    p.dq_accum_batch_tiles = varlen != nullptr ? 0 : s.heads_q * rows / 16;
   }
   // The row_dot kernel's view: every row of q once (varlen: one sequence of total_q rows).
   BwdParams row_dot_params = p;
-  if (cu_q != nullptr) {
-    set_varlen(p, *cu_q, *cu_k);
+  if (varlen != nullptr) {
+    set_varlen(p, *varlen);
     p.do_batch_stride = p.dq_batch_stride = p.dk_batch_stride = p.dv_batch_stride = 0;
     row_dot_params.batch = 1;
     row_dot_params.seqlen_q = static_cast<int>(q.size(2));
@@ -190,7 +208,7 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cuda(const at::Tensor& q, const
   const c10::cuda::CUDAGuard guard(q.device());
   at::Tensor out = at::empty_like(q);
   at::Tensor lse = at::empty({s.batch, s.heads_q, s.seqlen_q}, q.options().dtype(at::kFloat));
-  forward(s, q, k, v, out, lse, scale, o, nullptr, nullptr);
+  forward(s, q, k, v, out, lse, scale, o, nullptr);
   return {out, lse};
 }
 
@@ -218,7 +236,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(const at::Tens
   const c10::cuda::CUDAGuard guard(q.device());
   at::Tensor grad_q = at::empty_like(q), grad_k = at::empty_like(k), grad_v = at::empty_like(v);
   if (backward_is_trivial(s, grad_q, grad_k, grad_v)) return {grad_q, grad_k, grad_v};
-  backward(s, grad_out, q, k, v, out, lse, scale, o, deterministic, grad_q, grad_k, grad_v, nullptr, nullptr);
+  backward(s, grad_out, q, k, v, out, lse, scale, o, deterministic, grad_q, grad_k, grad_v, nullptr);
   return {grad_q, grad_k, grad_v};
 }
 
@@ -232,14 +250,12 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_fwd_cuda(const at::Tensor& q
   const MaskOptions o = check_mask_options(causal, window_left, window_right, softcap);
   check_grid_limits(s);
   const c10::cuda::CUDAGuard guard(q.device());
-  const at::Tensor cu_q = cu_seqlens_q.contiguous(), cu_k = cu_seqlens_k.contiguous();
-  check_cu_seqlens_async(cu_q.data_ptr<int>(), cu_k.data_ptr<int>(), static_cast<int>(s.batch), q.size(0), k.size(0),
-                         max_seqlen_q, max_seqlen_k);
+  const VarlenArgs varlen = prepare_varlen(s, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
   at::Tensor out = at::empty_like(q);
   at::Tensor lse = at::empty({s.heads_q, q.size(0)}, q.options().dtype(at::kFloat));
   if (s.batch > 0) {
-    forward(s, as_batch_of_one(q), as_batch_of_one(k), as_batch_of_one(v), as_batch_of_one(out), lse, scale, o, &cu_q,
-            &cu_k);
+    forward(s, as_batch_of_one(q), as_batch_of_one(k), as_batch_of_one(v), as_batch_of_one(out), lse, scale, o,
+            &varlen);
   }
   return {out, lse};
 }
@@ -256,12 +272,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_bwd_cuda(
   const c10::cuda::CUDAGuard guard(q.device());
   at::Tensor grad_q = at::empty_like(q), grad_k = at::empty_like(k), grad_v = at::empty_like(v);
   if (backward_is_trivial(s, grad_q, grad_k, grad_v)) return {grad_q, grad_k, grad_v};
-  const at::Tensor cu_q = cu_seqlens_q.contiguous(), cu_k = cu_seqlens_k.contiguous();
-  check_cu_seqlens_async(cu_q.data_ptr<int>(), cu_k.data_ptr<int>(), static_cast<int>(s.batch), q.size(0), k.size(0),
-                         max_seqlen_q, max_seqlen_k);
+  const VarlenArgs varlen = prepare_varlen(s, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
   backward(s, as_batch_of_one(grad_out), as_batch_of_one(q), as_batch_of_one(k), as_batch_of_one(v),
            as_batch_of_one(out), lse.unsqueeze(0), scale, o, deterministic, as_batch_of_one(grad_q),
-           as_batch_of_one(grad_k), as_batch_of_one(grad_v), &cu_q, &cu_k);
+           as_batch_of_one(grad_k), as_batch_of_one(grad_v), &varlen);
   return {grad_q, grad_k, grad_v};
 }
 

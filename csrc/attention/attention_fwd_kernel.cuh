@@ -200,8 +200,9 @@ struct QueryBlock {
   // One block a tile: the grid is (query blocks, heads, batch).
   __device__ __forceinline__ explicit QueryBlock(const FwdParams& p)
       : QueryBlock(p, gridDim.x - 1 - blockIdx.x, blockIdx.y, blockIdx.z) {}
+  // b_: the batch slot (varlen: the sequence p.seq_order[b_]).
   __device__ __forceinline__ QueryBlock(const FwdParams& p, int m_block, int h_, int b_) {
-    h = h_, b = b_, hk = h / p.group;
+    h = h_, b = kVarlen ? p.seq_order[b_] : b_, hk = h / p.group;
     const SeqInfo<kVarlen> seq(p, b);
     seqlen_q = seq.seqlen_q;
     seqlen_k = seq.seqlen_k;

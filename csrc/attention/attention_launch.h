@@ -47,6 +47,10 @@ inline int fwd_query_rows_d64(const FwdParams& p, bool local) {
   return area192 * 100 > area128 * 115 ? 128 : 192;
 }
 
+// Varlen: the kernels take the sequences longest first (check_and_order_sequences_async, FwdParams::
+// seq_order). FUSEFORGE_ATTENTION_VARLEN_LONGEST_FIRST=0 keeps the given order (A/B timings, tests).
+inline bool varlen_longest_first() { return env_flag("FUSEFORGE_ATTENTION_VARLEN_LONGEST_FIRST", true); }
+
 // The dk/dv kernel's block order for a local mask (see launch_attention_bwd): key blocks slowest (every
 // head's heaviest causal block in the first wave) when the grid is at most `max_waves` waves of
 // `resident` blocks, else a head's key blocks side by side (sharing its Q / dO tiles in L2).

@@ -55,6 +55,10 @@ struct FwdParams {
   // (batch strides 0, `batch` sequences); null for fixed-length batches.
   const int* cu_seqlens_q = nullptr;
   const int* cu_seqlens_k = nullptr;
+  // Varlen: the sequence a grid's (or tile list's) batch slot b runs, seq_order[b], longest sequences
+  // first so the heaviest tiles start early and the short ones fill the tail (written on the device
+  // by check_and_order_sequences_async). Null for fixed-length batches.
+  const int* seq_order = nullptr;
   // The local mask (kernels instantiated with a kMask mode): query i sees key j when
   // i + off - window_left <= j <= i + off + window_right, off = Sk - Sq of the sequence. The host
   // clamps unbounded sides to the max lengths (causal: window_right = 0), so no sum overflows.
@@ -97,9 +101,10 @@ struct BwdParams : FwdParams {
 // params.head_dim < kHeadDim (attention_kernel_traits.h). The backward's row_dot_params is the
 // problem as the row_dot kernel sees it (varlen: one sequence of all total_q rows).
 // Varlen: checks cu_seqlens on the device (attention_varlen_check.cu): a device-side assert names
-// what is wrong; launched ahead of the attention kernels on the current stream.
-void check_cu_seqlens_async(const int* cu_q, const int* cu_k, int batch, int64_t total_q, int64_t total_k,
-                            int64_t max_q, int64_t max_k);
+// what is wrong; and writes seq_order (batch ints): the sequences by decreasing len_q + len_k
+// (longest_first; else 0, 1, ...). Launched ahead of the attention kernels on the current stream.
+void check_and_order_sequences_async(const int* cu_q, const int* cu_k, int batch, int64_t total_q, int64_t total_k,
+                                     int64_t max_q, int64_t max_k, bool longest_first, int* seq_order);
 
 template <typename T, int kHeadDim, bool kSoftcap, bool kPadHeadDim>
 void run_attention_fwd(const FwdParams& params, bool local);
