@@ -37,7 +37,6 @@ struct FwdTmaParams {
   int store_o_tma = 0;  // the epilogue stores O by TMA (o encoded; fixed-length only)
   int pingpong = 1;  // consumers take turns issuing their products
   int early_k_release = 1;  // 0: K(i) freed with V(i), after P(i) V(i) (the schedule before; A/B timings)
-  int skip_ahead = 1;  // varlen: an empty tile moves the counter past its sequence's other empty ones
   int m_blocks = 0, num_tiles = 0;
   int64_t max_blocks = 0;  // host only: FUSEFORGE_ATTENTION_FWD_BLOCKS (0: one an SM)
 };
@@ -139,22 +138,11 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
       auto next_tile = [&] { return atomicAdd(p.tile_counter, 1) + static_cast<int>(gridDim.x); };
       int tile = blockIdx.x, kv = 0;  // kv: K/V tiles issued so far (the ring position)
       for (int j = 0;; ++j) {
-        // varlen: tiles past their sequence have no rows; skip them here, the consumers never see them.
-        // A (sequence, head)'s empty tiles are its first m_blocks - ceil(seqlen_q / kBlockM) indices
-        // (heaviest query block first), so one atomicMax moves the counter past all of them instead of
-        // an atomicAdd round trip each (a short document in a batch whose longest is 40 tiles has ~40).
-        if constexpr (kVarlen) {
-          while (tile < tma.num_tiles) {
-            const Block blk = block_of(tile);
-            if (blk.rows_q > 0) break;
-            if (tma.skip_ahead) {
-              const int first_full = tile - tile % tma.m_blocks + tma.m_blocks -
-                                     (blk.seqlen_q + kBlockM - 1) / kBlockM;
-              atomicMax(p.tile_counter, first_full - static_cast<int>(gridDim.x));
-            }
-            tile = next_tile();
-          }
-        }
+        // varlen: tiles past their sequence have no rows; skip them here, the consumers never see them
+        // (an atomicMax past a sequence's run of empty tiles instead of an atomicAdd each timed level:
+        // docs/notes_attention.md, sixteenth session)
+        if constexpr (kVarlen)
+          while (tile < tma.num_tiles && block_of(tile).rows_q <= 0) tile = next_tile();
         mbarrier_wait(empty_q, (j & 1) ^ 1);  // the consumers are done with the previous tile's Q
         if (tile >= tma.num_tiles) {
           *tile_slot = -1;
@@ -401,7 +389,6 @@ bool use_fwd_warpspec(const FwdParams& p, FwdTmaParams* tma) {
   if (!tma_kernels_allowed()) return require_tma(false);
   tma->pingpong = env_flag("FUSEFORGE_ATTENTION_PINGPONG", true) ? 1 : 0;
   tma->early_k_release = env_flag("FUSEFORGE_ATTENTION_EARLY_K_RELEASE", true) ? 1 : 0;
-  tma->skip_ahead = env_flag("FUSEFORGE_ATTENTION_SKIP_AHEAD", true) ? 1 : 0;
   tma->max_blocks = env_positive_int("FUSEFORGE_ATTENTION_FWD_BLOCKS", 0);
   // Not a requirement: where out's strides do not fit a tensor map, the kernel stores O itself.
   tma->store_o_tma = p.cu_seqlens_q == nullptr &&
