@@ -51,8 +51,8 @@ __global__ void check_and_order_sequences_kernel(const int* cu_q, const int* cu_
   // the heaviest tiles out of the last wave: the benchmark's documents put their two longest last,
   // and a simulation of the H100's 132 SMs had the tail at 3-4% of both passes. A counting sort by
   // len_q + len_k (its top bucket the longest); ties in any order (the order never changes a result:
-  // every tile's work is its own, and dQ's sums are unordered anyway outside deterministic mode, whose
-  // dq kernel reads no order). order_shift < 0: the given order.
+  // every tile's work is its own, dQ's sums are unordered anyway outside deterministic mode, and
+  // deterministic mode sums nothing across blocks). order_shift < 0: the given order.
   if (order_shift < 0) {
     for (int b = threadIdx.x; b < batch; b += blockDim.x) seq_order[b] = b;
     return;
