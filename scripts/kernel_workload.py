@@ -2,6 +2,7 @@
    python3 scripts/kernel_workload.py add_mul_act 16384x8192 fp32 gelu
    python3 scripts/kernel_workload.py adamw llama1b fp32|bf16-master
    python3 scripts/kernel_workload.py attention D128/S4096/full fuseforge|sdpa_flash|sdpa_cudnn
+   python3 scripts/kernel_workload.py attention docs/T32768/H16/D128/causal fuseforge|flex   (bench_attention_varlen)
    python3 scripts/kernel_workload.py attention_kernels D128/S4096/full sdpa_cudnn   (the impl's
      longest forward and backward kernel: "fwd NAME", "bwd NAME")
    ncu --kernel-name regex:backward_kernel --launch-skip 2 --launch-count 1 python3 scripts/kernel_workload.py ...
@@ -58,7 +59,15 @@ def attention_case(case, impl):
 
 
 def attention(case, impl):
-    """Forward + backward of one attention benchmark case, by one impl."""
+    """Forward + backward of one attention benchmark case, by one impl (bench_attention_varlen's cases,
+    "docs/...", "window...", "softcap...", through that script's own setup)."""
+    if not case.startswith("D"):
+        import bench_attention_varlen
+        bench_attention_varlen._selected_impls[:] = [impl]
+        fwdbwd = next(b.fn for b in bench_attention_varlen.setup(case) if b.impl == impl and b.pass_ == "fwdbwd")
+        for _ in range(CALLS):
+            fwdbwd()
+        return
     qkv, forward = attention_case(case, impl)
     g = torch.randn_like(qkv[0])
     for _ in range(CALLS):
