@@ -2,7 +2,10 @@
 `run()`, which times them (median of device-event timings after warm-up, every impl of a case in
 the same process), measures peak extra memory, measures the copy and GEMM ceilings in the same run,
 and writes benchmarks/results/<op>.json in the format of shared/BENCHMARKS.md, plus a markdown
-table (<op>.md) and a plot (<op>.png) generated from that JSON.
+table (<op>.md) and a plot (<op>.png) generated from that JSON. On CUDA each row also records the SM
+clock it ran at (`sm_mhz`, ClockSampler): under sustained load the H100 sits at its power cap and
+clocks each kernel by the power it draws, so two impls' time ratio is their cycle ratio times their
+clock ratio.
 
 `--device cpu` runs the script's CPU cases on the CPU instead (`cpu_cases`; the setup function asks
 `bench_device()`): wall-clock medians (time.perf_counter) after warm-up, peak extra memory as the
@@ -17,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional
@@ -211,6 +215,71 @@ def _round(v: Optional[float], digits: int = 4) -> Optional[float]:
     return float(f"{v:.{digits}g}")
 
 
+class ClockSampler:
+    """The SM clock and the active clock-event reasons, sampled by `nvidia-smi` every `interval_ms` in
+    the background between start() and stop(); clock(spans) then summarizes the samples inside the
+    (start, end) time.time() spans a bench was timed in. Where nvidia-smi cannot run, nothing is
+    sampled and clock() returns None."""
+    SW_POWER_CAP = 0x4  # nvidia-smi's clocks_event_reasons bit for the software power cap
+
+    def __init__(self, interval_ms: int = 25):
+        self.interval_ms = interval_ms
+        self.samples: list[tuple[float, float, int]] = []  # (time.time(), SM MHz, reason bits)
+        self._proc = None
+        self._path = ""
+
+    def start(self) -> "ClockSampler":
+        fd, self._path = tempfile.mkstemp(suffix=".csv")
+        try:
+            self._proc = subprocess.Popen(
+                ["nvidia-smi", "--query-gpu=timestamp,clocks.sm,clocks_event_reasons.active",
+                 "--format=csv,noheader,nounits", "-lms", str(self.interval_ms)],
+                stdout=fd, stderr=subprocess.DEVNULL)
+        except OSError:
+            self._proc = None
+        os.close(fd)
+        return self
+
+    def stop(self) -> None:
+        if self._proc is not None:
+            self._proc.terminate()
+            self._proc.wait()
+            self._proc = None
+        if self._path:
+            with open(self._path) as f:
+                self.samples = self.parse(f.read())
+            os.unlink(self._path)
+            self._path = ""
+
+    @staticmethod
+    def parse(text: str) -> list[tuple[float, float, int]]:
+        """nvidia-smi's lines ("2026/11/26 14:15:20.123, 1755, 0x0000000000000004"; local time) as
+        (time.time(), MHz, reason bits); lines that do not parse (its last, cut short) are skipped."""
+        out = []
+        for line in text.splitlines():
+            parts = [p.strip() for p in line.split(",")]
+            try:
+                t = _dt.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+                out.append((t, float(parts[1]), int(parts[2], 16)))
+            except (IndexError, ValueError):
+                continue
+        return out
+
+    def clock(self, spans: Iterable[tuple[float, float]]) -> Optional[dict]:
+        """{"sm_mhz": mean clock, "power_capped": share of samples at the software power cap} over the
+        samples inside the spans; None without samples there."""
+        spans = list(spans)
+        inside = [s for s in self.samples if any(a <= s[0] <= b for a, b in spans)]
+        if not inside:
+            return None
+        return {"sm_mhz": round(sum(s[1] for s in inside) / len(inside)),
+                "power_capped": round(sum(1 for s in inside if s[2] & self.SW_POWER_CAP) / len(inside), 2)}
+
+
+# id(bench) -> the (start, end) time.time() spans it was timed in, for the clock it ran at (run()).
+_timing_spans: dict[int, list[tuple[float, float]]] = {}
+
+
 def time_interleaved(benches: list[Bench], rounds: int, rep_ms: float = 100) -> dict[int, Optional[float]]:
     """Median ms of each bench over `rounds` rounds that time every bench in turn (time_ms with
     rep_ms each): slow drifts of the GPU's clocks and temperature fall on every impl alike instead of on
@@ -222,7 +291,9 @@ def time_interleaved(benches: list[Bench], rounds: int, rep_ms: float = 100) -> 
             if id(b) in failed:
                 continue
             try:
+                t0 = time.time()
                 times[id(b)].append(time_ms(b.fn, rep_ms=rep_ms))
+                _timing_spans.setdefault(id(b), []).append((t0, time.time()))
             except torch.cuda.OutOfMemoryError:
                 failed.add(id(b))
                 gc.collect()
@@ -235,7 +306,9 @@ def measure(bench: Bench, with_memory: bool = True, ms: Optional[float] = None) 
     row = {"case": bench.case, "pass": bench.pass_, "impl": bench.impl}
     try:
         if ms is None:
+            t0 = time.time()
             ms = time_ms(bench.fn)
+            _timing_spans.setdefault(id(bench), []).append((t0, time.time()))
         row["ms"] = _round(ms)
         if bench.bytes:
             row["GBps"] = _round(bench.bytes / ms / 1e6)
@@ -288,6 +361,8 @@ def run(op: str, cases: Iterable[str], setup: Callable[[str], list[Bench]], argv
     result = {"op": op, **env_info(), "ceilings": measure_ceilings(), "rounds": rounds, "rows": []}
     log(f"{op}: {len(cases)} cases on {result.get('cpu', result['gpu'])} (torch {result['torch']}, commit {result['commit']}), "
         f"ceilings {result['ceilings']}")
+    sampler = ClockSampler().start() if _device == "cuda" else None
+    row_spans: list[tuple[dict, list]] = []  # each row with its bench's timing spans
     for i, case in enumerate(cases):
         log(f"[{i + 1}/{len(cases)}] {case}")
         benches = [b for b in setup(case) if not impls or b.impl in impls]
@@ -301,11 +376,16 @@ def run(op: str, cases: Iterable[str], setup: Callable[[str], list[Bench]], argv
             else:
                 row = measure(b, with_memory=not args.no_memory, ms=timed.get(id(b)))
             result["rows"].append(row)
+            row_spans.append((row, _timing_spans.pop(id(b), [])))
             log("    " + "  ".join(f"{k}={v}" for k, v in row.items() if k != "case"))
         del benches
         gc.collect()
         if _device == "cuda":
             torch.cuda.empty_cache()
+    if sampler is not None:
+        sampler.stop()
+        for row, spans in row_spans:
+            row.update(sampler.clock(spans) or {})
     write(result, args.out)
     return result
 
@@ -356,6 +436,16 @@ def markdown_table(result: dict) -> str:
                 r = by.get((case, pass_, i))
                 cells.append(f"{r['peak_extra_mib']:.0f}" if r and "peak_extra_mib" in r else "-")
         lines.append("| " + " | ".join(cells) + " |")
+    if any("sm_mhz" in r for r in rows):
+        lines += ["", "SM clock while timed (MHz, mean of nvidia-smi samples; * = the software power cap "
+                      "active in most of them):", "",
+                  "| case | pass | " + " | ".join(impls) + " |", "|" + "---|" * (len(impls) + 2)]
+        for case, pass_ in keys:
+            cells = [case, pass_]
+            for i in impls:
+                r = by.get((case, pass_, i), {})
+                cells.append(f"{r['sm_mhz']}{'*' if r.get('power_capped', 0) >= 0.5 else ''}" if "sm_mhz" in r else "-")
+            lines.append("| " + " | ".join(cells) + " |")
     where = result["cpu"] if result.get("gpu") == "cpu" and "cpu" in result else result["gpu"]
     # "-dirty": the tree differed from that commit (a device's .git can be older than its tree)
     sha = result["commit"].removesuffix("-dirty")
