@@ -3,6 +3,7 @@
    python3 scripts/kernel_workload.py adamw llama1b fp32|bf16-master
    python3 scripts/kernel_workload.py attention D128/S4096/full fuseforge|sdpa_flash|sdpa_cudnn
    python3 scripts/kernel_workload.py attention docs/T32768/H16/D128/causal fuseforge|flex   (bench_attention_varlen)
+   ncu --profile-from-start off python3 scripts/kernel_workload.py attention_profiled CASE IMPL   (one fwd+bwd)
    python3 scripts/kernel_workload.py attention_kernels D128/S4096/full sdpa_cudnn   (the impl's
      longest forward and backward kernel: "fwd NAME", "bwd NAME")
    ncu --kernel-name regex:backward_kernel --launch-skip 2 --launch-count 1 python3 scripts/kernel_workload.py ...
@@ -58,20 +59,37 @@ def attention_case(case, impl):
     return (q, k, v), forward
 
 
-def attention(case, impl):
-    """Forward + backward of one attention benchmark case, by one impl (bench_attention_varlen's cases,
-    "docs/...", "window...", "softcap...", through that script's own setup)."""
+def attention_fwdbwd(case, impl):
+    """A callable running one forward + backward of an attention benchmark case by one impl
+    (bench_attention_varlen's cases, "docs/...", "window...", "softcap...", through that script's setup)."""
     if not case.startswith("D"):
         import bench_attention_varlen
         bench_attention_varlen._selected_impls[:] = [impl]
-        fwdbwd = next(b.fn for b in bench_attention_varlen.setup(case) if b.impl == impl and b.pass_ == "fwdbwd")
-        for _ in range(CALLS):
-            fwdbwd()
-        return
+        return next(b.fn for b in bench_attention_varlen.setup(case) if b.impl == impl and b.pass_ == "fwdbwd")
     qkv, forward = attention_case(case, impl)
     g = torch.randn_like(qkv[0])
+    return lambda: torch.autograd.grad(forward(), qkv, g)
+
+
+def attention(case, impl):
+    """Forward + backward of one attention benchmark case, by one impl."""
+    fwdbwd = attention_fwdbwd(case, impl)
     for _ in range(CALLS):
-        torch.autograd.grad(forward(), qkv, g)
+        fwdbwd()
+
+
+def attention_profiled(case, impl):
+    """attention()'s forward + backward, warmed up, then once more inside cudaProfilerStart / Stop, for
+    `ncu --profile-from-start off` to take every kernel of exactly one call (at ncu's locked clock:
+    impls compared in cycles, whatever clock each would get at the power cap)."""
+    fwdbwd = attention_fwdbwd(case, impl)
+    for _ in range(2):
+        fwdbwd()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    fwdbwd()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
 
 
 def attention_kernels(case, impl):
@@ -97,6 +115,6 @@ def attention_kernels(case, impl):
 
 if __name__ == "__main__":
     op, *args = sys.argv[1:]
-    {"add_mul_act": add_mul_act, "adamw": adamw, "attention": attention,
+    {"add_mul_act": add_mul_act, "adamw": adamw, "attention": attention, "attention_profiled": attention_profiled,
      "attention_kernels": attention_kernels}[op](*args)
     torch.cuda.synchronize()

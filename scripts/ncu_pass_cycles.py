@@ -1,0 +1,69 @@
+"""Every kernel of one attention forward+backward, per impl, under ncu at its locked SM clock: impls
+compared in cycles, apart from the clock each would get at the H100's power cap (GPU machine).
+   python3 scripts/ncu_pass_cycles.py --cases docs/T32768/H16/D128/causal,window4096/B2/H16/S16384/D128/causal \
+       --impls fuseforge,flex
+Cases of bench_attention.py ("D128/S16384/causal": impls fuseforge, sdpa_cudnn, sdpa_flash) or of
+bench_attention_varlen.py (fuseforge, flex). Runs `ncu --profile-from-start off` on
+scripts/kernel_workload.py attention_profiled (one warmed-up call inside cudaProfilerStart / Stop)
+and prints, per impl, the kernels' summed duration and elapsed cycles, and its five longest kernels.
+ncu flushes the caches before each kernel and serializes them, so the sums leave out launch gaps.
+"""
+import argparse
+import csv
+import io
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+UNIT_MS = {"ns": 1e-6, "nsecond": 1e-6, "us": 1e-3, "usecond": 1e-3, "ms": 1.0, "msecond": 1.0}
+
+
+def profile(case: str, impl: str) -> dict:
+    """{kernel launch id: (name, ms, cycles)} for one forward+backward."""
+    cmd = ["ncu", "--profile-from-start", "off", "--metrics", "gpu__time_duration.sum,sm__cycles_elapsed.max",
+           "--csv", sys.executable, os.path.join(ROOT, "scripts", "kernel_workload.py"), "attention_profiled", case,
+           impl]
+    text = subprocess.run(cmd, capture_output=True, text=True, timeout=600).stdout
+    rows = list(csv.reader(io.StringIO(text)))
+    # The workload's own prints come first (a list of lengths has commas too): start at ncu's header.
+    start = next(i for i, r in enumerate(rows) if "Kernel Name" in r)
+    head = rows[start]
+    k, m, v, u = (head.index(c) for c in ("Kernel Name", "Metric Name", "Metric Value", "Metric Unit"))
+    kernels: dict = {}
+    for r in rows[start + 1:]:
+        if len(r) != len(head):
+            continue
+        name, ms, cyc = kernels.get(r[0], (r[k], 0.0, 0.0))
+        value = float(r[v].replace(",", ""))
+        if r[m] == "gpu__time_duration.sum":
+            ms = value * UNIT_MS[r[u]]
+        elif r[m] == "sm__cycles_elapsed.max":
+            cyc = value
+        kernels[r[0]] = (name, ms, cyc)
+    return kernels
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", default="docs/T32768/H16/D128/causal")
+    ap.add_argument("--impls", default="fuseforge,flex")
+    args = ap.parse_args()
+    for case in args.cases.split(","):
+        totals = {}
+        for impl in args.impls.split(","):
+            kernels = profile(case, impl)
+            ms, cyc = sum(x[1] for x in kernels.values()), sum(x[2] for x in kernels.values())
+            totals[impl] = ms
+            print(f"{case} {impl}: {len(kernels)} kernels, {ms:.4f} ms at the locked clock, "
+                  f"{cyc / 1e6:.3f} M cycles (each kernel's slowest SM)", flush=True)
+            for name, kms, kcyc in sorted(kernels.values(), key=lambda x: -x[1])[:5]:
+                print(f"    {kms:9.4f} ms {kcyc / 1e6:8.3f} Mcyc  {name[:110]}")
+        if "fuseforge" in totals:
+            for impl, ms in totals.items():
+                if impl != "fuseforge" and totals["fuseforge"] > 0:
+                    print(f"{case}: {impl} / fuseforge = {ms / totals['fuseforge']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
