@@ -3,9 +3,9 @@
 the same process), measures peak extra memory, measures the copy and GEMM ceilings in the same run,
 and writes benchmarks/results/<op>.json in the format of shared/BENCHMARKS.md, plus a markdown
 table (<op>.md) and a plot (<op>.png) generated from that JSON. On CUDA each row also records the SM
-clock it ran at (`sm_mhz`, ClockSampler): under sustained load the H100 sits at its power cap and
-clocks each kernel by the power it draws, so two impls' time ratio is their cycle ratio times their
-clock ratio.
+clock nvidia-smi saw while it was timed (`sm_mhz`, ClockSampler): under sustained load the H100 sits at
+its power cap and clocks each kernel by the power it draws. The samples show that; they are too coarse
+to turn times into cycles (scripts/ncu_pass_cycles.py compares impls at one locked clock).
 
 `--device cpu` runs the script's CPU cases on the CPU instead (`cpu_cases`; the setup function asks
 `bench_device()`): wall-clock medians (time.perf_counter) after warm-up, peak extra memory as the
