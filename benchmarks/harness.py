@@ -3,9 +3,10 @@
 the same process), measures peak extra memory, measures the copy and GEMM ceilings in the same run,
 and writes benchmarks/results/<op>.json in the format of shared/BENCHMARKS.md, plus a markdown
 table (<op>.md) and a plot (<op>.png) generated from that JSON. On CUDA each row also records the SM
-clock nvidia-smi saw while it was timed (`sm_mhz`, ClockSampler): under sustained load the H100 sits at
-its power cap and clocks each kernel by the power it draws. The samples show that; they are too coarse
-to turn times into cycles (scripts/ncu_pass_cycles.py compares impls at one locked clock).
+clock and the board power nvidia-smi saw while it was timed (`sm_mhz`, `watts`, ClockSampler): under
+sustained load the H100 sits at its power cap and clocks each kernel by the power it draws, so a row's
+energy a call is about watts x ms. The samples show that; they are too coarse to turn times into
+cycles (scripts/ncu_pass_cycles.py compares impls at one locked clock).
 
 `--device cpu` runs the script's CPU cases on the CPU instead (`cpu_cases`; the setup function asks
 `bench_device()`): wall-clock medians (time.perf_counter) after warm-up, peak extra memory as the
@@ -216,23 +217,34 @@ def _round(v: Optional[float], digits: int = 4) -> Optional[float]:
 
 
 class ClockSampler:
-    """The SM clock and the active clock-event reasons, sampled by `nvidia-smi` every `interval_ms` in
-    the background between start() and stop(); clock(spans) then summarizes the samples inside the
-    (start, end) time.time() spans a bench was timed in. Where nvidia-smi cannot run, nothing is
-    sampled and clock() returns None."""
+    """The SM clock, the board power and the active clock-event reasons, sampled by `nvidia-smi` every
+    `interval_ms` in the background between start() and stop(); clock(spans) then summarizes the
+    samples inside the (start, end) time.time() spans a bench was timed in. Where nvidia-smi cannot
+    run, nothing is sampled and clock() returns None."""
     SW_POWER_CAP = 0x4  # nvidia-smi's clocks_event_reasons bit for the software power cap
 
     def __init__(self, interval_ms: int = 25):
         self.interval_ms = interval_ms
-        self.samples: list[tuple[float, float, int]] = []  # (time.time(), SM MHz, reason bits)
+        self.samples: list[tuple[float, float, int, Optional[float]]] = []  # (time.time(), MHz, reasons, W)
         self._proc = None
         self._path = ""
+
+    @staticmethod
+    def power_field() -> str:
+        """power.draw.instant where the driver has it (newer drivers' power.draw is a 1 s average,
+        longer than a row's timing), else power.draw."""
+        try:
+            probe = subprocess.run(["nvidia-smi", "--query-gpu=power.draw.instant", "--format=csv,noheader"],
+                                   capture_output=True, text=True, timeout=20)
+            return "power.draw.instant" if probe.returncode == 0 else "power.draw"
+        except (OSError, subprocess.SubprocessError):
+            return "power.draw"
 
     def start(self) -> "ClockSampler":
         fd, self._path = tempfile.mkstemp(suffix=".csv")
         try:
             self._proc = subprocess.Popen(
-                ["nvidia-smi", "--query-gpu=timestamp,clocks.sm,clocks_event_reasons.active",
+                ["nvidia-smi", f"--query-gpu=timestamp,clocks.sm,clocks_event_reasons.active,{self.power_field()}",
                  "--format=csv,noheader,nounits", "-lms", str(self.interval_ms)],
                 stdout=fd, stderr=subprocess.DEVNULL)
         except OSError:
@@ -252,28 +264,38 @@ class ClockSampler:
             self._path = ""
 
     @staticmethod
-    def parse(text: str) -> list[tuple[float, float, int]]:
-        """nvidia-smi's lines ("2026/11/26 14:15:20.123, 1755, 0x0000000000000004"; local time) as
-        (time.time(), MHz, reason bits); lines that do not parse (its last, cut short) are skipped."""
+    def parse(text: str) -> list[tuple[float, float, int, Optional[float]]]:
+        """nvidia-smi's lines ("2026/11/26 14:15:20.123, 1755, 0x0000000000000004, 695.12"; local time)
+        as (time.time(), MHz, reason bits, watts or None where it printed [N/A]); lines that do not
+        parse (its last, cut short) are skipped."""
         out = []
         for line in text.splitlines():
             parts = [p.strip() for p in line.split(",")]
             try:
                 t = _dt.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
-                out.append((t, float(parts[1]), int(parts[2], 16)))
+                sample = (t, float(parts[1]), int(parts[2], 16))
             except (IndexError, ValueError):
                 continue
+            try:
+                watts: Optional[float] = float(parts[3])
+            except (IndexError, ValueError):
+                watts = None
+            out.append(sample + (watts,))
         return out
 
     def clock(self, spans: Iterable[tuple[float, float]]) -> Optional[dict]:
-        """{"sm_mhz": mean clock, "power_capped": share of samples at the software power cap} over the
-        samples inside the spans; None without samples there."""
+        """{"sm_mhz": mean clock, "power_capped": share of samples at the software power cap, "watts":
+        mean board power where sampled} over the samples inside the spans; None without samples there."""
         spans = list(spans)
         inside = [s for s in self.samples if any(a <= s[0] <= b for a, b in spans)]
         if not inside:
             return None
-        return {"sm_mhz": round(sum(s[1] for s in inside) / len(inside)),
-                "power_capped": round(sum(1 for s in inside if s[2] & self.SW_POWER_CAP) / len(inside), 2)}
+        out = {"sm_mhz": round(sum(s[1] for s in inside) / len(inside)),
+               "power_capped": round(sum(1 for s in inside if s[2] & self.SW_POWER_CAP) / len(inside), 2)}
+        watts = [s[3] for s in inside if s[3] is not None]
+        if watts:
+            out["watts"] = round(sum(watts) / len(watts))
+        return out
 
 
 # id(bench) -> the (start, end) time.time() spans it was timed in, for the clock it ran at (run()).
@@ -437,14 +459,15 @@ def markdown_table(result: dict) -> str:
                 cells.append(f"{r['peak_extra_mib']:.0f}" if r and "peak_extra_mib" in r else "-")
         lines.append("| " + " | ".join(cells) + " |")
     if any("sm_mhz" in r for r in rows):
-        lines += ["", "SM clock while timed (MHz, mean of nvidia-smi samples; * = the software power cap "
-                      "active in most of them):", "",
+        lines += ["", "SM clock and board power while timed (MHz / W, means of nvidia-smi samples; * = the "
+                      "software power cap active in most of them):", "",
                   "| case | pass | " + " | ".join(impls) + " |", "|" + "---|" * (len(impls) + 2)]
         for case, pass_ in keys:
             cells = [case, pass_]
             for i in impls:
                 r = by.get((case, pass_, i), {})
-                cells.append(f"{r['sm_mhz']}{'*' if r.get('power_capped', 0) >= 0.5 else ''}" if "sm_mhz" in r else "-")
+                cells.append("-" if "sm_mhz" not in r else f"{r['sm_mhz']}{'*' if r.get('power_capped', 0) >= 0.5 else ''}"
+                             + (f" / {r['watts']}" if "watts" in r else ""))
             lines.append("| " + " | ".join(cells) + " |")
     where = result["cpu"] if result.get("gpu") == "cpu" and "cpu" in result else result["gpu"]
     # "-dirty": the tree differed from that commit (a device's .git can be older than its tree)

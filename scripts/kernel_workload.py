@@ -3,7 +3,8 @@
    python3 scripts/kernel_workload.py adamw llama1b fp32|bf16-master
    python3 scripts/kernel_workload.py attention D128/S4096/full fuseforge|sdpa_flash|sdpa_cudnn
    python3 scripts/kernel_workload.py attention docs/T32768/H16/D128/causal fuseforge|flex   (bench_attention_varlen)
-   ncu --profile-from-start off python3 scripts/kernel_workload.py attention_profiled CASE IMPL   (one fwd+bwd)
+   ncu --profile-from-start off python3 scripts/kernel_workload.py attention_profiled CASE IMPL [fwd|fwdbwd]
+     (one forward, or one forward+backward: the default)
    python3 scripts/kernel_workload.py attention_kernels D128/S4096/full sdpa_cudnn   (the impl's
      longest forward and backward kernel: "fwd NAME", "bwd NAME")
    ncu --kernel-name regex:backward_kernel --launch-skip 2 --launch-count 1 python3 scripts/kernel_workload.py ...
@@ -59,14 +60,17 @@ def attention_case(case, impl):
     return (q, k, v), forward
 
 
-def attention_fwdbwd(case, impl):
-    """A callable running one forward + backward of an attention benchmark case by one impl
-    (bench_attention_varlen's cases, "docs/...", "window...", "softcap...", through that script's setup)."""
+def attention_fwdbwd(case, impl, pass_="fwdbwd"):
+    """A callable running one forward + backward (pass_ "fwdbwd") or one forward ("fwd") of an
+    attention benchmark case by one impl (bench_attention_varlen's cases, "docs/...", "window...",
+    "softcap...", through that script's setup)."""
     if not case.startswith("D"):
         import bench_attention_varlen
         bench_attention_varlen._selected_impls[:] = [impl]
-        return next(b.fn for b in bench_attention_varlen.setup(case) if b.impl == impl and b.pass_ == "fwdbwd")
+        return next(b.fn for b in bench_attention_varlen.setup(case) if b.impl == impl and b.pass_ == pass_)
     qkv, forward = attention_case(case, impl)
+    if pass_ == "fwd":
+        return forward
     g = torch.randn_like(qkv[0])
     return lambda: torch.autograd.grad(forward(), qkv, g)
 
@@ -78,16 +82,16 @@ def attention(case, impl):
         fwdbwd()
 
 
-def attention_profiled(case, impl):
-    """attention()'s forward + backward, warmed up, then once more inside cudaProfilerStart / Stop, for
-    `ncu --profile-from-start off` to take every kernel of exactly one call (at ncu's locked clock:
-    impls compared in cycles, whatever clock each would get at the power cap)."""
-    fwdbwd = attention_fwdbwd(case, impl)
+def attention_profiled(case, impl, pass_="fwdbwd"):
+    """attention()'s forward + backward (or forward only: pass_ "fwd"), warmed up, then once more inside
+    cudaProfilerStart / Stop, for `ncu --profile-from-start off` to take every kernel of exactly one
+    call (at ncu's locked clock: impls compared in cycles, whatever clock each would get at the power cap)."""
+    call = attention_fwdbwd(case, impl, pass_)
     for _ in range(2):
-        fwdbwd()
+        call()
     torch.cuda.synchronize()
     torch.cuda.profiler.start()
-    fwdbwd()
+    call()
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
 

@@ -1,13 +1,17 @@
-"""Every kernel of one attention forward+backward, per impl, under ncu at its locked SM clock: impls
-compared in cycles, apart from the clock each would get at the H100's power cap (GPU machine).
+"""Every kernel of one attention forward+backward (or forward), per impl, under ncu at its locked SM
+clock: impls compared in cycles, apart from the clock each would get at the H100's power cap (GPU machine).
    python3 scripts/ncu_pass_cycles.py --cases docs/T32768/H16/D128/causal,window4096/B2/H16/S16384/D128/causal \
        --impls fuseforge,flex
+   python3 scripts/ncu_pass_cycles.py --cases D64/S1024/full,D128/S16384/causal --impls fuseforge,sdpa_cudnn \
+       --passes fwd,fwdbwd --json OUT.json
 Cases of bench_attention.py ("D128/S16384/causal": impls fuseforge, sdpa_cudnn, sdpa_flash) or of
 bench_attention_varlen.py (fuseforge, flex). Runs `ncu --profile-from-start off` on
 scripts/kernel_workload.py attention_profiled (one warmed-up call inside cudaProfilerStart / Stop)
-and prints, per impl, the kernels' summed duration and elapsed cycles, and its five longest kernels.
-ncu flushes the caches before each kernel and serializes them, so the sums leave out launch gaps.
+and prints, per impl and pass, the kernels' summed duration and elapsed cycles, and its five longest
+kernels, then a table of the peers' ratios. ncu flushes the caches before each kernel and serializes
+them, so the sums leave out launch gaps.
 """
+import json
 import argparse
 import csv
 import io
@@ -19,11 +23,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 UNIT_MS = {"ns": 1e-6, "nsecond": 1e-6, "us": 1e-3, "usecond": 1e-3, "ms": 1.0, "msecond": 1.0}
 
 
-def profile(case: str, impl: str) -> dict:
-    """{kernel launch id: (name, ms, cycles)} for one forward+backward."""
+def profile(case: str, impl: str, pass_: str) -> dict:
+    """{kernel launch id: (name, ms, cycles)} for one forward+backward (pass_ "fwdbwd") or forward."""
     cmd = ["ncu", "--profile-from-start", "off", "--metrics", "gpu__time_duration.sum,sm__cycles_elapsed.max",
            "--csv", sys.executable, os.path.join(ROOT, "scripts", "kernel_workload.py"), "attention_profiled", case,
-           impl]
+           impl, pass_]
     text = subprocess.run(cmd, capture_output=True, text=True, timeout=600).stdout
     rows = list(csv.reader(io.StringIO(text)))
     # The workload's own prints come first (a list of lengths has commas too): start at ncu's header.
@@ -48,21 +52,37 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default="docs/T32768/H16/D128/causal")
     ap.add_argument("--impls", default="fuseforge,flex")
+    ap.add_argument("--passes", default="fwdbwd", help="comma-separated: fwd, fwdbwd")
+    ap.add_argument("--json", default="", help="also write the sums here: [{case, pass, impl, ms, mcycles}]")
     args = ap.parse_args()
+    impls, results = args.impls.split(","), []
     for case in args.cases.split(","):
-        totals = {}
-        for impl in args.impls.split(","):
-            kernels = profile(case, impl)
-            ms, cyc = sum(x[1] for x in kernels.values()), sum(x[2] for x in kernels.values())
-            totals[impl] = ms
-            print(f"{case} {impl}: {len(kernels)} kernels, {ms:.4f} ms at the locked clock, "
-                  f"{cyc / 1e6:.3f} M cycles (each kernel's slowest SM)", flush=True)
-            for name, kms, kcyc in sorted(kernels.values(), key=lambda x: -x[1])[:5]:
-                print(f"    {kms:9.4f} ms {kcyc / 1e6:8.3f} Mcyc  {name[:110]}")
-        if "fuseforge" in totals:
-            for impl, ms in totals.items():
-                if impl != "fuseforge" and totals["fuseforge"] > 0:
-                    print(f"{case}: {impl} / fuseforge = {ms / totals['fuseforge']:.3f}")
+        for pass_ in args.passes.split(","):
+            for impl in impls:
+                kernels = profile(case, impl, pass_)
+                ms, cyc = sum(x[1] for x in kernels.values()), sum(x[2] for x in kernels.values())
+                results.append({"case": case, "pass": pass_, "impl": impl, "kernels": len(kernels),
+                                "ms": round(ms, 4), "mcycles": round(cyc / 1e6, 4)})
+                print(f"{case} {pass_} {impl}: {len(kernels)} kernels, {ms:.4f} ms at the locked clock, "
+                      f"{cyc / 1e6:.3f} M cycles (each kernel's slowest SM)", flush=True)
+                for name, kms, kcyc in sorted(kernels.values(), key=lambda x: -x[1])[:5]:
+                    print(f"    {kms:9.4f} ms {kcyc / 1e6:8.3f} Mcyc  {name[:110]}")
+    peers = [i for i in impls if i != "fuseforge"]
+    if "fuseforge" in impls and peers:
+        by = {(r["case"], r["pass"], r["impl"]): r for r in results}
+        print("\n| case | pass | fuseforge ms | " + " | ".join(f"{i} ms | {i} / fuseforge" for i in peers) + " |")
+        print("|" + "---|" * (3 + 2 * len(peers)))
+        for case in args.cases.split(","):
+            for pass_ in args.passes.split(","):
+                ff = by[(case, pass_, "fuseforge")]["ms"]
+                cells = [case, pass_, f"{ff:.4g}"]
+                for i in peers:
+                    ms = by[(case, pass_, i)]["ms"]
+                    cells += [f"{ms:.4g}", f"{ms / ff:.3f}x" if ff > 0 else "-"]
+                print("| " + " | ".join(cells) + " |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,44 @@
+"""benchmarks/harness.py's pieces that run without a GPU: the nvidia-smi sample parser and the
+clock / power summary of a row (the GPU runs only produce them)."""
+import datetime as dt
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import harness  # noqa: E402
+
+
+def _stamp(t: float) -> str:
+    return dt.datetime.fromtimestamp(t).strftime("%Y/%m/%d %H:%M:%S.%f")[:-3]
+
+
+def test_clock_sampler_parses_clock_reasons_and_power():
+    t0 = 1_800_000_000.0
+    text = "\n".join([
+        f"{_stamp(t0)}, 1755, 0x0000000000000004, 699.50",
+        f"{_stamp(t0 + 0.025)}, 1845, 0x0000000000000000, 612.25",
+        f"{_stamp(t0 + 0.050)}, 1980, 0x0000000000000000, [N/A]",
+        f"{_stamp(t0 + 0.075)}, 19",  # cut short when the sampler was stopped
+    ])
+    samples = harness.ClockSampler.parse(text)
+    assert [s[1:] for s in samples] == [(1755.0, 4, 699.5), (1845.0, 0, 612.25), (1980.0, 0, None)]
+    assert abs(samples[1][0] - samples[0][0] - 0.025) < 1e-3
+
+    sampler = harness.ClockSampler()
+    sampler.samples = samples
+    # The first two samples: one at the cap; power averaged over the samples that have it.
+    assert sampler.clock([(t0 - 0.001, t0 + 0.030)]) == {"sm_mhz": 1800, "power_capped": 0.5, "watts": 656}
+    # A span with only the [N/A] sample: the clock, no power.
+    assert sampler.clock([(t0 + 0.045, t0 + 0.055)]) == {"sm_mhz": 1980, "power_capped": 0.0}
+    assert sampler.clock([(t0 + 1, t0 + 2)]) is None
+
+
+def test_markdown_table_shows_clock_and_power():
+    rows = [{"case": "c", "pass": "fwd", "impl": "fuseforge", "ms": 1.0, "sm_mhz": 1700, "power_capped": 0.9,
+             "watts": 698},
+            {"case": "c", "pass": "fwd", "impl": "peer", "ms": 1.5, "sm_mhz": 1900, "power_capped": 0.2}]
+    result = {"rows": rows, "gpu": "GPU", "torch": "t", "cuda": "c", "commit": "abc", "date": "d"}
+    table = harness.markdown_table(result)
+    assert "| c | fwd | 1 | 1.5 | 1.50x |" in table
+    assert "| c | fwd | 1700* / 698 | 1900 |" in table
