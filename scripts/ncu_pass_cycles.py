@@ -3,12 +3,13 @@ clock: impls compared in cycles, apart from the clock each would get at the H100
    python3 scripts/ncu_pass_cycles.py --cases docs/T32768/H16/D128/causal,window4096/B2/H16/S16384/D128/causal \
        --impls fuseforge,flex
    python3 scripts/ncu_pass_cycles.py --cases D64/S1024/full,D128/S16384/causal --impls fuseforge,sdpa_cudnn \
-       --passes fwd,fwdbwd --json OUT.json
+       --passes fwd,fwdbwd --out benchmarks/results    (writes attention_ncu_cycles.json / .md there)
 Cases of bench_attention.py ("D128/S16384/causal": impls fuseforge, sdpa_cudnn, sdpa_flash) or of
 bench_attention_varlen.py (fuseforge, flex). Runs `ncu --profile-from-start off` on
 scripts/kernel_workload.py attention_profiled (one warmed-up call inside cudaProfilerStart / Stop)
 and prints, per impl and pass, the kernels' summed duration and elapsed cycles, and its five longest
-kernels, then a table of the peers' ratios. ncu flushes the caches before each kernel and serializes
+kernels, then a table of the peers' ratios (with --out also as <name>.json, with the GPU, torch and
+commit, and <name>.md, which scripts/update_readme.py pastes into the README). ncu flushes the caches before each kernel and serializes
 them, so the sums leave out launch gaps.
 """
 import json
@@ -48,41 +49,61 @@ def profile(case: str, impl: str, pass_: str) -> dict:
     return kernels
 
 
+def ratio_table(result: dict) -> str:
+    """Markdown: per case and pass, fuseforge's summed ms and each peer's, and peer / fuseforge."""
+    rows = result["rows"]
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    peers = [i for i in impls if i != "fuseforge"]
+    by = {(r["case"], r["pass"], r["impl"]): r for r in rows}
+    lines = ["| case | pass | fuseforge ms | " + " | ".join(f"{i} ms | {i} / fuseforge" for i in peers) + " |",
+             "|" + "---|" * (3 + 2 * len(peers))]
+    for case, pass_ in dict.fromkeys((r["case"], r["pass"]) for r in rows):
+        ff = by[(case, pass_, "fuseforge")]["ms"]
+        cells = [case, pass_, f"{ff:.4g}"]
+        for i in peers:
+            ms = by[(case, pass_, i)]["ms"]
+            cells += [f"{ms:.4g}", f"{ms / ff:.3f}x" if ff > 0 else "-"]
+        lines.append("| " + " | ".join(cells) + " |")
+    clock = sum(r["mcycles"] for r in rows) / max(sum(r["ms"] for r in rows), 1e-9)  # M cycles a ms = GHz
+    return ("\n".join(lines) + f"\n\n{result['gpu']} at ncu's locked SM clock ({clock:.2f} GHz), torch "
+            f"{result['torch']}, CUDA {result['cuda']}, commit `{result['commit'][:12]}`, {result['date']}; every "
+            "kernel of one warmed-up call summed (`scripts/ncu_pass_cycles.py`). `X / fuseforge` = X's time "
+            "/ fuseforge's at that one clock.\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default="docs/T32768/H16/D128/causal")
     ap.add_argument("--impls", default="fuseforge,flex")
     ap.add_argument("--passes", default="fwdbwd", help="comma-separated: fwd, fwdbwd")
-    ap.add_argument("--json", default="", help="also write the sums here: [{case, pass, impl, ms, mcycles}]")
+    ap.add_argument("--out", default="", help="folder for <name>.json / <name>.md")
+    ap.add_argument("--name", default="attention_ncu_cycles")
     args = ap.parse_args()
-    impls, results = args.impls.split(","), []
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from harness import env_info
+    result = {"op": args.name, **env_info(), "rows": []}
+    impls = args.impls.split(",")
     for case in args.cases.split(","):
         for pass_ in args.passes.split(","):
             for impl in impls:
                 kernels = profile(case, impl, pass_)
                 ms, cyc = sum(x[1] for x in kernels.values()), sum(x[2] for x in kernels.values())
-                results.append({"case": case, "pass": pass_, "impl": impl, "kernels": len(kernels),
-                                "ms": round(ms, 4), "mcycles": round(cyc / 1e6, 4)})
+                result["rows"].append({"case": case, "pass": pass_, "impl": impl, "kernels": len(kernels),
+                                       "ms": round(ms, 4), "mcycles": round(cyc / 1e6, 4)})
                 print(f"{case} {pass_} {impl}: {len(kernels)} kernels, {ms:.4f} ms at the locked clock, "
                       f"{cyc / 1e6:.3f} M cycles (each kernel's slowest SM)", flush=True)
                 for name, kms, kcyc in sorted(kernels.values(), key=lambda x: -x[1])[:5]:
                     print(f"    {kms:9.4f} ms {kcyc / 1e6:8.3f} Mcyc  {name[:110]}")
-    peers = [i for i in impls if i != "fuseforge"]
-    if "fuseforge" in impls and peers:
-        by = {(r["case"], r["pass"], r["impl"]): r for r in results}
-        print("\n| case | pass | fuseforge ms | " + " | ".join(f"{i} ms | {i} / fuseforge" for i in peers) + " |")
-        print("|" + "---|" * (3 + 2 * len(peers)))
-        for case in args.cases.split(","):
-            for pass_ in args.passes.split(","):
-                ff = by[(case, pass_, "fuseforge")]["ms"]
-                cells = [case, pass_, f"{ff:.4g}"]
-                for i in peers:
-                    ms = by[(case, pass_, i)]["ms"]
-                    cells += [f"{ms:.4g}", f"{ms / ff:.3f}x" if ff > 0 else "-"]
-                print("| " + " | ".join(cells) + " |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    table = ratio_table(result) if "fuseforge" in impls and len(impls) > 1 else ""
+    print("\n" + table)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        base = os.path.join(args.out, args.name)
+        with open(base + ".json", "w") as f:
+            json.dump(result, f, indent=1)
+        if table:
+            with open(base + ".md", "w") as f:
+                f.write(table)
 
 
 if __name__ == "__main__":
