@@ -78,10 +78,19 @@ def main() -> None:
     ap.add_argument("--passes", default="fwdbwd", help="comma-separated: fwd, fwdbwd")
     ap.add_argument("--out", default="", help="folder for <name>.json / <name>.md")
     ap.add_argument("--name", default="attention_ncu_cycles")
+    ap.add_argument("--append", action="store_true",
+                    help="add to the rows of <out>/<name>.json (a grid too long for one device call; same commit only)")
     args = ap.parse_args()
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     from harness import env_info
     result = {"op": args.name, **env_info(), "rows": []}
+    path = os.path.join(args.out, args.name + ".json")
+    if args.append and os.path.exists(path):
+        with open(path) as f:
+            earlier = json.load(f)
+        if earlier["commit"] != result["commit"]:
+            sys.exit(f"--append: {path} is from commit {earlier['commit']}, this tree is {result['commit']}")
+        result["rows"] = earlier["rows"]
     impls = args.impls.split(",")
     for case in args.cases.split(","):
         for pass_ in args.passes.split(","):
