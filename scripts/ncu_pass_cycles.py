@@ -65,8 +65,10 @@ def ratio_table(result: dict) -> str:
             cells += [f"{ms:.4g}", f"{ms / ff:.3f}x" if ff > 0 else "-"]
         lines.append("| " + " | ".join(cells) + " |")
     clock = sum(r["mcycles"] for r in rows) / max(sum(r["ms"] for r in rows), 1e-9)  # M cycles a ms = GHz
+    dates = result.get("dates", [result["date"]])  # --append: one a device call
     return ("\n".join(lines) + f"\n\n{result['gpu']} at ncu's locked SM clock ({clock:.2f} GHz), torch "
-            f"{result['torch']}, CUDA {result['cuda']}, commit `{result['commit'][:12]}`, {result['date']}; every "
+            f"{result['torch']}, CUDA {result['cuda']}, commit `{result['commit'][:12]}`, {' and '.join(dates)}"
+            f"{' (one device call each)' if len(dates) > 1 else ''}; every "
             "kernel of one warmed-up call summed (`scripts/ncu_pass_cycles.py`). `X / fuseforge` = X's time "
             "/ fuseforge's at that one clock.\n")
 
@@ -91,6 +93,7 @@ def main() -> None:
         if earlier["commit"] != result["commit"]:
             sys.exit(f"--append: {path} is from commit {earlier['commit']}, this tree is {result['commit']}")
         result["rows"] = earlier["rows"]
+        result["dates"] = earlier.get("dates", [earlier["date"]]) + [result["date"]]  # one per device call
     impls = args.impls.split(",")
     for case in args.cases.split(","):
         for pass_ in args.passes.split(","):
