@@ -42,3 +42,16 @@ def test_markdown_table_shows_clock_and_power():
     table = harness.markdown_table(result)
     assert "| c | fwd | 1 | 1.5 | 1.50x |" in table
     assert "| c | fwd | 1700* / 698 | 1900 |" in table
+
+
+def test_ncu_ratio_table():
+    """scripts/ncu_pass_cycles.py's README table: peers' sums over fuseforge's, the clock from cycles / ms."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import ncu_pass_cycles
+    rows = [{"case": "D128/S1024/full", "pass": "fwd", "impl": "fuseforge", "ms": 2.0, "mcycles": 2.9},
+            {"case": "D128/S1024/full", "pass": "fwd", "impl": "sdpa_cudnn", "ms": 3.0, "mcycles": 4.35}]
+    result = {"rows": rows, "gpu": "GPU", "torch": "t", "cuda": "c", "commit": "0123456789abcdef", "date": "d1",
+              "dates": ["d0", "d1"]}
+    table = ncu_pass_cycles.ratio_table(result)
+    assert "| D128/S1024/full | fwd | 2 | 3 | 1.500x |" in table
+    assert "(1.45 GHz)" in table and "`0123456789ab`" in table and "d0 and d1 (one device call each)" in table
