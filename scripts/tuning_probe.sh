@@ -52,7 +52,7 @@ ADAMW=(c16k:)
 # chains and dK after dQ with a mask timed level; on 2026-11-26 (seventeenth session) the dQ convert
 # fused into the dk/dv kernel lost; all removed (docs/notes_attention.md). Add
 # "name:-DKNOB=1" (or "name:ENV=value") entries for the next candidates.
-ATTN=(default:)
+ATTN=(default: "unfused:FUSEFORGE_ATTENTION_DQ_FUSED_CONVERT=0")
 PARTS=${PARTS:-build tests time profile e2e lce}
 OPS=${OPS-adamw add_mul_act}
 has() { [[ " $PARTS " == *" $1 "* ]]; }
