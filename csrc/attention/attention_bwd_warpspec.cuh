@@ -95,48 +95,53 @@ struct DqBulkAdd {
 
 // The dQ convert fused into the dk/dv kernel (p.dq_counters, attention_params.h), replacing
 // attention_dq_convert_kernel (which read all of dq_accum back from DRAM after the dk/dv kernel: 0.13
-// ms at 32768 tokens x 16 heads x 128). A consumer warp's part is one shared-memory store a tile: lane
-// 0, once the warp's bulk reduction of tile it has completed (bulk_wait_group<1> after tile it + 2,
-// when only tile it + 1's may still be in flight), publishes "tiles [0, it + 1) done" in the warp's
-// mailbox word. The counting and converting run on the producer warpgroup's warps 1..3 (idle
-// otherwise): helper h takes consumer warps h, h + 3, h + 6 tile by tile, waits for the word, counts
-// the 4 KB portion (16 rows x 64 columns, an int32 counter each) with a release atomic, and the warp
-// whose count completes a portion (every key block that visits its query tile has added its part:
-// KeyBlock::blocks_visiting) converts it into grad_q. The seventeenth session counted and converted
-// on the consumer warps: 12-20% slower, from the release atomic's MEMBAR, the atomic's round trip and
-// the conversions on the products' path (docs/notes_attention.md).
+// ms at 32768 tokens x 16 heads x 128). A consumer warp's part is one shared-memory atomic a tile:
+// lane 0, once the warp's bulk reduction of tile it has completed (bulk_wait_group<1> after tile
+// it + 2, when only tile it + 1's may still be in flight), publishes "tiles [0, it + 1) done" in the
+// warp's mailbox word. The counting and converting run on the producer warpgroup's warps 1..3 (idle
+// otherwise), a tile each in turn: lane w waits for consumer warp w's word, counts its 4 KB portion
+// (16 rows x 64 columns, an int32 counter each) with a release atomic, all eight at once, and the
+// warp converts the portions whose count completed them (every key block that visits the query tile
+// has added its part: KeyBlock::blocks_visiting) into grad_q. The seventeenth session counted and
+// converted on the consumer warps: 12-20% slower, from the release atomic's MEMBAR, the atomic's round
+// trip and the conversions on the products' path (docs/notes_attention.md).
 template <class Tr>
 struct DqFusedConvert {
-  // A consumer warp: tiles [0, done) have completed their reductions (lane 0 stores; no wait here).
+  static constexpr int kHelpers = 3;
+  // A consumer warp: tiles [0, done) have completed their reductions (lane 0; no wait here).
   __device__ __forceinline__ static void publish(uint32_t mailbox, int lane, int done) {
     if (lane == 0) {
       fence_proxy_async_global();  // the reductions' writes (async proxy) before the release
-      st_release_cta(mailbox, done);
+      red_max_release_cta(mailbox, done);
     }
   }
-  // Helper warp h (0..2), 24 registers: every tile of consumer warps h, h + 3, h + 6, in tile order.
+  // Helper warp h (0..2; 24 registers): tiles h, h + 3, ...
   template <class Blk, class Smem>
   __device__ __forceinline__ static void help(const BwdParams& p, const Blk& blk, const Smem& sm, int h, int lane) {
     using T = typename Tr::T;
 #pragma unroll 1
-    for (int it = 0; it < blk.iterations; ++it) {
+    for (int it = h; it < blk.iterations; it += kHelpers) {
       const int expected = blk.blocks_visiting(blk.row0(it) / Tr::kBlockM, p);
+      bool completes = false;
+      if (lane < 8) {
+        while (load_acquire_cta(sm.mailbox(lane)) <= it) __nanosleep(200);
+        const DqTarget target = dq_target<Tr>(p, blk, it, lane);
+        // Rows past Sq: nothing reduced, nothing to count.
+        if (target.valid)
+          completes = atomic_add_release_gpu(p.dq_counters + ((target.tile - p.dq_accum) >> 10), 1) == expected - 1;
+      }
+      unsigned todo = __ballot_sync(0xffffffffu, completes);
+      if (todo == 0) continue;
+      fence_acq_rel_gpu();  // every block's reductions, counted before ours, before the loads
+      const int r = lane & 7;
+      const int head_dim = valid_head_dim<Tr>(p);
 #pragma unroll 1
-      for (int w = h; w < 8; w += 3) {
-        while (ld_acquire_cta(sm.mailbox(w)) <= it) __nanosleep(100);
-        const DqTarget target = dq_target<Tr>(p, blk, it, w);
-        if (!target.valid) continue;  // rows past Sq: nothing reduced, nothing to count
-        int old = 0;
-        if (lane == 0) old = atomic_add_release_gpu(p.dq_counters + ((target.tile - p.dq_accum) >> 10), 1);
-        if (__shfl_sync(0xffffffffu, old, 0) != expected - 1) continue;
-        fence_acq_rel_gpu();  // every block's reductions, counted before ours, before the loads
-        // 8 tiles of 16 x 8 floats: a quarter of tile c (DqQuarter) a lane and pass, one at a time.
-        const int r = lane & 7;
+      for (; todo != 0; todo &= todo - 1) {
+        const DqTarget target = dq_target<Tr>(p, blk, it, __ffs(todo) - 1);
         T* dst = dq_rows<T>(p, blk.b, target.head, blk.q_row0) + target.col0;
-        const int head_dim = valid_head_dim<Tr>(p);
+        // 8 tiles of 16 x 8 floats: a quarter of tile c (DqQuarter) a lane and pass.
 #pragma unroll 1
-        for (int c = lane >> 3; c < 8; c += 4) {
-          if (target.col0 + 8 * c >= head_dim) break;
+        for (int c = lane >> 3; c < 8 && target.col0 + 8 * c < head_dim; c += 4) {
           DqQuarter quarter;
           quarter.load(target.tile + 128 * c + 16 * r, p.scale);
           quarter.store<T, Tr::kHeadDim>(dst + 8 * c, p.dq_row_stride, target.row_tile, r, blk.seqlen_q);
@@ -168,7 +173,7 @@ struct WarpSpecBwdSmem {
   __device__ __forceinline__ uint32_t mailbox(int cwarp) const { return sK + L::kMailboxOffset + 4 * cwarp; }
   // Thread 0 initializes the mbarriers and zeroes the mailbox words, then the block syncs.
   __device__ __forceinline__ void init_barriers(int tid) const {
-    if (tid < 8) st_release_cta(mailbox(tid), 0);
+    if (tid < 8) reinterpret_cast<volatile int*>(smem + L::kMailboxOffset)[tid] = 0;
     if (tid == 0) {
       mbarrier_init(full_kv(), 1);
       for (int s = 0; s < L::kStages; ++s) {
