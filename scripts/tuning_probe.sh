@@ -50,9 +50,10 @@ ADAMW=(c16k:)
 # level; on 2026-11-26 (fifteenth session) the backward's hidden-warpgroup skip, a 3-stage forward
 # ring and exponentials on the FMA pipe lost, independent 64-row streams, the row max over four
 # chains and dK after dQ with a mask timed level; on 2026-11-26 (seventeenth session) the dQ convert
-# fused into the dk/dv kernel lost; all removed (docs/notes_attention.md). Add
+# fused into the dk/dv kernel lost, and (eighteenth) again with the producer warps counting and
+# converting; all removed (docs/notes_attention.md). Add
 # "name:-DKNOB=1" (or "name:ENV=value") entries for the next candidates.
-ATTN=(default: "unfused:FUSEFORGE_ATTENTION_DQ_FUSED_CONVERT=0")
+ATTN=(default:)
 PARTS=${PARTS:-build tests time profile e2e lce}
 OPS=${OPS-adamw add_mul_act}
 has() { [[ " $PARTS " == *" $1 "* ]]; }

@@ -26,9 +26,7 @@ __device__ __forceinline__ float lse_to_log2(float lse) { return lse == -INFINIT
 // aligned with strides in multiples of 8 elements: kernel_ready, attention_cuda.cpp; head dims are
 // multiples of 8). The same grid zeroes dq_accum (p.dq_accum_floats; none when deterministic), so
 // the backward has no separate fill (the H100/H200 profile: a warp a row with 4-byte loads plus
-// at::zeros took 0.17 ms at 32768 tokens x 16 heads x 128, cuDNN's fused kernel 0.14). With the dQ
-// convert fused into the dk/dv kernel (p.dq_counters) it also writes dq's zero rows: a row that sees
-// no key (lse -inf) may lie in a query tile no key block visits, which nothing would convert.
+// at::zeros took 0.17 ms at 32768 tokens x 16 heads x 128, cuDNN's fused kernel 0.14).
 template <typename T, int kD>
 __global__ void attention_row_dot_kernel(const __grid_constant__ BwdParams p) {
   constexpr int kThreadsPerRow = kD / 8;
@@ -37,12 +35,11 @@ __global__ void attention_row_dot_kernel(const __grid_constant__ BwdParams p) {
   const int64_t row = tid / kThreadsPerRow;
   const int c = static_cast<int>(tid % kThreadsPerRow);
   const int64_t rows = static_cast<int64_t>(p.batch) * p.heads_q * p.seqlen_q;
-  const bool in_row = row < rows && c * 8 < p.head_dim;
-  const int i = in_row ? static_cast<int>(row % p.seqlen_q) : 0;
-  const int64_t bh = in_row ? row / p.seqlen_q : 0;
-  const int h = static_cast<int>(bh % p.heads_q), b = static_cast<int>(bh / p.heads_q);
   float sum = 0.f;
-  if (in_row) {
+  if (row < rows && c * 8 < p.head_dim) {
+    const int i = static_cast<int>(row % p.seqlen_q);
+    const int64_t bh = row / p.seqlen_q;
+    const int h = static_cast<int>(bh % p.heads_q), b = static_cast<int>(bh / p.heads_q);
     const uint4 d = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.grad_out) + b * p.do_batch_stride +
                                                     h * p.do_head_stride + i * p.do_row_stride + c * 8);
     const uint4 o = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.out) + b * p.out_batch_stride +
@@ -58,9 +55,6 @@ __global__ void attention_row_dot_kernel(const __grid_constant__ BwdParams p) {
 #pragma unroll
   for (int o = kThreadsPerRow / 2; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, o);
   if (row < rows && c == 0) p.row_dot[row] = sum;
-  if (in_row && p.dq_counters != nullptr && p.lse[row] == -INFINITY)
-    *reinterpret_cast<uint4*>(static_cast<T*>(p.grad_q) + b * p.dq_batch_stride + h * p.dq_head_stride +
-                              i * p.dq_row_stride + c * 8) = make_uint4(0, 0, 0, 0);
   if (p.dq_accum != nullptr) {
     const int64_t vectors = p.dq_accum_floats / 4, stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
     for (int64_t v = tid; v < vectors; v += stride)
@@ -135,45 +129,6 @@ struct DqAtomicAdd {
 // row with 8-byte reads moved half of each sector it touched: 0.15 ms at 32768 tokens x 16 heads x
 // 128 on an H200, cuDNN's convert 0.11.)
 // Grid: (16-row tiles of the longest sequence x D / 8 x 8) / 256, heads, batch (or sequences).
-// A quarter of one 16 x 8 dq_accum tile: the 16 floats from tile + 16 r (the float4 of lanes 4 r ..
-// 4 r + 3: columns 0..7 of rows r and r + 8), times scale, and their store as 8 columns of those two
-// rows. Loads and stores are separate calls so a caller can have several quarters' loads in flight.
-struct DqQuarter {
-  float lo[8], hi[8];  // rows r and r + 8 as the lanes hold them (halves swapped where dq_swap_halves)
-  __device__ __forceinline__ void load(const float* src, float scale) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float4 v = __ldcg(reinterpret_cast<const float4*>(src) + j);
-      lo[2 * j] = v.x * scale;
-      lo[2 * j + 1] = v.y * scale;
-      hi[2 * j] = v.z * scale;
-      hi[2 * j + 1] = v.w * scale;
-    }
-  }
-  // dst: the columns' first element in row 0 of the (batch or sequence, head); rows at or past
-  // seqlen_q are left alone.
-  template <typename T, int kD>
-  __device__ __forceinline__ void store(T* dst, int64_t row_stride, int row_tile, int r, int seqlen_q) const {
-    const int row = row_tile * 16 + r;
-    auto store_row = [&](int i, const float (&v)[8]) {
-      if (i >= seqlen_q) return;
-      const uint4 out = {pack2<T>(v[0], v[1]), pack2<T>(v[2], v[3]), pack2<T>(v[4], v[5]), pack2<T>(v[6], v[7])};
-      *reinterpret_cast<uint4*>(dst + i * row_stride) = out;
-    };
-    // Lanes 4 r .. 4 r + 3 have bit 3 set where r & 2: their halves are swapped (dq_swap_halves).
-    const bool swapped = dq_swap_halves<kD>() && (r & 2) != 0;
-    store_row(swapped ? row + 8 : row, lo);
-    store_row(swapped ? row : row + 8, hi);
-  }
-};
-
-// grad_q of (batch or sequence b, head h) from its row 0, column 0.
-template <typename T>
-__device__ __forceinline__ T* dq_rows(const BwdParams& p, int b, int h, int q_row0) {
-  return static_cast<T*>(p.grad_q) + b * p.dq_batch_stride + h * p.dq_head_stride +
-         static_cast<int64_t>(q_row0) * p.dq_row_stride;
-}
-
 template <typename T, int kD, bool kVarlen>
 __global__ void attention_dq_convert_kernel(const __grid_constant__ BwdParams p) {
   constexpr int kChunks = kD / 8;
@@ -185,9 +140,28 @@ __global__ void attention_dq_convert_kernel(const __grid_constant__ BwdParams p)
   const int tile = static_cast<int>(idx / 8), r = static_cast<int>(idx % 8);
   const int row_tile = tile / kChunks, c = tile % kChunks;
   if (c * 8 >= p.head_dim) return;  // the zero columns past the head dim (attention_params.h)
-  DqQuarter quarter;
-  quarter.load(dq_accum_tile(p, b, h, dq_accum_seq_tile0<kVarlen>(p, b), row_tile, c, kD) + 16 * r, p.scale);
-  quarter.store<T, kD>(dq_rows<T>(p, b, h, seq.q_row0) + c * 8, p.dq_row_stride, row_tile, r, seq.seqlen_q);
+  const float4* src = reinterpret_cast<const float4*>(
+      dq_accum_tile(p, b, h, dq_accum_seq_tile0<kVarlen>(p, b), row_tile, c, kD) + 16 * r);
+  float lo[8], hi[8];  // rows r and r + 8 of the tile
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float4 v = src[j];
+    lo[2 * j] = v.x * p.scale;
+    lo[2 * j + 1] = v.y * p.scale;
+    hi[2 * j] = v.z * p.scale;
+    hi[2 * j + 1] = v.w * p.scale;
+  }
+  T* dst = static_cast<T*>(p.grad_q) + b * p.dq_batch_stride + h * p.dq_head_stride + c * 8;
+  const int row = row_tile * 16 + r;
+  auto store = [&](int i, const float (&v)[8]) {
+    if (i >= seq.seqlen_q) return;
+    const uint4 out = {pack2<T>(v[0], v[1]), pack2<T>(v[2], v[3]), pack2<T>(v[4], v[5]), pack2<T>(v[6], v[7])};
+    *reinterpret_cast<uint4*>(dst + static_cast<int64_t>(seq.q_row0 + i) * p.dq_row_stride) = out;
+  };
+  // Lanes 4 r .. 4 r + 3 have bit 3 set where r & 2: their halves are swapped (dq_swap_halves).
+  const bool swapped = dq_swap_halves<kD>() && (r & 2) != 0;
+  store(swapped ? row + 8 : row, lo);
+  store(swapped ? row : row + 8, hi);
 }
 
 // The key tile a dk/dv block owns (kBlockN keys of one (batch or sequence, kv head)) and the query
@@ -226,26 +200,6 @@ struct KeyBlock {
   }
   __device__ __forceinline__ int head(int it, const BwdParams& p) const { return hk * p.group + it / m_count; }
   __device__ __forceinline__ int row0(int it) const { return (m_first + it % m_count) * kBlockM; }
-  // How many key blocks of the sequence visit query tile m (rows [m kBlockM, +kBlockM)): the dual of
-  // the constructor's row range. Block j visits tile m iff its first_row <= min(m kBlockM + kBlockM,
-  // Sq) - 1 and its last_row >= m kBlockM; first_row and last_row grow with j, so the blocks that do
-  // are a run [j_begin, j_end).
-  __device__ __forceinline__ int blocks_visiting(int m, const BwdParams& p) const {
-    const int blocks = (seqlen_k + kBlockN - 1) / kBlockN;
-    if constexpr (kMask == kNoMask) return blocks;
-    const int row_begin = m * kBlockM, row_last = min(row_begin + kBlockM, seqlen_q) - 1;
-    // first_row(j) = max(0, kBlockN j - offset - window_right) <= row_last (>= 0)
-    const int right = row_last + offset + p.window_right;
-    const int j_end = right < 0 ? 0 : min(blocks, right / kBlockN + 1);
-    int j_begin = 0;
-    if constexpr (kMask == kWindow) {
-      // last_row(j) = min(Sq - 1, min(kBlockN j + kBlockN - 1, Sk - 1) - offset + window_left) >= row_begin
-      const int left = row_begin + offset - p.window_left;
-      if (seqlen_k - 1 < left) return 0;
-      j_begin = left <= kBlockN - 1 ? 0 : (left - (kBlockN - 1) + kBlockN - 1) / kBlockN;
-    }
-    return max(0, j_end - j_begin);
-  }
 };
 
 // The block's K and V rows [n0, n0 + kBlockN) into sK / sV (Tile layout), zero rows past Sk.
@@ -468,19 +422,18 @@ __device__ __forceinline__ void attention_bwd_dkdv_mma_body(const BwdParams& p) 
 #if FUSEFORGE_ATTENTION_WGMMA
 // Where warp `warp`'s 16 x 64 block of dQ for query tile `it` goes (the wgmma body's split without
 // Tr::kSplitCols: warpgroup g computes dQ's columns [64 g, +64) at head dim 128, its rows [64 g, +64)
-// at 64), and whether those rows lie within Sq; its head, 16-row tile and first column.
+// at 64), and whether those rows lie within Sq.
 struct DqTarget {
   float* tile;
   bool valid;
-  int head, row_tile, col0;
 };
 template <class Tr, class Blk>
 __device__ __forceinline__ DqTarget dq_target(const BwdParams& p, const Blk& blk, int it, int warp) {
   const int wg = warp >> 2;
   const int q0 = Tr::kBlockM == 128 ? wg * 64 : 0, col0 = Tr::kHeadDim == 128 ? wg * 64 : 0;
-  const int row_tile = (blk.row0(it) + q0) / 16 + (warp & 3), head = blk.head(it, p);
-  return {dq_accum_tile(p, blk.b, head, blk.seq_tile0, row_tile, col0 >> 3, Tr::kHeadDim),
-          row_tile * 16 < blk.seqlen_q, head, row_tile, col0};
+  const int row_tile = (blk.row0(it) + q0) / 16 + (warp & 3);
+  return {dq_accum_tile(p, blk.b, blk.head(it, p), blk.seq_tile0, row_tile, col0 >> 3, Tr::kHeadDim),
+          row_tile * 16 < blk.seqlen_q};
 }
 
 // One query tile of the wgmma dk/dv body, for warp `warp` (0..7: warpgroup warp / 4 owns keys

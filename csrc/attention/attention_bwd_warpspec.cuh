@@ -33,7 +33,7 @@ struct WarpSpecBwdLayout {
   static constexpr int kPanels = Tr::kHeadDim / 64;
   // From the 1024-byte-aligned base: K, V; kStages x (Q, dO); kStages x (lse, row_dot); 2 x dS^T;
   // 8 consumer warps x 4 KB of dQ (the bulk reductions' source); the mbarriers (full_kv, full[s],
-  // empty[s]); the consumer warps' mailbox words (DqFusedConvert).
+  // empty[s]).
   static constexpr int kStagesOffset = 2 * Tr::kTileKVBytes;
   static constexpr int kStageBytes = 2 * Tr::kTileQBytes;
   static constexpr int kFloatsOffset = kStagesOffset + kStages * kStageBytes;
@@ -42,8 +42,7 @@ struct WarpSpecBwdLayout {
   static constexpr int kDqOffset = kDsOffset + 2 * Tr::kTileDsBytes;
   static constexpr int kDqWarpBytes = 16 * 64 * 4;
   static constexpr int kBarriersOffset = kDqOffset + 8 * kDqWarpBytes;
-  static constexpr int kMailboxOffset = kBarriersOffset + 8 * (1 + 2 * kStages);  // DqFusedConvert: a word a consumer warp
-  static constexpr int kSmemBytes = 1024 + kMailboxOffset + 4 * 8;
+  static constexpr int kSmemBytes = 1024 + kBarriersOffset + 8 * (1 + 2 * kStages);
   static_assert(kSmemBytes <= 227 * 1024, "fits an H100 SM's shared memory");
   // Registers a thread (setmaxnreg): the block starts with 384 x 168; the consumers' increase must
   // come out of what the producer gives back, or setmaxnreg.inc waits forever.
@@ -74,8 +73,7 @@ struct DqBulkAdd {
   __device__ __forceinline__ void flush(const DqTarget& target) const {
     fence_proxy_async_shared();  // the stores, visible to the TMA unit's reads
     __syncwarp();
-    const bool lane0 = (threadIdx.x & 31) == 0;  // one group a tile, empty past Sq (DqFusedConvert counts them)
-    bulk_reduce_add_f32(target.valid && lane0, lane0, target.tile, buffer(), L::kDqWarpBytes);
+    bulk_reduce_add_f32(target.valid && (threadIdx.x & 31) == 0, target.tile, buffer(), L::kDqWarpBytes);
   }
   // Stores the rows; their tile and `valid` come back to flush() one tile later.
   __device__ __forceinline__ void operator()(const float (&dq)[32], float*, int lane, bool) const {
@@ -90,64 +88,6 @@ struct DqBulkAdd {
       asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(buf + 16 * (32 * (j / 2) + lane) + ((8 * (j % 2)) ^ half)),
                    "f"(dq[2 * j]), "f"(dq[2 * j + 1])
                    : "memory");
-  }
-};
-
-// The dQ convert fused into the dk/dv kernel (p.dq_counters, attention_params.h), replacing
-// attention_dq_convert_kernel (which read all of dq_accum back from DRAM after the dk/dv kernel: 0.13
-// ms at 32768 tokens x 16 heads x 128). A consumer warp's part is one shared-memory atomic a tile:
-// lane 0, once the warp's bulk reduction of tile it has completed (bulk_wait_group<1> after tile
-// it + 2, when only tile it + 1's may still be in flight), publishes "tiles [0, it + 1) done" in the
-// warp's mailbox word. The counting and converting run on the producer warpgroup's warps 1..3 (idle
-// otherwise), a tile each in turn: lane w waits for consumer warp w's word, counts its 4 KB portion
-// (16 rows x 64 columns, an int32 counter each) with a release atomic, all eight at once, and the
-// warp converts the portions whose count completed them (every key block that visits the query tile
-// has added its part: KeyBlock::blocks_visiting) into grad_q. The seventeenth session counted and
-// converted on the consumer warps: 12-20% slower, from the release atomic's MEMBAR, the atomic's round
-// trip and the conversions on the products' path (docs/notes_attention.md).
-template <class Tr>
-struct DqFusedConvert {
-  static constexpr int kHelpers = 3;
-  // A consumer warp: tiles [0, done) have completed their reductions (lane 0; no wait here).
-  __device__ __forceinline__ static void publish(uint32_t mailbox, int lane, int done) {
-    if (lane == 0) {
-      fence_proxy_async_global();  // the reductions' writes (async proxy) before the release
-      red_max_release_cta(mailbox, done);
-    }
-  }
-  // Helper warp h (0..2; 24 registers): tiles h, h + 3, ...
-  template <class Blk, class Smem>
-  __device__ __forceinline__ static void help(const BwdParams& p, const Blk& blk, const Smem& sm, int h, int lane) {
-    using T = typename Tr::T;
-#pragma unroll 1
-    for (int it = h; it < blk.iterations; it += kHelpers) {
-      const int expected = blk.blocks_visiting(blk.row0(it) / Tr::kBlockM, p);
-      bool completes = false;
-      if (lane < 8) {
-        while (load_acquire_cta(sm.mailbox(lane)) <= it) __nanosleep(200);
-        const DqTarget target = dq_target<Tr>(p, blk, it, lane);
-        // Rows past Sq: nothing reduced, nothing to count.
-        if (target.valid)
-          completes = atomic_add_release_gpu(p.dq_counters + ((target.tile - p.dq_accum) >> 10), 1) == expected - 1;
-      }
-      unsigned todo = __ballot_sync(0xffffffffu, completes);
-      if (todo == 0) continue;
-      fence_acq_rel_gpu();  // every block's reductions, counted before ours, before the loads
-      const int r = lane & 7;
-      const int head_dim = valid_head_dim<Tr>(p);
-#pragma unroll 1
-      for (; todo != 0; todo &= todo - 1) {
-        const DqTarget target = dq_target<Tr>(p, blk, it, __ffs(todo) - 1);
-        T* dst = dq_rows<T>(p, blk.b, target.head, blk.q_row0) + target.col0;
-        // 8 tiles of 16 x 8 floats: a quarter of tile c (DqQuarter) a lane and pass.
-#pragma unroll 1
-        for (int c = lane >> 3; c < 8 && target.col0 + 8 * c < head_dim; c += 4) {
-          DqQuarter quarter;
-          quarter.load(target.tile + 128 * c + 16 * r, p.scale);
-          quarter.store<T, Tr::kHeadDim>(dst + 8 * c, p.dq_row_stride, target.row_tile, r, blk.seqlen_q);
-        }
-      }
-    }
   }
 };
 
@@ -170,10 +110,8 @@ struct WarpSpecBwdSmem {
   __device__ __forceinline__ uint32_t full_kv() const { return bars; }
   __device__ __forceinline__ uint32_t full(int s) const { return bars + 8 * (1 + s); }
   __device__ __forceinline__ uint32_t empty(int s) const { return bars + 8 * (1 + L::kStages + s); }
-  __device__ __forceinline__ uint32_t mailbox(int cwarp) const { return sK + L::kMailboxOffset + 4 * cwarp; }
-  // Thread 0 initializes the mbarriers and zeroes the mailbox words, then the block syncs.
+  // Thread 0 initializes the mbarriers, then the block syncs.
   __device__ __forceinline__ void init_barriers(int tid) const {
-    if (tid < 8) reinterpret_cast<volatile int*>(smem + L::kMailboxOffset)[tid] = 0;
     if (tid == 0) {
       mbarrier_init(full_kv(), 1);
       for (int s = 0; s < L::kStages; ++s) {
@@ -289,13 +227,9 @@ __device__ __forceinline__ void attention_bwd_dkdv_warpspec_body(const BwdParams
   const WarpSpecBwdSmem<Tr> sm;
   sm.init_barriers(tid);
 
-  const bool fused = kAtomicDq && p.dq_counters != nullptr;  // DqFusedConvert
-  if (warp < 4) {  // producer warpgroup: warp 0 loads, warps 1..3 convert dQ where fused, else leave
+  if (warp < 4) {  // producer warpgroup: warp 0 works, the others leave
     setmaxnreg_dec<L::kProducerRegs>();
-    if (warp != 0) {
-      if (fused) DqFusedConvert<Tr>::help(p, blk, sm, warp - 1, lane);
-      return;
-    }
+    if (warp != 0) return;
     const int batch = kVarlen ? 0 : blk.b;
     if (lane == 0) {
       prefetch_tma_map(&tma.q);
@@ -317,16 +251,10 @@ __device__ __forceinline__ void attention_bwd_dkdv_warpspec_body(const BwdParams
   for (int i = 0; i < kD / 2; ++i) dk[i] = dv[i] = 0.f;
   mbarrier_wait(sm.full_kv(), 0);  // also when no tile runs: the copies must land before the stores below
   const DqBulkAdd<L> dq_add;
-  for (int it = 0; it < iterations; ++it) {
+  for (int it = 0; it < iterations; ++it)
     consume_query_tile<Tr, kMask, kSoftcap, kAtomicDq>(p, sm, blk, it, it % kStages, (it / kStages) & 1, cwarp, lane,
                                                        dk, dv, dq_add);
-    if (fused && it >= 2) {
-      bulk_wait_group<1>();  // tile it - 2's reduction has completed (tile it - 1's may be in flight)
-      DqFusedConvert<Tr>::publish(sm.mailbox(cwarp), lane, it - 1);
-    }
-  }
-  finish_dq<Tr, kAtomicDq>(p, blk, cwarp, dq_add);  // before leaving; every reduction has completed
-  if (fused) DqFusedConvert<Tr>::publish(sm.mailbox(cwarp), lane, iterations);
+  finish_dq<Tr, kAtomicDq>(p, blk, cwarp, dq_add);  // before leaving
 
   // dK = scale * sum dS^T Q, dV = sum P^T dO: staged through this warp's own rows of sK / sV, once both
   // consumer warpgroups are done reading them (dQ = dS K reads all of sK).
@@ -383,6 +311,9 @@ void launch_attention_bwd(const BwdParams& params, const BwdParams& row_dot_para
                 "attention backward with head dim 256 needs a compute capability 9.0 GPU (H100, H200) and a "
                 "build for TORCH_CUDA_ARCH_LIST=9.0a (its kernel is sm_90a code only)");
   }
+  const int64_t rows = static_cast<int64_t>(row_dot_params.batch) * row_dot_params.heads_q * row_dot_params.seqlen_q;
+  launch_kernel(attention_row_dot_kernel<T, kD>, dim3(static_cast<unsigned>(ceil_div(rows * (kD / 8), 256))),
+                dim3(256), 0, row_dot_params);
   // Causal: key block 0 of a head sees every query, the last one few. When the grid is a few waves
   // (GQA: each block loops over the group's heads, so the grid is small and its blocks long), the
   // launch order decides the tail: key blocks slowest (grid z) starts every head's heaviest block
@@ -401,16 +332,6 @@ void launch_attention_bwd(const BwdParams& params, const BwdParams& row_dot_para
   BwdParams p = params;
   BwdTmaParams tma;
   const bool warpspec = use_bwd_warpspec<DkdvTr>(p, &tma);
-  // The dQ convert runs inside the warp-specialized kernel (DqFusedConvert) unless
-  // FUSEFORGE_ATTENTION_DQ_FUSED_CONVERT=0 (A/B timings, tests): then attention_dq_convert_kernel.
-  const bool fused_convert = warpspec && !deterministic && p.dq_counters != nullptr &&
-                             env_flag("FUSEFORGE_ATTENTION_DQ_FUSED_CONVERT", true);
-  if (!fused_convert) p.dq_counters = nullptr;
-  BwdParams row_dot_p = row_dot_params;
-  row_dot_p.dq_counters = p.dq_counters;
-  const int64_t rows = static_cast<int64_t>(row_dot_p.batch) * row_dot_p.heads_q * row_dot_p.seqlen_q;
-  launch_kernel(attention_row_dot_kernel<T, kD>, dim3(static_cast<unsigned>(ceil_div(rows * (kD / 8), 256))),
-                dim3(256), 0, row_dot_p);
   int64_t smem_bytes = DkdvTr::kSmemBytes;
   if constexpr (bwd_warpspec_head_dim<kD>())
     if (warpspec) smem_bytes = WarpSpecBwdLayout<DkdvTr>::kSmemBytes;
@@ -444,7 +365,6 @@ void launch_attention_bwd(const BwdParams& params, const BwdParams& row_dot_para
                     dq_smem_bytes<DqTr>(), params);
     } else {
       launch_dkdv.template operator()<kMask, kVarlen, true>();
-      if (fused_convert) return;
       const dim3 grid_convert(static_cast<unsigned>(ceil_div(ceil_div(params.seqlen_q, 16) * kD, 256)),
                               static_cast<unsigned>(params.heads_q), static_cast<unsigned>(params.batch));
       launch_kernel(attention_dq_convert_kernel<T, kD, kVarlen>, grid_convert, dim3(256), 0, params);

@@ -175,15 +175,11 @@ void backward(const Shape& s, const at::Tensor& grad_out_in, const at::Tensor& q
     // from tile cu[b] / 16 + b, so R = 16 (total / 16 + B + 1) rows a head.
     const int64_t rows = varlen != nullptr ? 16 * (q.size(2) / 16 + s.batch + 1) : (s.seqlen_q + 15) / 16 * 16;
     const int64_t batches = varlen != nullptr ? 1 : s.batch;
-    // The kernel head dim's columns: the kernels add the zero columns past the head dim too. Then
-    // dq_counters, an int32 a 4 KB portion (attention_params.h; the launcher drops them where the
-    // convert kernel runs). Both zeroed by the row_dot kernel.
-    const int64_t floats = batches * s.heads_q * rows * cuda_kernel_head_dim(s.head_dim);
-    const int64_t counters = (floats / 1024 + 3) / 4 * 4;
-    dq_accum = at::empty({floats + counters}, q.options().dtype(at::kFloat));
+    // The kernel head dim's columns: the kernels add the zero columns past the head dim too. Zeroed
+    // by the row_dot kernel.
+    dq_accum = at::empty({batches, s.heads_q, rows, cuda_kernel_head_dim(s.head_dim)}, q.options().dtype(at::kFloat));
     p.dq_accum = dq_accum.data_ptr<float>();
-    p.dq_counters = reinterpret_cast<int*>(p.dq_accum + floats);
-    p.dq_accum_floats = floats + counters;
+    p.dq_accum_floats = dq_accum.numel();
     p.dq_accum_head_tiles = rows / 16;
     p.dq_accum_batch_tiles = varlen != nullptr ? 0 : s.heads_q * rows / 16;
   }

@@ -89,13 +89,7 @@ struct BwdParams : FwdParams {
   // 16-row tile cu[b] / 16 + b (R = 16 (total / 16 + B + 1): sequences never share a tile).
   float* dq_accum = nullptr;
   int64_t dq_accum_batch_tiles = 0, dq_accum_head_tiles = 0;  // in 16-row tiles
-  int64_t dq_accum_floats = 0;  // its size with dq_counters'; the row_dot kernel zeroes both
-  // The dQ convert fused into the warp-specialized dk/dv kernel (null: attention_dq_convert_kernel
-  // runs after it): one int32 a 4 KB portion of dq_accum (16 rows x 64 columns, a consumer warp's bulk
-  // reduction; index = float offset / 1024), after dq_accum in its allocation. Each reduction into a
-  // portion counts once it has completed; the warp whose count completes the portion converts it
-  // into grad_q. Rows that see no key (lse -inf) are zeroed by the row_dot kernel instead.
-  int* dq_counters = nullptr;
+  int64_t dq_accum_floats = 0;  // its size; the row_dot kernel zeroes it
   bool kv_block_slowest = false;  // set by the launcher: the dk/dv grid is (Hk, B, key blocks), heaviest first
 };
 

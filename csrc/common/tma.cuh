@@ -72,56 +72,23 @@ __device__ __forceinline__ void tma_store_4d(const CUtensorMap* map, uint32_t sr
 __device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 
 // Bulk reduction: global[dst .. + bytes) += shared[src .. + bytes) elementwise in float32, done by the
-// TMA unit (addresses 16-byte aligned, bytes a multiple of 16), issued by the threads where `issue`
-// holds and committed as a bulk-async group by those where `commit` holds (an empty group where it
-// does not issue: one group a call, so wait_group<n> counts calls). Issuing threads wait_group_read
-// before the source is written again and wait_group before the block may leave (the shared source
-// must outlive the read); for the others both waits return at once. A predicate, not a branch:
-// consumer warps call this between wgmmas, and a divergent branch there (with the __syncwarp around
-// it) made ptxas serialize them (C7512).
-__device__ __forceinline__ void bulk_reduce_add_f32(bool issue, bool commit, float* dst, uint32_t src,
-                                                    uint32_t bytes) {
+// TMA unit (addresses 16-byte aligned, bytes a multiple of 16), issued and committed as one bulk-async
+// group by the threads where `issue` holds. Those threads wait_group_read before the source is written
+// again and wait_group before the block may leave (the shared source must outlive the read); for the
+// others both waits return at once. A predicate, not a branch: consumer warps call this between wgmmas,
+// and a divergent branch there (with the __syncwarp around it) made ptxas serialize them (C7512).
+__device__ __forceinline__ void bulk_reduce_add_f32(bool issue, float* dst, uint32_t src, uint32_t bytes) {
   asm volatile(
-      "{\n .reg .pred p, q;\n setp.ne.b32 p, %0, 0;\n setp.ne.b32 q, %1, 0;\n"
-      " @p cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%2], [%3], %4;\n"
-      " @q cp.async.bulk.commit_group;\n}\n" ::"r"(int(issue)),
-      "r"(int(commit)), "l"(dst), "r"(src), "r"(bytes)
+      "{\n .reg .pred p;\n setp.ne.b32 p, %0, 0;\n"
+      " @p cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%1], [%2], %3;\n"
+      " @p cp.async.bulk.commit_group;\n}\n" ::"r"(int(issue)),
+      "l"(dst), "r"(src), "r"(bytes)
       : "memory");
 }
 __device__ __forceinline__ void bulk_wait_group_read_all() {
   asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
 }
 __device__ __forceinline__ void bulk_wait_group_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
-// Every bulk-async group of this thread but the newest kPending has completed: its writes performed
-// and visible to this thread (not only its shared memory read, as wait_group_read).
-template <int kPending>
-__device__ __forceinline__ void bulk_wait_group() {
-  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
-
-// Ordering between blocks through a counter in global memory, for data a bulk operation wrote: the
-// writer waits for its group (bulk_wait_group), orders the async proxy's writes before its generic
-// ones (fence_proxy_async_global), then counts with release semantics (or hands the count to another
-// thread of its block through red_max_release_cta / load_acquire_cta, which counts for it: release is
-// cumulative); the thread that reads the final count fences (fence_acq_rel_gpu) before it loads the data.
-__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
-__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;\n" ::: "memory"); }
-__device__ __forceinline__ int atomic_add_release_gpu(int* counter, int value) {
-  int old;
-  asm volatile("atom.release.gpu.global.add.s32 %0, [%1], %2;\n" : "=r"(old) : "l"(counter), "r"(value) : "memory");
-  return old;
-}
-
-// A word of shared memory between threads of one block, release / acquire at block scope, by
-// atomics (compute-sanitizer's racecheck reports plain stores and loads of a flag as races).
-__device__ __forceinline__ void red_max_release_cta(uint32_t addr, int value) {
-  asm volatile("red.release.cta.shared.max.s32 [%0], %1;\n" ::"r"(addr), "r"(value) : "memory");
-}
-__device__ __forceinline__ int load_acquire_cta(uint32_t addr) {
-  int value;
-  asm volatile("atom.acquire.cta.shared.or.b32 %0, [%1], 0;\n" : "=r"(value) : "r"(addr) : "memory");
-  return value;
-}
 
 // Named barriers (ids 1..15; 0 is __syncthreads): `threads` = every thread that syncs or arrives.
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {

@@ -349,39 +349,6 @@ def test_cuda_varlen_schedules_give_the_same_bits(d, monkeypatch):
         assert torch.equal(a, b), f"{name} differs between the longest-first and the given order"
 
 
-@requires_cuda
-@pytest.mark.parametrize("fused", ["1", "0"], ids=["convert_in_kernel", "convert_kernel"])
-@pytest.mark.parametrize("options", [(False, None, None), (True, None, None), (True, (31, 0), None)], ids=options_id)
-@pytest.mark.parametrize("d", [64, 128])
-def test_cuda_dq_convert_in_and_after_the_dkdv_kernel(d, options, fused, monkeypatch):
-    """dQ converted inside the dk/dv kernel (by the warp whose count completes a 16 x 64 portion:
-    FUSEFORGE_ATTENTION_DQ_FUSED_CONVERT=1, the default) or by the convert kernel after it, into
-    poisoned memory: query tiles that no key block visits (300 queries on 100 keys, bottom-right
-    causal; an empty key sequence), partial tiles past Sq, GQA, a fixed-length batch too."""
-    monkeypatch.setenv("FUSEFORGE_ATTENTION_DQ_FUSED_CONVERT", fused)
-    causal, window, cap = options
-    lq, lk = [300, 5, 64, 200, 130, 77], [100, 0, 64, 257, 130, 77]
-    q, k, v, cu_q, cu_k, max_q, max_k = varlen_case(lq, lk, 4, 2, d, torch.bfloat16, "cuda")
-    grad = randn(*q.shape, dtype=torch.bfloat16, device="cuda")
-    out = attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, window=window)
-    poison_allocations(q, k, v, q)
-    dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad)
-    _, _, rq, rk, rv = per_sequence_reference(q, k, v, grad, lq, lk, causal, window, cap)
-    for name, g, r in (("dq", dq, rq), ("dk", dk, rk), ("dv", dv, rv)):
-        assert rel_err(g, r) <= 2 * TOL[torch.bfloat16], f"{name}: {rel_err(g, r):.3e}"
-    if causal:  # the first sequence's first 200 queries see no key: exact zeros
-        assert torch.equal(dq[:200], torch.zeros_like(dq[:200]))
-
-    q, k, v = make_qkv(2, 4, 2, 300, 100, d, torch.bfloat16, "cuda", requires_grad=True)
-    grad = randn(*q.shape, dtype=torch.bfloat16, device="cuda")
-    out = attention(q, k, v, causal=causal, window=window)
-    poison_allocations(q, k, v, q)
-    grads = torch.autograd.grad(out, (q, k, v), grad)
-    _, *refs = reference_with_grads(q, k, v, grad, causal=causal, window=window)
-    for name, g, r in zip(("dq", "dk", "dv"), grads, refs):
-        assert rel_err(g, r) <= 2 * TOL[torch.bfloat16], f"fixed length {name}: {rel_err(g, r):.3e}"
-
-
 # ---- small cases for compute-sanitizer (memcheck, racecheck) ------------------------------------
 @requires_cuda
 @pytest.mark.sanitize
