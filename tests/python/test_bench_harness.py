@@ -1,12 +1,15 @@
 """benchmarks/harness.py's pieces that run without a GPU: the nvidia-smi sample parser and the
 clock / power summary of a row (the GPU runs only produce them)."""
 import datetime as dt
+import importlib.util
 import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-import harness  # noqa: E402
+# By path and under its own name: `harness` is tests/python/harness.py in this process.
+_spec = importlib.util.spec_from_file_location("bench_harness", os.path.join(ROOT, "benchmarks", "harness.py"))
+harness = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(harness)
 
 
 def _stamp(t: float) -> str:
