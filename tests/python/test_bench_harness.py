@@ -8,7 +8,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # By path and under its own name: `harness` is tests/python/harness.py in this process.
 _spec = importlib.util.spec_from_file_location("bench_harness", os.path.join(ROOT, "benchmarks", "harness.py"))
-harness = importlib.util.module_from_spec(_spec)
+harness = sys.modules["bench_harness"] = importlib.util.module_from_spec(_spec)  # dataclasses look it up
 _spec.loader.exec_module(harness)
 
 
