@@ -302,6 +302,14 @@ class ClockSampler:
 _timing_spans: dict[int, list[tuple[float, float]]] = {}
 
 
+def _time_recorded(bench: Bench, **kwargs) -> float:
+    """time_ms(bench.fn, **kwargs), its wall-clock span recorded in _timing_spans."""
+    t0 = time.time()
+    ms = time_ms(bench.fn, **kwargs)
+    _timing_spans.setdefault(id(bench), []).append((t0, time.time()))
+    return ms
+
+
 def time_interleaved(benches: list[Bench], rounds: int, rep_ms: float = 100) -> dict[int, Optional[float]]:
     """Median ms of each bench over `rounds` rounds that time every bench in turn (time_ms with
     rep_ms each): slow drifts of the GPU's clocks and temperature fall on every impl alike instead of on
@@ -313,9 +321,7 @@ def time_interleaved(benches: list[Bench], rounds: int, rep_ms: float = 100) -> 
             if id(b) in failed:
                 continue
             try:
-                t0 = time.time()
-                times[id(b)].append(time_ms(b.fn, rep_ms=rep_ms))
-                _timing_spans.setdefault(id(b), []).append((t0, time.time()))
+                times[id(b)].append(_time_recorded(b, rep_ms=rep_ms))
             except torch.cuda.OutOfMemoryError:
                 failed.add(id(b))
                 gc.collect()
@@ -328,9 +334,7 @@ def measure(bench: Bench, with_memory: bool = True, ms: Optional[float] = None) 
     row = {"case": bench.case, "pass": bench.pass_, "impl": bench.impl}
     try:
         if ms is None:
-            t0 = time.time()
-            ms = time_ms(bench.fn)
-            _timing_spans.setdefault(id(bench), []).append((t0, time.time()))
+            ms = _time_recorded(bench)
         row["ms"] = _round(ms)
         if bench.bytes:
             row["GBps"] = _round(bench.bytes / ms / 1e6)

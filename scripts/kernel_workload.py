@@ -60,7 +60,7 @@ def attention_case(case, impl):
     return (q, k, v), forward
 
 
-def attention_fwdbwd(case, impl, pass_="fwdbwd"):
+def attention_call(case, impl, pass_="fwdbwd"):
     """A callable running one forward + backward (pass_ "fwdbwd") or one forward ("fwd") of an
     attention benchmark case by one impl (bench_attention_varlen's cases, "docs/...", "window...",
     "softcap...", through that script's setup)."""
@@ -77,7 +77,7 @@ def attention_fwdbwd(case, impl, pass_="fwdbwd"):
 
 def attention(case, impl):
     """Forward + backward of one attention benchmark case, by one impl."""
-    fwdbwd = attention_fwdbwd(case, impl)
+    fwdbwd = attention_call(case, impl)
     for _ in range(CALLS):
         fwdbwd()
 
@@ -86,7 +86,7 @@ def attention_profiled(case, impl, pass_="fwdbwd"):
     """attention()'s forward + backward (or forward only: pass_ "fwd"), warmed up, then once more inside
     cudaProfilerStart / Stop, for `ncu --profile-from-start off` to take every kernel of exactly one
     call (at ncu's locked clock: impls compared in cycles, whatever clock each would get at the power cap)."""
-    call = attention_fwdbwd(case, impl, pass_)
+    call = attention_call(case, impl, pass_)
     for _ in range(2):
         call()
     torch.cuda.synchronize()

@@ -12,10 +12,10 @@ kernels, then a table of the peers' ratios (with --out also as <name>.json, with
 commit, and <name>.md, which scripts/update_readme.py pastes into the README). ncu flushes the caches before each kernel and serializes
 them, so the sums leave out launch gaps.
 """
-import json
 import argparse
 import csv
 import io
+import json
 import os
 import subprocess
 import sys
