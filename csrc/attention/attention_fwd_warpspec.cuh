@@ -18,6 +18,8 @@
 // The mma.sync/cp.async forward (attention_fwd_kernel.cuh) remains for shapes TMA cannot describe
 // (strides or addresses not multiples of 16 bytes) and for FUSEFORGE_ATTENTION_TMA=0.
 #pragma once
+#include <array>
+#include <atomic>
 #include <type_traits>
 
 #include "attention/attention_fwd_kernel.cuh"
@@ -37,6 +39,10 @@ struct FwdTmaParams {
   int store_o_tma = 0;  // the epilogue stores O by TMA (o encoded; fixed-length only)
   int pingpong = 1;  // consumers take turns issuing their products
   int early_k_release = 1;  // 0: K(i) freed with V(i), after P(i) V(i) (the schedule before; A/B timings)
+  // 2: clusters of two blocks on tiles 2t, 2t + 1 (one head, the same K/V tiles), each block loading
+  // half of every K/V tile's panels and multicasting them to both; tiles by a static stride, not the
+  // counter. Set by the launcher where the tiles pair up (no mask, fixed length, an even count).
+  int cluster = 1;
   int m_blocks = 0, num_tiles = 0;
   int64_t max_blocks = 0;  // host only: FUSEFORGE_ATTENTION_FWD_BLOCKS (0: one an SM)
 };
@@ -121,12 +127,19 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(full_k(s), 1);
       mbarrier_init(full_v(s), 1);
-      mbarrier_init(empty_k(s), L::kConsumers * 4);  // one arrive a consumer warp (K/V: wgmma reads only)
-      mbarrier_init(empty_v(s), L::kConsumers * 4);
+      // one arrive a consumer warp (K/V: wgmma reads only), of both blocks in a cluster (a stage is
+      // written in both by either block's copies)
+      mbarrier_init(empty_k(s), L::kConsumers * 4 * tma.cluster);
+      mbarrier_init(empty_v(s), L::kConsumers * 4 * tma.cluster);
     }
     fence_mbarrier_init();
   }
-  __syncthreads();
+  const bool paired = tma.cluster == 2;
+  const uint32_t rank = paired ? cluster_ctarank() : 0;
+  if (paired)
+    cluster_sync();  // the other block's barriers are initialized before any copy or arrive reaches them
+  else
+    __syncthreads();
 
   if (wg == 0) {  // producer: one thread picks the tiles and issues every copy
     setmaxnreg_dec<L::kProducerRegs>();
@@ -134,15 +147,29 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
       prefetch_tma_map(&tma.q);
       prefetch_tma_map(&tma.k);
       prefetch_tma_map(&tma.v);
-      // Each block's first tile is its own index; the counter hands out the rest.
-      auto next_tile = [&] { return atomicAdd(p.tile_counter, 1) + static_cast<int>(gridDim.x); };
+      // Each block's first tile is its own index; the counter hands out the rest (paired: a static
+      // stride, so both blocks of a cluster take the two tiles of one pair).
+      auto next_tile = [&](int current) {
+        return paired ? current + static_cast<int>(gridDim.x) : atomicAdd(p.tile_counter, 1) + static_cast<int>(gridDim.x);
+      };
       int tile = blockIdx.x, kv = 0;  // kv: K/V tiles issued so far (the ring position)
+      // One K or V tile's panels into a stage (its full barrier expects the whole tile); paired, this
+      // block copies every other panel into both blocks.
+      auto load_kv = [&](uint32_t dst, const CUtensorMap* map, uint32_t full, int row, int hk, int batch) {
+#pragma unroll
+        for (int c = 0; c < L::kPanels; ++c) {
+          if (!paired)
+            tma_load_4d(dst + c * KVTile::kPanelBytes, map, full, c * 64, row, hk, batch);
+          else if ((c & 1) == static_cast<int>(rank))
+            tma_load_4d_multicast(dst + c * KVTile::kPanelBytes, map, full, c * 64, row, hk, batch, 0b11);
+        }
+      };
       for (int j = 0;; ++j) {
         // varlen: tiles past their sequence have no rows; skip them here, the consumers never see them
         // (an atomicMax past a sequence's run of empty tiles instead of an atomicAdd each timed level:
         // docs/notes_attention.md, sixteenth session)
         if constexpr (kVarlen)
-          while (tile < tma.num_tiles && block_of(tile).rows_q <= 0) tile = next_tile();
+          while (tile < tma.num_tiles && block_of(tile).rows_q <= 0) tile = next_tile(tile);
         mbarrier_wait(empty_q, (j & 1) ^ 1);  // the consumers are done with the previous tile's Q
         if (tile >= tma.num_tiles) {
           *tile_slot = -1;
@@ -156,24 +183,26 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
 #pragma unroll
         for (int c = 0; c < L::kPanels; ++c)
           tma_load_4d(sQ + c * QTile::kPanelBytes, &tma.q, full_q, c * 64, blk.q_row0 + blk.m0, blk.h, batch);
-        const int next = next_tile();  // its latency hides under the loads
+        const int next = next_tile(tile);  // its latency hides under the loads
         for (int nb = blk.n_begin; nb < blk.n_end; ++nb, ++kv) {
           const int s = kv % kStages, parity = ((kv / kStages) & 1) ^ 1;
           const int row = blk.k_row0 + nb * kBlockN;
           mbarrier_wait(empty_k(s), parity);
           mbarrier_arrive_expect_tx(full_k(s), Tr::kTileKVBytes);
-#pragma unroll
-          for (int c = 0; c < L::kPanels; ++c)
-            tma_load_4d(sK(s) + c * KVTile::kPanelBytes, &tma.k, full_k(s), c * 64, row, blk.hk, batch);
+          load_kv(sK(s), &tma.k, full_k(s), row, blk.hk, batch);
           mbarrier_wait(empty_v(s), parity);
           mbarrier_arrive_expect_tx(full_v(s), Tr::kTileKVBytes);
-#pragma unroll
-          for (int c = 0; c < L::kPanels; ++c)
-            tma_load_4d(sK(s) + Tr::kTileKVBytes + c * KVTile::kPanelBytes, &tma.v, full_v(s), c * 64, row, blk.hk,
-                        batch);
+          load_kv(sK(s) + Tr::kTileKVBytes, &tma.v, full_v(s), row, blk.hk, batch);
         }
         tile = next;
       }
+      // Paired: the other block's consumers arrive on this block's barriers until they have read
+      // the last stages; this block stays until they have.
+      if (paired)
+        for (int u = kv > kStages ? kv - kStages : 0; u < kv; ++u) {
+          mbarrier_wait(empty_k(u % kStages), (u / kStages) & 1);
+          mbarrier_wait(empty_v(u % kStages), (u / kStages) & 1);
+        }
     }
     return;
   }
@@ -199,9 +228,12 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
     const int next = L::kConsumers == 2 ? cwg ^ 1 : (cwg + 1 == L::kConsumers ? 0 : cwg + 1);
     if (pingpong) named_barrier_arrive(kMyTurn + next, kTurnThreads);
   };
-  auto release = [&](uint32_t empty_barrier) {  // this warp is done with a stage's K or V
+  // This warp is done with a stage's K or V (paired: in both blocks' barriers, lane 1 the other's).
+  const uint32_t other_bars = paired ? map_shared_to_cta(bars, rank ^ 1) : 0;
+  auto release = [&](uint32_t empty_barrier) {
     __syncwarp();
     if (lane == 0) mbarrier_arrive(empty_barrier);
+    if (paired && lane == 1) mbarrier_arrive_remote(other_bars + (empty_barrier - bars));
   };
   const bool early_k = tma.early_k_release != 0;
   auto sV = [&](int s) { return sK(s) + Tr::kTileKVBytes; };
@@ -390,6 +422,7 @@ bool use_fwd_warpspec(const FwdParams& p, FwdTmaParams* tma) {
   tma->pingpong = env_flag("FUSEFORGE_ATTENTION_PINGPONG", true) ? 1 : 0;
   tma->early_k_release = env_flag("FUSEFORGE_ATTENTION_EARLY_K_RELEASE", true) ? 1 : 0;
   tma->max_blocks = env_positive_int("FUSEFORGE_ATTENTION_FWD_BLOCKS", 0);
+  tma->cluster = env_flag("FUSEFORGE_ATTENTION_FWD_CLUSTER", false) ? 2 : 1;  // the launcher may still take 1
   // Not a requirement: where out's strides do not fit a tensor map, the kernel stores O itself.
   tma->store_o_tma = p.cu_seqlens_q == nullptr &&
                      encode_rows_map<T>(&tma->o, p, p.out, p.rows_q, p.heads_q, p.out_row_stride, p.out_head_stride,
@@ -401,6 +434,22 @@ bool use_fwd_warpspec(const FwdParams& p, FwdTmaParams* tma) {
                          Tr::kBlockN) &&
       encode_rows_map<T>(&tma->v, p, p.v, p.rows_k, p.heads_kv, p.v_row_stride, p.v_head_stride, p.v_batch_stride,
                          Tr::kBlockN));
+}
+
+// Clusters of two resident at once for the warp-specialized forward (one block an SM), per device and
+// kernel, asked once.
+template <class Tr, int kMask, bool kSoftcap, bool kVarlen>
+int64_t fwd_max_active_clusters() {
+  using L = WarpSpecFwdLayout<Tr>;
+  const auto ask = [] {
+    return max_active_clusters(attention_fwd_warpspec_kernel<Tr, kMask, kSoftcap, kVarlen>, dim3(L::kThreads),
+                               L::kSmemBytes, 2);
+  };
+  static std::array<std::atomic<int>, 64> known{};  // 0: not asked yet; else clusters + 1
+  const int device = at::cuda::current_device();
+  if (device >= static_cast<int>(known.size())) return ask();
+  if (known[device].load() == 0) known[device].store(ask() + 1);
+  return known[device].load() - 1;
 }
 
 // Tiles: query blocks (of the longest sequence) x heads x batch (or sequences). The warp-specialized
@@ -423,10 +472,20 @@ void launch_attention_fwd_tiles(const FwdParams& params, bool local) {
       using L = WarpSpecFwdLayout<WsTr>;
       // One block an SM. FUSEFORGE_ATTENTION_FWD_BLOCKS=n: at most n (tests give a few blocks many
       // tiles; n >= the tiles is one block a tile, each finding none left after its own: A/B timings).
+      const auto kernel = attention_fwd_warpspec_kernel<WsTr, kMask, kSoftcap, kVarlen>;
       const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-      const dim3 blocks(static_cast<unsigned>(std::min(tiles, tma.max_blocks > 0 ? tma.max_blocks : sms)));
-      launch_kernel(attention_fwd_warpspec_kernel<WsTr, kMask, kSoftcap, kVarlen>, blocks, dim3(L::kThreads),
-                    L::kSmemBytes, params, tma);
+      int64_t blocks = std::min(tiles, tma.max_blocks > 0 ? tma.max_blocks : sms);
+      // Pairs of blocks sharing K/V (FwdTmaParams::cluster): every tile of a head sees the same keys
+      // (no mask, fixed length), and the pairs (2t, 2t + 1) stay within a head (even query blocks).
+      const bool pairs = kMask == kNoMask && !kVarlen && L::kPanels % 2 == 0 && m_blocks % 2 == 0 && blocks >= 2;
+      const int64_t clusters = tma.cluster == 2 && pairs ? fwd_max_active_clusters<WsTr, kMask, kSoftcap, kVarlen>() : 0;
+      if (clusters > 0) {
+        blocks = std::min(blocks, 2 * clusters) / 2 * 2;
+      } else {
+        tma.cluster = 1;
+      }
+      launch_kernel_in_clusters(kernel, dim3(static_cast<unsigned>(blocks)), dim3(L::kThreads), L::kSmemBytes,
+                                static_cast<unsigned>(tma.cluster), params, tma);
     } else {
       launch_kernel(attention_fwd_kernel<Tr, kMask, kSoftcap, kVarlen>, grid, dim3(Tr::kThreads), Tr::kSmemBytes,
                     params);
