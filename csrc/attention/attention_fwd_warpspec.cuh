@@ -41,7 +41,9 @@ struct FwdTmaParams {
   int early_k_release = 1;  // 0: K(i) freed with V(i), after P(i) V(i) (the schedule before; A/B timings)
   // 2: clusters of two blocks on tiles 2t, 2t + 1 (one head, the same K/V tiles), each block loading
   // half of every K/V tile's panels and multicasting them to both; tiles by a static stride, not the
-  // counter. Set by the launcher where the tiles pair up (no mask, fixed length, an even count).
+  // counter. Taken by the launcher where the tiles pair up (no mask, fixed length, an even count of
+  // query blocks, an even count of panels) unless FUSEFORGE_ATTENTION_FWD_CLUSTER=0 (H100, 2026-11-26:
+  // head dim 128 forward -2.0-2.9% at S4096 / S16384 full, level at S1024; docs/notes_attention.md).
   int cluster = 1;
   int m_blocks = 0, num_tiles = 0;
   int64_t max_blocks = 0;  // host only: FUSEFORGE_ATTENTION_FWD_BLOCKS (0: one an SM)
@@ -422,7 +424,7 @@ bool use_fwd_warpspec(const FwdParams& p, FwdTmaParams* tma) {
   tma->pingpong = env_flag("FUSEFORGE_ATTENTION_PINGPONG", true) ? 1 : 0;
   tma->early_k_release = env_flag("FUSEFORGE_ATTENTION_EARLY_K_RELEASE", true) ? 1 : 0;
   tma->max_blocks = env_positive_int("FUSEFORGE_ATTENTION_FWD_BLOCKS", 0);
-  tma->cluster = env_flag("FUSEFORGE_ATTENTION_FWD_CLUSTER", false) ? 2 : 1;  // the launcher may still take 1
+  tma->cluster = env_flag("FUSEFORGE_ATTENTION_FWD_CLUSTER", true) ? 2 : 1;  // the launcher may still take 1
   // Not a requirement: where out's strides do not fit a tensor map, the kernel stores O itself.
   tma->store_o_tma = p.cu_seqlens_q == nullptr &&
                      encode_rows_map<T>(&tma->o, p, p.out, p.rows_q, p.heads_q, p.out_row_stride, p.out_head_stride,

@@ -369,9 +369,9 @@ def test_errors_cuda():
 # FUSEFORGE_ATTENTION_TMA=1 makes that a requirement) and cp.async (=0); the forward's ping-pong knob
 # and its K/V release order; head dim 64's 128-row tiles (the shapes here pick 192: fwd_query_rows_d64);
 # its persistent grid at 3 blocks, so every block runs many tiles (with an SM each, the small cases
-# here would give most blocks one), with either tile height; pairs of blocks sharing K/V by TMA
-# multicast (taken without a mask, at an even count of query blocks and head dims 96 / 128 / 256; at
-# 3 blocks the grid is one pair) --
+# here would give most blocks one), with either tile height; the forward without pairs of blocks
+# sharing K/V by TMA multicast (the default without a mask, at an even count of query blocks and head
+# dims 96 / 128 / 256; at 3 blocks the grid is one pair) --
 FORWARD_KERNELS = {"tma_pingpong": {"FUSEFORGE_ATTENTION_TMA": "1"},
                    "tma_no_pingpong": {"FUSEFORGE_ATTENTION_TMA": "1", "FUSEFORGE_ATTENTION_PINGPONG": "0"},
                    "tma_late_k_release": {"FUSEFORGE_ATTENTION_TMA": "1", "FUSEFORGE_ATTENTION_EARLY_K_RELEASE": "0"},
@@ -379,9 +379,7 @@ FORWARD_KERNELS = {"tma_pingpong": {"FUSEFORGE_ATTENTION_TMA": "1"},
                    "tma_3_blocks": {"FUSEFORGE_ATTENTION_TMA": "1", "FUSEFORGE_ATTENTION_FWD_BLOCKS": "3"},
                    "tma_rows_128_3_blocks": {"FUSEFORGE_ATTENTION_TMA": "1", "FUSEFORGE_ATTENTION_FWD_ROWS": "128",
                                              "FUSEFORGE_ATTENTION_FWD_BLOCKS": "3"},
-                   "tma_cluster": {"FUSEFORGE_ATTENTION_TMA": "1", "FUSEFORGE_ATTENTION_FWD_CLUSTER": "1"},
-                   "tma_cluster_3_blocks": {"FUSEFORGE_ATTENTION_TMA": "1", "FUSEFORGE_ATTENTION_FWD_CLUSTER": "1",
-                                            "FUSEFORGE_ATTENTION_FWD_BLOCKS": "3"},
+                   "tma_no_cluster": {"FUSEFORGE_ATTENTION_TMA": "1", "FUSEFORGE_ATTENTION_FWD_CLUSTER": "0"},
                    "cp_async": {"FUSEFORGE_ATTENTION_TMA": "0"}}
 
 
@@ -478,7 +476,7 @@ def test_cuda_sanitize_kernels(kernel, d, monkeypatch):
 @requires_cuda
 @pytest.mark.sanitize
 @pytest.mark.parametrize("d", [128, 256])
-@pytest.mark.parametrize("kernel", ["tma_cluster", "tma_cluster_3_blocks"])
+@pytest.mark.parametrize("kernel", ["tma_pingpong", "tma_3_blocks"])
 def test_cuda_sanitize_forward_pairs(kernel, d, monkeypatch):
     """The forward's block pairs (no mask, even query blocks): each block copies half of every K/V
     tile into both and frees stages in both; the partial last key tile comes from the tensor map's
