@@ -39,11 +39,13 @@ struct FwdTmaParams {
   int store_o_tma = 0;  // the epilogue stores O by TMA (o encoded; fixed-length only)
   int pingpong = 1;  // consumers take turns issuing their products
   int early_k_release = 1;  // 0: K(i) freed with V(i), after P(i) V(i) (the schedule before; A/B timings)
-  // 2: clusters of two blocks on tiles 2t, 2t + 1 (one head, the same K/V tiles), each block loading
-  // half of every K/V tile's panels and multicasting them to both; tiles by a static stride, not the
-  // counter. Taken by the launcher where the tiles pair up (no mask, fixed length, an even count of
-  // query blocks, an even count of panels) unless FUSEFORGE_ATTENTION_FWD_CLUSTER=0 (H100, 2026-11-26:
-  // head dim 128 forward -2.0-2.9% at S4096 / S16384 full, level at S1024; docs/notes_attention.md).
+  // 2: clusters of two blocks on the tiles 2t, 2t + 1 of a pair (adjacent query blocks of one head),
+  // each block loading half of every K/V tile's panels and multicasting them to both; both run their
+  // K/V ring over the union of the two tiles' key tiles, and a block's consumers pass over the ones
+  // its own rows do not see (causal: the diagonal tile of the upper block). The counter hands out
+  // pairs: rank 0 takes each and stores it into rank 1's shared memory. Taken by the launcher where
+  // the tiles pair up (fixed length, an even count of query blocks and of panels) unless
+  // FUSEFORGE_ATTENTION_FWD_CLUSTER=0 (docs/notes_attention.md, nineteenth session).
   int cluster = 1;
   int m_blocks = 0, num_tiles = 0;
   int64_t max_blocks = 0;  // host only: FUSEFORGE_ATTENTION_FWD_BLOCKS (0: one an SM)
@@ -70,11 +72,11 @@ struct WarpSpecFwdLayout {
   static constexpr int kPanels = Tr::kHeadDim / 64;
   // The output is staged in its own tile where it fits (the next tile's Q then loads under this
   // tile's last P V product and its stores), else in Q's (head dim 256).
-  static constexpr int kBarrierBytes = 8 * (2 + 4 * kStages) + 8;  // the mbarriers, the tile slot
+  static constexpr int kBarrierBytes = 8 * (4 + 4 * kStages) + 8;  // the mbarriers, the tile and pair slots
   static constexpr bool kOwnOutputTile =
       1024 + 2 * Tr::kTileQBytes + kStages * 2 * Tr::kTileKVBytes + kBarrierBytes <= 227 * 1024;
   // Q, kStages x (K, V), O if kOwnOutputTile, the mbarriers (full_q, empty_q, full_k[s], full_v[s],
-  // empty_k[s], empty_v[s]) and the tile slot; 1 KB to align the tiles on 1024 bytes (the 128-byte swizzle's period).
+  // empty_k[s], empty_v[s], full_pair, empty_pair) and the tile and pair slots; 1 KB to align the tiles on 1024 bytes (the 128-byte swizzle's period).
   static constexpr int kKVOffset = Tr::kTileQBytes;
   static constexpr int kOutOffset = kOwnOutputTile ? kKVOffset + kStages * 2 * Tr::kTileKVBytes : 0;
   static constexpr int kBarriersOffset = kKVOffset + kStages * 2 * Tr::kTileKVBytes + (kOwnOutputTile ? Tr::kTileQBytes : 0);
@@ -110,6 +112,20 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
     const int m = tile % tma.m_blocks, bh = tile / tma.m_blocks;
     return Block(p, tma.m_blocks - 1 - m, bh % p.heads_q, bh / p.heads_q);
   };
+  const bool paired = !kVarlen && tma.cluster == 2;  // varlen kernels: none of the pairs' code
+  // The key tiles [begin, end) the K/V ring runs over for a tile: its own, or paired, the union with
+  // the other tile of the pair (tile ^ 1; contiguous ranges of adjacent query blocks).
+  auto ring_tiles = [&](const Block& blk, int tile, int& begin, int& end) {
+    begin = blk.n_begin, end = blk.n_end;
+    if (paired) {
+      const Block other = block_of(tile ^ 1);
+      if (begin >= end) {
+        begin = other.n_begin, end = other.n_end;
+      } else if (other.n_begin < other.n_end) {
+        begin = min(begin, other.n_begin), end = max(end, other.n_end);
+      }
+    }
+  };
 
   const uint32_t sQ = attention_smem_base();
   unsigned char* smem = attention_smem + (sQ - smem_addr(attention_smem));
@@ -120,7 +136,10 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
   auto full_v = [&](int s) { return bars + 8 * (2 + kStages + s); };
   auto empty_k = [&](int s) { return bars + 8 * (2 + 2 * kStages + s); };
   auto empty_v = [&](int s) { return bars + 8 * (2 + 3 * kStages + s); };
-  volatile int* tile_slot = reinterpret_cast<volatile int*>(smem + L::kBarriersOffset + 8 * (2 + 4 * kStages));
+  const uint32_t full_pair = bars + 8 * (2 + 4 * kStages), empty_pair = full_pair + 8;
+  volatile int* tile_slot = reinterpret_cast<volatile int*>(smem + L::kBarriersOffset + 8 * (4 + 4 * kStages));
+  volatile int* pair_slot = tile_slot + 1;
+  const uint32_t pair_slot_addr = full_pair + 16 + 4;
   if (tid == 0) {
     mbarrier_init(full_q, 1);
     // Every consumer thread arrives after its last read of Q and the slot (the slot: a generic load of
@@ -134,9 +153,10 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
       mbarrier_init(empty_k(s), L::kConsumers * 4 * tma.cluster);
       mbarrier_init(empty_v(s), L::kConsumers * 4 * tma.cluster);
     }
+    mbarrier_init(full_pair, 1);   // rank 1: the pair index has landed
+    mbarrier_init(empty_pair, 1);  // rank 0: rank 1 has read it
     fence_mbarrier_init();
   }
-  const bool paired = tma.cluster == 2;
   const uint32_t rank = paired ? cluster_ctarank() : 0;
   if (paired)
     cluster_sync();  // the other block's barriers are initialized before any copy or arrive reaches them
@@ -149,10 +169,24 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
       prefetch_tma_map(&tma.q);
       prefetch_tma_map(&tma.k);
       prefetch_tma_map(&tma.v);
-      // Each block's first tile is its own index; the counter hands out the rest (paired: a static
-      // stride, so both blocks of a cluster take the two tiles of one pair).
-      auto next_tile = [&](int current) {
-        return paired ? current + static_cast<int>(gridDim.x) : atomicAdd(p.tile_counter, 1) + static_cast<int>(gridDim.x);
+      // Each block's first tile is its own index; the counter hands out the rest. Paired (tiles 2t +
+      // rank; the first pair is the cluster's index): rank 0 takes the pair from the counter and
+      // stores it into rank 1's slot (st.async completes rank 1's full_pair), one pair at a time.
+      auto next_tile = [&](int j) {
+        if (!paired) return atomicAdd(p.tile_counter, 1) + static_cast<int>(gridDim.x);
+        int pair;
+        if (rank == 0) {
+          mbarrier_wait(empty_pair, (j & 1) ^ 1);
+          pair = atomicAdd(p.tile_counter, 1) + static_cast<int>(gridDim.x / 2);
+          st_async_remote(map_shared_to_cta(pair_slot_addr, 1), pair,
+                          map_shared_to_cta(full_pair, 1));
+        } else {
+          mbarrier_arrive_expect_tx(full_pair, 4);
+          mbarrier_wait(full_pair, j & 1);
+          pair = *pair_slot;
+          mbarrier_arrive_remote(map_shared_to_cta(empty_pair, 0));
+        }
+        return 2 * pair + static_cast<int>(rank);
       };
       int tile = blockIdx.x, kv = 0;  // kv: K/V tiles issued so far (the ring position)
       // One K or V tile's panels into a stage (its full barrier expects the whole tile); paired, this
@@ -166,12 +200,13 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
             tma_load_4d_multicast(dst + c * KVTile::kPanelBytes, map, full, c * 64, row, hk, batch, 0b11);
         }
       };
-      for (int j = 0;; ++j) {
+      int j = 0;
+      for (;; ++j) {
         // varlen: tiles past their sequence have no rows; skip them here, the consumers never see them
         // (an atomicMax past a sequence's run of empty tiles instead of an atomicAdd each timed level:
         // docs/notes_attention.md, sixteenth session)
         if constexpr (kVarlen)
-          while (tile < tma.num_tiles && block_of(tile).rows_q <= 0) tile = next_tile(tile);
+          while (tile < tma.num_tiles && block_of(tile).rows_q <= 0) tile = next_tile(j);
         mbarrier_wait(empty_q, (j & 1) ^ 1);  // the consumers are done with the previous tile's Q
         if (tile >= tma.num_tiles) {
           *tile_slot = -1;
@@ -185,8 +220,10 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
 #pragma unroll
         for (int c = 0; c < L::kPanels; ++c)
           tma_load_4d(sQ + c * QTile::kPanelBytes, &tma.q, full_q, c * 64, blk.q_row0 + blk.m0, blk.h, batch);
-        const int next = next_tile(tile);  // its latency hides under the loads
-        for (int nb = blk.n_begin; nb < blk.n_end; ++nb, ++kv) {
+        const int next = next_tile(j);  // its latency hides under the loads
+        int ring_begin, ring_end;
+        ring_tiles(blk, tile, ring_begin, ring_end);
+        for (int nb = ring_begin; nb < ring_end; ++nb, ++kv) {
           const int s = kv % kStages, parity = ((kv / kStages) & 1) ^ 1;
           const int row = blk.k_row0 + nb * kBlockN;
           mbarrier_wait(empty_k(s), parity);
@@ -198,13 +235,15 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
         }
         tile = next;
       }
-      // Paired: the other block's consumers arrive on this block's barriers until they have read
-      // the last stages; this block stays until they have.
-      if (paired)
+      // Paired: the other block arrives on this block's barriers until its consumers have read the
+      // last stages and its producer the last pair; this block stays until they have.
+      if (paired) {
         for (int u = kv > kStages ? kv - kStages : 0; u < kv; ++u) {
           mbarrier_wait(empty_k(u % kStages), (u / kStages) & 1);
           mbarrier_wait(empty_v(u % kStages), (u / kStages) & 1);
         }
+        if (rank == 0) mbarrier_wait(empty_pair, (j - 1) & 1);
+      }
     }
     return;
   }
@@ -248,6 +287,23 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
     const Block blk = block_of(tile);
     const int m0 = blk.m0, offset = blk.offset, seqlen_k = blk.seqlen_k, n_begin = blk.n_begin;
     const int n_tiles = blk.n_end - n_begin;
+    // Paired, the ring runs over the union of the pair's key tiles: this tile's consumers pass over
+    // the ones before and after its own, waiting for each to land (so that every arrive on a stage's
+    // barriers comes after the stage's previous use was freed in both blocks) and freeing it.
+    int ring_begin, ring_end;
+    ring_tiles(blk, tile, ring_begin, ring_end);
+    const int skip_before = n_tiles > 0 ? n_begin - ring_begin : ring_end - ring_begin;
+    const int skip_after = ring_end - ring_begin - skip_before - (n_tiles > 0 ? n_tiles : 0);
+    auto pass_over = [&](int count) {
+      for (int u = 0; u < count; ++u, ++kv) {
+        const int s = kv % kStages, parity = (kv / kStages) & 1;
+        mbarrier_wait(full_k(s), parity);
+        mbarrier_wait(full_v(s), parity);
+        release(empty_k(s));
+        release(empty_v(s));
+      }
+    };
+    pass_over(skip_before);
 
     float o[kD / 2];
 #pragma unroll
@@ -322,6 +378,7 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
       mbarrier_arrive(empty_q);
     }
     kv += n_tiles;
+    pass_over(skip_after);
 
     // Epilogue: O / l, and lse = max * scale + ln(l) (-inf and a zero row where no key was seen).
     // Each warp stages its own rows; staged in Q's tile, both warpgroups must be done reading Q.
@@ -477,9 +534,9 @@ void launch_attention_fwd_tiles(const FwdParams& params, bool local) {
       const auto kernel = attention_fwd_warpspec_kernel<WsTr, kMask, kSoftcap, kVarlen>;
       const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
       int64_t blocks = std::min(tiles, tma.max_blocks > 0 ? tma.max_blocks : sms);
-      // Pairs of blocks sharing K/V (FwdTmaParams::cluster): every tile of a head sees the same keys
-      // (no mask, fixed length), and the pairs (2t, 2t + 1) stay within a head (even query blocks).
-      const bool pairs = kMask == kNoMask && !kVarlen && L::kPanels % 2 == 0 && m_blocks % 2 == 0 && blocks >= 2;
+      // Pairs of blocks sharing K/V (FwdTmaParams::cluster): the pairs (2t, 2t + 1) stay within a head
+      // (fixed length, even query blocks), and each block copies half of the panels.
+      const bool pairs = !kVarlen && L::kPanels % 2 == 0 && m_blocks % 2 == 0 && blocks >= 2;
       const int64_t clusters = tma.cluster == 2 && pairs ? fwd_max_active_clusters<WsTr, kMask, kSoftcap, kVarlen>() : 0;
       if (clusters > 0) {
         blocks = std::min(blocks, 2 * clusters) / 2 * 2;

@@ -90,11 +90,12 @@ __device__ __forceinline__ void bulk_wait_group_read_all() {
 }
 __device__ __forceinline__ void bulk_wait_group_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
-// Thread block clusters (launch_kernel's cluster size): a CTA's rank in its cluster, the address of
+// Thread block clusters (launch_kernel_in_clusters): a CTA's rank in its cluster, the address of
 // the same shared-memory location in another CTA of the cluster, a barrier over every thread of the
 // cluster (release / acquire: each CTA's earlier shared-memory writes, mbarrier inits included, seen
-// by the others after it), an arrive on another CTA's mbarrier, and a TMA load that lands the same box
-// at the same offset in every CTA of cta_mask, completing each one's mbarrier at `bar`'s offset.
+// by the others after it), an arrive on another CTA's mbarrier, a store into another CTA, and a TMA
+// load that lands the same box at the same offset in every CTA of cta_mask, completing each one's
+// mbarrier at `bar`'s offset.
 __device__ __forceinline__ uint32_t cluster_ctarank() {
   uint32_t rank;
   asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
@@ -113,6 +114,13 @@ __device__ __forceinline__ void cluster_sync() {
 // wgmma wait; .release.cluster compiles to MEMBAR.ALL.GPU before every arrive (a forward 22% slower).
 __device__ __forceinline__ void mbarrier_arrive_remote(uint32_t cluster_bar) {
   asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_bar) : "memory");
+}
+// A 4-byte store into another CTA's shared memory that completes 4 bytes of transactions on its
+// mbarrier (both addresses from map_shared_to_cta).
+__device__ __forceinline__ void st_async_remote(uint32_t cluster_addr, int value, uint32_t cluster_bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.u32 [%0], %1, [%2];\n" ::"r"(cluster_addr),
+               "r"(value), "r"(cluster_bar)
+               : "memory");
 }
 __device__ __forceinline__ void tma_load_4d_multicast(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0,
                                                       int c1, int c2, int c3, uint16_t cta_mask) {

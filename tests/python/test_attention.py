@@ -410,7 +410,8 @@ def requires_hopper_for(kernel):
 @pytest.mark.parametrize("shape", [(2, 8, 2, 300, 300, 128, True), (1, 4, 4, 129, 520, 64, False),
                                    (1, 4, 1, 200, 77, 96, True), (1, 4, 2, 200, 333, 256, True),
                                    (2, 2, 2, 129, 129, 256, False), (2, 4, 2, 260, 400, 128, False),
-                                   (2, 4, 2, 500, 333, 128, False), (1, 2, 1, 250, 129, 96, False)], ids=shape_id)
+                                   (2, 4, 2, 500, 333, 128, False), (1, 2, 1, 250, 129, 96, False),
+                                   (2, 4, 2, 512, 512, 128, True)], ids=shape_id)
 def test_cuda_kernels(kernel, layout, shape, monkeypatch):
     if not requires_hopper_for(kernel):
         pytest.skip("the TMA kernels run on sm_90 GPUs only")
@@ -476,18 +477,20 @@ def test_cuda_sanitize_kernels(kernel, d, monkeypatch):
 @requires_cuda
 @pytest.mark.sanitize
 @pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("mask", [{}, {"causal": True}, {"window": (150, 20)}])
 @pytest.mark.parametrize("kernel", ["tma_pingpong", "tma_3_blocks"])
-def test_cuda_sanitize_forward_pairs(kernel, d, monkeypatch):
-    """The forward's block pairs (no mask, even query blocks): each block copies half of every K/V
-    tile into both and frees stages in both; the partial last key tile comes from the tensor map's
-    zero fill."""
+def test_cuda_sanitize_forward_pairs(kernel, mask, d, monkeypatch):
+    """The forward's block pairs (fixed length, even query blocks): each block copies half of every
+    K/V tile into both and frees stages in both, over the union of the pair's key tiles (with a mask
+    a block passes over the tiles its rows do not see: the diagonal, the window's ends); the partial
+    last key tile comes from the tensor map's zero fill."""
     if not requires_hopper_for(kernel):
         pytest.skip("the TMA kernels run on sm_90 GPUs only")
     for name, value in FORWARD_KERNELS[kernel].items():
         monkeypatch.setenv(name, value)
-    q, k, v = make_qkv(2, 4, 2, 250, 300, d, torch.float16, "cuda")
-    out, lse = attention(q, k, v, return_lse=True)
-    ref_out, ref_lse = reference(q, k, v, False)
+    q, k, v = make_qkv(2, 4, 2, 500, 520, d, torch.float16, "cuda")
+    out, lse = attention(q, k, v, return_lse=True, **mask)
+    ref_out, ref_lse = reference(q, k, v, **mask)
     assert rel_err(out, ref_out) <= TOL[torch.float16]
     assert rel_err(lse, ref_lse) <= 1e-6
 

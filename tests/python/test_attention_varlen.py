@@ -26,6 +26,7 @@ MASK_CASES = [
     (1, 2, 2, 100, 100, 64, True, (500, 0), None),      # window wider than the sequence = causal
     (1, 2, 1, 90, 200, 64, True, (64, 0), None),        # Sq < Sk: bottom-right
     (1, 2, 2, 200, 90, 128, False, (10, 5), None),      # Sq > Sk: rows that see nothing
+    (1, 4, 2, 512, 520, 128, True, (150, 0), None),     # 4 query blocks: the forward's block pairs
     (2, 4, 4, 150, 150, 64, False, None, 5.0),          # softcap, full
     (1, 4, 2, 200, 200, 128, True, None, 2.0),          # softcap, causal, GQA
     (1, 2, 2, 190, 190, 64, True, (50, 0), 3.0),        # softcap + window
