@@ -53,7 +53,7 @@ ADAMW=(c16k:)
 # fused into the dk/dv kernel lost, and (eighteenth) again with the producer warps counting and
 # converting; all removed (docs/notes_attention.md). Add
 # "name:-DKNOB=1" (or "name:ENV=value") entries for the next candidates.
-ATTN=(default: "nocluster:FUSEFORGE_ATTENTION_FWD_CLUSTER=0")
+ATTN=(default:)
 PARTS=${PARTS:-build tests time profile e2e lce}
 OPS=${OPS-adamw add_mul_act}
 has() { [[ " $PARTS " == *" $1 "* ]]; }

@@ -44,11 +44,13 @@ struct FwdTmaParams {
   // K/V ring over the union of the two tiles' key tiles, and a block's consumers pass over the ones
   // its own rows do not see (causal: the diagonal tile of the upper block). The counter hands out
   // pairs: rank 0 takes each and stores it into rank 1's shared memory. Taken by the launcher where
-  // the tiles pair up (fixed length, an even count of query blocks and of panels) unless
-  // FUSEFORGE_ATTENTION_FWD_CLUSTER=0 (docs/notes_attention.md, nineteenth session).
+  // the tiles pair up (fixed length, an even count of query blocks and of panels; with a mask, at
+  // least 16 key tiles) unless FUSEFORGE_ATTENTION_FWD_CLUSTER=0 (=1: at any length; docs/notes_attention.md,
+  // nineteenth session).
   int cluster = 1;
   int m_blocks = 0, num_tiles = 0;
   int64_t max_blocks = 0;  // host only: FUSEFORGE_ATTENTION_FWD_BLOCKS (0: one an SM)
+  bool pairs_at_any_length = false;  // host only: FUSEFORGE_ATTENTION_FWD_CLUSTER=1 (tests: short masked pairs)
 };
 
 // The traits of the warp-specialized forward for a launch shape Tr (the cp.async kernel's). Head
@@ -481,7 +483,12 @@ bool use_fwd_warpspec(const FwdParams& p, FwdTmaParams* tma) {
   tma->pingpong = env_flag("FUSEFORGE_ATTENTION_PINGPONG", true) ? 1 : 0;
   tma->early_k_release = env_flag("FUSEFORGE_ATTENTION_EARLY_K_RELEASE", true) ? 1 : 0;
   tma->max_blocks = env_positive_int("FUSEFORGE_ATTENTION_FWD_BLOCKS", 0);
-  tma->cluster = env_flag("FUSEFORGE_ATTENTION_FWD_CLUSTER", true) ? 2 : 1;  // the launcher may still take 1
+  // unset: pairs where the launcher's rule takes them; 0: none; 1: wherever the tiles pair up
+  const std::string pairs = env_string("FUSEFORGE_ATTENTION_FWD_CLUSTER");
+  TORCH_CHECK(pairs.empty() || pairs == "0" || pairs == "1", "FUSEFORGE_ATTENTION_FWD_CLUSTER: expected 0 or 1, got '",
+              pairs, "'");
+  tma->cluster = pairs == "0" ? 1 : 2;  // the launcher may still take 1
+  tma->pairs_at_any_length = pairs == "1";
   // Not a requirement: where out's strides do not fit a tensor map, the kernel stores O itself.
   tma->store_o_tma = p.cu_seqlens_q == nullptr &&
                      encode_rows_map<T>(&tma->o, p, p.out, p.rows_q, p.heads_q, p.out_row_stride, p.out_head_stride,
@@ -535,8 +542,12 @@ void launch_attention_fwd_tiles(const FwdParams& params, bool local) {
       const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
       int64_t blocks = std::min(tiles, tma.max_blocks > 0 ? tma.max_blocks : sms);
       // Pairs of blocks sharing K/V (FwdTmaParams::cluster): the pairs (2t, 2t + 1) stay within a head
-      // (fixed length, even query blocks), and each block copies half of the panels.
-      const bool pairs = !kVarlen && L::kPanels % 2 == 0 && m_blocks % 2 == 0 && blocks >= 2;
+      // (fixed length, even query blocks), and each block copies half of the panels. Not with a mask
+      // below 16 key tiles: a causal tile there sees 4.5 key tiles on average, and the pair's
+      // hand-off and the diagonal tile one block passes over cost more than the shared copies save
+      // (H100, 2026-11-26: D128/S1024/causal forward +3.5%; S4096 causal -1%, S16384 -3%).
+      const bool pairs = !kVarlen && L::kPanels % 2 == 0 && m_blocks % 2 == 0 && blocks >= 2 &&
+                         (kMask == kNoMask || params.seqlen_k >= 16 * WsTr::kBlockN || tma.pairs_at_any_length);
       const int64_t clusters = tma.cluster == 2 && pairs ? fwd_max_active_clusters<WsTr, kMask, kSoftcap, kVarlen>() : 0;
       if (clusters > 0) {
         blocks = std::min(blocks, 2 * clusters) / 2 * 2;
