@@ -114,7 +114,8 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
     const int m = tile % tma.m_blocks, bh = tile / tma.m_blocks;
     return Block(p, tma.m_blocks - 1 - m, bh % p.heads_q, bh / p.heads_q);
   };
-  const bool paired = !kVarlen && tma.cluster == 2;  // varlen kernels: none of the pairs' code
+  // Kernels that never pair (varlen, an odd count of panels) carry none of the pairs' code.
+  const bool paired = !kVarlen && L::kPanels % 2 == 0 && tma.cluster == 2;
   // The key tiles [begin, end) the K/V ring runs over for a tile: its own, or paired, the union with
   // the other tile of the pair (tile ^ 1; contiguous ranges of adjacent query blocks).
   auto ring_tiles = [&](const Block& blk, int tile, int& begin, int& end) {
