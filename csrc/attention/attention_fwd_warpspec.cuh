@@ -39,7 +39,7 @@ struct FwdTmaParams {
   int store_o_tma = 0;  // the epilogue stores O by TMA (o encoded; fixed-length only)
   int pingpong = 1;  // consumers take turns issuing their products
   int early_k_release = 1;  // 0: K(i) freed with V(i), after P(i) V(i) (the schedule before; A/B timings)
-  // 2: clusters of two blocks on the tiles 2t, 2t + 1 of a pair (adjacent query blocks of one head),
+  // host only, 2: pairs asked for (a kernel instantiated with kPaired): clusters of two blocks on the tiles 2t, 2t + 1 of a pair (adjacent query blocks of one head),
   // each block loading half of every K/V tile's panels and multicasting them to both; both run their
   // K/V ring over the union of the two tiles' key tiles, and a block's consumers pass over the ones
   // its own rows do not see (causal: the diagonal tile of the upper block). The counter hands out
@@ -99,7 +99,7 @@ struct WarpSpecFwdLayout {
 // left) and release slot and Q (empty_q, every consumer thread) once their last S = Q K^T has run,
 // so the next tile's Q and first K/V load under this tile's last P V product and output stores. The
 // K/V ring runs on across tiles.
-template <class Tr, int kMask, bool kSoftcap, bool kVarlen>
+template <class Tr, int kMask, bool kSoftcap, bool kVarlen, bool kPaired>
 __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, const FwdTmaParams& tma) {
   using T = typename Tr::T;
   using L = WarpSpecFwdLayout<Tr>;
@@ -114,13 +114,14 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
     const int m = tile % tma.m_blocks, bh = tile / tma.m_blocks;
     return Block(p, tma.m_blocks - 1 - m, bh % p.heads_q, bh / p.heads_q);
   };
-  // Kernels that never pair (varlen, an odd count of panels) carry none of the pairs' code.
-  const bool paired = !kVarlen && L::kPanels % 2 == 0 && tma.cluster == 2;
+  // Its own instantiation (a cluster launch), so that the kernels without pairs carry none of its code.
+  constexpr bool paired = kPaired;
+  static_assert(!kPaired || (!kVarlen && L::kPanels % 2 == 0), "pairs: fixed length, an even count of panels");
   // The key tiles [begin, end) the K/V ring runs over for a tile: its own, or paired, the union with
   // the other tile of the pair (tile ^ 1; contiguous ranges of adjacent query blocks).
   auto ring_tiles = [&](const Block& blk, int tile, int& begin, int& end) {
     begin = blk.n_begin, end = blk.n_end;
-    if (paired) {
+    if constexpr (paired) {
       const Block other = block_of(tile ^ 1);
       if (begin >= end) {
         begin = other.n_begin, end = other.n_end;
@@ -153,15 +154,17 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
       mbarrier_init(full_v(s), 1);
       // one arrive a consumer warp (K/V: wgmma reads only), of both blocks in a cluster (a stage is
       // written in both by either block's copies)
-      mbarrier_init(empty_k(s), L::kConsumers * 4 * tma.cluster);
-      mbarrier_init(empty_v(s), L::kConsumers * 4 * tma.cluster);
+      mbarrier_init(empty_k(s), L::kConsumers * 4 * (paired ? 2 : 1));
+      mbarrier_init(empty_v(s), L::kConsumers * 4 * (paired ? 2 : 1));
     }
-    mbarrier_init(full_pair, 1);   // rank 1: the pair index has landed
-    mbarrier_init(empty_pair, 1);  // rank 0: rank 1 has read it
+    if constexpr (paired) {
+      mbarrier_init(full_pair, 1);   // rank 1: the pair index has landed
+      mbarrier_init(empty_pair, 1);  // rank 0: rank 1 has read it
+    }
     fence_mbarrier_init();
   }
   const uint32_t rank = paired ? cluster_ctarank() : 0;
-  if (paired)
+  if constexpr (paired)
     cluster_sync();  // the other block's barriers are initialized before any copy or arrive reaches them
   else
     __syncthreads();
@@ -176,7 +179,7 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
       // rank; the first pair is the cluster's index): rank 0 takes the pair from the counter and
       // stores it into rank 1's slot (st.async completes rank 1's full_pair), one pair at a time.
       auto next_tile = [&](int j) {
-        if (!paired) return atomicAdd(p.tile_counter, 1) + static_cast<int>(gridDim.x);
+        if constexpr (!paired) return atomicAdd(p.tile_counter, 1) + static_cast<int>(gridDim.x);
         int pair;
         if (rank == 0) {
           mbarrier_wait(empty_pair, (j & 1) ^ 1);
@@ -197,7 +200,7 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
       auto load_kv = [&](uint32_t dst, const CUtensorMap* map, uint32_t full, int row, int hk, int batch) {
 #pragma unroll
         for (int c = 0; c < L::kPanels; ++c) {
-          if (!paired)
+          if constexpr (!paired)
             tma_load_4d(dst + c * KVTile::kPanelBytes, map, full, c * 64, row, hk, batch);
           else if ((c & 1) == static_cast<int>(rank))
             tma_load_4d_multicast(dst + c * KVTile::kPanelBytes, map, full, c * 64, row, hk, batch, 0b11);
@@ -240,7 +243,7 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
       }
       // Paired: the other block arrives on this block's barriers until its consumers have read the
       // last stages and its producer the last pair; this block stays until they have.
-      if (paired) {
+      if constexpr (paired) {
         for (int u = kv > kStages ? kv - kStages : 0; u < kv; ++u) {
           mbarrier_wait(empty_k(u % kStages), (u / kStages) & 1);
           mbarrier_wait(empty_v(u % kStages), (u / kStages) & 1);
@@ -277,7 +280,9 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
   auto release = [&](uint32_t empty_barrier) {
     __syncwarp();
     if (lane == 0) mbarrier_arrive(empty_barrier);
-    if (paired && lane == 1) mbarrier_arrive_remote(other_bars + (empty_barrier - bars));
+    if constexpr (paired) {
+      if (lane == 1) mbarrier_arrive_remote(other_bars + (empty_barrier - bars));
+    }
   };
   const bool early_k = tma.early_k_release != 0;
   auto sV = [&](int s) { return sK(s) + Tr::kTileKVBytes; };
@@ -306,7 +311,7 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
         release(empty_v(s));
       }
     };
-    pass_over(skip_before);
+    if constexpr (paired) pass_over(skip_before);
 
     float o[kD / 2];
 #pragma unroll
@@ -381,7 +386,7 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
       mbarrier_arrive(empty_q);
     }
     kv += n_tiles;
-    pass_over(skip_after);
+    if constexpr (paired) pass_over(skip_after);
 
     // Epilogue: O / l, and lse = max * scale + ln(l) (-inf and a zero row where no key was seen).
     // Each warp stages its own rows; staged in Q's tile, both warpgroups must be done reading Q.
@@ -418,11 +423,11 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
 }
 #endif  // FUSEFORGE_ATTENTION_WGMMA
 
-template <class Tr, int kMask, bool kSoftcap, bool kVarlen>
+template <class Tr, int kMask, bool kSoftcap, bool kVarlen, bool kPaired>
 __global__ void __launch_bounds__(WarpSpecFwdLayout<Tr>::kThreads, 1)
     attention_fwd_warpspec_kernel(const __grid_constant__ FwdParams params, const __grid_constant__ FwdTmaParams tma) {
 #if FUSEFORGE_ATTENTION_WGMMA
-  attention_fwd_warpspec_body<Tr, kMask, kSoftcap, kVarlen>(params, tma);
+  attention_fwd_warpspec_body<Tr, kMask, kSoftcap, kVarlen, kPaired>(params, tma);
 #else
   __trap();  // no sm_90a code: the launcher does not pick this kernel (sm90a_kernels_runnable)
 #endif
@@ -488,7 +493,7 @@ bool use_fwd_warpspec(const FwdParams& p, FwdTmaParams* tma) {
   const std::string pairs = env_string("FUSEFORGE_ATTENTION_FWD_CLUSTER");
   TORCH_CHECK(pairs.empty() || pairs == "0" || pairs == "1", "FUSEFORGE_ATTENTION_FWD_CLUSTER: expected 0 or 1, got '",
               pairs, "'");
-  tma->cluster = pairs == "0" ? 1 : 2;  // the launcher may still take 1
+  tma->cluster = pairs == "0" ? 1 : 2;  // 2: asked for (the launcher decides)
   tma->pairs_at_any_length = pairs == "1";
   // Not a requirement: where out's strides do not fit a tensor map, the kernel stores O itself.
   tma->store_o_tma = p.cu_seqlens_q == nullptr &&
@@ -505,11 +510,11 @@ bool use_fwd_warpspec(const FwdParams& p, FwdTmaParams* tma) {
 
 // Clusters of two resident at once for the warp-specialized forward (one block an SM), per device and
 // kernel, asked once.
-template <class Tr, int kMask, bool kSoftcap, bool kVarlen>
+template <class Tr, int kMask, bool kSoftcap>
 int64_t fwd_max_active_clusters() {
   using L = WarpSpecFwdLayout<Tr>;
   const auto ask = [] {
-    return max_active_clusters(attention_fwd_warpspec_kernel<Tr, kMask, kSoftcap, kVarlen>, dim3(L::kThreads),
+    return max_active_clusters(attention_fwd_warpspec_kernel<Tr, kMask, kSoftcap, false, true>, dim3(L::kThreads),
                                L::kSmemBytes, 2);
   };
   static std::array<std::atomic<int>, 64> known{};  // 0: not asked yet; else clusters + 1
@@ -539,7 +544,6 @@ void launch_attention_fwd_tiles(const FwdParams& params, bool local) {
       using L = WarpSpecFwdLayout<WsTr>;
       // One block an SM. FUSEFORGE_ATTENTION_FWD_BLOCKS=n: at most n (tests give a few blocks many
       // tiles; n >= the tiles is one block a tile, each finding none left after its own: A/B timings).
-      const auto kernel = attention_fwd_warpspec_kernel<WsTr, kMask, kSoftcap, kVarlen>;
       const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
       int64_t blocks = std::min(tiles, tma.max_blocks > 0 ? tma.max_blocks : sms);
       // Pairs of blocks sharing K/V (FwdTmaParams::cluster): the pairs (2t, 2t + 1) stay within a head
@@ -547,16 +551,19 @@ void launch_attention_fwd_tiles(const FwdParams& params, bool local) {
       // below 16 key tiles: a causal tile there sees 4.5 key tiles on average, and the pair's
       // hand-off and the diagonal tile one block passes over cost more than the shared copies save
       // (H100, 2026-11-26: D128/S1024/causal forward +3.5%; S4096 causal -1%, S16384 -3%).
-      const bool pairs = !kVarlen && L::kPanels % 2 == 0 && m_blocks % 2 == 0 && blocks >= 2 &&
-                         (kMask == kNoMask || params.seqlen_k >= 16 * WsTr::kBlockN || tma.pairs_at_any_length);
-      const int64_t clusters = tma.cluster == 2 && pairs ? fwd_max_active_clusters<WsTr, kMask, kSoftcap, kVarlen>() : 0;
-      if (clusters > 0) {
-        blocks = std::min(blocks, 2 * clusters) / 2 * 2;
-      } else {
-        tma.cluster = 1;
+      if constexpr (!kVarlen && L::kPanels % 2 == 0) {
+        const bool pairs = tma.cluster == 2 && m_blocks % 2 == 0 && blocks >= 2 &&
+                           (kMask == kNoMask || params.seqlen_k >= 16 * WsTr::kBlockN || tma.pairs_at_any_length);
+        const int64_t clusters = pairs ? fwd_max_active_clusters<WsTr, kMask, kSoftcap>() : 0;
+        if (clusters > 0) {
+          launch_kernel_in_clusters(attention_fwd_warpspec_kernel<WsTr, kMask, kSoftcap, false, true>,
+                                    dim3(static_cast<unsigned>(std::min(blocks, 2 * clusters) / 2 * 2)),
+                                    dim3(L::kThreads), L::kSmemBytes, 2u, params, tma);
+          return;
+        }
       }
-      launch_kernel_in_clusters(kernel, dim3(static_cast<unsigned>(blocks)), dim3(L::kThreads), L::kSmemBytes,
-                                static_cast<unsigned>(tma.cluster), params, tma);
+      launch_kernel(attention_fwd_warpspec_kernel<WsTr, kMask, kSoftcap, kVarlen, false>,
+                    dim3(static_cast<unsigned>(blocks)), dim3(L::kThreads), L::kSmemBytes, params, tma);
     } else {
       launch_kernel(attention_fwd_kernel<Tr, kMask, kSoftcap, kVarlen>, grid, dim3(Tr::kThreads), Tr::kSmemBytes,
                     params);
