@@ -18,8 +18,6 @@
 // The mma.sync/cp.async forward (attention_fwd_kernel.cuh) remains for shapes TMA cannot describe
 // (strides or addresses not multiples of 16 bytes) and for FUSEFORGE_ATTENTION_TMA=0.
 #pragma once
-#include <array>
-#include <atomic>
 #include <type_traits>
 
 #include "attention/attention_fwd_kernel.cuh"
@@ -39,18 +37,8 @@ struct FwdTmaParams {
   int store_o_tma = 0;  // the epilogue stores O by TMA (o encoded; fixed-length only)
   int pingpong = 1;  // consumers take turns issuing their products
   int early_k_release = 1;  // 0: K(i) freed with V(i), after P(i) V(i) (the schedule before; A/B timings)
-  // host only, 2: pairs asked for (a kernel instantiated with kPaired): clusters of two blocks on the tiles 2t, 2t + 1 of a pair (adjacent query blocks of one head),
-  // each block loading half of every K/V tile's panels and multicasting them to both; both run their
-  // K/V ring over the union of the two tiles' key tiles, and a block's consumers pass over the ones
-  // its own rows do not see (causal: the diagonal tile of the upper block). The counter hands out
-  // pairs: rank 0 takes each and stores it into rank 1's shared memory. Taken by the launcher where
-  // the tiles pair up (fixed length, an even count of query blocks and of panels; with a mask, at
-  // least 16 key tiles) unless FUSEFORGE_ATTENTION_FWD_CLUSTER=0 (=1: at any length; docs/notes_attention.md,
-  // nineteenth session).
-  int cluster = 1;
   int m_blocks = 0, num_tiles = 0;
   int64_t max_blocks = 0;  // host only: FUSEFORGE_ATTENTION_FWD_BLOCKS (0: one an SM)
-  bool pairs_at_any_length = false;  // host only: FUSEFORGE_ATTENTION_FWD_CLUSTER=1 (tests: short masked pairs)
 };
 
 // The traits of the warp-specialized forward for a launch shape Tr (the cp.async kernel's). Head
@@ -74,11 +62,11 @@ struct WarpSpecFwdLayout {
   static constexpr int kPanels = Tr::kHeadDim / 64;
   // The output is staged in its own tile where it fits (the next tile's Q then loads under this
   // tile's last P V product and its stores), else in Q's (head dim 256).
-  static constexpr int kBarrierBytes = 8 * (4 + 4 * kStages) + 8;  // the mbarriers, the tile and pair slots
+  static constexpr int kBarrierBytes = 8 * (2 + 4 * kStages) + 8;  // the mbarriers, the tile slot
   static constexpr bool kOwnOutputTile =
       1024 + 2 * Tr::kTileQBytes + kStages * 2 * Tr::kTileKVBytes + kBarrierBytes <= 227 * 1024;
   // Q, kStages x (K, V), O if kOwnOutputTile, the mbarriers (full_q, empty_q, full_k[s], full_v[s],
-  // empty_k[s], empty_v[s], full_pair, empty_pair) and the tile and pair slots; 1 KB to align the tiles on 1024 bytes (the 128-byte swizzle's period).
+  // empty_k[s], empty_v[s]) and the tile slot; 1 KB to align the tiles on 1024 bytes (the 128-byte swizzle's period).
   static constexpr int kKVOffset = Tr::kTileQBytes;
   static constexpr int kOutOffset = kOwnOutputTile ? kKVOffset + kStages * 2 * Tr::kTileKVBytes : 0;
   static constexpr int kBarriersOffset = kKVOffset + kStages * 2 * Tr::kTileKVBytes + (kOwnOutputTile ? Tr::kTileQBytes : 0);
@@ -99,7 +87,7 @@ struct WarpSpecFwdLayout {
 // left) and release slot and Q (empty_q, every consumer thread) once their last S = Q K^T has run,
 // so the next tile's Q and first K/V load under this tile's last P V product and output stores. The
 // K/V ring runs on across tiles.
-template <class Tr, int kMask, bool kSoftcap, bool kVarlen, bool kPaired>
+template <class Tr, int kMask, bool kSoftcap, bool kVarlen>
 __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, const FwdTmaParams& tma) {
   using T = typename Tr::T;
   using L = WarpSpecFwdLayout<Tr>;
@@ -114,22 +102,6 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
     const int m = tile % tma.m_blocks, bh = tile / tma.m_blocks;
     return Block(p, tma.m_blocks - 1 - m, bh % p.heads_q, bh / p.heads_q);
   };
-  // Its own instantiation (a cluster launch), so that the kernels without pairs carry none of its code.
-  constexpr bool paired = kPaired;
-  static_assert(!kPaired || (!kVarlen && L::kPanels % 2 == 0), "pairs: fixed length, an even count of panels");
-  // The key tiles [begin, end) the K/V ring runs over for a tile: its own, or paired, the union with
-  // the other tile of the pair (tile ^ 1; contiguous ranges of adjacent query blocks).
-  auto ring_tiles = [&](const Block& blk, int tile, int& begin, int& end) {
-    begin = blk.n_begin, end = blk.n_end;
-    if constexpr (paired) {
-      const Block other = block_of(tile ^ 1);
-      if (begin >= end) {
-        begin = other.n_begin, end = other.n_end;
-      } else if (other.n_begin < other.n_end) {
-        begin = min(begin, other.n_begin), end = max(end, other.n_end);
-      }
-    }
-  };
 
   const uint32_t sQ = attention_smem_base();
   unsigned char* smem = attention_smem + (sQ - smem_addr(attention_smem));
@@ -140,10 +112,7 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
   auto full_v = [&](int s) { return bars + 8 * (2 + kStages + s); };
   auto empty_k = [&](int s) { return bars + 8 * (2 + 2 * kStages + s); };
   auto empty_v = [&](int s) { return bars + 8 * (2 + 3 * kStages + s); };
-  const uint32_t full_pair = bars + 8 * (2 + 4 * kStages), empty_pair = full_pair + 8;
-  volatile int* tile_slot = reinterpret_cast<volatile int*>(smem + L::kBarriersOffset + 8 * (4 + 4 * kStages));
-  volatile int* pair_slot = tile_slot + 1;
-  const uint32_t pair_slot_addr = full_pair + 16 + 4;
+  volatile int* tile_slot = reinterpret_cast<volatile int*>(smem + L::kBarriersOffset + 8 * (2 + 4 * kStages));
   if (tid == 0) {
     mbarrier_init(full_q, 1);
     // Every consumer thread arrives after its last read of Q and the slot (the slot: a generic load of
@@ -152,22 +121,12 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(full_k(s), 1);
       mbarrier_init(full_v(s), 1);
-      // one arrive a consumer warp (K/V: wgmma reads only), of both blocks in a cluster (a stage is
-      // written in both by either block's copies)
-      mbarrier_init(empty_k(s), L::kConsumers * 4 * (paired ? 2 : 1));
-      mbarrier_init(empty_v(s), L::kConsumers * 4 * (paired ? 2 : 1));
-    }
-    if constexpr (paired) {
-      mbarrier_init(full_pair, 1);   // rank 1: the pair index has landed
-      mbarrier_init(empty_pair, 1);  // rank 0: rank 1 has read it
+      mbarrier_init(empty_k(s), L::kConsumers * 4);  // one arrive a consumer warp (K/V: wgmma reads only)
+      mbarrier_init(empty_v(s), L::kConsumers * 4);
     }
     fence_mbarrier_init();
   }
-  const uint32_t rank = paired ? cluster_ctarank() : 0;
-  if constexpr (paired)
-    cluster_sync();  // the other block's barriers are initialized before any copy or arrive reaches them
-  else
-    __syncthreads();
+  __syncthreads();
 
   if (wg == 0) {  // producer: one thread picks the tiles and issues every copy
     setmaxnreg_dec<L::kProducerRegs>();
@@ -175,44 +134,15 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
       prefetch_tma_map(&tma.q);
       prefetch_tma_map(&tma.k);
       prefetch_tma_map(&tma.v);
-      // Each block's first tile is its own index; the counter hands out the rest. Paired (tiles 2t +
-      // rank; the first pair is the cluster's index): rank 0 takes the pair from the counter and
-      // stores it into rank 1's slot (st.async completes rank 1's full_pair), one pair at a time.
-      auto next_tile = [&](int j) {
-        if constexpr (!paired) return atomicAdd(p.tile_counter, 1) + static_cast<int>(gridDim.x);
-        int pair;
-        if (rank == 0) {
-          mbarrier_wait(empty_pair, (j & 1) ^ 1);
-          pair = atomicAdd(p.tile_counter, 1) + static_cast<int>(gridDim.x / 2);
-          st_async_remote(map_shared_to_cta(pair_slot_addr, 1), pair,
-                          map_shared_to_cta(full_pair, 1));
-        } else {
-          mbarrier_arrive_expect_tx(full_pair, 4);
-          mbarrier_wait(full_pair, j & 1);
-          pair = *pair_slot;
-          mbarrier_arrive_remote(map_shared_to_cta(empty_pair, 0));
-        }
-        return 2 * pair + static_cast<int>(rank);
-      };
+      // Each block's first tile is its own index; the counter hands out the rest.
+      auto next_tile = [&] { return atomicAdd(p.tile_counter, 1) + static_cast<int>(gridDim.x); };
       int tile = blockIdx.x, kv = 0;  // kv: K/V tiles issued so far (the ring position)
-      // One K or V tile's panels into a stage (its full barrier expects the whole tile); paired, this
-      // block copies every other panel into both blocks.
-      auto load_kv = [&](uint32_t dst, const CUtensorMap* map, uint32_t full, int row, int hk, int batch) {
-#pragma unroll
-        for (int c = 0; c < L::kPanels; ++c) {
-          if constexpr (!paired)
-            tma_load_4d(dst + c * KVTile::kPanelBytes, map, full, c * 64, row, hk, batch);
-          else if ((c & 1) == static_cast<int>(rank))
-            tma_load_4d_multicast(dst + c * KVTile::kPanelBytes, map, full, c * 64, row, hk, batch, 0b11);
-        }
-      };
-      int j = 0;
-      for (;; ++j) {
+      for (int j = 0;; ++j) {
         // varlen: tiles past their sequence have no rows; skip them here, the consumers never see them
         // (an atomicMax past a sequence's run of empty tiles instead of an atomicAdd each timed level:
         // docs/notes_attention.md, sixteenth session)
         if constexpr (kVarlen)
-          while (tile < tma.num_tiles && block_of(tile).rows_q <= 0) tile = next_tile(j);
+          while (tile < tma.num_tiles && block_of(tile).rows_q <= 0) tile = next_tile();
         mbarrier_wait(empty_q, (j & 1) ^ 1);  // the consumers are done with the previous tile's Q
         if (tile >= tma.num_tiles) {
           *tile_slot = -1;
@@ -226,29 +156,23 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
 #pragma unroll
         for (int c = 0; c < L::kPanels; ++c)
           tma_load_4d(sQ + c * QTile::kPanelBytes, &tma.q, full_q, c * 64, blk.q_row0 + blk.m0, blk.h, batch);
-        const int next = next_tile(j);  // its latency hides under the loads
-        int ring_begin, ring_end;
-        ring_tiles(blk, tile, ring_begin, ring_end);
-        for (int nb = ring_begin; nb < ring_end; ++nb, ++kv) {
+        const int next = next_tile();  // its latency hides under the loads
+        for (int nb = blk.n_begin; nb < blk.n_end; ++nb, ++kv) {
           const int s = kv % kStages, parity = ((kv / kStages) & 1) ^ 1;
           const int row = blk.k_row0 + nb * kBlockN;
           mbarrier_wait(empty_k(s), parity);
           mbarrier_arrive_expect_tx(full_k(s), Tr::kTileKVBytes);
-          load_kv(sK(s), &tma.k, full_k(s), row, blk.hk, batch);
+#pragma unroll
+          for (int c = 0; c < L::kPanels; ++c)
+            tma_load_4d(sK(s) + c * KVTile::kPanelBytes, &tma.k, full_k(s), c * 64, row, blk.hk, batch);
           mbarrier_wait(empty_v(s), parity);
           mbarrier_arrive_expect_tx(full_v(s), Tr::kTileKVBytes);
-          load_kv(sK(s) + Tr::kTileKVBytes, &tma.v, full_v(s), row, blk.hk, batch);
+#pragma unroll
+          for (int c = 0; c < L::kPanels; ++c)
+            tma_load_4d(sK(s) + Tr::kTileKVBytes + c * KVTile::kPanelBytes, &tma.v, full_v(s), c * 64, row, blk.hk,
+                        batch);
         }
         tile = next;
-      }
-      // Paired: the other block arrives on this block's barriers until its consumers have read the
-      // last stages and its producer the last pair; this block stays until they have.
-      if constexpr (paired) {
-        for (int u = kv > kStages ? kv - kStages : 0; u < kv; ++u) {
-          mbarrier_wait(empty_k(u % kStages), (u / kStages) & 1);
-          mbarrier_wait(empty_v(u % kStages), (u / kStages) & 1);
-        }
-        if (rank == 0) mbarrier_wait(empty_pair, (j - 1) & 1);
       }
     }
     return;
@@ -275,14 +199,9 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
     const int next = L::kConsumers == 2 ? cwg ^ 1 : (cwg + 1 == L::kConsumers ? 0 : cwg + 1);
     if (pingpong) named_barrier_arrive(kMyTurn + next, kTurnThreads);
   };
-  // This warp is done with a stage's K or V (paired: in both blocks' barriers, lane 1 the other's).
-  const uint32_t other_bars = paired ? map_shared_to_cta(bars, rank ^ 1) : 0;
-  auto release = [&](uint32_t empty_barrier) {
+  auto release = [&](uint32_t empty_barrier) {  // this warp is done with a stage's K or V
     __syncwarp();
     if (lane == 0) mbarrier_arrive(empty_barrier);
-    if constexpr (paired) {
-      if (lane == 1) mbarrier_arrive_remote(other_bars + (empty_barrier - bars));
-    }
   };
   const bool early_k = tma.early_k_release != 0;
   auto sV = [&](int s) { return sK(s) + Tr::kTileKVBytes; };
@@ -295,23 +214,6 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
     const Block blk = block_of(tile);
     const int m0 = blk.m0, offset = blk.offset, seqlen_k = blk.seqlen_k, n_begin = blk.n_begin;
     const int n_tiles = blk.n_end - n_begin;
-    // Paired, the ring runs over the union of the pair's key tiles: this tile's consumers pass over
-    // the ones before and after its own, waiting for each to land (so that every arrive on a stage's
-    // barriers comes after the stage's previous use was freed in both blocks) and freeing it.
-    int ring_begin, ring_end;
-    ring_tiles(blk, tile, ring_begin, ring_end);
-    const int skip_before = n_tiles > 0 ? n_begin - ring_begin : ring_end - ring_begin;
-    const int skip_after = ring_end - ring_begin - skip_before - (n_tiles > 0 ? n_tiles : 0);
-    auto pass_over = [&](int count) {
-      for (int u = 0; u < count; ++u, ++kv) {
-        const int s = kv % kStages, parity = (kv / kStages) & 1;
-        mbarrier_wait(full_k(s), parity);
-        mbarrier_wait(full_v(s), parity);
-        release(empty_k(s));
-        release(empty_v(s));
-      }
-    };
-    if constexpr (paired) pass_over(skip_before);
 
     float o[kD / 2];
 #pragma unroll
@@ -386,7 +288,6 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
       mbarrier_arrive(empty_q);
     }
     kv += n_tiles;
-    if constexpr (paired) pass_over(skip_after);
 
     // Epilogue: O / l, and lse = max * scale + ln(l) (-inf and a zero row where no key was seen).
     // Each warp stages its own rows; staged in Q's tile, both warpgroups must be done reading Q.
@@ -423,11 +324,11 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
 }
 #endif  // FUSEFORGE_ATTENTION_WGMMA
 
-template <class Tr, int kMask, bool kSoftcap, bool kVarlen, bool kPaired>
+template <class Tr, int kMask, bool kSoftcap, bool kVarlen>
 __global__ void __launch_bounds__(WarpSpecFwdLayout<Tr>::kThreads, 1)
     attention_fwd_warpspec_kernel(const __grid_constant__ FwdParams params, const __grid_constant__ FwdTmaParams tma) {
 #if FUSEFORGE_ATTENTION_WGMMA
-  attention_fwd_warpspec_body<Tr, kMask, kSoftcap, kVarlen, kPaired>(params, tma);
+  attention_fwd_warpspec_body<Tr, kMask, kSoftcap, kVarlen>(params, tma);
 #else
   __trap();  // no sm_90a code: the launcher does not pick this kernel (sm90a_kernels_runnable)
 #endif
@@ -489,12 +390,6 @@ bool use_fwd_warpspec(const FwdParams& p, FwdTmaParams* tma) {
   tma->pingpong = env_flag("FUSEFORGE_ATTENTION_PINGPONG", true) ? 1 : 0;
   tma->early_k_release = env_flag("FUSEFORGE_ATTENTION_EARLY_K_RELEASE", true) ? 1 : 0;
   tma->max_blocks = env_positive_int("FUSEFORGE_ATTENTION_FWD_BLOCKS", 0);
-  // unset: pairs where the launcher's rule takes them; 0: none; 1: wherever the tiles pair up
-  const std::string pairs = env_string("FUSEFORGE_ATTENTION_FWD_CLUSTER");
-  TORCH_CHECK(pairs.empty() || pairs == "0" || pairs == "1", "FUSEFORGE_ATTENTION_FWD_CLUSTER: expected 0 or 1, got '",
-              pairs, "'");
-  tma->cluster = pairs == "0" ? 1 : 2;  // 2: asked for (the launcher decides)
-  tma->pairs_at_any_length = pairs == "1";
   // Not a requirement: where out's strides do not fit a tensor map, the kernel stores O itself.
   tma->store_o_tma = p.cu_seqlens_q == nullptr &&
                      encode_rows_map<T>(&tma->o, p, p.out, p.rows_q, p.heads_q, p.out_row_stride, p.out_head_stride,
@@ -506,22 +401,6 @@ bool use_fwd_warpspec(const FwdParams& p, FwdTmaParams* tma) {
                          Tr::kBlockN) &&
       encode_rows_map<T>(&tma->v, p, p.v, p.rows_k, p.heads_kv, p.v_row_stride, p.v_head_stride, p.v_batch_stride,
                          Tr::kBlockN));
-}
-
-// Clusters of two resident at once for the warp-specialized forward (one block an SM), per device and
-// kernel, asked once.
-template <class Tr, int kMask, bool kSoftcap>
-int64_t fwd_max_active_clusters() {
-  using L = WarpSpecFwdLayout<Tr>;
-  const auto ask = [] {
-    return max_active_clusters(attention_fwd_warpspec_kernel<Tr, kMask, kSoftcap, false, true>, dim3(L::kThreads),
-                               L::kSmemBytes, 2);
-  };
-  static std::array<std::atomic<int>, 64> known{};  // 0: not asked yet; else clusters + 1
-  const int device = at::cuda::current_device();
-  if (device >= static_cast<int>(known.size())) return ask();
-  if (known[device].load() == 0) known[device].store(ask() + 1);
-  return known[device].load() - 1;
 }
 
 // Tiles: query blocks (of the longest sequence) x heads x batch (or sequences). The warp-specialized
@@ -545,25 +424,9 @@ void launch_attention_fwd_tiles(const FwdParams& params, bool local) {
       // One block an SM. FUSEFORGE_ATTENTION_FWD_BLOCKS=n: at most n (tests give a few blocks many
       // tiles; n >= the tiles is one block a tile, each finding none left after its own: A/B timings).
       const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-      int64_t blocks = std::min(tiles, tma.max_blocks > 0 ? tma.max_blocks : sms);
-      // Pairs of blocks sharing K/V (FwdTmaParams::cluster): the pairs (2t, 2t + 1) stay within a head
-      // (fixed length, even query blocks), and each block copies half of the panels. Not with a mask
-      // below 16 key tiles: a causal tile there sees 4.5 key tiles on average, and the pair's
-      // hand-off and the diagonal tile one block passes over cost more than the shared copies save
-      // (H100, 2026-11-26: D128/S1024/causal forward +3.5%; S4096 causal -1%, S16384 -3%).
-      if constexpr (!kVarlen && L::kPanels % 2 == 0) {
-        const bool pairs = tma.cluster == 2 && m_blocks % 2 == 0 && blocks >= 2 &&
-                           (kMask == kNoMask || params.seqlen_k >= 16 * WsTr::kBlockN || tma.pairs_at_any_length);
-        const int64_t clusters = pairs ? fwd_max_active_clusters<WsTr, kMask, kSoftcap>() : 0;
-        if (clusters > 0) {
-          launch_kernel_in_clusters(attention_fwd_warpspec_kernel<WsTr, kMask, kSoftcap, false, true>,
-                                    dim3(static_cast<unsigned>(std::min(blocks, 2 * clusters) / 2 * 2)),
-                                    dim3(L::kThreads), L::kSmemBytes, 2u, params, tma);
-          return;
-        }
-      }
-      launch_kernel(attention_fwd_warpspec_kernel<WsTr, kMask, kSoftcap, kVarlen, false>,
-                    dim3(static_cast<unsigned>(blocks)), dim3(L::kThreads), L::kSmemBytes, params, tma);
+      const dim3 blocks(static_cast<unsigned>(std::min(tiles, tma.max_blocks > 0 ? tma.max_blocks : sms)));
+      launch_kernel(attention_fwd_warpspec_kernel<WsTr, kMask, kSoftcap, kVarlen>, blocks, dim3(L::kThreads),
+                    L::kSmemBytes, params, tma);
     } else {
       launch_kernel(attention_fwd_kernel<Tr, kMask, kSoftcap, kVarlen>, grid, dim3(Tr::kThreads), Tr::kSmemBytes,
                     params);

@@ -90,47 +90,6 @@ __device__ __forceinline__ void bulk_wait_group_read_all() {
 }
 __device__ __forceinline__ void bulk_wait_group_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
-// Thread block clusters (launch_kernel_in_clusters): a CTA's rank in its cluster, the address of
-// the same shared-memory location in another CTA of the cluster, a barrier over every thread of the
-// cluster (release / acquire: each CTA's earlier shared-memory writes, mbarrier inits included, seen
-// by the others after it), an arrive on another CTA's mbarrier, a store into another CTA, and a TMA
-// load that lands the same box at the same offset in every CTA of cta_mask, completing each one's
-// mbarrier at `bar`'s offset.
-__device__ __forceinline__ uint32_t cluster_ctarank() {
-  uint32_t rank;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
-  return rank;
-}
-__device__ __forceinline__ uint32_t map_shared_to_cta(uint32_t addr, uint32_t rank) {
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(addr), "r"(rank));
-  return remote;
-}
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-// The default (.release.cta) semantics, as CUTLASS's ClusterBarrier: the order that matters, the
-// arriving warp's wgmma reads before the other block's next copy into the stage, is given by its
-// wgmma wait; .release.cluster compiles to MEMBAR.ALL.GPU before every arrive (a forward 22% slower).
-__device__ __forceinline__ void mbarrier_arrive_remote(uint32_t cluster_bar) {
-  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_bar) : "memory");
-}
-// A 4-byte store into another CTA's shared memory that completes 4 bytes of transactions on its
-// mbarrier (both addresses from map_shared_to_cta).
-__device__ __forceinline__ void st_async_remote(uint32_t cluster_addr, int value, uint32_t cluster_bar) {
-  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.u32 [%0], %1, [%2];\n" ::"r"(cluster_addr),
-               "r"(value), "r"(cluster_bar)
-               : "memory");
-}
-__device__ __forceinline__ void tma_load_4d_multicast(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0,
-                                                      int c1, int c2, int c3, uint16_t cta_mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster [%0], "
-      "[%1, {%3, %4, %5, %6}], [%2], %7;\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "h"(cta_mask)
-      : "memory");
-}
-
 // Named barriers (ids 1..15; 0 is __syncthreads): `threads` = every thread that syncs or arrives.
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
