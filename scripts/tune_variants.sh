@@ -6,6 +6,9 @@
 #   spec words "VAR=value"    run-time knobs: environment for the run (of the shared build of OP,
 #                             built once with $BASE_FLAGS, when
 #                             the spec has no nvcc flags)
+#   spec word "@DIR"          build from the source tree DIR instead of this one: a previous commit
+#                             unpacked by scripts/prepare_baseline.sh (e.g. "before:@baseline"; the
+#                             device call carries it), timed beside this tree's build in one call
 #   spec "" (name:)           the shared build as it is
 # Env: CASES (the benchmark's --cases), IMPLS (its --impls; default fuseforge), BENCH (the benchmark
 # benchmarks/bench_$BENCH.py; default OP, e.g. BENCH=attention_varlen with OP attention), BASE_FLAGS, BENCH_TIMEOUT, ROUNDS,
@@ -23,22 +26,25 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python FUSEFORGE_OPS=$OP ADAMW_BENCH_C
 IMPLS=${IMPLS:-fuseforge}
 BENCH=${BENCH:-$OP}
 lib_of() { ls /tmp/tune/$OP/$1/lib/fuseforge/_C*.so 2>/dev/null; }
-build() {  # build NAME FLAGS
+build() {  # build NAME FLAGS [SOURCE_DIR]
   [ -n "$(lib_of "$1")" ] && return 0
   local t0; t0=$(date +%s)
-  FUSEFORGE_NVCC_FLAGS="$2" MAX_JOBS=${MAX_JOBS:-16} python3 setup.py -q build_ext -b /tmp/tune/$OP/$1/lib \
-    -t /tmp/tune/$OP/$1/tmp > "$LOGS/build_${OP}_$1.log" 2>&1 \
+  (cd "${3:-.}" && FUSEFORGE_NVCC_FLAGS="$2" MAX_JOBS=${MAX_JOBS:-16} python3 setup.py -q build_ext -b /tmp/tune/$OP/$1/lib \
+    -t /tmp/tune/$OP/$1/tmp) > "$LOGS/build_${OP}_$1.log" 2>&1 \
     || { echo "$OP/$1: build failed"; tail -5 "$LOGS/build_${OP}_$1.log"; return 1; }
   echo "== $OP/$1 built in $(( $(date +%s) - t0 )) s"
 }
-# A private build's folder: named by its nvcc flags, so variants with the same flags share one.
-build_name() { echo "f_$(echo "$1" | md5sum | cut -c1-10)"; }
+# A private build's folder: named by its source tree and nvcc flags, so variants with the same share one.
+build_name() { echo "f_$(echo "$1 $2" | md5sum | cut -c1-10)"; }
 flags_of() { local w out=""; for w in $1; do [ "${w#-}" != "$w" ] && out="$out $w"; done; echo "${out# }"; }
-envs_of() { local w out=""; for w in $1; do [ "${w#-}" = "$w" ] && out="$out $w"; done; echo "${out# }"; }
+envs_of() { local w out=""; for w in $1; do [ "${w#-}" = "$w" ] && [ "${w#@}" = "$w" ] && out="$out $w"; done; echo "${out# }"; }
+src_of() { local w; for w in $1; do [ "${w#@}" != "$w" ] && echo "${w#@}"; done; }
+# The build a spec times: "shared" (this tree, $BASE_FLAGS) or a private one (flags and/or a source tree).
+build_of() { local flags src; flags=$(flags_of "$1"); src=$(src_of "$1")
+  if [ -z "$flags$src" ]; then echo shared; else build_name "$flags" "$src"; fi; }
 if [ "${PRINT_LIBS:-0}" = 1 ]; then  # "name library" a line, for running other things on the builds
   for variant in "$@"; do
-    flags=$(flags_of "${variant#*:}"); b=shared; [ -n "$flags" ] && b=$(build_name "$flags")
-    echo "${variant%%:*} $(lib_of "$b")"
+    echo "${variant%%:*} $(lib_of "$(build_of "${variant#*:}")")"
   done
   exit 0
 fi
@@ -46,10 +52,10 @@ if [ "${BUILD_ONLY:-0}" = 1 ]; then
   need_shared=0
   declare -A seen=()
   for variant in "$@"; do
-    flags=$(flags_of "${variant#*:}")
-    if [ -z "$flags" ]; then need_shared=1; continue; fi
-    b=$(build_name "$flags"); [ -n "${seen[$b]:-}" ] && continue; seen[$b]=1
-    build "$b" "$flags" &
+    b=$(build_of "${variant#*:}")
+    if [ "$b" = shared ]; then need_shared=1; continue; fi
+    [ -n "${seen[$b]:-}" ] && continue; seen[$b]=1
+    build "$b" "$(flags_of "${variant#*:}")" "$(src_of "${variant#*:}")" &
   done
   [ $need_shared = 1 ] && build shared "${BASE_FLAGS:-}" &
   wait
@@ -64,8 +70,9 @@ order=("${variants[@]}")
 if (( round % 2 == 0 )); then order=(); for ((i = ${#variants[@]} - 1; i >= 0; --i)); do order+=("${variants[$i]}"); done; fi
 for variant in "${order[@]}"; do
   name=${variant%%:*}; spec=${variant#*:}; flags=$(flags_of "$spec"); envs=$(envs_of "$spec")
-  if [ -n "$flags" ]; then
-    b=$(build_name "$flags"); build "$b" "$flags" || continue; lib=$(lib_of "$b")
+  b=$(build_of "$spec")
+  if [ "$b" != shared ]; then
+    build "$b" "$flags" "$(src_of "$spec")" || continue; lib=$(lib_of "$b")
   else
     build shared "${BASE_FLAGS:-}" || exit 1; lib=$(lib_of shared)
   fi

@@ -51,8 +51,10 @@ ADAMW=(c16k:)
 # ring and exponentials on the FMA pipe lost, independent 64-row streams, the row max over four
 # chains and dK after dQ with a mask timed level; on 2026-11-26 (seventeenth session) the dQ convert
 # fused into the dk/dv kernel lost, and (eighteenth) again with the producer warps counting and
-# converting; all removed (docs/notes_attention.md). Add
-# "name:-DKNOB=1" (or "name:ENV=value") entries for the next candidates.
+# converting; on 2026-11-26 (nineteenth) the forward's block pairs sharing K/V by TMA multicast timed
+# level with a build of the commit before; all removed (docs/notes_attention.md). Add
+# "name:-DKNOB=1" (or "name:ENV=value") entries for the next candidates, and "before:@baseline"
+# (scripts/prepare_baseline.sh; carry "baseline") to time the previous commit in the same call.
 ATTN=(default:)
 PARTS=${PARTS:-build tests time profile e2e lce}
 OPS=${OPS-adamw add_mul_act}
