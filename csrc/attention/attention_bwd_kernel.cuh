@@ -164,6 +164,38 @@ __global__ void attention_dq_convert_kernel(const __grid_constant__ BwdParams p)
   store(swapped ? row : row + 8, hi);
 }
 
+// dq = scale * dq_accum for the 80-query dk/dv kernel (BwdTraits::kTransposedDq, head dim 128, fixed
+// length): each 80-row tile of a (batch, head) holds its 80 x 128 floats as the 8 consumer warps'
+// dQ^T accumulators (DqBulkAdd: warp w's 5 KB = float4 j of lane l, j = 0..9, whose element e is row
+// 8 j + 2 (l % 4) + e % 2, column 16 w + l / 4 + 8 (e / 2)), so each warp's share goes to global
+// memory as one contiguous bulk reduction. A block a tile: the floats through shared memory (rows of
+// 132: a warp's stores hit 32 banks), then 16-byte rows of q's dtype.
+template <typename T, int kBlockM>
+__global__ void attention_dq_convert_transposed_kernel(const __grid_constant__ BwdParams p) {
+  constexpr int kD = 128, kPitch = kD + 4;
+  __shared__ float tile[kBlockM * kPitch];
+  const int m0 = blockIdx.x * kBlockM, h = blockIdx.y, b = blockIdx.z;
+  const float4* src = reinterpret_cast<const float4*>(dq_accum_tile(p, b, h, 0, m0 / 16, 0, kD));
+  for (int v = threadIdx.x; v < kBlockM * kD / 4; v += blockDim.x) {
+    const float4 x = src[v];
+    const int w = v / (kBlockM * 4), j = (v / 32) % (kBlockM / 8), l = v % 32;
+    float* dst = tile + (8 * j + 2 * (l & 3)) * kPitch + 16 * w + (l >> 2);
+    dst[0] = x.x * p.scale;
+    dst[kPitch] = x.y * p.scale;
+    dst[8] = x.z * p.scale;
+    dst[kPitch + 8] = x.w * p.scale;
+  }
+  __syncthreads();
+  T* out = static_cast<T*>(p.grad_q) + b * p.dq_batch_stride + h * p.dq_head_stride;
+  for (int c = threadIdx.x; c < kBlockM * kD / 8; c += blockDim.x) {
+    const int r = c / (kD / 8), col = c % (kD / 8) * 8;
+    if (m0 + r >= p.seqlen_q) break;  // c grows with r
+    const float* v = tile + r * kPitch + col;
+    const uint4 o = {pack2<T>(v[0], v[1]), pack2<T>(v[2], v[3]), pack2<T>(v[4], v[5]), pack2<T>(v[6], v[7])};
+    *reinterpret_cast<uint4*>(out + static_cast<int64_t>(m0 + r) * p.dq_row_stride + col) = o;
+  }
+}
+
 // The key tile a dk/dv block owns (kBlockN keys of one (batch or sequence, kv head)) and the query
 // tiles it visits: iteration it is query tile row0(it) of query head head(it), over every head of the
 // GQA group, only the tiles with a query that sees one of the keys. rows_k <= 0: the block is past
@@ -429,6 +461,10 @@ struct DqTarget {
 };
 template <class Tr, class Blk>
 __device__ __forceinline__ DqTarget dq_target(const BwdParams& p, const Blk& blk, int it, int warp) {
+  if constexpr (Tr::kTransposedDq)  // warp's 5 KB of the tile (attention_dq_convert_transposed_kernel)
+    return {dq_accum_tile(p, blk.b, blk.head(it, p), blk.seq_tile0, blk.row0(it) / 16, 0, Tr::kHeadDim) +
+                warp * Tr::kBlockM * 16,
+            true};
   const int wg = warp >> 2;
   const int q0 = Tr::kBlockM == 128 ? wg * 64 : 0, col0 = Tr::kHeadDim == 128 ? wg * 64 : 0;
   const int row_tile = (blk.row0(it) + q0) / 16 + (warp & 3);
@@ -493,7 +529,7 @@ __device__ __forceinline__ void dkdv_wgmma_tile(const BwdParams& p, const Blk& b
   // With the deferred dQ hand-off (DqBulkAdd) 2-4% off head dim 128's forward+backward (H100,
   // 2026-11-25, docs/notes_attention.md). Head dim 128 only: 64's and 256's register budgets were
   // not checked for the 32 more live registers.
-  constexpr bool kEarlyLds = kD == 128 && !kSplit;
+  constexpr bool kEarlyLds = kD == 128 && !kSplit && !Tr::kTransposedDq;  // 80-query tiles: no registers left
   float lse_r[kEarlyLds ? kSN / 2 : 1] = {}, row_dot_r[kEarlyLds ? kSN / 2 : 1] = {};
   auto load_pairs = [&](float* dst, const float* src) {
 #pragma unroll
@@ -574,7 +610,18 @@ __device__ __forceinline__ void dkdv_wgmma_tile(const BwdParams& p, const Blk& b
   for (int kk = 0; kk < kBlockM / 16; ++kk) c_to_a_fragment<T>(dpt4[2 * kk], dpt4[2 * kk + 1], dsa[kk]);
   wgmma_rs_mn_major<T, kDOut, kBlockM / 16>(dk, dsa, sQ + out_panels, QTile::kPanelBytes);
 
-  if constexpr (kAtomicDq) {
+  if constexpr (kAtomicDq && Tr::kTransposedDq) {
+    // dS to shared memory as [query][key] (a K-major operand of dQ^T = K^T dS^T; kBlockN / 64 panels of
+    // kBlockM rows): dsa[kk] is the 16 keys x 16 queries of this warp as four 8 x 8 matrices, stored
+    // transposed (matrix i: keys + 8 (i % 2), queries + 8 (i / 2); lane 8 i + r gives query row r's
+    // 16 bytes).
+    const int i = lane >> 3, key0 = warp_row0 + 8 * (i & 1);
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk)
+      stmatrix_x4_trans(sDs + PanelTile<kBlockM>::offset(16 * kk + 8 * (i >> 1) + (lane & 7), key0), dsa[kk]);
+    fence_proxy_async_shared();
+    sync_ds();  // all kBlockN keys of dS written
+  } else if constexpr (kAtomicDq) {
     // dS^T to shared memory ([key][query]); element pair (2t, 2t + 1) of query block j, key row
     // g + 8 hh is register dsa[j / 2][2 (j % 2) + hh].
 #pragma unroll
@@ -615,6 +662,25 @@ __device__ __forceinline__ void dkdv_wgmma_tile(const BwdParams& p, const Blk& b
       wgmma_fence_operands(dq);
       add_dq(dq, dq_accum_tile(p, b, h, blk.seq_tile0, row_tile, col0 >> 3, kD), lane, row_tile * 16 < blk.seqlen_q);
     }
+  } else if constexpr (kAtomicDq && Tr::kTransposedDq) {
+    // dQ^T = K^T dS^T, this warpgroup's 64 head-dim columns x kBlockM queries over all 128 keys: K^T
+    // MN-major from panel wg of sK (rows = keys), dS K-major from sDs ([query][key]).
+    using DsRows = PanelTile<kBlockM>;
+    float dq[kSN];
+#pragma unroll
+    for (int i = 0; i < kSN; ++i) dq[i] = 0.f;
+    wgmma_fence();
+    const uint64_t k_desc = wgmma_desc(sK + wg * KVTile::kPanelBytes, KVTile::kPanelBytes),
+                   ds_desc = wgmma_desc_k_major(sDs);
+#pragma unroll
+    for (int ks = 0; ks < kBlockN / 16; ++ks)
+      wgmma_m64n80k16_ss<T, 1, 0>(dq, wgmma_desc_add(k_desc, ks * 16 * 128),
+                                  wgmma_desc_add(ds_desc, (ks >> 2) * DsRows::kPanelBytes + (ks & 3) * 32));
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operands(dq);
+    const DqTarget target = dq_target<Tr>(p, blk, it, warp);
+    add_dq(dq, target.tile, lane, target.valid);
   } else if constexpr (kAtomicDq) {
     // dQ = dS K, a 64 x 64 block a warpgroup (queries q0.., columns col0..) over all 128 keys: dS
     // from sDs MN-major (rows = keys, queries along the row), K MN-major (rows = keys).

@@ -38,11 +38,18 @@ struct WarpSpecBwdLayout {
   static constexpr int kStageBytes = 2 * Tr::kTileQBytes;
   static constexpr int kFloatsOffset = kStagesOffset + kStages * kStageBytes;
   static constexpr int kFloatsBytes = 2 * Tr::kBlockM * 4;
-  static constexpr int kDsOffset = (kFloatsOffset + kStages * kFloatsBytes + 1023) / 1024 * 1024;
+  // 80-query tiles (kTransposedDq) take 227 KB to the byte with the mbarriers in the gap before dS^T.
+  static constexpr int kBarriersAfterFloats = Tr::kTransposedDq;
+  static constexpr int kFloatsEnd = kFloatsOffset + kStages * kFloatsBytes;
+  static constexpr int kBarriersBytes = 8 * (1 + 2 * kStages);
+  static constexpr int kDsOffset =
+      (kFloatsEnd + (kBarriersAfterFloats ? kBarriersBytes : 0) + 1023) / 1024 * 1024;
   static constexpr int kDqOffset = kDsOffset + 2 * Tr::kTileDsBytes;
-  static constexpr int kDqWarpBytes = 16 * 64 * 4;
-  static constexpr int kBarriersOffset = kDqOffset + 8 * kDqWarpBytes;
-  static constexpr int kSmemBytes = 1024 + kBarriersOffset + 8 * (1 + 2 * kStages);
+  // A consumer warp's dQ: 16 rows x 64 columns, or (kTransposedDq) 16 columns x kBlockM rows.
+  static constexpr int kDqWarpBytes = (Tr::kTransposedDq ? Tr::kBlockM : 64) * 16 * 4;
+  static constexpr int kDqEnd = kDqOffset + 8 * kDqWarpBytes;
+  static constexpr int kBarriersOffset = kBarriersAfterFloats ? kFloatsEnd : kDqEnd;
+  static constexpr int kSmemBytes = 1024 + (kBarriersAfterFloats ? kDqEnd : kBarriersOffset + kBarriersBytes);
   static_assert(kSmemBytes <= 227 * 1024, "fits an H100 SM's shared memory");
   // Registers a thread (setmaxnreg): the block starts with 384 x 168; the consumers' increase must
   // come out of what the producer gives back, or setmaxnreg.inc waits forever.
@@ -76,6 +83,18 @@ struct DqBulkAdd {
     bulk_reduce_add_f32(target.valid && (threadIdx.x & 31) == 0, target.tile, buffer(), L::kDqWarpBytes);
   }
   // Stores the rows; their tile and `valid` come back to flush() one tile later.
+  // kTransposedDq (40 floats, dQ^T): float4 j of lane l at 16 (32 j + l), the layout
+  // attention_dq_convert_transposed_kernel reads.
+  __device__ __forceinline__ void operator()(const float (&dq)[40], float*, int lane, bool) const {
+    const uint32_t buf = buffer();
+    bulk_wait_group_read_all();
+    __syncwarp();
+#pragma unroll
+    for (int j = 0; j < 10; ++j)
+      asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(buf + 16 * (32 * j + lane)), "f"(dq[4 * j]),
+                   "f"(dq[4 * j + 1]), "f"(dq[4 * j + 2]), "f"(dq[4 * j + 3])
+                   : "memory");
+  }
   __device__ __forceinline__ void operator()(const float (&dq)[32], float*, int lane, bool) const {
     const uint32_t buf = buffer();
     // Where dq_swap_halves: lanes with bit 3 set store row r + 8's pair first, so a half-warp's 8-byte
@@ -219,7 +238,8 @@ __device__ __forceinline__ void attention_bwd_dkdv_warpspec_body(const BwdParams
   using L = WarpSpecBwdLayout<Tr>;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kD = Tr::kHeadDim, kStages = L::kStages;
   static_assert(kBlockN == 128 && Tr::kNWarps == 8, "2 consumer warpgroups of 64 keys");
-  static_assert((kD == 128 && kBlockM == 64) || (kD == 64 && kBlockM == 128), "dQ splits one dimension in two");
+  static_assert((kD == 128 && (kBlockM == 64 || kBlockM == 80)) || (kD == 64 && kBlockM == 128),
+                "dQ splits one dimension in two");
   const int tid = threadIdx.x, lane = tid & 31, warp = uniform_warp_index();
   const KeyBlock<kBlockM, kBlockN, kMask, kVarlen> blk(p);
   if (blk.rows_k <= 0) return;  // past its sequence (varlen): the whole block leaves before any barrier
@@ -300,8 +320,11 @@ bool use_bwd_warpspec(const BwdParams& p, BwdTmaParams* tma) {
 
 // row_dot_params: the problem as the row_dot kernel sees it (varlen: one sequence of total_q rows,
 // whose row index is the lse layout's). The dk/dv kernel is the warp-specialized one where
-// use_bwd_warpspec says so, else the cp.async one.
-template <class DkdvTr, class DqTr, bool kSoftcap>
+// use_bwd_warpspec says so, else the cp.async one. FullTr: the warp-specialized kernel's tiles without
+// a mask on the atomic path at fixed length (80 queries at head dim 128, BwdConfig; else DkdvTr's),
+// where dq_accum has whole tiles of its rows (attention_cuda.cpp) and FUSEFORGE_ATTENTION_BWD_ROWS
+// does not ask for 64.
+template <class DkdvTr, class DqTr, class FullTr, bool kSoftcap>
 void launch_attention_bwd(const BwdParams& params, const BwdParams& row_dot_params, bool local, bool deterministic) {
   using T = typename DkdvTr::T;
   constexpr int kD = DkdvTr::kHeadDim;
@@ -332,6 +355,12 @@ void launch_attention_bwd(const BwdParams& params, const BwdParams& row_dot_para
   BwdParams p = params;
   BwdTmaParams tma;
   const bool warpspec = use_bwd_warpspec<DkdvTr>(p, &tma);
+  BwdTmaParams full_tma;
+  bool full_tiles = false;
+  if constexpr (FullTr::kTransposedDq)
+    full_tiles = warpspec && !local && !deterministic && params.cu_seqlens_q == nullptr &&
+                 params.dq_accum_head_tiles % (FullTr::kBlockM / 16) == 0 &&
+                 bwd_query_rows_d128_full() == FullTr::kBlockM && use_bwd_warpspec<FullTr>(p, &full_tma);
   int64_t smem_bytes = DkdvTr::kSmemBytes;
   if constexpr (bwd_warpspec_head_dim<kD>())
     if (warpspec) smem_bytes = WarpSpecBwdLayout<DkdvTr>::kSmemBytes;
@@ -345,6 +374,13 @@ void launch_attention_bwd(const BwdParams& params, const BwdParams& row_dot_para
                            : dim3(static_cast<unsigned>(kv_blocks), static_cast<unsigned>(params.heads_kv),
                                   static_cast<unsigned>(params.batch));
   auto launch_dkdv = [&]<int kMask, bool kVarlen, bool kAtomicDq>() {
+    if constexpr (FullTr::kTransposedDq && kMask == kNoMask && !kVarlen && kAtomicDq) {
+      if (full_tiles) {
+        launch_kernel(attention_bwd_dkdv_warpspec_kernel<FullTr, kMask, kSoftcap, kVarlen, kAtomicDq>, grid_kv,
+                      dim3(WarpSpecBwdLayout<FullTr>::kThreads), WarpSpecBwdLayout<FullTr>::kSmemBytes, p, full_tma);
+        return;
+      }
+    }
     if constexpr (bwd_warpspec_head_dim<kD>()) {
       if (warpspec) {
         using L = WarpSpecBwdLayout<DkdvTr>;
@@ -365,6 +401,14 @@ void launch_attention_bwd(const BwdParams& params, const BwdParams& row_dot_para
                     dq_smem_bytes<DqTr>(), params);
     } else {
       launch_dkdv.template operator()<kMask, kVarlen, true>();
+      if constexpr (FullTr::kTransposedDq) {
+        if (full_tiles) {
+          const dim3 grid_tiles(static_cast<unsigned>(ceil_div(params.seqlen_q, FullTr::kBlockM)),
+                                static_cast<unsigned>(params.heads_q), static_cast<unsigned>(params.batch));
+          launch_kernel(attention_dq_convert_transposed_kernel<T, FullTr::kBlockM>, grid_tiles, dim3(256), 0, params);
+          return;
+        }
+      }
       const dim3 grid_convert(static_cast<unsigned>(ceil_div(ceil_div(params.seqlen_q, 16) * kD, 256)),
                               static_cast<unsigned>(params.heads_q), static_cast<unsigned>(params.batch));
       launch_kernel(attention_dq_convert_kernel<T, kD, kVarlen>, grid_convert, dim3(256), 0, params);

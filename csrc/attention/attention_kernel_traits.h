@@ -57,13 +57,18 @@ struct BwdTraits {
   static constexpr int kNTiles = kBlockN / (16 * kKeyWarps);  // key m16 tiles per warp
   static_assert(kBlockN % (16 * kKeyWarps) == 0, "each warp owns whole m16 tiles of keys");
   static_assert(kDOut <= 128, "dK and dV of at most 128 columns a thread");
-  static_assert(kBlockM % 64 == 0, "dS rows (kBlockM queries) span 8 16-byte chunks (the smem swizzle)");
+  // kTransposedDq: 80-query tiles (head dim 128 without a mask, the warp-specialized kernel only, as
+  // FlashAttention-3): dS is stored [query][key] and dQ^T = K^T dS^T runs with the head dim as wgmma's
+  // M (80 rows are no multiple of 64); the kDq* split below is the other kernels'.
+  static constexpr bool kTransposedDq = kBlockM == 80;
+  static_assert(kBlockM % 64 == 0 || (kTransposedDq && kHeadDim == 128 && kNWarps == 8),
+                "dS^T rows (kBlockM queries) span 8 16-byte chunks (the smem swizzle)");
   static_assert(kHeadDim % 64 == 0, "rows of at least 8 16-byte chunks (the smem swizzle)");
   // dq = dS K on the atomic path: warps tile kBlockM x kHeadDim as kDqWarpsM x kDqWarpsN.
-  static constexpr int kDqWarpsM = kBlockM / 16 < kNWarps ? kBlockM / 16 : kNWarps;
+  static constexpr int kDqWarpsM = kTransposedDq ? 8 : kBlockM / 16 < kNWarps ? kBlockM / 16 : kNWarps;
   static constexpr int kDqWarpsN = kNWarps / kDqWarpsM;
-  static_assert(kDqWarpsM * kDqWarpsN == kNWarps && kHeadDim % (16 * kDqWarpsN) == 0 &&
-                    kBlockM % (16 * kDqWarpsM) == 0,
+  static_assert(kTransposedDq || (kDqWarpsM * kDqWarpsN == kNWarps && kHeadDim % (16 * kDqWarpsN) == 0 &&
+                                  kBlockM % (16 * kDqWarpsM) == 0),
                 "dq tile splits evenly over the warps");
   static constexpr int kDqRowTiles = kBlockM / (16 * kDqWarpsM);
   static constexpr int kDqCols = kHeadDim / kDqWarpsN;

@@ -47,6 +47,17 @@ inline int fwd_query_rows_d64(const FwdParams& p, bool local) {
   return area192 * 100 > area128 * 115 ? 128 : 192;
 }
 
+// Query rows of head dim 128's dk/dv tiles without a mask (fixed length, the warp-specialized kernel
+// on the atomic path): 80, FlashAttention-3's choice there (hopper/flash_bwd_launch_template.h: 25%
+// more work a tile for the same barriers, waits and softmax bookkeeping); masks, varlen, softcap and
+// deterministic calls keep 64. FUSEFORGE_ATTENTION_BWD_ROWS=64 forces 64 (A/B timings, tests).
+inline int bwd_query_rows_d128_full() {
+  const std::string knob = env_string("FUSEFORGE_ATTENTION_BWD_ROWS");
+  TORCH_CHECK(knob.empty() || knob == "64" || knob == "80", "FUSEFORGE_ATTENTION_BWD_ROWS: expected 64 or 80, got '",
+              knob, "'");
+  return knob == "64" ? 64 : 80;
+}
+
 // Varlen: the kernels take the sequences longest first (check_and_order_sequences_async, FwdParams::
 // seq_order). FUSEFORGE_ATTENTION_VARLEN_LONGEST_FIRST=0 keeps the given order (A/B timings, tests).
 inline bool varlen_longest_first() { return env_flag("FUSEFORGE_ATTENTION_VARLEN_LONGEST_FIRST", true); }

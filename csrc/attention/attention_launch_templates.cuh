@@ -6,6 +6,8 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <type_traits>
+
 #include "attention/attention_bwd_warpspec.cuh"
 
 namespace fuseforge::attention {
@@ -45,6 +47,11 @@ struct BwdConfig {
   // Deterministic dq at head dim 256: 32-key tiles (dQ is 128 floats a thread; S, dP of 64 keys spilled
   // 320 bytes).
   using DqTraits = FwdTraits<T, kHeadDim, 64, kHeadDim == 256 ? 32 : 64, 4, kPadHeadDim>;
+  // Without a mask or softcap at head dim 128 (fixed length, atomic path): 80-query tiles with dQ^T
+  // (BwdTraits::kTransposedDq; launch_attention_bwd says when).
+  template <bool kSoftcap>
+  using FullTraits = std::conditional_t<kHeadDim == 128 && !kPadHeadDim && !kSoftcap,
+                                        BwdTraits<T, 128, 80, 128, 8, false>, DkdvTraits>;
 };
 
 template <typename T, int kHeadDim, bool kSoftcap, bool kPadHeadDim>
@@ -56,8 +63,8 @@ void run_attention_fwd(const FwdParams& params, bool local) {
 template <typename T, int kHeadDim, bool kSoftcap, bool kPadHeadDim>
 void run_attention_bwd(const BwdParams& params, const BwdParams& row_dot_params, bool local, bool deterministic) {
   using C = BwdConfig<typename CudaElement<T>::type, kHeadDim, kPadHeadDim>;
-  launch_attention_bwd<typename C::DkdvTraits, typename C::DqTraits, kSoftcap>(params, row_dot_params, local,
-                                                                              deterministic);
+  launch_attention_bwd<typename C::DkdvTraits, typename C::DqTraits, typename C::template FullTraits<kSoftcap>,
+                       kSoftcap>(params, row_dot_params, local, deterministic);
 }
 
 }  // namespace fuseforge::attention

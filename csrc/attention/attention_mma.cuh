@@ -38,6 +38,15 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t add
                : "r"(addr));
 }
 
+// Stores four 8x8 matrices of 16-bit elements, each held in C-fragment order (register i of lane l: row
+// l / 4, columns 2 (l % 4), +1 of matrix i), transposed: row r of stored matrix i (column r of the
+// held one, 16 bytes) goes to the address lane 8 i + r gives.
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, const uint32_t (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]),
+               "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
+}
+
 // c += a * b, m16n8k16, fp32 accumulators.
 template <typename T>
 __device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {

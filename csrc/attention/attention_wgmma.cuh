@@ -90,8 +90,10 @@ __device__ __forceinline__ void wgmma_fence_operands(float (&d)[N]) {
 // only literal strings, so each instruction is a macro whose TYPE ("bf16" or "f16") is pasted into
 // the string by literal concatenation; the wrappers pick the type with MmaType<T>::kIsBf16.
 #define FUSEFORGE_WGMMA_D32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define FUSEFORGE_WGMMA_D40 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}"
 #define FUSEFORGE_WGMMA_D64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
 #define FUSEFORGE_WGMMA_D32_OUT "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+#define FUSEFORGE_WGMMA_D40_OUT FUSEFORGE_WGMMA_D32_OUT, "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39])
 #define FUSEFORGE_WGMMA_D64_OUT FUSEFORGE_WGMMA_D32_OUT, "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
 #define FUSEFORGE_WGMMA_TYPED(T, ASM) \
   if constexpr (MmaType<T>::kIsBf16) { ASM("bf16"); } else { ASM("f16"); }
@@ -104,6 +106,20 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t desc
                "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " " FUSEFORGE_WGMMA_D32 ", " \
                "%32, %33, p, 1, 1, %35, %36;\n}\n"                                                     \
                : FUSEFORGE_WGMMA_D32_OUT                                                               \
+               : "l"(desc_a), "l"(desc_b), "r"(1), "n"(kTransA), "n"(kTransB))
+  FUSEFORGE_WGMMA_TYPED(T, FUSEFORGE_WGMMA_ASM)
+#undef FUSEFORGE_WGMMA_ASM
+}
+
+// d (64 x 80, fp32) += A (64 x 16, shared memory) * B (16 x 80, shared memory): the 80-query tiles of
+// head dim 128's backward without a mask (BwdConfig).
+template <typename T, int kTransA, int kTransB>
+__device__ __forceinline__ void wgmma_m64n80k16_ss(float (&d)[40], uint64_t desc_a, uint64_t desc_b) {
+#define FUSEFORGE_WGMMA_ASM(TYPE)                                                                      \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %42, 0;\n"                                          \
+               "wgmma.mma_async.sync.aligned.m64n80k16.f32." TYPE "." TYPE " " FUSEFORGE_WGMMA_D40 ", " \
+               "%40, %41, p, 1, 1, %43, %44;\n}\n"                                                     \
+               : FUSEFORGE_WGMMA_D40_OUT                                                               \
                : "l"(desc_a), "l"(desc_b), "r"(1), "n"(kTransA), "n"(kTransB))
   FUSEFORGE_WGMMA_TYPED(T, FUSEFORGE_WGMMA_ASM)
 #undef FUSEFORGE_WGMMA_ASM
@@ -179,26 +195,29 @@ __device__ __forceinline__ void wgmma_rs_mn_major(float (&d)[kN / 2], const uint
 
 // d (64 x kN) += A (64 x 16 kKSteps) * B^T (kN x 16 kKSteps), both K-major PanelTiles (64-element
 // panels along K: A's from sA, a_panel_bytes apart; B's from sB, b_panel_bytes apart), committed as
-// one group: the S = Q K^T, S^T = K Q^T and dP^T = V dO^T products. kN = 64 or 128. Unlike
+// one group: the S = Q K^T, S^T = K Q^T and dP^T = V dO^T products. kN = 64, 80 or 128. Unlike
 // wgmma_rs_mn_major it does not fence: the caller fences once before one or more of these groups.
 template <typename T, int kN, int kKSteps>
 __device__ __forceinline__ void wgmma_ss_k_major(float (&d)[kN / 2], uint32_t sA, uint32_t a_panel_bytes, uint32_t sB,
                                                  uint32_t b_panel_bytes) {
-  static_assert(kN == 64 || kN == 128, "m64n64k16 or m64n128k16");
+  static_assert(kN == 64 || kN == 80 || kN == 128, "m64n64k16, m64n80k16 or m64n128k16");
   const uint64_t desc_a0 = wgmma_desc_k_major(sA), desc_b0 = wgmma_desc_k_major(sB);
 #pragma unroll
   for (int ks = 0; ks < kKSteps; ++ks) {
     const uint64_t desc_a = wgmma_desc_add(desc_a0, (ks >> 2) * a_panel_bytes + (ks & 3) * 32);
     const uint64_t desc_b = wgmma_desc_add(desc_b0, (ks >> 2) * b_panel_bytes + (ks & 3) * 32);
     if constexpr (kN == 128) wgmma_m64n128k16_ss<T, 0, 0>(d, desc_a, desc_b);
+    else if constexpr (kN == 80) wgmma_m64n80k16_ss<T, 0, 0>(d, desc_a, desc_b);
     else wgmma_m64n64k16_ss<T, 0, 0>(d, desc_a, desc_b);
   }
   wgmma_commit();
 }
 #undef FUSEFORGE_WGMMA_TYPED
 #undef FUSEFORGE_WGMMA_D64_OUT
+#undef FUSEFORGE_WGMMA_D40_OUT
 #undef FUSEFORGE_WGMMA_D32_OUT
 #undef FUSEFORGE_WGMMA_D64
+#undef FUSEFORGE_WGMMA_D40
 #undef FUSEFORGE_WGMMA_D32
 #endif  // FUSEFORGE_ATTENTION_WGMMA
 

@@ -377,6 +377,7 @@ FORWARD_KERNELS = {"tma_pingpong": {"FUSEFORGE_ATTENTION_TMA": "1"},
                    "tma_3_blocks": {"FUSEFORGE_ATTENTION_TMA": "1", "FUSEFORGE_ATTENTION_FWD_BLOCKS": "3"},
                    "tma_rows_128_3_blocks": {"FUSEFORGE_ATTENTION_TMA": "1", "FUSEFORGE_ATTENTION_FWD_ROWS": "128",
                                              "FUSEFORGE_ATTENTION_FWD_BLOCKS": "3"},
+                   "tma_bwd_rows_64": {"FUSEFORGE_ATTENTION_TMA": "1", "FUSEFORGE_ATTENTION_BWD_ROWS": "64"},
                    "cp_async": {"FUSEFORGE_ATTENTION_TMA": "0"}}
 
 
@@ -449,21 +450,59 @@ def test_cuda_kernel_knob_errors(monkeypatch):
         with pytest.raises(RuntimeError, match="FUSEFORGE_ATTENTION_FWD_ROWS: expected 128 or 192, got '64'"):
             attention(q, k, v)
         monkeypatch.delenv("FUSEFORGE_ATTENTION_FWD_ROWS")
+        # read by the backward at head dim 128 without a mask
+        monkeypatch.setenv("FUSEFORGE_ATTENTION_BWD_ROWS", "128")
+        q, k, v = make_qkv(1, 2, 2, 64, 64, 128, torch.bfloat16, "cuda", requires_grad=True)
+        with pytest.raises(RuntimeError, match="FUSEFORGE_ATTENTION_BWD_ROWS: expected 64 or 80, got '128'"):
+            attention(q, k, v).sum().backward()
+
+
+# ---- head dim 128's backward without a mask: 80-query dk/dv tiles with dQ^T (FlashAttention-3's
+# choice; the default) against the 64-query kernel every mask runs (FUSEFORGE_ATTENTION_BWD_ROWS=64):
+# fewer queries than a tile, exactly one and two tiles, a partial last tile and key block, GQA (a block
+# loops over the group's heads), strided views, both dtypes; outputs poisoned before each run --
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("shape", [(1, 2, 2, 50, 70), (2, 4, 2, 80, 128), (1, 2, 2, 160, 160), (1, 6, 2, 161, 300),
+                                   (2, 2, 1, 1000, 999)], ids=lambda s: shape_id((*s, 128, False)))
+def test_cuda_backward_tiles_80(shape, layout, dtype, monkeypatch):
+    if not sm90a_kernels_runnable():
+        pytest.skip("the 80-query backward is a TMA kernel (sm_90 GPUs only)")
+    b, hq, hk, sq, sk = shape
+    q, k, v = make_qkv(b, hq, hk, sq, sk, 128, dtype, "cuda", layout=layout, requires_grad=True)
+    grad = randn(*q.shape, dtype=dtype, device="cuda")
+    _, *ref_grads = reference_with_grads(q, k, v, grad, False)
+    monkeypatch.setenv("FUSEFORGE_ATTENTION_TMA", "1")
+    runs = {}
+    for rows in ("80", "64"):
+        monkeypatch.setenv("FUSEFORGE_ATTENTION_BWD_ROWS", rows)
+        poison_allocations(q, q, q)
+        out = attention(q, k, v)
+        runs[rows] = torch.autograd.grad(out, (q, k, v), grad)
+        for name, g, r in zip("qkv", runs[rows], ref_grads):
+            assert rel_err(g, r) <= 2 * TOL[dtype], (rows, name, rel_err(g, r))
+    # the same sums in another order: as close to each other as each is to float64
+    for name, g80, g64 in zip("qkv", runs["80"], runs["64"]):
+        assert rel_err(g80, g64.double()) <= 2 * TOL[dtype], (name, rel_err(g80, g64.double()))
 
 
 @requires_cuda
 @pytest.mark.sanitize
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])  # full at 128: 80-query dk/dv tiles
 @pytest.mark.parametrize("d", [64, 128, 256])  # head dim 64: 192-row forward tiles (the varlen case: 128)
 @pytest.mark.parametrize("kernel", ["tma_no_pingpong", "tma_3_blocks", "cp_async"])
-def test_cuda_sanitize_kernels(kernel, d, monkeypatch):
+def test_cuda_sanitize_kernels(kernel, d, causal, monkeypatch):
     if not requires_hopper_for(kernel):
         pytest.skip("the TMA kernels run on sm_90 GPUs only")
+    if not causal and (d != 128 or kernel == "tma_3_blocks"):
+        pytest.skip("without a mask only head dim 128 has backward kernels of its own (80-query tiles)")
     for name, value in FORWARD_KERNELS[kernel].items():
         monkeypatch.setenv(name, value)
     q, k, v = make_qkv(1, 4, 2, 150, 70, d, torch.float16, "cuda", requires_grad=True)
-    out = attention(q, k, v, causal=True)
+    out = attention(q, k, v, causal=causal)
     grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
-    ref, *ref_grads = reference_with_grads(q, k, v, torch.ones_like(out), True)
+    ref, *ref_grads = reference_with_grads(q, k, v, torch.ones_like(out), causal)
     assert rel_err(out, ref) <= TOL[torch.float16]
     for g, r in zip(grads, ref_grads):
         assert rel_err(g, r) <= 2 * TOL[torch.float16]
