@@ -374,11 +374,15 @@ void launch_attention_bwd(const BwdParams& params, const BwdParams& row_dot_para
                            : dim3(static_cast<unsigned>(kv_blocks), static_cast<unsigned>(params.heads_kv),
                                   static_cast<unsigned>(params.batch));
   auto launch_dkdv = [&]<int kMask, bool kVarlen, bool kAtomicDq>() {
-    if constexpr (FullTr::kTransposedDq && kMask == kNoMask && !kVarlen && kAtomicDq) {
-      if (full_tiles) {
-        launch_kernel(attention_bwd_dkdv_warpspec_kernel<FullTr, kMask, kSoftcap, kVarlen, kAtomicDq>, grid_kv,
-                      dim3(WarpSpecBwdLayout<FullTr>::kThreads), WarpSpecBwdLayout<FullTr>::kSmemBytes, p, full_tma);
-        return;
+    // Nested: a condition on FullTr alone discards the branch when the launcher is instantiated (the
+    // kernel and its layout exist for 80-query tiles only).
+    if constexpr (FullTr::kTransposedDq) {
+      if constexpr (kMask == kNoMask && !kVarlen && kAtomicDq) {
+        if (full_tiles) {
+          launch_kernel(attention_bwd_dkdv_warpspec_kernel<FullTr, kMask, kSoftcap, kVarlen, kAtomicDq>, grid_kv,
+                        dim3(WarpSpecBwdLayout<FullTr>::kThreads), WarpSpecBwdLayout<FullTr>::kSmemBytes, p, full_tma);
+          return;
+        }
       }
     }
     if constexpr (bwd_warpspec_head_dim<kD>()) {
