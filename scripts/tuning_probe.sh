@@ -52,10 +52,12 @@ ADAMW=(c16k:)
 # chains and dK after dQ with a mask timed level; on 2026-11-26 (seventeenth session) the dQ convert
 # fused into the dk/dv kernel lost, and (eighteenth) again with the producer warps counting and
 # converting; on 2026-11-26 (nineteenth) the forward's block pairs sharing K/V by TMA multicast timed
-# level with a build of the commit before; all removed (docs/notes_attention.md). Add
+# level with a build of the commit before; all removed (docs/notes_attention.md); on 2026-11-26
+# (twentieth) head dim 128's 80-query backward tiles without a mask won (FUSEFORGE_ATTENTION_BWD_ROWS=64
+# keeps the 64-query kernel for A/Bs). Add
 # "name:-DKNOB=1" (or "name:ENV=value") entries for the next candidates, and "before:@baseline"
 # (scripts/prepare_baseline.sh; carry "baseline") to time the previous commit in the same call.
-ATTN=(default: "rows64:FUSEFORGE_ATTENTION_BWD_ROWS=64")
+ATTN=(default:)
 PARTS=${PARTS:-build tests time profile e2e lce}
 OPS=${OPS-adamw add_mul_act}
 has() { [[ " $PARTS " == *" $1 "* ]]; }
