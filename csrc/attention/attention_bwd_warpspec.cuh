@@ -324,6 +324,9 @@ bool use_bwd_warpspec(const BwdParams& p, BwdTmaParams* tma) {
 // a mask on the atomic path at fixed length (80 queries at head dim 128, BwdConfig; else DkdvTr's),
 // where dq_accum has whole tiles of its rows (attention_cuda.cpp) and FUSEFORGE_ATTENTION_BWD_ROWS
 // does not ask for 64.
+#ifndef FUSEFORGE_ATTN_BWD80_MASKED
+#define FUSEFORGE_ATTN_BWD80_MASKED 0
+#endif
 template <class DkdvTr, class DqTr, class FullTr, bool kSoftcap>
 void launch_attention_bwd(const BwdParams& params, const BwdParams& row_dot_params, bool local, bool deterministic) {
   using T = typename DkdvTr::T;
@@ -358,7 +361,7 @@ void launch_attention_bwd(const BwdParams& params, const BwdParams& row_dot_para
   BwdTmaParams full_tma;
   bool full_tiles = false;
   if constexpr (FullTr::kTransposedDq)
-    full_tiles = warpspec && !local && !deterministic && params.cu_seqlens_q == nullptr &&
+    full_tiles = warpspec && (!local || FUSEFORGE_ATTN_BWD80_MASKED) && !deterministic && params.cu_seqlens_q == nullptr &&
                  params.dq_accum_head_tiles % (FullTr::kBlockM / 16) == 0 &&
                  bwd_query_rows_d128_full() == FullTr::kBlockM && use_bwd_warpspec<FullTr>(p, &full_tma);
   int64_t smem_bytes = DkdvTr::kSmemBytes;
@@ -377,7 +380,7 @@ void launch_attention_bwd(const BwdParams& params, const BwdParams& row_dot_para
     // Nested: a condition on FullTr alone discards the branch when the launcher is instantiated (the
     // kernel and its layout exist for 80-query tiles only).
     if constexpr (FullTr::kTransposedDq) {
-      if constexpr (kMask == kNoMask && !kVarlen && kAtomicDq) {
+      if constexpr ((kMask == kNoMask || FUSEFORGE_ATTN_BWD80_MASKED) && !kVarlen && kAtomicDq) {
         if (full_tiles) {
           launch_kernel(attention_bwd_dkdv_warpspec_kernel<FullTr, kMask, kSoftcap, kVarlen, kAtomicDq>, grid_kv,
                         dim3(WarpSpecBwdLayout<FullTr>::kThreads), WarpSpecBwdLayout<FullTr>::kSmemBytes, p, full_tma);
