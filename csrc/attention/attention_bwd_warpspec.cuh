@@ -320,13 +320,9 @@ bool use_bwd_warpspec(const BwdParams& p, BwdTmaParams* tma) {
 
 // row_dot_params: the problem as the row_dot kernel sees it (varlen: one sequence of total_q rows,
 // whose row index is the lse layout's). The dk/dv kernel is the warp-specialized one where
-// use_bwd_warpspec says so, else the cp.async one. FullTr: the warp-specialized kernel's tiles without
-// a mask on the atomic path at fixed length (80 queries at head dim 128, BwdConfig; else DkdvTr's),
-// where dq_accum has whole tiles of its rows (attention_cuda.cpp) and FUSEFORGE_ATTENTION_BWD_ROWS
-// does not ask for 64.
-#ifndef FUSEFORGE_ATTN_BWD80_MASKED
-#define FUSEFORGE_ATTN_BWD80_MASKED 0
-#endif
+// use_bwd_warpspec says so, else the cp.async one. FullTr: the warp-specialized kernel's tiles on the
+// atomic path at fixed length (80 queries at head dim 128 without a softcap, BwdConfig; else DkdvTr's),
+// where dq_accum has whole tiles of its rows (attention_cuda.cpp) and bwd_query_rows_d128 picks 80.
 template <class DkdvTr, class DqTr, class FullTr, bool kSoftcap>
 void launch_attention_bwd(const BwdParams& params, const BwdParams& row_dot_params, bool local, bool deterministic) {
   using T = typename DkdvTr::T;
@@ -361,9 +357,9 @@ void launch_attention_bwd(const BwdParams& params, const BwdParams& row_dot_para
   BwdTmaParams full_tma;
   bool full_tiles = false;
   if constexpr (FullTr::kTransposedDq)
-    full_tiles = warpspec && (!local || FUSEFORGE_ATTN_BWD80_MASKED) && !deterministic && params.cu_seqlens_q == nullptr &&
+    full_tiles = warpspec && !deterministic && params.cu_seqlens_q == nullptr &&
                  params.dq_accum_head_tiles % (FullTr::kBlockM / 16) == 0 &&
-                 bwd_query_rows_d128_full() == FullTr::kBlockM && use_bwd_warpspec<FullTr>(p, &full_tma);
+                 bwd_query_rows_d128(params, local) == FullTr::kBlockM && use_bwd_warpspec<FullTr>(p, &full_tma);
   int64_t smem_bytes = DkdvTr::kSmemBytes;
   if constexpr (bwd_warpspec_head_dim<kD>())
     if (warpspec) smem_bytes = WarpSpecBwdLayout<DkdvTr>::kSmemBytes;
@@ -380,7 +376,7 @@ void launch_attention_bwd(const BwdParams& params, const BwdParams& row_dot_para
     // Nested: a condition on FullTr alone discards the branch when the launcher is instantiated (the
     // kernel and its layout exist for 80-query tiles only).
     if constexpr (FullTr::kTransposedDq) {
-      if constexpr ((kMask == kNoMask || FUSEFORGE_ATTN_BWD80_MASKED) && !kVarlen && kAtomicDq) {
+      if constexpr (!kVarlen && kAtomicDq) {
         if (full_tiles) {
           launch_kernel(attention_bwd_dkdv_warpspec_kernel<FullTr, kMask, kSoftcap, kVarlen, kAtomicDq>, grid_kv,
                         dim3(WarpSpecBwdLayout<FullTr>::kThreads), WarpSpecBwdLayout<FullTr>::kSmemBytes, p, full_tma);

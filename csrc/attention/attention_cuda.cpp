@@ -172,7 +172,7 @@ void backward(const Shape& s, const at::Tensor& grad_out_in, const at::Tensor& q
   at::Tensor dq_accum;
   if (!deterministic) {
     // Whole 16-row tiles (the kernels add 16 x 8 tiles, attention_bwd_kernel.cuh); varlen: sequence b
-    // from tile cu[b] / 16 + b, so R = 16 (total / 16 + B + 1) rows a head. Head dim 128 without a mask:
+    // from tile cu[b] / 16 + b, so R = 16 (total / 16 + B + 1) rows a head. Head dim 128 (fixed length):
     // whole 80-row tiles (the 80-query dk/dv kernel adds a tile's rows at once; launch_attention_bwd).
     const int64_t tile_rows = cuda_kernel_head_dim(s.head_dim) == 128 ? 80 : 16;
     const int64_t rows =

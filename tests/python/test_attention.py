@@ -378,6 +378,7 @@ FORWARD_KERNELS = {"tma_pingpong": {"FUSEFORGE_ATTENTION_TMA": "1"},
                    "tma_rows_128_3_blocks": {"FUSEFORGE_ATTENTION_TMA": "1", "FUSEFORGE_ATTENTION_FWD_ROWS": "128",
                                              "FUSEFORGE_ATTENTION_FWD_BLOCKS": "3"},
                    "tma_bwd_rows_64": {"FUSEFORGE_ATTENTION_TMA": "1", "FUSEFORGE_ATTENTION_BWD_ROWS": "64"},
+                   "tma_bwd_rows_80": {"FUSEFORGE_ATTENTION_TMA": "1", "FUSEFORGE_ATTENTION_BWD_ROWS": "80"},
                    "cp_async": {"FUSEFORGE_ATTENTION_TMA": "0"}}
 
 
@@ -457,28 +458,34 @@ def test_cuda_kernel_knob_errors(monkeypatch):
             attention(q, k, v).sum().backward()
 
 
-# ---- head dim 128's backward without a mask: 80-query dk/dv tiles with dQ^T (FlashAttention-3's
-# choice; the default) against the 64-query kernel every mask runs (FUSEFORGE_ATTENTION_BWD_ROWS=64):
-# fewer queries than a tile, exactly one and two tiles, a partial last tile and key block, GQA (a block
-# loops over the group's heads), strided views, both dtypes; outputs poisoned before each run --
+# ---- head dim 128's backward at fixed length: 80-query dk/dv tiles with dQ^T (FlashAttention-3's choice
+# without a mask; with a mask where the tiles cover at most 1.05x the area) against the 64-query kernel
+# (FUSEFORGE_ATTENTION_BWD_ROWS forces either): fewer queries than a tile, exactly one and two tiles, a
+# partial last tile and key block, Sq != Sk (bottom-right masks), GQA (a block loops over the group's
+# heads), strided views, both dtypes, no mask / causal / a window; outputs poisoned before each run --
+MASKS_80 = {"full": {}, "causal": {"causal": True}, "window": {"window": (37, 5)}}
+
+
 @requires_cuda
+@pytest.mark.parametrize("mask", list(MASKS_80))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 @pytest.mark.parametrize("shape", [(1, 2, 2, 50, 70), (2, 4, 2, 80, 128), (1, 2, 2, 160, 160), (1, 6, 2, 161, 300),
                                    (2, 2, 1, 1000, 999)], ids=lambda s: shape_id((*s, 128, False)))
-def test_cuda_backward_tiles_80(shape, layout, dtype, monkeypatch):
+def test_cuda_backward_tiles_80(shape, layout, dtype, mask, monkeypatch):
     if not sm90a_kernels_runnable():
         pytest.skip("the 80-query backward is a TMA kernel (sm_90 GPUs only)")
     b, hq, hk, sq, sk = shape
+    kw = MASKS_80[mask]
     q, k, v = make_qkv(b, hq, hk, sq, sk, 128, dtype, "cuda", layout=layout, requires_grad=True)
     grad = randn(*q.shape, dtype=dtype, device="cuda")
-    _, *ref_grads = reference_with_grads(q, k, v, grad, False)
+    _, *ref_grads = reference_with_grads(q, k, v, grad, **kw)
     monkeypatch.setenv("FUSEFORGE_ATTENTION_TMA", "1")
     runs = {}
     for rows in ("80", "64"):
         monkeypatch.setenv("FUSEFORGE_ATTENTION_BWD_ROWS", rows)
         poison_allocations(q, q, q)
-        out = attention(q, k, v)
+        out = attention(q, k, v, **kw)
         runs[rows] = torch.autograd.grad(out, (q, k, v), grad)
         for name, g, r in zip("qkv", runs[rows], ref_grads):
             assert rel_err(g, r) <= 2 * TOL[dtype], (rows, name, rel_err(g, r))
@@ -491,12 +498,14 @@ def test_cuda_backward_tiles_80(shape, layout, dtype, monkeypatch):
 @pytest.mark.sanitize
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])  # full at 128: 80-query dk/dv tiles
 @pytest.mark.parametrize("d", [64, 128, 256])  # head dim 64: 192-row forward tiles (the varlen case: 128)
-@pytest.mark.parametrize("kernel", ["tma_no_pingpong", "tma_3_blocks", "cp_async"])
+@pytest.mark.parametrize("kernel", ["tma_no_pingpong", "tma_3_blocks", "tma_bwd_rows_80", "cp_async"])
 def test_cuda_sanitize_kernels(kernel, d, causal, monkeypatch):
     if not requires_hopper_for(kernel):
         pytest.skip("the TMA kernels run on sm_90 GPUs only")
     if not causal and (d != 128 or kernel == "tma_3_blocks"):
         pytest.skip("without a mask only head dim 128 has backward kernels of its own (80-query tiles)")
+    if kernel == "tma_bwd_rows_80" and d != 128:
+        pytest.skip("80-query backward tiles are head dim 128's")
     for name, value in FORWARD_KERNELS[kernel].items():
         monkeypatch.setenv(name, value)
     q, k, v = make_qkv(1, 4, 2, 150, 70, d, torch.float16, "cuda", requires_grad=True)
