@@ -57,7 +57,7 @@ ADAMW=(c16k:)
 # keeps the 64-query kernel for A/Bs). Add
 # "name:-DKNOB=1" (or "name:ENV=value") entries for the next candidates, and "before:@baseline"
 # (scripts/prepare_baseline.sh; carry "baseline") to time the previous commit in the same call.
-ATTN=(default: "rows64:FUSEFORGE_ATTENTION_BWD_ROWS=64")
+ATTN=(default:)
 PARTS=${PARTS:-build tests time profile e2e lce}
 OPS=${OPS-adamw add_mul_act}
 has() { [[ " $PARTS " == *" $1 "* ]]; }
