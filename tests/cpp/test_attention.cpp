@@ -103,6 +103,37 @@ TEST(AttentionTiling, RowsKnobForcesOneAndNamesABadValue) {
   }
 }
 
+TEST(AttentionTiling, HeadDim128BackwardTakes80RowsWhereTheAreaAllows) {
+  // 80-query tiles cover at most 1.05x the 64-query tiles' area (docs/notes_attention.md, twentieth
+  // session): without a mask always; causal S1024 1.076x -> 64, S4096 1.045x and S16384 1.006x -> 80;
+  // the 4096 window on S16384 1.016x -> 80.
+  EXPECT_EQ(at_::bwd_query_rows_d128(fixed_length(1024, 1024), false), 80);
+  EXPECT_EQ(at_::bwd_query_rows_d128(fixed_length(50, 70), false), 80);
+  EXPECT_EQ(at_::bwd_query_rows_d128(causal(fixed_length(1024, 1024)), true), 64);
+  EXPECT_EQ(at_::bwd_query_rows_d128(causal(fixed_length(4096, 4096)), true), 80);
+  EXPECT_EQ(at_::bwd_query_rows_d128(causal(fixed_length(16384, 16384)), true), 80);
+  at_::FwdParams window = fixed_length(16384, 16384);
+  window.window_left = 4095, window.window_right = 0;
+  EXPECT_EQ(at_::bwd_query_rows_d128(window, true), 80);
+  {
+    ScopedEnv env("FUSEFORGE_ATTENTION_BWD_ROWS", "64");
+    EXPECT_EQ(at_::bwd_query_rows_d128(fixed_length(4096, 4096), false), 64);
+  }
+  {
+    ScopedEnv env("FUSEFORGE_ATTENTION_BWD_ROWS", "80");
+    EXPECT_EQ(at_::bwd_query_rows_d128(causal(fixed_length(1024, 1024)), true), 80);
+  }
+  ScopedEnv env("FUSEFORGE_ATTENTION_BWD_ROWS", "128");
+  try {
+    at_::bwd_query_rows_d128(fixed_length(64, 64), false);
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("FUSEFORGE_ATTENTION_BWD_ROWS: expected 64 or 80, got '128'"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(AttentionBackwardOrder, KeyBlocksSlowestOnlyForSmallLocalGrids) {
   // 132 resident blocks (an H100 with one dk/dv block an SM); the warp-specialized kernel's limit is 4
   // waves, the others' 8 (launch_attention_bwd).
