@@ -478,6 +478,8 @@ __device__ __forceinline__ DqTarget dq_target(const BwdParams& p, const Blk& blk
 // dQ = dS K handed to add_dq(dq, dq_accum tile, lane, tile within Sq) a warp (DqAtomicAdd, or the warp-specialized
 // kernel's bulk reduction, which stores the rows and hands them on in the next tile's add_dq.flush).
 // Returns with every product of the tile complete.
+// 80-query tiles (Tr::kTransposedDq, warp-specialized kernel only): dS is stored [query][key] and each
+// warpgroup computes dQ^T = K^T dS^T for its 64 head-dim columns (80 rows are no multiple of 64).
 // Head dim 256 (Tr::kSplitCols, 64-key blocks): both warpgroups own the block's 64 keys and compute
 // the same S^T and dP^T over all 256 columns; warpgroup g accumulates columns [128 g, +128) of dK and
 // dV, writes its own copy of dS^T (sDs + g tileDs) and adds dQ's columns [128 g, +128), so every dQ

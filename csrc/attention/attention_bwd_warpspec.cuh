@@ -14,7 +14,8 @@
 
 namespace fuseforge::attention {
 
-// Head dim 128 (64-query tiles) and 64 (128-query tiles) run this kernel, 256 the cp.async one
+// Head dim 128 (64-query tiles, or 80 with dQ transposed: BwdConfig::FullTraits, bwd_query_rows_d128)
+// and 64 (128-query tiles) run this kernel, 256 the cp.async one
 // (head dim 64 since 2026-11-26: forward+backward 7-12% faster on the H100, see use_bwd_warpspec).
 template <int kD>
 constexpr bool bwd_warpspec_head_dim() {
