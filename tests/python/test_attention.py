@@ -451,7 +451,7 @@ def test_cuda_kernel_knob_errors(monkeypatch):
         with pytest.raises(RuntimeError, match="FUSEFORGE_ATTENTION_FWD_ROWS: expected 128 or 192, got '64'"):
             attention(q, k, v)
         monkeypatch.delenv("FUSEFORGE_ATTENTION_FWD_ROWS")
-        # read by the backward at head dim 128 without a mask
+        # read by head dim 128's fixed-length backward
         monkeypatch.setenv("FUSEFORGE_ATTENTION_BWD_ROWS", "128")
         q, k, v = make_qkv(1, 2, 2, 64, 64, 128, torch.bfloat16, "cuda", requires_grad=True)
         with pytest.raises(RuntimeError, match="FUSEFORGE_ATTENTION_BWD_ROWS: expected 64 or 80, got '128'"):
