@@ -66,11 +66,20 @@ __global__ void attention_row_dot_kernel(const __grid_constant__ BwdParams p) {
 // columns, each stored in mma C-fragment order (lane l's element e at 4 l + e: row l / 4 + 8 (e / 2),
 // column 2 (l % 4) + e % 2). A warp's atomic add of one tile is then 512 contiguous bytes, one
 // 16-byte vector a lane, instead of 8 rows x 32 bytes in two half-used passes.
-// seq_tile0: the sequence's first tile (varlen, attention_params.h), else 0.
-template <bool kVarlen>
+// seq_tile0: the sequence's first tile (varlen, attention_params.h), else 0. kSeqRows: the unit a
+// sequence's rows are rounded up to, 16, or 80 for the 80-query dk/dv kernel (it adds whole 80-row
+// tiles of dQ^T); sequence b then starts at row kSeqRows (cu[b] / kSeqRows + b), which leaves each
+// sequence ceil(len / kSeqRows) units before the next (attention_cuda.cpp allocates for the larger).
+template <bool kVarlen, int kSeqRows = 16>
 __device__ __forceinline__ int64_t dq_accum_seq_tile0(const BwdParams& p, int b) {
-  if constexpr (kVarlen) return p.cu_seqlens_q[b] / 16 + b;
+  static_assert(kSeqRows % 16 == 0, "whole 16-row tiles");
+  if constexpr (kVarlen) return (p.cu_seqlens_q[b] / kSeqRows + b) * static_cast<int64_t>(kSeqRows / 16);
   return 0;
+}
+// The unit of a sequence's dq_accum rows for dk/dv tiles of kBlockM queries (dq_accum_seq_tile0).
+template <int kBlockM>
+constexpr int dq_accum_seq_rows() {
+  return kBlockM == 80 ? 80 : 16;
 }
 __device__ __forceinline__ float* dq_accum_tile(const BwdParams& p, int b, int h, int64_t seq_tile0, int row_tile,
                                                 int col_tile, int kD) {
@@ -164,18 +173,22 @@ __global__ void attention_dq_convert_kernel(const __grid_constant__ BwdParams p)
   store(swapped ? row : row + 8, hi);
 }
 
-// dq = scale * dq_accum for the 80-query dk/dv kernel (BwdTraits::kTransposedDq, head dim 128, fixed
-// length): each 80-row tile of a (batch, head) holds its 80 x 128 floats as the 8 consumer warps'
-// dQ^T accumulators (DqBulkAdd: warp w's 5 KB = float4 j of lane l, j = 0..9, whose element e is row
+// dq = scale * dq_accum for the 80-query dk/dv kernel (BwdTraits::kTransposedDq, head dim 128): each
+// 80-row tile of a (batch or sequence, head) holds its 80 x 128 floats as the 8 consumer warps' dQ^T
+// accumulators (DqBulkAdd: warp w's 5 KB = float4 j of lane l, j = 0..9, whose element e is row
 // 8 j + 2 (l % 4) + e % 2, column 16 w + l / 4 + 8 (e / 2)), so each warp's share goes to global
 // memory as one contiguous bulk reduction. A block a tile: the floats through shared memory (rows of
-// 132: a warp's stores hit 32 banks), then 16-byte rows of q's dtype.
-template <typename T, int kBlockM>
+// 132: a warp's stores hit 32 banks), then 16-byte rows of q's dtype. Grid: 80-row tiles of the
+// longest sequence, heads, batch (or sequences: tiles past a sequence leave).
+template <typename T, int kBlockM, bool kVarlen>
 __global__ void attention_dq_convert_transposed_kernel(const __grid_constant__ BwdParams p) {
   constexpr int kD = 128, kPitch = kD + 4;
   __shared__ float tile[kBlockM * kPitch];
   const int m0 = blockIdx.x * kBlockM, h = blockIdx.y, b = blockIdx.z;
-  const float4* src = reinterpret_cast<const float4*>(dq_accum_tile(p, b, h, 0, m0 / 16, 0, kD));
+  const SeqInfo<kVarlen> seq(p, b);
+  if (m0 >= seq.seqlen_q) return;
+  const float4* src = reinterpret_cast<const float4*>(
+      dq_accum_tile(p, b, h, dq_accum_seq_tile0<kVarlen, kBlockM>(p, b), m0 / 16, 0, kD));
   for (int v = threadIdx.x; v < kBlockM * kD / 4; v += blockDim.x) {
     const float4 x = src[v];
     const int w = v / (kBlockM * 4), j = (v / 32) % (kBlockM / 8), l = v % 32;
@@ -189,10 +202,10 @@ __global__ void attention_dq_convert_transposed_kernel(const __grid_constant__ B
   T* out = static_cast<T*>(p.grad_q) + b * p.dq_batch_stride + h * p.dq_head_stride;
   for (int c = threadIdx.x; c < kBlockM * kD / 8; c += blockDim.x) {
     const int r = c / (kD / 8), col = c % (kD / 8) * 8;
-    if (m0 + r >= p.seqlen_q) break;  // c grows with r
+    if (m0 + r >= seq.seqlen_q) break;  // c grows with r
     const float* v = tile + r * kPitch + col;
     const uint4 o = {pack2<T>(v[0], v[1]), pack2<T>(v[2], v[3]), pack2<T>(v[4], v[5]), pack2<T>(v[6], v[7])};
-    *reinterpret_cast<uint4*>(out + static_cast<int64_t>(m0 + r) * p.dq_row_stride + col) = o;
+    *reinterpret_cast<uint4*>(out + static_cast<int64_t>(seq.q_row0 + m0 + r) * p.dq_row_stride + col) = o;
   }
 }
 
@@ -228,7 +241,7 @@ struct KeyBlock {
     m_first = first_row / kBlockM;
     m_count = last_row < first_row ? 0 : last_row / kBlockM - m_first + 1;
     iterations = p.group * m_count;
-    seq_tile0 = dq_accum_seq_tile0<kVarlen>(p, b);
+    seq_tile0 = dq_accum_seq_tile0<kVarlen, dq_accum_seq_rows<kBlockM>()>(p, b);
   }
   __device__ __forceinline__ int head(int it, const BwdParams& p) const { return hk * p.group + it / m_count; }
   __device__ __forceinline__ int row0(int it) const { return (m_first + it % m_count) * kBlockM; }

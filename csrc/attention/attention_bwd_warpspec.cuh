@@ -303,16 +303,23 @@ __global__ void __launch_bounds__(WarpSpecBwdLayout<Tr>::kThreads, 1)
 // fence (dkdv_wgmma_tile's kPinZeros); without them ptxas serialized the atomic kernels' wgmmas
 // (C7512) and they spilled, as at c34715c (384 bytes) and 24b6252 (3.5% slower than the cp.async
 // kernel at S16384/full).
+// Q's and dO's maps, boxes of Tr::kBlockM rows (the 80-query kernel takes the K / V maps of the
+// 64-query one: the same 128-row boxes).
+template <class Tr>
+bool encode_bwd_query_maps(const BwdParams& p, BwdTmaParams* tma) {
+  using T = typename Tr::T;
+  return encode_rows_map<T>(&tma->q, p, p.q, p.rows_q, p.heads_q, p.q_row_stride, p.q_head_stride, p.q_batch_stride,
+                            Tr::kBlockM) &&
+         encode_rows_map<T>(&tma->dout, p, p.grad_out, p.rows_q, p.heads_q, p.do_row_stride, p.do_head_stride,
+                            p.do_batch_stride, Tr::kBlockM);
+}
 template <class Tr>
 bool use_bwd_warpspec(const BwdParams& p, BwdTmaParams* tma) {
   using T = typename Tr::T;
   if (!bwd_warpspec_head_dim<Tr::kHeadDim>()) return false;
   if (!tma_kernels_allowed()) return require_tma(false);
   return require_tma(
-      encode_rows_map<T>(&tma->q, p, p.q, p.rows_q, p.heads_q, p.q_row_stride, p.q_head_stride, p.q_batch_stride,
-                         Tr::kBlockM) &&
-      encode_rows_map<T>(&tma->dout, p, p.grad_out, p.rows_q, p.heads_q, p.do_row_stride, p.do_head_stride,
-                         p.do_batch_stride, Tr::kBlockM) &&
+      encode_bwd_query_maps<Tr>(p, tma) &&
       encode_rows_map<T>(&tma->k, p, p.k, p.rows_k, p.heads_kv, p.k_row_stride, p.k_head_stride, p.k_batch_stride,
                          Tr::kBlockN) &&
       encode_rows_map<T>(&tma->v, p, p.v, p.rows_k, p.heads_kv, p.v_row_stride, p.v_head_stride, p.v_batch_stride,
@@ -322,8 +329,9 @@ bool use_bwd_warpspec(const BwdParams& p, BwdTmaParams* tma) {
 // row_dot_params: the problem as the row_dot kernel sees it (varlen: one sequence of total_q rows,
 // whose row index is the lse layout's). The dk/dv kernel is the warp-specialized one where
 // use_bwd_warpspec says so, else the cp.async one. FullTr: the warp-specialized kernel's tiles on the
-// atomic path at fixed length (80 queries at head dim 128 without a softcap, BwdConfig; else DkdvTr's),
-// where dq_accum has whole tiles of its rows (attention_cuda.cpp) and bwd_query_rows_d128 picks 80.
+// atomic path (80 queries at head dim 128 without a softcap, BwdConfig; else DkdvTr's), where dq_accum
+// has whole tiles of its rows (attention_cuda.cpp; varlen: whole 80-row units a sequence) and
+// bwd_query_rows_d128 picks 80.
 template <class DkdvTr, class DqTr, class FullTr, bool kSoftcap>
 void launch_attention_bwd(const BwdParams& params, const BwdParams& row_dot_params, bool local, bool deterministic) {
   using T = typename DkdvTr::T;
@@ -355,12 +363,14 @@ void launch_attention_bwd(const BwdParams& params, const BwdParams& row_dot_para
   BwdParams p = params;
   BwdTmaParams tma;
   const bool warpspec = use_bwd_warpspec<DkdvTr>(p, &tma);
-  BwdTmaParams full_tma;
+  BwdTmaParams full_tma = tma;
   bool full_tiles = false;
-  if constexpr (FullTr::kTransposedDq)
-    full_tiles = warpspec && !deterministic && params.cu_seqlens_q == nullptr &&
-                 params.dq_accum_head_tiles % (FullTr::kBlockM / 16) == 0 &&
-                 bwd_query_rows_d128(params, local) == FullTr::kBlockM && use_bwd_warpspec<FullTr>(p, &full_tma);
+  if constexpr (FullTr::kTransposedDq) {
+    static_assert(FullTr::kBlockN == DkdvTr::kBlockN, "the K / V maps are DkdvTr's");
+    full_tiles = warpspec && !deterministic && params.dq_accum_head_tiles % (FullTr::kBlockM / 16) == 0 &&
+                 bwd_query_rows_d128(params, local) == FullTr::kBlockM &&
+                 require_tma(encode_bwd_query_maps<FullTr>(p, &full_tma));
+  }
   int64_t smem_bytes = DkdvTr::kSmemBytes;
   if constexpr (bwd_warpspec_head_dim<kD>())
     if (warpspec) smem_bytes = WarpSpecBwdLayout<DkdvTr>::kSmemBytes;
@@ -377,7 +387,7 @@ void launch_attention_bwd(const BwdParams& params, const BwdParams& row_dot_para
     // Nested: a condition on FullTr alone discards the branch when the launcher is instantiated (the
     // kernel and its layout exist for 80-query tiles only).
     if constexpr (FullTr::kTransposedDq) {
-      if constexpr (!kVarlen && kAtomicDq) {
+      if constexpr (kAtomicDq) {
         if (full_tiles) {
           launch_kernel(attention_bwd_dkdv_warpspec_kernel<FullTr, kMask, kSoftcap, kVarlen, kAtomicDq>, grid_kv,
                         dim3(WarpSpecBwdLayout<FullTr>::kThreads), WarpSpecBwdLayout<FullTr>::kSmemBytes, p, full_tma);
@@ -409,7 +419,8 @@ void launch_attention_bwd(const BwdParams& params, const BwdParams& row_dot_para
         if (full_tiles) {
           const dim3 grid_tiles(static_cast<unsigned>(ceil_div(params.seqlen_q, FullTr::kBlockM)),
                                 static_cast<unsigned>(params.heads_q), static_cast<unsigned>(params.batch));
-          launch_kernel(attention_dq_convert_transposed_kernel<T, FullTr::kBlockM>, grid_tiles, dim3(256), 0, params);
+          launch_kernel(attention_dq_convert_transposed_kernel<T, FullTr::kBlockM, kVarlen>, grid_tiles, dim3(256), 0,
+                        params);
           return;
         }
       }

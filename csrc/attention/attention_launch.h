@@ -47,23 +47,29 @@ inline int fwd_query_rows_d64(const FwdParams& p, bool local) {
   return area192 * 100 > area128 * 115 ? 128 : 192;
 }
 
-// Query rows of head dim 128's dk/dv tiles at fixed length (the warp-specialized kernel on the atomic
-// path; varlen, softcap and deterministic calls keep 64): 80, FlashAttention-3's choice without a mask
+// Query rows of head dim 128's dk/dv tiles (the warp-specialized kernel on the atomic path; softcap
+// and deterministic calls keep 64): 80, FlashAttention-3's choice without a mask
 // (hopper/flash_bwd_launch_template.h: 25% more work a tile for the same barriers, waits and softmax
 // bookkeeping), where the tiles' area (the forward's count of query tile x key tile pairs, the same
 // pairs the backward visits) is at most 1.05x the 64-row tiles' area. Measured on the H100 (2026-11-26,
 // forward+backward, A B B A): without a mask 1-3% faster at S = 1024-16384 (locked clock: 2.2-6.5%
 // fewer cycles); causal S16384 -4.8% (1.006x the area), S4096 -1.4% (1.045x), the 4096 window on
 // S16384 -2.9% (1.016x), S1024 +2.3% (1.076x: the diagonal starts inside a tile). FA3 keeps 64 with a
-// mask. FUSEFORGE_ATTENTION_BWD_ROWS=64 or 80 forces one (A/B timings, tests).
+// mask. Varlen: the area of the mean sequence, with or without a mask (a sequence's partial last tile
+// wastes more of 80 rows; the lengths are on the device). FUSEFORGE_ATTENTION_BWD_ROWS=64 or 80 forces
+// one (A/B timings, tests).
 inline int bwd_query_rows_d128(const FwdParams& p, bool local) {
   const std::string knob = env_string("FUSEFORGE_ATTENTION_BWD_ROWS");
   TORCH_CHECK(knob.empty() || knob == "64" || knob == "80", "FUSEFORGE_ATTENTION_BWD_ROWS: expected 64 or 80, got '",
               knob, "'");
   if (!knob.empty()) return knob == "64" ? 64 : 80;
-  if (!local) return 80;
-  const int64_t area64 = fwd_tile_area(p, local, p.seqlen_q, p.seqlen_k, 64, 128);
-  const int64_t area80 = fwd_tile_area(p, local, p.seqlen_q, p.seqlen_k, 80, 128);
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  if (!local && !varlen) return 80;
+  const int64_t sequences = std::max(1, p.batch);
+  const int64_t seqlen_q = varlen ? (p.rows_q + sequences - 1) / sequences : p.seqlen_q;
+  const int64_t seqlen_k = varlen ? (p.rows_k + sequences - 1) / sequences : p.seqlen_k;
+  const int64_t area64 = fwd_tile_area(p, local, seqlen_q, seqlen_k, 64, 128);
+  const int64_t area80 = fwd_tile_area(p, local, seqlen_q, seqlen_k, 80, 128);
   return area80 * 100 <= area64 * 105 ? 80 : 64;
 }
 

@@ -115,6 +115,16 @@ TEST(AttentionTiling, HeadDim128BackwardTakes80RowsWhereTheAreaAllows) {
   at_::FwdParams window = fixed_length(16384, 16384);
   window.window_left = 4095, window.window_right = 0;
   EXPECT_EQ(at_::bwd_query_rows_d128(window, true), 80);
+  // Varlen: the mean length, with or without a mask. The benchmark's 18 documents in 32768 tokens
+  // (mean 1821: 1.017x causal) -> 80; 4 short ones (mean 56: one tile either way, 1.25x) -> 64.
+  const int cu[2] = {0, 0};  // only its being set matters here
+  at_::FwdParams docs = causal(fixed_length(5287, 5287));
+  docs.cu_seqlens_q = cu, docs.batch = 18, docs.rows_q = docs.rows_k = 32768;
+  EXPECT_EQ(at_::bwd_query_rows_d128(docs, true), 80);
+  EXPECT_EQ(at_::bwd_query_rows_d128(docs, false), 80);
+  docs.batch = 4, docs.rows_q = docs.rows_k = 221;
+  EXPECT_EQ(at_::bwd_query_rows_d128(docs, true), 64);
+  EXPECT_EQ(at_::bwd_query_rows_d128(docs, false), 64);
   {
     ScopedEnv env("FUSEFORGE_ATTENTION_BWD_ROWS", "64");
     EXPECT_EQ(at_::bwd_query_rows_d128(fixed_length(4096, 4096), false), 64);

@@ -14,7 +14,7 @@ import fuseforge
 from fuseforge.ops.attention import attention, attention_varlen, cu_seqlens_from_lengths, cu_seqlens_from_position_ids
 from harness import assert_compiles, poison_allocations, randn, rel_err, run_opcheck
 from test_attention import CPU_DTYPES, CUDA_DTYPES, DEVICE_DTYPES, TOL, make_qkv, reference, reference_with_grads, \
-    requires_cuda
+    requires_cuda, sm90a_kernels_runnable
 
 ops = torch.ops.fuseforge
 
@@ -172,6 +172,21 @@ def test_cuda_varlen_backward_block_orders(d, options, order, monkeypatch):
     is the one order."""
     monkeypatch.setenv("FUSEFORGE_ATTENTION_BWD_KV_SLOWEST", order)
     check_varlen_matches_each_sequence("cuda", torch.bfloat16, [1, 17, 64, 130, 0, 0, 255, 3, 129, 128], options, d)
+
+
+@requires_cuda
+@pytest.mark.parametrize("rows", ["80", "64"])
+@pytest.mark.parametrize("options", [o for o in VARLEN_OPTIONS if o[2] is None] + [(False, (20, 9), None)],
+                         ids=options_id)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_cuda_varlen_backward_tiles_80(dtype, options, rows, monkeypatch):
+    """Head dim 128's dk/dv tiles of 80 queries (dq_accum in 80-row units a sequence) and of 64 on packed
+    sequences: shorter than a tile, empty, exactly one and two tiles, one row past, long."""
+    if not sm90a_kernels_runnable():
+        pytest.skip("the 80-query backward is a TMA kernel (sm_90 GPUs only)")
+    monkeypatch.setenv("FUSEFORGE_ATTENTION_TMA", "1")
+    monkeypatch.setenv("FUSEFORGE_ATTENTION_BWD_ROWS", rows)
+    check_varlen_matches_each_sequence("cuda", dtype, [1, 17, 80, 0, 81, 255, 160, 3, 700], options, 128)
 
 
 @pytest.mark.parametrize("d", [64, 96, 256])
@@ -350,6 +365,26 @@ def test_cuda_varlen_schedules_give_the_same_bits(d, monkeypatch):
 
 
 # ---- small cases for compute-sanitizer (memcheck, racecheck) ------------------------------------
+@requires_cuda
+@pytest.mark.sanitize
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_cuda_sanitize_varlen_tiles_80(causal, monkeypatch):
+    """Head dim 128's 80-query dk/dv kernel and its dQ convert on packed sequences."""
+    if not sm90a_kernels_runnable():
+        pytest.skip("the 80-query backward is a TMA kernel (sm_90 GPUs only)")
+    monkeypatch.setenv("FUSEFORGE_ATTENTION_TMA", "1")
+    monkeypatch.setenv("FUSEFORGE_ATTENTION_BWD_ROWS", "80")
+    lengths = [70, 0, 150, 1, 80]
+    q, k, v, cu_q, cu_k, max_q, max_k = varlen_case(lengths, lengths, 4, 2, 128, torch.float16, "cuda")
+    out = attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal)
+    grad = torch.ones_like(out)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad)
+    r_out, _, rq, rk, rv = per_sequence_reference(q, k, v, grad, lengths, lengths, causal, None, None)
+    assert rel_err(out, r_out) <= TOL[torch.float16]
+    for g, r in ((dq, rq), (dk, rk), (dv, rv)):
+        assert rel_err(g, r) <= 2 * TOL[torch.float16]
+
+
 @requires_cuda
 @pytest.mark.sanitize
 @pytest.mark.parametrize("d", [64, 96, 128, 256])
