@@ -57,8 +57,8 @@ struct BwdTraits {
   static constexpr int kNTiles = kBlockN / (16 * kKeyWarps);  // key m16 tiles per warp
   static_assert(kBlockN % (16 * kKeyWarps) == 0, "each warp owns whole m16 tiles of keys");
   static_assert(kDOut <= 128, "dK and dV of at most 128 columns a thread");
-  // kTransposedDq: 80-query tiles (head dim 128 at fixed length where bwd_query_rows_d128 picks them,
-  // the warp-specialized kernel only, as FlashAttention-3 without a mask): dS is stored [query][key] and dQ^T = K^T dS^T runs with the head dim as wgmma's
+  // kTransposedDq: 80-query tiles (head dim 128, fixed length or packed, where bwd_query_rows_d128 picks
+  // them; the warp-specialized kernel only, as FlashAttention-3 without a mask): dS is stored [query][key] and dQ^T = K^T dS^T runs with the head dim as wgmma's
   // M (80 rows are no multiple of 64); the kDq* split below is the other kernels'.
   static constexpr bool kTransposedDq = kBlockM == 80;
   static_assert(kBlockM % 64 == 0 || (kTransposedDq && kHeadDim == 128 && kNWarps == 8),

@@ -47,7 +47,7 @@ struct BwdConfig {
   // Deterministic dq at head dim 256: 32-key tiles (dQ is 128 floats a thread; S, dP of 64 keys spilled
   // 320 bytes).
   using DqTraits = FwdTraits<T, kHeadDim, 64, kHeadDim == 256 ? 32 : 64, 4, kPadHeadDim>;
-  // Head dim 128 without a softcap (fixed length, atomic path): 80-query tiles with dQ^T
+  // Head dim 128 without a softcap (atomic path, fixed length or packed): 80-query tiles with dQ^T
   // (BwdTraits::kTransposedDq) where bwd_query_rows_d128 picks them.
   template <bool kSoftcap>
   using FullTraits = std::conditional_t<kHeadDim == 128 && !kPadHeadDim && !kSoftcap,
