@@ -26,6 +26,15 @@ inline int64_t fwd_tile_area(const FwdParams& p, bool local, int64_t seqlen_q, i
   return area;
 }
 
+// fwd_tile_area of the sequence the tile-size rules judge a call by: the sequence at fixed length,
+// the mean sequence for varlen (its lengths are on the device; rows_q / rows_k are the totals).
+inline int64_t typical_tile_area(const FwdParams& p, bool local, int block_m, int block_n) {
+  if (p.cu_seqlens_q == nullptr) return fwd_tile_area(p, local, p.seqlen_q, p.seqlen_k, block_m, block_n);
+  const int64_t sequences = std::max(1, p.batch);
+  return fwd_tile_area(p, local, (p.rows_q + sequences - 1) / sequences, (p.rows_k + sequences - 1) / sequences,
+                       block_m, block_n);
+}
+
 // Head dim 64's forward tiles: 192 rows (WarpSpecFwdTraits) computes ~15% more a second than 128
 // (H100, 2026-11-25: S16384 causal 5.13 -> 4.55 ms for 2.3% more tile area, S4096 1.41 -> 1.33 for
 // 9% more), but where a sequence is a few tiles long its partial last tile and the causal diagonal
@@ -38,12 +47,8 @@ inline int fwd_query_rows_d64(const FwdParams& p, bool local) {
   TORCH_CHECK(knob.empty() || knob == "128" || knob == "192",
               "FUSEFORGE_ATTENTION_FWD_ROWS: expected 128 or 192, got '", knob, "'");
   if (!knob.empty()) return knob == "128" ? 128 : 192;
-  const bool varlen = p.cu_seqlens_q != nullptr;
-  const int64_t sequences = std::max(1, p.batch);
-  const int64_t seqlen_q = varlen ? (p.rows_q + sequences - 1) / sequences : p.seqlen_q;
-  const int64_t seqlen_k = varlen ? (p.rows_k + sequences - 1) / sequences : p.seqlen_k;
-  const int64_t area128 = fwd_tile_area(p, local, seqlen_q, seqlen_k, 128, 128);
-  const int64_t area192 = fwd_tile_area(p, local, seqlen_q, seqlen_k, 192, 128);
+  const int64_t area128 = typical_tile_area(p, local, 128, 128);
+  const int64_t area192 = typical_tile_area(p, local, 192, 128);
   return area192 * 100 > area128 * 115 ? 128 : 192;
 }
 
@@ -63,13 +68,9 @@ inline int bwd_query_rows_d128(const FwdParams& p, bool local) {
   TORCH_CHECK(knob.empty() || knob == "64" || knob == "80", "FUSEFORGE_ATTENTION_BWD_ROWS: expected 64 or 80, got '",
               knob, "'");
   if (!knob.empty()) return knob == "64" ? 64 : 80;
-  const bool varlen = p.cu_seqlens_q != nullptr;
-  if (!local && !varlen) return 80;
-  const int64_t sequences = std::max(1, p.batch);
-  const int64_t seqlen_q = varlen ? (p.rows_q + sequences - 1) / sequences : p.seqlen_q;
-  const int64_t seqlen_k = varlen ? (p.rows_k + sequences - 1) / sequences : p.seqlen_k;
-  const int64_t area64 = fwd_tile_area(p, local, seqlen_q, seqlen_k, 64, 128);
-  const int64_t area80 = fwd_tile_area(p, local, seqlen_q, seqlen_k, 80, 128);
+  if (!local && p.cu_seqlens_q == nullptr) return 80;
+  const int64_t area64 = typical_tile_area(p, local, 64, 128);
+  const int64_t area80 = typical_tile_area(p, local, 80, 128);
   return area80 * 100 <= area64 * 105 ? 80 : 64;
 }
 

@@ -112,7 +112,7 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t desc
 }
 
 // d (64 x 80, fp32) += A (64 x 16, shared memory) * B (16 x 80, shared memory): the 80-query tiles of
-// head dim 128's fixed-length backward (BwdConfig::FullTraits).
+// head dim 128's backward (BwdConfig::FullTraits).
 template <typename T, int kTransA, int kTransB>
 __device__ __forceinline__ void wgmma_m64n80k16_ss(float (&d)[40], uint64_t desc_a, uint64_t desc_b) {
 #define FUSEFORGE_WGMMA_ASM(TYPE)                                                                      \
