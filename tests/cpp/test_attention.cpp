@@ -46,6 +46,17 @@ struct ScopedEnv {
   ~ScopedEnv() { unsetenv(name); }
 };
 
+// Runs `call` and expects it to stop with a c10::Error whose message contains `message`.
+template <class Call>
+void expect_error_naming(const Call& call, const std::string& message) {
+  try {
+    call();
+    ADD_FAILURE() << "expected an error naming: " << message;
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
+  }
+}
+
 }  // namespace
 
 TEST(AttentionTiling, AreaCountsTheKeyTilesEachQueryTileVisits) {
@@ -93,14 +104,8 @@ TEST(AttentionTiling, RowsKnobForcesOneAndNamesABadValue) {
     EXPECT_EQ(at_::fwd_query_rows_d64(causal(fixed_length(1024, 1024)), true), 192);
   }
   ScopedEnv env("FUSEFORGE_ATTENTION_FWD_ROWS", "64");
-  try {
-    at_::fwd_query_rows_d64(fixed_length(64, 64), false);
-    FAIL() << "expected an error";
-  } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("FUSEFORGE_ATTENTION_FWD_ROWS: expected 128 or 192, got '64'"),
-              std::string::npos)
-        << e.what();
-  }
+  expect_error_naming([] { at_::fwd_query_rows_d64(fixed_length(64, 64), false); },
+                      "FUSEFORGE_ATTENTION_FWD_ROWS: expected 128 or 192, got '64'");
 }
 
 TEST(AttentionTiling, HeadDim128BackwardTakes80RowsWhereTheAreaAllows) {
@@ -134,14 +139,8 @@ TEST(AttentionTiling, HeadDim128BackwardTakes80RowsWhereTheAreaAllows) {
     EXPECT_EQ(at_::bwd_query_rows_d128(causal(fixed_length(1024, 1024)), true), 80);
   }
   ScopedEnv env("FUSEFORGE_ATTENTION_BWD_ROWS", "128");
-  try {
-    at_::bwd_query_rows_d128(fixed_length(64, 64), false);
-    FAIL() << "expected an error";
-  } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("FUSEFORGE_ATTENTION_BWD_ROWS: expected 64 or 80, got '128'"),
-              std::string::npos)
-        << e.what();
-  }
+  expect_error_naming([] { at_::bwd_query_rows_d128(fixed_length(64, 64), false); },
+                      "FUSEFORGE_ATTENTION_BWD_ROWS: expected 64 or 80, got '128'");
 }
 
 TEST(AttentionBackwardOrder, KeyBlocksSlowestOnlyForSmallLocalGrids) {
@@ -166,12 +165,6 @@ TEST(AttentionBackwardOrder, KnobForcesTheOrderAndNamesABadValue) {
     EXPECT_FALSE(at_::bwd_kv_block_slowest(true, 16, 132, 8, 4));
   }
   ScopedEnv env(name, "yes");
-  try {
-    at_::bwd_kv_block_slowest(true, 16, 132, 8, 4);
-    FAIL() << "expected an error";
-  } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("FUSEFORGE_ATTENTION_BWD_KV_SLOWEST: expected 0 or 1, got 'yes'"),
-              std::string::npos)
-        << e.what();
-  }
+  expect_error_naming([] { at_::bwd_kv_block_slowest(true, 16, 132, 8, 4); },
+                      "FUSEFORGE_ATTENTION_BWD_KV_SLOWEST: expected 0 or 1, got 'yes'");
 }

@@ -365,6 +365,20 @@ def test_cuda_varlen_schedules_give_the_same_bits(d, monkeypatch):
 
 
 # ---- small cases for compute-sanitizer (memcheck, racecheck) ------------------------------------
+def check_small_varlen_case(lengths, d, causal, window=None, softcap=None, deterministic=False):
+    """fp16 on CUDA, 4 query heads on 2 key heads, a gradient of ones: output and gradients against the
+    per-sequence float64 reference (small enough for the sanitizers)."""
+    q, k, v, cu_q, cu_k, max_q, max_k = varlen_case(lengths, lengths, 4, 2, d, torch.float16, "cuda")
+    out = attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, window=window, softcap=softcap,
+                           deterministic=deterministic)
+    grad = torch.ones_like(out)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad)
+    r_out, _, rq, rk, rv = per_sequence_reference(q, k, v, grad, lengths, lengths, causal, window, softcap)
+    assert rel_err(out, r_out) <= TOL[torch.float16]
+    for g, r in ((dq, rq), (dk, rk), (dv, rv)):
+        assert rel_err(g, r) <= 2 * TOL[torch.float16]
+
+
 @requires_cuda
 @pytest.mark.sanitize
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
@@ -374,15 +388,7 @@ def test_cuda_sanitize_varlen_tiles_80(causal, monkeypatch):
         pytest.skip("the 80-query backward is a TMA kernel (sm_90 GPUs only)")
     monkeypatch.setenv("FUSEFORGE_ATTENTION_TMA", "1")
     monkeypatch.setenv("FUSEFORGE_ATTENTION_BWD_ROWS", "80")
-    lengths = [70, 0, 150, 1, 80]
-    q, k, v, cu_q, cu_k, max_q, max_k = varlen_case(lengths, lengths, 4, 2, 128, torch.float16, "cuda")
-    out = attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal)
-    grad = torch.ones_like(out)
-    dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad)
-    r_out, _, rq, rk, rv = per_sequence_reference(q, k, v, grad, lengths, lengths, causal, None, None)
-    assert rel_err(out, r_out) <= TOL[torch.float16]
-    for g, r in ((dq, rq), (dk, rk), (dv, rv)):
-        assert rel_err(g, r) <= 2 * TOL[torch.float16]
+    check_small_varlen_case([70, 0, 150, 1, 80], 128, causal=causal)
 
 
 @requires_cuda
@@ -395,13 +401,5 @@ def test_cuda_sanitize_varlen_window_softcap(d, deterministic, monkeypatch):
     # Both dk/dv block orders (test_cuda_varlen_backward_block_orders): a sequence's key blocks side
     # by side on the atomic path, key blocks slowest on the deterministic one.
     monkeypatch.setenv("FUSEFORGE_ATTENTION_BWD_KV_SLOWEST", "1" if deterministic else "0")
-    lengths = [70, 0, 150, 1]
-    q, k, v, cu_q, cu_k, max_q, max_k = varlen_case(lengths, lengths, 4, 2, d, torch.float16, "cuda")
-    out = attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, window=(40, 0), softcap=5.0,
-                           deterministic=deterministic)
-    grad = torch.ones_like(out)
-    dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad)
-    r_out, _, rq, rk, rv = per_sequence_reference(q, k, v, grad, lengths, lengths, True, (40, 0), 5.0)
-    assert rel_err(out, r_out) <= TOL[torch.float16]
-    for g, r in ((dq, rq), (dk, rk), (dv, rv)):
-        assert rel_err(g, r) <= 2 * TOL[torch.float16]
+    check_small_varlen_case([70, 0, 150, 1], d, causal=True, window=(40, 0), softcap=5.0,
+                            deterministic=deterministic)
