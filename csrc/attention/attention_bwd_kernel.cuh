@@ -545,24 +545,18 @@ __device__ __forceinline__ void dkdv_wgmma_tile(const BwdParams& p, const Blk& b
   // 2026-11-25, docs/notes_attention.md). Head dim 128 only: 64's and 256's register budgets were
   // not checked for the 32 more live registers.
   constexpr bool kEarlyLds = kD == 128 && !kSplit && !Tr::kTransposedDq;  // 80-query tiles: no registers left
-#ifndef FUSEFORGE_ATTN_BWD_EARLY_LSE80
-#define FUSEFORGE_ATTN_BWD_EARLY_LSE80 0
-#endif
-  // The first kEarlyLsePairs column pairs' lse read before the wait (80-query tiles: as many as fit).
-  constexpr int kEarlyLsePairs = kEarlyLds ? kSN / 4 : (kD == 128 && Tr::kTransposedDq && kMask != kNoMask) ? FUSEFORGE_ATTN_BWD_EARLY_LSE80 : 0;
-  constexpr bool kEarlyLse = kEarlyLsePairs > 0;
-  float lse_r[kEarlyLse ? 2 * kEarlyLsePairs : 1] = {}, row_dot_r[kEarlyLds ? kSN / 2 : 1] = {};
-  auto load_pairs = [&](float* dst, const float* src, int pairs) {
+  float lse_r[kEarlyLds ? kSN / 2 : 1] = {}, row_dot_r[kEarlyLds ? kSN / 2 : 1] = {};
+  auto load_pairs = [&](float* dst, const float* src) {
 #pragma unroll
-    for (int j = 0; j < pairs; ++j) {
+    for (int j = 0; j < kSN / 4; ++j) {
       const float2 v = *reinterpret_cast<const float2*>(src + j * 8 + (lane & 3) * 2);
       dst[2 * j] = v.x;
       dst[2 * j + 1] = v.y;
     }
   };
-  if constexpr (kEarlyLse) load_pairs(lse_r, s_lse, kEarlyLsePairs);
+  if constexpr (kEarlyLds) load_pairs(lse_r, s_lse);
   auto lse_of = [&](int i, int col) {
-    if (kEarlyLse && (i >> 2) < kEarlyLsePairs) return lse_r[(2 * (i >> 2) + (i & 1)) % (kEarlyLse ? 2 * kEarlyLsePairs : 1)];
+    if constexpr (kEarlyLds) return lse_r[2 * (i >> 2) + (i & 1)];
     else return s_lse[col];
   };
   auto row_dot_of = [&](int i, int col) {
@@ -609,7 +603,7 @@ __device__ __forceinline__ void dkdv_wgmma_tile(const BwdParams& p, const Blk& b
   uint32_t pa[kBlockM / 16][4];
 #pragma unroll
   for (int kk = 0; kk < kBlockM / 16; ++kk) c_to_a_fragment<T>(st4[2 * kk], st4[2 * kk + 1], pa[kk]);
-  if constexpr (kEarlyLds) load_pairs(row_dot_r, s_row_dot, kSN / 4);
+  if constexpr (kEarlyLds) load_pairs(row_dot_r, s_row_dot);
   wgmma_rs_mn_major<T, kDOut, kBlockM / 16>(dv, pa, sdO + out_panels, QTile::kPanelBytes);
   // The previous tile's dQ hand-off, under this tile's products (DqBulkAdd; its target recomputed,
   // not held across the loop).

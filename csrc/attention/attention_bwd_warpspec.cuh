@@ -138,11 +138,7 @@ struct WarpSpecBwdSmem {
         mbarrier_init(full(s), 32);  // the producer warp's lanes, after their lse / row_dot stores
         // Every consumer thread arrives after its last read of the stage (its lse / row_dot reads are
         // generic loads of what the producer wrote with generic stores).
-#if FUSEFORGE_ATTN_BWD_WARP_ARRIVE
-        mbarrier_init(empty(s), L::kConsumerThreads / 32);
-#else
         mbarrier_init(empty(s), L::kConsumerThreads);
-#endif
       }
       fence_mbarrier_init();
     }
@@ -224,12 +220,7 @@ __device__ __forceinline__ void consume_query_tile(const BwdParams& p, const War
   dkdv_wgmma_tile<Tr, kMask, kSoftcap, kAtomicDq, /*kPinZeros=*/true>(
       p, blk, it, sm.sK, sm.sV, sm.sQ(s), sm.sQ(s) + Tr::kTileQBytes, sm.floats(s), sm.floats(s) + Tr::kBlockM, sDs,
       sm.smem + (sDs - sm.sK), cwarp, lane, dk, dv, [] { named_barrier_sync(1, L::kConsumerThreads); }, dq_add);
-#if FUSEFORGE_ATTN_BWD_WARP_ARRIVE
-  __syncwarp();
-  if (lane == 0) mbarrier_arrive(sm.empty(s));
-#else
   mbarrier_arrive(sm.empty(s));  // this thread is done with stage s
-#endif
 }
 
 // A consumer thread after a key block's last tile: that tile's dQ hand-off, and the wait until the
