@@ -358,17 +358,19 @@ __device__ __forceinline__ void attention_bwd_dkdv_mma_body(const BwdParams& p) 
 #pragma unroll
     for (int mt = 0; mt < kNT; ++mt)
 #pragma unroll
-      for (int nt = 0; nt < kBlockM / 8; ++nt)
+      for (int hh = 0; hh < 2; ++hh) {
+        const VisibleRange rows = rows_of_key<kMask>(n0 + warp_row0 + mt * 16 + (lane >> 2) + hh * 8,
+                                                     m0 + (lane & 3) * 2, seqlen_k, offset, p);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int col = nt * 8 + (lane & 3) * 2 + (e & 1);  // query, block-relative
-          float val = fast_exp2(fmaf(pt[mt][nt][e], scale_log2, -s_lse[col]));
-          if (needs_mask) {
-            const int key = n0 + warp_row0 + mt * 16 + (lane >> 2) + (e >> 1) * 8;
-            if (!key_visible<kMask>(key, m0 + col, seqlen_k, offset, p)) val = 0.f;
+        for (int nt = 0; nt < kBlockM / 8; ++nt)
+#pragma unroll
+          for (int e = 2 * hh; e < 2 * hh + 2; ++e) {
+            const int col = nt * 8 + (lane & 3) * 2 + (e & 1);  // query, block-relative
+            float val = fast_exp2(fmaf(pt[mt][nt][e], scale_log2, -s_lse[col]));
+            if (needs_mask && !rows.contains(nt * 8 + (e & 1))) val = 0.f;
+            pt[mt][nt][e] = val;
           }
-          pt[mt][nt][e] = val;
-        }
+      }
     warp_gemm_pb<T, kD, kNT, kBlockM>(dv, pt, sdO, lane);
 
     // dS^T = P^T (dP^T - D[query]), dP^T = V dO^T.
@@ -580,16 +582,22 @@ __device__ __forceinline__ void dkdv_wgmma_tile(const BwdParams& p, const Blk& b
   // key row warp_row0 + g + 8 ((i % 4) / 2).
   // Two copies of the loop behind one uniform branch: with the mask test inside the loop, ptxas
   // predicated it and every tile paid for it (~100 instructions a thread at kBlockM = 64). With
-  // key_visible's bitwise & (H100, 20eb938, A B B A): causal fwd+bwd 1-3% faster at head dim 128
+  // the mask test's bitwise & (VisibleRange) (H100, 20eb938, A B B A): causal fwd+bwd 1-3% faster at head dim 128
   // (S16384 14.23 -> 13.75 ms), the sliding window 7.5% (7.04 -> 6.55), D256 softcap 3%.
   auto scores_to_p = [&](auto masked) {
+    // The query rows that see this thread's two keys (element i: key row + 8 ((i / 2) % 2)).
+    VisibleRange rows[2];
+    if constexpr (decltype(masked)::value) {
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh)
+        rows[hh] = rows_of_key<kMask>(n0 + warp_row0 + (lane >> 2) + hh * 8, m0 + (lane & 3) * 2, seqlen_k, offset, p);
+    }
 #pragma unroll
     for (int i = 0; i < kSN; ++i) {
       const int col = (i >> 2) * 8 + (lane & 3) * 2 + (i & 1);
       float val = fast_exp2(fmaf(st[i], scale_log2, -lse_of(i, col)));
       if constexpr (decltype(masked)::value) {
-        const int key = n0 + warp_row0 + (lane >> 2) + ((i >> 1) & 1) * 8;
-        if (!key_visible<kMask>(key, m0 + col, seqlen_k, offset, p)) val = 0.f;
+        if (!rows[(i >> 1) & 1].contains((i >> 2) * 8 + (i & 1))) val = 0.f;
       }
       st[i] = val;
     }

@@ -61,15 +61,34 @@ __device__ __forceinline__ bool tile_needs_mask(int m0, int n0, int seqlen_k, in
          (kMask == kWindow && n0 < m0 + kBlockM - 1 + offset - p.window_left);
 }
 
-// Whether query row `row` of a sequence sees key `key` (both sequence-relative). Bitwise & on purpose:
-// with && the window's test (a load of p.window_left) was a short-circuit branch, and ptxas branched
-// around every element of the dk/dv kernels' masked exp (62 branches a tile) instead of predicating.
+// The masked elements' test: a thread's elements on one line of a tile (a query row in the forward,
+// a key in the backward) sit at compile-time offsets c from the thread's first column, and element c
+// is visible when lo <= c <= hi. Two compares against immediates an element; testing the key
+// against row + offset + bound, the compiler recomputed that sum for every element (the window's
+// masked dk/dv tile ran ~180 SASS instructions a thread over an unmasked one, causal's ~90). Query
+// i sees key j when j < Sk and i + off - left <= j <= i + off + right (kMask: which bounds apply).
+// Bitwise & on purpose: with && a bound's test (a load of p.window_left) was a short-circuit branch,
+// and ptxas branched around every element of the dk/dv kernels' masked exp (62 branches a tile)
+// instead of predicating.
+struct VisibleRange {
+  int lo, hi;
+  __device__ __forceinline__ bool contains(int c) const { return (lo <= c) & (c <= hi); }
+};
+constexpr int kUnbounded = 1 << 30;  // a bound no offset within a tile reaches
+
+// The keys query row `row` sees, from key col0 (both sequence-relative).
 template <int kMask>
-__device__ __forceinline__ bool key_visible(int key, int row, int seqlen_k, int offset, const FwdParams& p) {
-  bool visible = key < seqlen_k;
-  if constexpr (kMask != kNoMask) visible &= key <= row + offset + p.window_right;
-  if constexpr (kMask == kWindow) visible &= key >= row + offset - p.window_left;
-  return visible;
+__device__ __forceinline__ VisibleRange keys_of_row(int row, int col0, int seqlen_k, int offset, const FwdParams& p) {
+  int hi = seqlen_k - 1 - col0;
+  if constexpr (kMask != kNoMask) hi = min(hi, row + offset + p.window_right - col0);
+  return {kMask == kWindow ? row + offset - p.window_left - col0 : -kUnbounded, hi};
+}
+
+// The query rows that see key `key`, from row q0 (both sequence-relative); none past Sk.
+template <int kMask>
+__device__ __forceinline__ VisibleRange rows_of_key(int key, int q0, int seqlen_k, int offset, const FwdParams& p) {
+  const int lo = kMask != kNoMask ? key - offset - p.window_right - q0 : -kUnbounded;
+  return {key < seqlen_k ? lo : kUnbounded, kMask == kWindow ? key - offset + p.window_left - q0 : kUnbounded};
 }
 
 // Softcap: s' = softcap_out * tanh(softcap_in * s) on every score of the tile (FwdParams).
@@ -134,16 +153,18 @@ __device__ __forceinline__ void warp_gemm_pb(float (&acc)[kMT][kD / 8][4], const
 template <int kMask, int kMT, int kNCols>
 __device__ __forceinline__ void apply_mask(float (&s)[kMT][kNCols / 8][4], int row0, int n0, int seqlen_k,
                                            int offset, const FwdParams& p, int lane) {
+  const int col0 = n0 + (lane & 3) * 2;
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-    for (int nt = 0; nt < kNCols / 8; ++nt)
+    for (int hh = 0; hh < 2; ++hh) {
+      const VisibleRange keys = keys_of_row<kMask>(row0 + mt * 16 + (lane >> 2) + hh * 8, col0, seqlen_k, offset, p);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int row = row0 + mt * 16 + (lane >> 2) + (e >> 1) * 8;
-        const int col = n0 + nt * 8 + (lane & 3) * 2 + (e & 1);
-        if (!key_visible<kMask>(col, row, seqlen_k, offset, p)) s[mt][nt][e] = -INFINITY;
-      }
+      for (int nt = 0; nt < kNCols / 8; ++nt)
+#pragma unroll
+        for (int e = 2 * hh; e < 2 * hh + 2; ++e)
+          if (!keys.contains(nt * 8 + (e & 1))) s[mt][nt][e] = -INFINITY;
+    }
 }
 
 // A warp's kMTiles x 16 rows x kHeadDim fp32 accumulator, times row_scale[mt][half], as T into its
@@ -261,6 +282,12 @@ __device__ __forceinline__ void softmax_rows(float (&s)[kMT][kNCols / 8][4], flo
 
 template <int kMT, int kD>
 __device__ __forceinline__ void rescale_rows(float (&o)[kMT][kD / 8][4], const float (&correction)[kMT][2]) {
+#if FUSEFORGE_ATTN_FWD_SKIP_RESCALE
+  bool unchanged = true;
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt) unchanged &= (correction[mt][0] == 1.f) & (correction[mt][1] == 1.f);
+  if (__all_sync(0xffffffffu, unchanged)) return;
+#endif
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
