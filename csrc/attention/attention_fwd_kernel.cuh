@@ -282,12 +282,6 @@ __device__ __forceinline__ void softmax_rows(float (&s)[kMT][kNCols / 8][4], flo
 
 template <int kMT, int kD>
 __device__ __forceinline__ void rescale_rows(float (&o)[kMT][kD / 8][4], const float (&correction)[kMT][2]) {
-#if FUSEFORGE_ATTN_FWD_SKIP_RESCALE
-  bool unchanged = true;
-#pragma unroll
-  for (int mt = 0; mt < kMT; ++mt) unchanged &= (correction[mt][0] == 1.f) & (correction[mt][1] == 1.f);
-  if (__all_sync(0xffffffffu, unchanged)) return;
-#endif
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
