@@ -54,7 +54,9 @@ ADAMW=(c16k:)
 # converting; on 2026-11-26 (nineteenth) the forward's block pairs sharing K/V by TMA multicast timed
 # level with a build of the commit before; all removed (docs/notes_attention.md); on 2026-11-26
 # (twentieth) head dim 128's 80-query backward tiles without a mask won (FUSEFORGE_ATTENTION_BWD_ROWS=64
-# keeps the 64-query kernel for A/Bs). Add
+# keeps the 64-query kernel for A/Bs); on 2026-11-27 (twenty-second) the masked tiles' per-line
+# visible range won and is the code, the 80-query tiles' early lse and O's rescale skipped on an
+# unchanged max lost, and one empty-barrier arrive a warp timed 0.5-0.9% faster but failed racecheck. Add
 # "name:-DKNOB=1" (or "name:ENV=value") entries for the next candidates, and "before:@baseline"
 # (scripts/prepare_baseline.sh; carry "baseline") to time the previous commit in the same call.
 ATTN=(default:)
