@@ -40,12 +40,6 @@ struct SeqInfo {
   }
 };
 
-// Mask modes, a template parameter kMask of every kernel: kNoMask; kRightBound, keys past
-// i + off + window_right masked (causal); kWindow, keys before i + off - window_left too (sliding
-// windows). Causal keeps its own mode: the extra left-bound test made the causal backward 37% slower
-// at D = 64 (the dk/dv kernel at 255 registers).
-constexpr int kNoMask = 0, kRightBound = 1, kWindow = 2;
-
 // The head dim the loads and stores cover: the kernel's kHeadDim (a constant), or the tensors' smaller
 // one in the kernels built for it (Traits::kPadHeadDim).
 template <class Tr>
@@ -59,36 +53,6 @@ template <int kMask, int kBlockM, int kBlockN>
 __device__ __forceinline__ bool tile_needs_mask(int m0, int n0, int seqlen_k, int offset, const FwdParams& p) {
   return n0 + kBlockN > seqlen_k || (kMask != kNoMask && n0 + kBlockN - 1 > m0 + offset + p.window_right) ||
          (kMask == kWindow && n0 < m0 + kBlockM - 1 + offset - p.window_left);
-}
-
-// The masked elements' test: a thread's elements on one line of a tile (a query row in the forward,
-// a key in the backward) sit at compile-time offsets c from the thread's first column, and element c
-// is visible when lo <= c <= hi. Two compares against immediates an element; testing the key
-// against row + offset + bound, the compiler recomputed that sum for every element (the window's
-// masked dk/dv tile ran ~180 SASS instructions a thread over an unmasked one, causal's ~90). Query
-// i sees key j when j < Sk and i + off - left <= j <= i + off + right (kMask: which bounds apply).
-// Bitwise & on purpose: with && a bound's test (a load of p.window_left) was a short-circuit branch,
-// and ptxas branched around every element of the dk/dv kernels' masked exp (62 branches a tile)
-// instead of predicating.
-struct VisibleRange {
-  int lo, hi;
-  __device__ __forceinline__ bool contains(int c) const { return (lo <= c) & (c <= hi); }
-};
-constexpr int kUnbounded = 1 << 30;  // a bound no offset within a tile reaches
-
-// The keys query row `row` sees, from key col0 (both sequence-relative).
-template <int kMask>
-__device__ __forceinline__ VisibleRange keys_of_row(int row, int col0, int seqlen_k, int offset, const FwdParams& p) {
-  int hi = seqlen_k - 1 - col0;
-  if constexpr (kMask != kNoMask) hi = min(hi, row + offset + p.window_right - col0);
-  return {kMask == kWindow ? row + offset - p.window_left - col0 : -kUnbounded, hi};
-}
-
-// The query rows that see key `key`, from row q0 (both sequence-relative); none past Sk.
-template <int kMask>
-__device__ __forceinline__ VisibleRange rows_of_key(int key, int q0, int seqlen_k, int offset, const FwdParams& p) {
-  const int lo = kMask != kNoMask ? key - offset - p.window_right - q0 : -kUnbounded;
-  return {key < seqlen_k ? lo : kUnbounded, kMask == kWindow ? key - offset + p.window_left - q0 : kUnbounded};
 }
 
 // Softcap: s' = softcap_out * tanh(softcap_in * s) on every score of the tile (FwdParams).

@@ -7,6 +7,13 @@
 #include <algorithm>
 #include <cstdint>
 
+// Inline helpers the kernels and the host's tests share (as query_key_tiles); force-inlined in CUDA code.
+#if defined(__CUDACC__)
+#define FUSEFORGE_ATTN_HD __host__ __device__ __forceinline__
+#else
+#define FUSEFORGE_ATTN_HD inline
+#endif
+
 namespace fuseforge::attention {
 
 // The key tiles [n_begin, n_end) of block_n keys that query rows [m0, m0 + rows) of one sequence
@@ -72,6 +79,45 @@ struct FwdParams {
   // take tiles from it with atomicAdd). Unused by the other kernels.
   int* tile_counter = nullptr;
 };
+
+// Mask modes, a template parameter kMask of every kernel: kNoMask; kRightBound, keys past
+// i + off + window_right masked (causal); kWindow, keys before i + off - window_left too (sliding
+// windows). Causal keeps its own mode: the extra left-bound test made the causal backward 37% slower
+// at D = 64 (the dk/dv kernel at 255 registers).
+constexpr int kNoMask = 0, kRightBound = 1, kWindow = 2;
+
+// The masked elements' test: a thread's elements on one line of a tile (a query row in the forward,
+// a key in the backward) sit at compile-time offsets c from the thread's first column, and element c
+// is visible when lo <= c <= hi. Two compares against immediates an element; testing the key
+// against row + offset + bound, the compiler recomputed that sum for every element (the window's
+// masked dk/dv tile ran ~180 SASS instructions a thread over an unmasked one, causal's ~90). Query
+// i sees key j when j < Sk and i + off - left <= j <= i + off + right (kMask: which bounds apply).
+// Bitwise & on purpose: with && a bound's test (a load of p.window_left) was a short-circuit branch,
+// and ptxas branched around every element of the dk/dv kernels' masked exp (62 branches a tile)
+// instead of predicating.
+struct VisibleRange {
+  int lo, hi;
+  FUSEFORGE_ATTN_HD bool contains(int c) const { return (lo <= c) & (c <= hi); }
+};
+constexpr int kUnbounded = 1 << 30;  // a bound no offset within a tile reaches
+
+// The keys query row `row` sees, from key col0 (both sequence-relative).
+template <int kMask>
+FUSEFORGE_ATTN_HD VisibleRange keys_of_row(int row, int col0, int seqlen_k, int offset, const FwdParams& p) {
+  int hi = seqlen_k - 1 - col0;
+  if constexpr (kMask != kNoMask) {
+    const int right = row + offset + p.window_right - col0;
+    hi = right < hi ? right : hi;
+  }
+  return {kMask == kWindow ? row + offset - p.window_left - col0 : -kUnbounded, hi};
+}
+
+// The query rows that see key `key`, from row q0 (both sequence-relative); none past Sk.
+template <int kMask>
+FUSEFORGE_ATTN_HD VisibleRange rows_of_key(int key, int q0, int seqlen_k, int offset, const FwdParams& p) {
+  const int lo = kMask != kNoMask ? key - offset - p.window_right - q0 : -kUnbounded;
+  return {key < seqlen_k ? lo : kUnbounded, kMask == kWindow ? key - offset + p.window_left - q0 : kUnbounded};
+}
 
 struct BwdParams : FwdParams {
   const void* grad_out = nullptr;  // like q

@@ -1,10 +1,13 @@
 // attention on the C++ side: the host-side launch choices of attention_launch.h (the forward's tiles,
-// which decide between two kernels, and the backward's block order), checked here, where every
-// machine can run them.
+// which decide between two kernels, and the backward's block order) and the masks' visible ranges
+// the kernels test elements against (attention_params.h), checked here, where every machine can run
+// them.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <string>
+#include <utility>
 
 #include "attention/attention_launch.h"
 
@@ -58,6 +61,47 @@ void expect_error_naming(const Call& call, const std::string& message) {
 }
 
 }  // namespace
+
+// The mask's definition: query i sees key j when j < Sk and, per mode, i + off - left <= j (kWindow)
+// and j <= i + off + right (kRightBound, kWindow).
+bool visible_by_definition(int mask, int i, int j, int sk, int off, const at_::FwdParams& p) {
+  bool seen = j < sk;
+  if (mask != at_::kNoMask) seen = seen && j <= i + off + p.window_right;
+  if (mask == at_::kWindow) seen = seen && i + off - p.window_left <= j;
+  return seen;
+}
+
+template <int kMask>
+void expect_ranges_match_definition(int sq, int sk, int left, int right) {
+  at_::FwdParams p = fixed_length(sq, sk);
+  p.window_left = left, p.window_right = right;
+  const int off = sk - sq;
+  // Every line (rows and keys past the sequences' ends included), its first column anywhere around
+  // the sequence, and the offsets a thread's elements take within a tile (up to 128 columns on).
+  for (int line = 0; line < std::max(sq, sk) + 4; ++line)
+    for (int first = -4; first < std::max(sq, sk) + 8; first += 9) {
+      const at_::VisibleRange keys = at_::keys_of_row<kMask>(line, first, sk, off, p);  // line: a query row
+      const at_::VisibleRange rows = at_::rows_of_key<kMask>(line, first, sk, off, p);  // line: a key
+      for (int c = 0; c < 128; ++c) {
+        ASSERT_EQ(keys.contains(c), visible_by_definition(kMask, line, first + c, sk, off, p))
+            << "mask " << kMask << " Sq " << sq << " Sk " << sk << " row " << line << " key " << first + c;
+        ASSERT_EQ(rows.contains(c), visible_by_definition(kMask, first + c, line, sk, off, p))
+            << "mask " << kMask << " Sq " << sq << " Sk " << sk << " key " << line << " row " << first + c;
+      }
+    }
+}
+
+TEST(AttentionMask, VisibleRangesMatchTheMaskDefinition) {
+  // (Sq, Sk, left, right) as the host clamps them: causal is right = 0 with left = Sk.
+  for (const auto& [sq, sk] : {std::pair{200, 200}, {77, 300}, {300, 77}, {1, 129}, {129, 1}}) {
+    expect_ranges_match_definition<at_::kNoMask>(sq, sk, sk, sq);
+    expect_ranges_match_definition<at_::kRightBound>(sq, sk, sk, 0);
+    expect_ranges_match_definition<at_::kWindow>(sq, sk, 63, 0);
+    expect_ranges_match_definition<at_::kWindow>(sq, sk, 0, 0);
+    expect_ranges_match_definition<at_::kWindow>(sq, sk, 17, 40);
+    expect_ranges_match_definition<at_::kWindow>(sq, sk, sk, 5);
+  }
+}
 
 TEST(AttentionTiling, AreaCountsTheKeyTilesEachQueryTileVisits) {
   // S1024 causal: 36 of the 64 pairs of 128-row tiles; 32 of the 48 of 192-row ones (2, 3, 5, 6, 8, 8
