@@ -60,7 +60,14 @@ void expect_error_naming(const Call& call, const std::string& message) {
   }
 }
 
-}  // namespace
+// A packed batch as the tile-size rules see it (their varlen rule reads the count and the totals; the
+// lengths stay on the device): `sequences` causal sequences of `tokens` in all, the longest max_len.
+at_::FwdParams packed_causal(int sequences, int tokens, int max_len) {
+  static const int cu[2] = {0, 0};  // only its being set matters here
+  at_::FwdParams p = causal(fixed_length(max_len, max_len));
+  p.cu_seqlens_q = cu, p.batch = sequences, p.rows_q = p.rows_k = tokens;
+  return p;
+}
 
 // The mask's definition: query i sees key j when j < Sk and, per mode, i + off - left <= j (kWindow)
 // and j <= i + off + right (kRightBound, kWindow).
@@ -90,6 +97,8 @@ void expect_ranges_match_definition(int sq, int sk, int left, int right) {
       }
     }
 }
+
+}  // namespace
 
 TEST(AttentionMask, VisibleRangesMatchTheMaskDefinition) {
   // (Sq, Sk, left, right) as the host clamps them: causal is right = 0 with left = Sk.
@@ -130,12 +139,8 @@ TEST(AttentionTiling, HeadDim64TakesTheRowsThatWasteLess) {
   EXPECT_EQ(at_::fwd_query_rows_d64(fixed_length(4096, 4096), false), 192);
   EXPECT_EQ(at_::fwd_query_rows_d64(causal(fixed_length(16384, 16384)), true), 192);
   // Varlen: the mean length. 18 documents in 32768 tokens (the benchmark's) -> 192; 4 short ones -> 128.
-  const int cu[2] = {0, 0};  // only its being set matters here
-  at_::FwdParams docs = causal(fixed_length(5287, 5287));
-  docs.cu_seqlens_q = cu, docs.batch = 18, docs.rows_q = docs.rows_k = 32768;
-  EXPECT_EQ(at_::fwd_query_rows_d64(docs, true), 192);
-  docs.batch = 4, docs.rows_q = docs.rows_k = 221;
-  EXPECT_EQ(at_::fwd_query_rows_d64(docs, true), 128);
+  EXPECT_EQ(at_::fwd_query_rows_d64(packed_causal(18, 32768, 5287), true), 192);
+  EXPECT_EQ(at_::fwd_query_rows_d64(packed_causal(4, 221, 5287), true), 128);
 }
 
 TEST(AttentionTiling, RowsKnobForcesOneAndNamesABadValue) {
@@ -166,14 +171,11 @@ TEST(AttentionTiling, HeadDim128BackwardTakes80RowsWhereTheAreaAllows) {
   EXPECT_EQ(at_::bwd_query_rows_d128(window, true), 80);
   // Varlen: the mean length, with or without a mask. The benchmark's 18 documents in 32768 tokens
   // (mean 1821: 1.017x causal) -> 80; 4 short ones (mean 56: one tile either way, 1.25x) -> 64.
-  const int cu[2] = {0, 0};  // only its being set matters here
-  at_::FwdParams docs = causal(fixed_length(5287, 5287));
-  docs.cu_seqlens_q = cu, docs.batch = 18, docs.rows_q = docs.rows_k = 32768;
+  const at_::FwdParams docs = packed_causal(18, 32768, 5287), short_docs = packed_causal(4, 221, 5287);
   EXPECT_EQ(at_::bwd_query_rows_d128(docs, true), 80);
   EXPECT_EQ(at_::bwd_query_rows_d128(docs, false), 80);
-  docs.batch = 4, docs.rows_q = docs.rows_k = 221;
-  EXPECT_EQ(at_::bwd_query_rows_d128(docs, true), 64);
-  EXPECT_EQ(at_::bwd_query_rows_d128(docs, false), 64);
+  EXPECT_EQ(at_::bwd_query_rows_d128(short_docs, true), 64);
+  EXPECT_EQ(at_::bwd_query_rows_d128(short_docs, false), 64);
   {
     ScopedEnv env("FUSEFORGE_ATTENTION_BWD_ROWS", "64");
     EXPECT_EQ(at_::bwd_query_rows_d128(fixed_length(4096, 4096), false), 64);
