@@ -582,7 +582,7 @@ __device__ __forceinline__ void dkdv_wgmma_tile(const BwdParams& p, const Blk& b
   // key row warp_row0 + g + 8 ((i % 4) / 2).
   // Two copies of the loop behind one uniform branch: with the mask test inside the loop, ptxas
   // predicated it and every tile paid for it (~100 instructions a thread at kBlockM = 64). With
-  // the mask test's bitwise & (VisibleRange) (H100, 20eb938, A B B A): causal fwd+bwd 1-3% faster at head dim 128
+  // the mask test's bitwise & (now VisibleRange::contains; H100, 20eb938, A B B A): causal fwd+bwd 1-3% faster at head dim 128
   // (S16384 14.23 -> 13.75 ms), the sliding window 7.5% (7.04 -> 6.55), D256 softcap 3%.
   auto scores_to_p = [&](auto masked) {
     // The query rows that see this thread's two keys (element i: key row + 8 ((i / 2) % 2)).
