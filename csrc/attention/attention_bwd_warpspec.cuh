@@ -2,7 +2,8 @@
 // (attention_fwd_warpspec.cuh): a producer thread issues TMA copies of the block's K and V once and
 // of each query tile's Q, dO and stats (lse and row_dot, BwdParams::tile_stats) into a 2-stage ring;
 // two consumer warpgroups (64 keys each, registers raised) run the tile's products (dkdv_wgmma_tile,
-// the same code as the cp.async kernel) and free the stage with one arrive a warp. dS^T is double-buffered,
+// the same code as the cp.async kernel) and free the stage (one arrive a warp on the atomic path,
+// consume_query_tile). dS^T is double-buffered,
 // so the one barrier a tile left is the named barrier between the consumers before dQ = dS K reads
 // both warpgroups' keys. dQ goes to dq_accum as FlashAttention-3 does it: each consumer warp stores
 // its 16 x 64 block to its own 4 KB of shared memory and one lane hands it to the TMA unit as a bulk
@@ -132,17 +133,15 @@ struct WarpSpecBwdSmem {
   __device__ __forceinline__ uint32_t full_kv() const { return bars; }
   __device__ __forceinline__ uint32_t full(int s) const { return bars + 8 * (1 + s); }
   __device__ __forceinline__ uint32_t empty(int s) const { return bars + 8 * (1 + L::kStages + s); }
-  // Thread 0 initializes the mbarriers, then the block syncs.
+  // Thread 0 initializes the mbarriers, then the block syncs. kWarpRelease: the consumers free a
+  // stage with one arrive a warp (consume_query_tile), else one a thread.
+  template <bool kWarpRelease>
   __device__ __forceinline__ void init_barriers(int tid) const {
     if (tid == 0) {
       mbarrier_init(full_kv(), 1);
       for (int s = 0; s < L::kStages; ++s) {
         mbarrier_init(full(s), 1);  // the producer's arrive with the stage's bytes
-        // One arrive a consumer warp, after its lanes' last reads of the stage (a __syncwarp between):
-        // the stage holds only what the TMA unit wrote. (With the lse / row_dot stored by the producer
-        // warp's lanes, racecheck did not see those stores ordered after the other lanes' loads, and
-        // each consumer thread arrived: 256 shared-memory atomics a tile.)
-        mbarrier_init(empty(s), L::kConsumerThreads / 32);
+        mbarrier_init(empty(s), kWarpRelease ? L::kConsumerThreads / 32 : L::kConsumerThreads);
       }
       fence_mbarrier_init();
     }
@@ -217,7 +216,14 @@ __device__ __forceinline__ void consume_query_tile(const BwdParams& p, const War
   dkdv_wgmma_tile<Tr, kMask, kSoftcap, kAtomicDq, /*kPinZeros=*/true>(
       p, blk, it, sm.sK, sm.sV, sm.sQ(s), sm.sQ(s) + Tr::kTileQBytes, sm.floats(s), sm.floats(s) + Tr::kBlockM, sDs,
       sm.smem + (sDs - sm.sK), cwarp, lane, dk, dv, [] { named_barrier_sync(1, L::kConsumerThreads); }, dq_add);
-  mbarrier_arrive_warp(sm.empty(s));  // this warp is done with stage s
+  // Every lane's last generic read of the stage (its lse and row_dot) precedes the arrive. On the
+  // atomic path the consumers' named barrier before dQ (sync_ds) follows those reads, so one arrive
+  // a warp is ordered after them in compute-sanitizer's racecheck too; the deterministic path has no
+  // such barrier, and racecheck does not see a __syncwarp order other lanes' reads before one lane's
+  // arrive (18 hazards against the next bulk copy into the stage, H100, fp16 varlen window softcap),
+  // so there each thread arrives (256 shared-memory atomics a tile, 8 on the atomic path).
+  if constexpr (kAtomicDq) mbarrier_arrive_warp(sm.empty(s));
+  else mbarrier_arrive(sm.empty(s));
 }
 
 // A consumer thread after a key block's last tile: that tile's dQ hand-off, and the wait until the
@@ -243,7 +249,7 @@ __device__ __forceinline__ void attention_bwd_dkdv_warpspec_body(const BwdParams
   if (blk.rows_k <= 0) return;  // past its sequence (varlen): the whole block leaves before any barrier
   const int iterations = blk.iterations;
   const WarpSpecBwdSmem<Tr> sm;
-  sm.init_barriers(tid);
+  sm.template init_barriers<kAtomicDq>(tid);
 
   if (warp < 4) {  // producer warpgroup: one thread works, the others leave
     setmaxnreg_dec<L::kProducerRegs>();
