@@ -21,45 +21,10 @@ namespace fuseforge::attention {
 // past Sq become +inf, so their P is exactly 0.
 __device__ __forceinline__ float lse_to_log2(float lse) { return lse == -INFINITY ? INFINITY : lse * kLog2e; }
 
-// Query tile t of (batch or sequence b, head h) in BwdParams::tile_stats: rows lse (base 2), then
-// rows row_dot. seq_tile0: the sequence's first tile (varlen: cu[b] / rows + b), else 0.
-__device__ __forceinline__ float* tile_stats_of(const BwdParams& p, int b, int h, int64_t seq_tile0, int t, int rows) {
-  return p.tile_stats + (b * p.tile_stats_batch_tiles + h * p.tile_stats_head_tiles + seq_tile0 + t) * 2 * rows;
-}
-
-// Row `row` of the row_dot kernel's view (batch x heads x seqlen_q; varlen: one sequence of every
-// packed row) into its tile's stats; a sequence's last row also fills the rest of its last tile with
-// (+inf, 0), the rows the dk/dv kernel's TMA boxes read past the sequence's end.
-__device__ __forceinline__ void write_tile_stats(const BwdParams& p, int64_t row, float dot) {
-  const int rows = p.tile_stats_rows;
-  const int64_t bh = row / p.seqlen_q;
-  int i = static_cast<int>(row % p.seqlen_q), len = p.seqlen_q, b = static_cast<int>(bh / p.heads_q);
-  const int h = static_cast<int>(bh % p.heads_q);
-  int64_t seq_tile0 = 0;
-  if (p.tile_stats_seqs > 0) {  // varlen: the last sequence that starts at or before packed row i
-    int lo = 0, hi = p.tile_stats_seqs - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) >> 1;
-      if (p.cu_seqlens_q[mid] <= i) lo = mid;
-      else hi = mid - 1;
-    }
-    const int start = p.cu_seqlens_q[lo];
-    b = lo, len = p.cu_seqlens_q[lo + 1] - start, i -= start;
-    seq_tile0 = start / rows + lo;
-  }
-  float* stats = tile_stats_of(p, b, h, seq_tile0, i / rows, rows);
-  const int r = i % rows;
-  stats[r] = lse_to_log2(p.lse[row]);
-  stats[rows + r] = dot;
-  if (i == len - 1)
-    for (int j = r + 1; j < rows; ++j) stats[j] = INFINITY, stats[rows + j] = 0.f;
-}
-
 // row_dot[row] = sum_d dO[row, d] O[row, d] over every row of q (the varlen view: one sequence of
 // total rows), kD / 8 threads a row, 16 bytes of each a thread (the kernels' operands are 16-byte
 // aligned with strides in multiples of 8 elements: kernel_ready, attention_cuda.cpp; head dims are
-// multiples of 8). Where p.tile_stats is set it also writes the dk/dv kernel's tile stats
-// (write_tile_stats). The same grid zeroes dq_accum (p.dq_accum_floats; none when deterministic), so
+// multiples of 8). The same grid zeroes dq_accum (p.dq_accum_floats; none when deterministic), so
 // the backward has no separate fill (the H100/H200 profile: a warp a row with 4-byte loads plus
 // at::zeros took 0.17 ms at 32768 tokens x 16 heads x 128, cuDNN's fused kernel 0.14).
 template <typename T, int kD>
@@ -89,10 +54,7 @@ __global__ void attention_row_dot_kernel(const __grid_constant__ BwdParams p) {
   // Every lane takes part (a row's threads share a warp; rows past the end add zeros).
 #pragma unroll
   for (int o = kThreadsPerRow / 2; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, o);
-  if (row < rows && c == 0) {
-    p.row_dot[row] = sum;
-    if (p.tile_stats != nullptr) write_tile_stats(p, row, sum);
-  }
+  if (row < rows && c == 0) p.row_dot[row] = sum;
   if (p.dq_accum != nullptr) {
     const int64_t vectors = p.dq_accum_floats / 4, stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
     for (int64_t v = tid; v < vectors; v += stride)

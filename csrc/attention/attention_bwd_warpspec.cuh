@@ -1,9 +1,8 @@
 // Attention backward dk/dv kernel for sm_90a, warp-specialized like the forward
-// (attention_fwd_warpspec.cuh): a producer thread issues TMA copies of the block's K and V once and
-// of each query tile's Q, dO and stats (lse and row_dot, BwdParams::tile_stats) into a 2-stage ring;
-// two consumer warpgroups (64 keys each, registers raised) run the tile's products (dkdv_wgmma_tile,
-// the same code as the cp.async kernel) and free the stage (one arrive a warp on the atomic path,
-// consume_query_tile). dS^T is double-buffered,
+// (attention_fwd_warpspec.cuh): a producer warp issues TMA copies of the block's K and V once and of
+// each query tile's Q and dO into a 2-stage ring, and copies the tile's lse and row_dot; two consumer
+// warpgroups (64 keys each, registers raised) run the tile's products (dkdv_wgmma_tile, the same
+// code as the cp.async kernel) and free the stage with one arrive a thread. dS^T is double-buffered,
 // so the one barrier a tile left is the named barrier between the consumers before dQ = dS K reads
 // both warpgroups' keys. dQ goes to dq_accum as FlashAttention-3 does it: each consumer warp stores
 // its 16 x 64 block to its own 4 KB of shared memory and one lane hands it to the TMA unit as a bulk
@@ -39,8 +38,7 @@ struct WarpSpecBwdLayout {
   static constexpr int kStagesOffset = 2 * Tr::kTileKVBytes;
   static constexpr int kStageBytes = 2 * Tr::kTileQBytes;
   static constexpr int kFloatsOffset = kStagesOffset + kStages * kStageBytes;
-  static constexpr int kFloatsBytes = 2 * Tr::kBlockM * 4;  // a tile's stats, one bulk copy
-  static_assert(kFloatsOffset % 16 == 0 && kFloatsBytes % 16 == 0, "bulk copies: 16-byte aligned, 16-byte multiples");
+  static constexpr int kFloatsBytes = 2 * Tr::kBlockM * 4;
   // 80-query tiles (kTransposedDq) take 227 KB to the byte with the mbarriers in the gap before dS^T.
   static constexpr int kBarriersAfterFloats = Tr::kTransposedDq;
   static constexpr int kFloatsEnd = kFloatsOffset + kStages * kFloatsBytes;
@@ -129,19 +127,18 @@ struct WarpSpecBwdSmem {
   __device__ __forceinline__ float* floats(int s) const {
     return reinterpret_cast<float*>(smem + L::kFloatsOffset + s * L::kFloatsBytes);
   }
-  __device__ __forceinline__ uint32_t floats_addr(int s) const { return sK + L::kFloatsOffset + s * L::kFloatsBytes; }
   __device__ __forceinline__ uint32_t full_kv() const { return bars; }
   __device__ __forceinline__ uint32_t full(int s) const { return bars + 8 * (1 + s); }
   __device__ __forceinline__ uint32_t empty(int s) const { return bars + 8 * (1 + L::kStages + s); }
-  // Thread 0 initializes the mbarriers, then the block syncs. kWarpRelease: the consumers free a
-  // stage with one arrive a warp (consume_query_tile), else one a thread.
-  template <bool kWarpRelease>
+  // Thread 0 initializes the mbarriers, then the block syncs.
   __device__ __forceinline__ void init_barriers(int tid) const {
     if (tid == 0) {
       mbarrier_init(full_kv(), 1);
       for (int s = 0; s < L::kStages; ++s) {
-        mbarrier_init(full(s), 1);  // the producer's arrive with the stage's bytes
-        mbarrier_init(empty(s), kWarpRelease ? L::kConsumerThreads / 32 : L::kConsumerThreads);
+        mbarrier_init(full(s), 32);  // the producer warp's lanes, after their lse / row_dot stores
+        // Every consumer thread arrives after its last read of the stage (its lse / row_dot reads are
+        // generic loads of what the producer wrote with generic stores).
+        mbarrier_init(empty(s), L::kConsumerThreads);
       }
       fence_mbarrier_init();
     }
@@ -163,25 +160,32 @@ __device__ __forceinline__ void load_key_block(const BwdTmaParams& tma, const Bl
   }
 }
 
-// The producer thread: query tile `it` of `blk` into a stage, Q and dO by TMA and the tile's stats
-// (lse in base 2, +inf past the sequence so P = 0 where TMA rows past a varlen sequence hold the
-// next one's queries; row_dot) by one bulk copy, all on the stage's full barrier.
-template <class Tr, class L, bool kVarlen, class Blk>
+// The producer warp: query tile `it` of `blk` into a stage (Q and dO by TMA from lane 0; lse and
+// row_dot copied by every lane), then its arrive on the stage's full barrier.
+template <class Tr, class L, class Blk>
 __device__ __forceinline__ void load_query_tile(const BwdParams& p, const BwdTmaParams& tma, const Blk& blk, int it,
-                                                int batch, uint32_t sQ, uint32_t stats, uint32_t full) {
+                                                int batch, uint32_t sQ, float* f, uint32_t full, int lane) {
   using QTile = PanelTile<Tr::kBlockM>;
+  constexpr int kBlockM = Tr::kBlockM;
   const int h = blk.head(it, p), m0 = blk.row0(it);
-  mbarrier_arrive_expect_tx(full, 2 * Tr::kTileQBytes + L::kFloatsBytes);
-  const int row = blk.q_row0 + m0;
+  if (lane == 0) {
+    mbarrier_expect_tx(full, 2 * Tr::kTileQBytes);
+    const int row = blk.q_row0 + m0;
 #pragma unroll
-  for (int c = 0; c < L::kPanels; ++c) {
-    tma_load_4d(sQ + c * QTile::kPanelBytes, &tma.q, full, c * 64, row, h, batch);
-    tma_load_4d(sQ + Tr::kTileQBytes + c * QTile::kPanelBytes, &tma.dout, full, c * 64, row, h, batch);
+    for (int c = 0; c < L::kPanels; ++c) {
+      tma_load_4d(sQ + c * QTile::kPanelBytes, &tma.q, full, c * 64, row, h, batch);
+      tma_load_4d(sQ + Tr::kTileQBytes + c * QTile::kPanelBytes, &tma.dout, full, c * 64, row, h, batch);
+    }
   }
-  // Tile m0 / kBlockM of the sequence's stats, which start at tile q_row0 / kBlockM + b (varlen; m0
-  // is a multiple of kBlockM, so that is row / kBlockM + b).
-  const float* src = tile_stats_of(p, batch, h, kVarlen ? blk.b : 0, row / Tr::kBlockM, Tr::kBlockM);
-  bulk_load(stats, src, L::kFloatsBytes, full);
+  // lse in base 2 (+inf past Sq, so P = 0 there: TMA rows past a varlen sequence hold the next
+  // one's queries) and row_dot.
+  const int64_t row_base = blk.b * p.lse_batch_stride + h * p.lse_head_stride + blk.q_row0 + m0;
+  for (int r = lane; r < kBlockM; r += 32) {
+    const bool valid = m0 + r < blk.seqlen_q;
+    f[r] = valid ? lse_to_log2(p.lse[row_base + r]) : INFINITY;
+    f[kBlockM + r] = valid ? p.row_dot[row_base + r] : 0.f;
+  }
+  mbarrier_arrive(full);
 }
 
 // A consumer warp: dK = scale * sum dS^T Q and dV = sum P^T dO of its 16 keys, staged through its
@@ -216,14 +220,7 @@ __device__ __forceinline__ void consume_query_tile(const BwdParams& p, const War
   dkdv_wgmma_tile<Tr, kMask, kSoftcap, kAtomicDq, /*kPinZeros=*/true>(
       p, blk, it, sm.sK, sm.sV, sm.sQ(s), sm.sQ(s) + Tr::kTileQBytes, sm.floats(s), sm.floats(s) + Tr::kBlockM, sDs,
       sm.smem + (sDs - sm.sK), cwarp, lane, dk, dv, [] { named_barrier_sync(1, L::kConsumerThreads); }, dq_add);
-  // Every lane's last generic read of the stage (its lse and row_dot) precedes the arrive. On the
-  // atomic path the consumers' named barrier before dQ (sync_ds) follows those reads, so one arrive
-  // a warp is ordered after them in compute-sanitizer's racecheck too; the deterministic path has no
-  // such barrier, and racecheck does not see a __syncwarp order other lanes' reads before one lane's
-  // arrive (18 hazards against the next bulk copy into the stage, H100, fp16 varlen window softcap),
-  // so there each thread arrives (256 shared-memory atomics a tile, 8 on the atomic path).
-  if constexpr (kAtomicDq) mbarrier_arrive_warp(sm.empty(s));
-  else mbarrier_arrive(sm.empty(s));
+  mbarrier_arrive(sm.empty(s));  // this thread is done with stage s
 }
 
 // A consumer thread after a key block's last tile: that tile's dQ hand-off, and the wait until the
@@ -249,9 +246,9 @@ __device__ __forceinline__ void attention_bwd_dkdv_warpspec_body(const BwdParams
   if (blk.rows_k <= 0) return;  // past its sequence (varlen): the whole block leaves before any barrier
   const int iterations = blk.iterations;
   const WarpSpecBwdSmem<Tr> sm;
-  sm.template init_barriers<kAtomicDq>(tid);
+  sm.init_barriers(tid);
 
-  if (warp < 4) {  // producer warpgroup: one thread works, the others leave
+  if (warp < 4) {  // producer warpgroup: warp 0 works, the others leave
     setmaxnreg_dec<L::kProducerRegs>();
     if (warp != 0) return;
     const int batch = kVarlen ? 0 : blk.b;
@@ -263,7 +260,7 @@ __device__ __forceinline__ void attention_bwd_dkdv_warpspec_body(const BwdParams
     for (int it = 0; it < iterations; ++it) {
       const int s = it % kStages;
       mbarrier_wait(sm.empty(s), ((it / kStages) & 1) ^ 1);
-      if (lane == 0) load_query_tile<Tr, L, kVarlen>(p, tma, blk, it, batch, sm.sQ(s), sm.floats_addr(s), sm.full(s));
+      load_query_tile<Tr, L>(p, tma, blk, it, batch, sm.sQ(s), sm.floats(s), sm.full(s), lane);
     }
     return;
   }
@@ -345,6 +342,9 @@ void launch_attention_bwd(const BwdParams& params, const BwdParams& row_dot_para
                 "attention backward with head dim 256 needs a compute capability 9.0 GPU (H100, H200) and a "
                 "build for TORCH_CUDA_ARCH_LIST=9.0a (its kernel is sm_90a code only)");
   }
+  const int64_t rows = static_cast<int64_t>(row_dot_params.batch) * row_dot_params.heads_q * row_dot_params.seqlen_q;
+  launch_kernel(attention_row_dot_kernel<T, kD>, dim3(static_cast<unsigned>(ceil_div(rows * (kD / 8), 256))),
+                dim3(256), 0, row_dot_params);
   // Causal: key block 0 of a head sees every query, the last one few. When the grid is a few waves
   // (GQA: each block loops over the group's heads, so the grid is small and its blocks long), the
   // launch order decides the tail: key blocks slowest (grid z) starts every head's heaviest block
@@ -371,29 +371,6 @@ void launch_attention_bwd(const BwdParams& params, const BwdParams& row_dot_para
                  bwd_query_rows_d128(params, local) == FullTr::kBlockM &&
                  require_tma(encode_bwd_query_maps<FullTr>(p, &full_tma));
   }
-  // The warp-specialized kernel's tile stats in tiles of its kBlockM rows, written by the row_dot
-  // kernel (attention_cuda.cpp allocates them for tiles of up to 128 rows); null for the others.
-  BwdParams rp = row_dot_params;
-  p.tile_stats = rp.tile_stats = nullptr;
-  if (warpspec) {
-    const int rows_m = full_tiles ? FullTr::kBlockM : DkdvTr::kBlockM;
-    const bool varlen = params.cu_seqlens_q != nullptr;
-    // Varlen: sequence b from tile cu[b] / rows_m + b, so total / rows_m + B + 1 tiles a head hold every
-    // sequence's ceil(len / rows_m) (as dq_accum's rows).
-    const int64_t head_tiles =
-        varlen ? row_dot_params.seqlen_q / rows_m + params.batch + 1 : ceil_div(params.seqlen_q, rows_m);
-    const int64_t batch_tiles = varlen ? 0 : params.heads_q * head_tiles;
-    TORCH_INTERNAL_ASSERT(rows_m <= 128 && (varlen ? params.heads_q * head_tiles : params.batch * batch_tiles) * 2 *
-                                                   rows_m <= params.tile_stats_floats);
-    p.tile_stats = rp.tile_stats = params.tile_stats;
-    p.tile_stats_head_tiles = rp.tile_stats_head_tiles = head_tiles;
-    p.tile_stats_batch_tiles = rp.tile_stats_batch_tiles = batch_tiles;
-    p.tile_stats_rows = rp.tile_stats_rows = rows_m;
-    if (varlen) rp.cu_seqlens_q = params.cu_seqlens_q, rp.tile_stats_seqs = params.batch;
-  }
-  const int64_t rows = static_cast<int64_t>(rp.batch) * rp.heads_q * rp.seqlen_q;
-  launch_kernel(attention_row_dot_kernel<T, kD>, dim3(static_cast<unsigned>(ceil_div(rows * (kD / 8), 256))),
-                dim3(256), 0, rp);
   int64_t smem_bytes = DkdvTr::kSmemBytes;
   if constexpr (bwd_warpspec_head_dim<kD>())
     if (warpspec) smem_bytes = WarpSpecBwdLayout<DkdvTr>::kSmemBytes;

@@ -169,13 +169,6 @@ void backward(const Shape& s, const at::Tensor& grad_out_in, const at::Tensor& q
   set_strides(dv, p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride);
   at::Tensor row_dot = at::empty(lse.sizes(), q.options().dtype(at::kFloat));  // lse's layout
   p.row_dot = row_dot.data_ptr<float>();
-  // The warp-specialized dk/dv kernel's lse / row_dot tiles (BwdParams::tile_stats), laid out by the
-  // launcher in tiles of its query rows (<= 128): 2 floats a row, plus up to a tile's padding for each
-  // sequence or batch entry and one spare.
-  const int64_t q_rows = q.size(0) * q.size(2);
-  at::Tensor tile_stats = at::empty({2 * s.heads_q * (q_rows + (s.batch + 1) * 128)}, q.options().dtype(at::kFloat));
-  p.tile_stats = tile_stats.data_ptr<float>();
-  p.tile_stats_floats = tile_stats.numel();
   at::Tensor dq_accum;
   if (!deterministic) {
     // Whole 16-row tiles (the kernels add 16 x 8 tiles, attention_bwd_kernel.cuh); head dim 128: whole

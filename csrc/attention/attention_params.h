@@ -136,16 +136,6 @@ struct BwdParams : FwdParams {
   float* dq_accum = nullptr;
   int64_t dq_accum_batch_tiles = 0, dq_accum_head_tiles = 0;  // in 16-row tiles
   int64_t dq_accum_floats = 0;  // its size; the row_dot kernel zeroes it
-  // The warp-specialized dk/dv kernel's query-tile statistics (null for the other kernels): for each
-  // tile of tile_stats_rows queries (its kBlockM), their lse in base 2 (+inf past the sequence, so
-  // P = 0 there) and then their row_dot, written by the row_dot kernel so the producer copies a tile's
-  // 8 kBlockM bytes with one bulk copy on the stage's mbarrier. Tile strides as dq_accum's; varlen:
-  // sequence b's tiles start at cu[b] / tile_stats_rows + b, and the row_dot kernel (its one-sequence
-  // view) finds a row's sequence among tile_stats_seqs in cu_seqlens_q (0: fixed length).
-  float* tile_stats = nullptr;
-  int64_t tile_stats_floats = 0;  // its size (host: what the launcher may lay out)
-  int64_t tile_stats_batch_tiles = 0, tile_stats_head_tiles = 0;
-  int tile_stats_rows = 0, tile_stats_seqs = 0;
   bool kv_block_slowest = false;  // set by the launcher: the dk/dv grid is (Hk, B, key blocks), heaviest first
 };
 

@@ -32,14 +32,6 @@ __device__ __forceinline__ void mbarrier_expect_tx(uint32_t bar, uint32_t bytes)
 __device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
-// One arrive for the calling warp (every lane calls it), from the lane elect.sync picks, after a
-// __syncwarp that orders the other lanes' earlier shared-memory accesses before it.
-__device__ __forceinline__ void mbarrier_arrive_warp(uint32_t bar) {
-  __syncwarp();
-  asm volatile(
-      "{\n .reg .pred p;\n elect.sync _|p, 0xffffffff;\n @p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n" ::"r"(bar)
-      : "memory");
-}
 // Waits until the phase with the given parity has completed. A fresh barrier counts as having
 // completed the phase of parity 1, so a producer's first wait on an "empty" barrier passes.
 __device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
@@ -65,14 +57,6 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map
       "%6}], [%2];\n" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
       : "memory");
-}
-
-// `bytes` contiguous bytes from global src into shared memory at dst (both 16-byte aligned, bytes a
-// multiple of 16), complete_tx on `bar`: a bulk copy without a tensor map.
-__device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
-               "l"(reinterpret_cast<uint64_t>(src)), "r"(bytes), "r"(bar)
-               : "memory");
 }
 
 // Box at coordinates (c0 innermost, .., c3) of a 4-d tensor map from shared memory at src to global

@@ -85,13 +85,6 @@ def poison_allocations(*like: torch.Tensor | Iterable[int]) -> None:
     del blocks
 
 
-def attention_stats_bytes(heads: int, rows: int, batch: int) -> int:
-    """Bytes of the CUDA attention backward's tile-stats buffer (attention_cuda.cpp: 2 floats a row of
-    q and head, plus 128 rows for each batch entry or sequence and one spare), for poison_allocations:
-    a stats row the row_dot kernel leaves unwritten is then NaN."""
-    return 8 * heads * (rows + 128 * (batch + 1))
-
-
 def run_opcheck(op, args: tuple, kwargs: dict | None = None) -> None:
     torch.library.opcheck(op, args, kwargs or {})
 
