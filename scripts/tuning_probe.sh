@@ -56,7 +56,9 @@ ADAMW=(c16k:)
 # (twentieth) head dim 128's 80-query backward tiles without a mask won (FUSEFORGE_ATTENTION_BWD_ROWS=64
 # keeps the 64-query kernel for A/Bs); on 2026-11-27 (twenty-second) the masked tiles' per-line
 # visible range won and is the code, the 80-query tiles' early lse and O's rescale skipped on an
-# unchanged max lost, and one empty-barrier arrive a warp timed 0.5-0.9% faster but failed racecheck. Add
+# unchanged max lost, and one empty-barrier arrive a warp timed 0.5-0.9% faster but failed racecheck;
+# on 2026-11-27 (twenty-third) the lse / row_dot by bulk copy with the warp-level release timed mixed
+# (window 1.5-3% slower) and failed racecheck too (branch wip/bwd-tile-stats-bulk). Add
 # "name:-DKNOB=1" (or "name:ENV=value") entries for the next candidates, and "before:@baseline"
 # (scripts/prepare_baseline.sh; carry "baseline") to time the previous commit in the same call.
 ATTN=(default:)
