@@ -137,13 +137,15 @@ while read -r name so; do
   for f in tests/python/test_attention.py tests/python/test_attention_varlen.py; do
     FUSEFORGE_EXTENSION=$so TEST_K=${TEST_K:-cuda} pt $f < /dev/null
   done
-  # ATTN_SANITIZE="memcheck racecheck": compute-sanitizer on the build's sanitizer cases too
+  # ATTN_SANITIZE="memcheck racecheck": compute-sanitizer on the build's sanitizer cases too; the
+  # full report (each hazard's two accesses) in the archive's logs/sanitizer_<tool>_<name>.log
   for tool in ${ATTN_SANITIZE:-}; do
     echo "== compute-sanitizer $tool, $name ($(( $(date +%s) - t0 )) s)"
     FUSEFORGE_EXTENSION=$so PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout -k 20 ${TEST_TIMEOUT:-300} compute-sanitizer \
       --tool $tool --error-exitcode 99 python3 -m pytest -q -x -p no:cacheprovider -m sanitize tests/python/test_attention.py \
       tests/python/test_attention_varlen.py \
-      < /dev/null 2>&1 | grep -E "ERROR SUMMARY|passed|failed|rror" | tail -4
+      < /dev/null > /tmp/tune/logs/sanitizer_${tool}_$name.log 2>&1
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed|rror" /tmp/tune/logs/sanitizer_${tool}_$name.log | tail -4
   done
 done < <(PRINT_LIBS=1 bash $T attention "${ATTN[@]}")
 ATTN_CASE=${ATTN_CASE:-D128/S4096/full}
