@@ -66,20 +66,13 @@ __global__ void attention_row_dot_kernel(const __grid_constant__ BwdParams p) {
 // columns, each stored in mma C-fragment order (lane l's element e at 4 l + e: row l / 4 + 8 (e / 2),
 // column 2 (l % 4) + e % 2). A warp's atomic add of one tile is then 512 contiguous bytes, one
 // 16-byte vector a lane, instead of 8 rows x 32 bytes in two half-used passes.
-// seq_tile0: the sequence's first tile (varlen, attention_params.h), else 0. kSeqRows: the unit a
-// sequence's rows are rounded up to, 16, or 80 for the 80-query dk/dv kernel (it adds whole 80-row
-// tiles of dQ^T); sequence b then starts at row kSeqRows (cu[b] / kSeqRows + b), which leaves each
-// sequence ceil(len / kSeqRows) units before the next (attention_cuda.cpp allocates for the larger).
-template <bool kVarlen, int kSeqRows = 16>
+// seq_tile0: the sequence's first 16-row tile (varlen, attention_params.h), else 0: sequence b starts
+// at tile cu[b] / 16 + b, which leaves each sequence ceil(len / 16) tiles before the next. (The
+// 80-query kernel's dQ^T uses the same 16-row units in its own order: DqBulkAdd.)
+template <bool kVarlen>
 __device__ __forceinline__ int64_t dq_accum_seq_tile0(const BwdParams& p, int b) {
-  static_assert(kSeqRows % 16 == 0, "whole 16-row tiles");
-  if constexpr (kVarlen) return (p.cu_seqlens_q[b] / kSeqRows + b) * static_cast<int64_t>(kSeqRows / 16);
+  if constexpr (kVarlen) return p.cu_seqlens_q[b] / 16 + b;
   return 0;
-}
-// The unit of a sequence's dq_accum rows for dk/dv tiles of kBlockM queries (dq_accum_seq_tile0).
-template <int kBlockM>
-constexpr int dq_accum_seq_rows() {
-  return kBlockM == 80 ? 80 : 16;
 }
 __device__ __forceinline__ float* dq_accum_tile(const BwdParams& p, int b, int h, int64_t seq_tile0, int row_tile,
                                                 int col_tile, int kD) {
@@ -173,25 +166,35 @@ __global__ void attention_dq_convert_kernel(const __grid_constant__ BwdParams p)
   store(swapped ? row : row + 8, hi);
 }
 
-// dq = scale * dq_accum for the 80-query dk/dv kernel (BwdTraits::kTransposedDq, head dim 128): each
-// 80-row tile of a (batch or sequence, head) holds its 80 x 128 floats as the 8 consumer warps' dQ^T
-// accumulators (DqBulkAdd: warp w's 5 KB = float4 j of lane l, j = 0..9, whose element e is row
-// 8 j + 2 (l % 4) + e % 2, column 16 w + l / 4 + 8 (e / 2)), so each warp's share goes to global
-// memory as one contiguous bulk reduction. A block a tile: the floats through shared memory (rows of
-// 132: a warp's stores hit 32 banks), then 16-byte rows of q's dtype. Grid: 80-row tiles of the
-// longest sequence, heads, batch (or sequences: tiles past a sequence leave).
+// The 80-query dk/dv kernel's dQ^T (BwdTraits::kTransposedDq, head dim 128) in dq_accum: per (batch
+// or sequence, head) 8 panels of 16 columns (one a consumer warp), each the head's rows in 16-row
+// units of 1 KB in the wgmma accumulator's order (float4 j' (0, 1) of lane l, element e: row
+// 8 j' + 2 (l % 4) + e % 2 of the unit, column 16 w + l / 4 + 8 (e / 2)). A query tile starting at any
+// multiple of 16 rows is then one contiguous run of units a warp, one bulk reduction (DqBulkAdd).
+// The float address of unit `unit` (from the sequence's first, seq_tile0) of panel `panel`.
+__device__ __forceinline__ float* dq_accum_panel_unit(const BwdParams& p, int b, int h, int64_t seq_tile0, int unit,
+                                                      int panel) {
+  return p.dq_accum + (b * p.dq_accum_batch_tiles + h * p.dq_accum_head_tiles) * 2048 +
+         (panel * p.dq_accum_head_tiles + seq_tile0 + unit) * 256;
+}
+
+// dq = scale * dq_accum for the 80-query dk/dv kernel (dq_accum_panel_unit's layout). A block
+// kBlockM rows: the floats through shared memory (rows of 132: a warp's stores hit 32 banks), then
+// 16-byte rows of q's dtype. Grid: kBlockM-row blocks of the longest sequence, heads, batch (or
+// sequences: blocks past a sequence leave, units past it are not read).
 template <typename T, int kBlockM, bool kVarlen>
 __global__ void attention_dq_convert_transposed_kernel(const __grid_constant__ BwdParams p) {
   constexpr int kD = 128, kPitch = kD + 4;
+  static_assert(kBlockM % 16 == 0, "whole 16-row units");
   __shared__ float tile[kBlockM * kPitch];
   const int m0 = blockIdx.x * kBlockM, h = blockIdx.y, b = blockIdx.z;
   const SeqInfo<kVarlen> seq(p, b);
   if (m0 >= seq.seqlen_q) return;
-  const float4* src = reinterpret_cast<const float4*>(
-      dq_accum_tile(p, b, h, dq_accum_seq_tile0<kVarlen, kBlockM>(p, b), m0 / 16, 0, kD));
-  for (int v = threadIdx.x; v < kBlockM * kD / 4; v += blockDim.x) {
-    const float4 x = src[v];
-    const int w = v / (kBlockM * 4), j = (v / 32) % (kBlockM / 8), l = v % 32;
+  const int64_t seq_tile0 = dq_accum_seq_tile0<kVarlen>(p, b);
+  const int units = min(kBlockM / 16, (seq.seqlen_q - m0 + 15) / 16);  // within the sequence
+  for (int v = threadIdx.x; v < 8 * units * 64; v += blockDim.x) {
+    const int w = v / (units * 64), u = v / 64 % units, j = 2 * u + (v / 32) % 2, l = v % 32;
+    const float4 x = reinterpret_cast<const float4*>(dq_accum_panel_unit(p, b, h, seq_tile0, m0 / 16 + u, w))[v % 64];
     float* dst = tile + (8 * j + 2 * (l & 3)) * kPitch + 16 * w + (l >> 2);
     dst[0] = x.x * p.scale;
     dst[kPitch] = x.y * p.scale;
@@ -216,7 +219,7 @@ __global__ void attention_dq_convert_transposed_kernel(const __grid_constant__ B
 // the launcher set kv_block_slowest).
 template <int kBlockM, int kBlockN, int kMask, bool kVarlen>
 struct KeyBlock {
-  int hk, b, n0, rows_k, seqlen_q, seqlen_k, offset, m_first, m_count, iterations, q_row0, k_row0;
+  int hk, b, n0, rows_k, seqlen_q, seqlen_k, offset, row_first, m_count, iterations, q_row0, k_row0;
   int64_t seq_tile0;
   __device__ __forceinline__ explicit KeyBlock(const BwdParams& p) {
     int n_block = blockIdx.x;
@@ -238,13 +241,18 @@ struct KeyBlock {
     int first_row = 0, last_row = seqlen_q - 1;
     if constexpr (kMask != kNoMask) first_row = max(0, n0 - offset - p.window_right);
     if constexpr (kMask == kWindow) last_row = min(seqlen_q - 1, n0 + rows_k - 1 - offset + p.window_left);
-    m_first = first_row / kBlockM;
-    m_count = last_row < first_row ? 0 : last_row / kBlockM - m_first + 1;
+    // The query tiles start at multiples of kBlockM, except 80-row tiles (no divisor of the 128-key
+    // block; dq_accum_panel_unit): from first_row rounded down to 16 rows (p.bwd_row_align; 80 for A/B timings), so a
+    // block's first tile holds at most 15 rows that see none of its keys instead of 79 (H100 counts
+    // in docs/notes_attention.md: a 4096 window's tiles -1.0%, its masked tiles -17%).
+    const int align = kBlockN % kBlockM != 0 ? p.bwd_row_align : kBlockM;
+    row_first = first_row / align * align;
+    m_count = last_row < first_row ? 0 : (last_row - row_first) / kBlockM + 1;
     iterations = p.group * m_count;
-    seq_tile0 = dq_accum_seq_tile0<kVarlen, dq_accum_seq_rows<kBlockM>()>(p, b);
+    seq_tile0 = dq_accum_seq_tile0<kVarlen>(p, b);
   }
   __device__ __forceinline__ int head(int it, const BwdParams& p) const { return hk * p.group + it / m_count; }
-  __device__ __forceinline__ int row0(int it) const { return (m_first + it % m_count) * kBlockM; }
+  __device__ __forceinline__ int row0(int it) const { return row_first + it % m_count * kBlockM; }
 };
 
 // The block's K and V rows [n0, n0 + kBlockN) into sK / sV (Tile layout), zero rows past Sk.
@@ -470,21 +478,25 @@ __device__ __forceinline__ void attention_bwd_dkdv_mma_body(const BwdParams& p) 
 // Where warp `warp`'s 16 x 64 block of dQ for query tile `it` goes (the wgmma body's split without
 // Tr::kSplitCols: warpgroup g computes dQ's columns [64 g, +64) at head dim 128, its rows [64 g, +64)
 // at 64), and whether those rows lie within Sq.
+// kTransposedDq: the warp's panel at the tile's first 16-row unit, and in `units` how many of the
+// tile's units start within Sq (dq_accum_panel_unit).
 struct DqTarget {
   float* tile;
   bool valid;
+  int units;
 };
 template <class Tr, class Blk>
 __device__ __forceinline__ DqTarget dq_target(const BwdParams& p, const Blk& blk, int it, int warp) {
-  if constexpr (Tr::kTransposedDq)  // warp's 5 KB of the tile (attention_dq_convert_transposed_kernel)
-    return {dq_accum_tile(p, blk.b, blk.head(it, p), blk.seq_tile0, blk.row0(it) / 16, 0, Tr::kHeadDim) +
-                warp * Tr::kBlockM * 16,
-            true};
+  if constexpr (Tr::kTransposedDq) {
+    const int m0 = blk.row0(it);
+    return {dq_accum_panel_unit(p, blk.b, blk.head(it, p), blk.seq_tile0, m0 / 16, warp), true,
+            (blk.seqlen_q - m0 + 15) / 16};
+  }
   const int wg = warp >> 2;
   const int q0 = Tr::kBlockM == 128 ? wg * 64 : 0, col0 = Tr::kHeadDim == 128 ? wg * 64 : 0;
   const int row_tile = (blk.row0(it) + q0) / 16 + (warp & 3);
   return {dq_accum_tile(p, blk.b, blk.head(it, p), blk.seq_tile0, row_tile, col0 >> 3, Tr::kHeadDim),
-          row_tile * 16 < blk.seqlen_q};
+          row_tile * 16 < blk.seqlen_q, 1};
 }
 
 // One query tile of the wgmma dk/dv body, for warp `warp` (0..7: warpgroup warp / 4 owns keys

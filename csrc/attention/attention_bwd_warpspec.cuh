@@ -46,8 +46,11 @@ struct WarpSpecBwdLayout {
   static constexpr int kDsOffset =
       (kFloatsEnd + (kBarriersAfterFloats ? kBarriersBytes : 0) + 1023) / 1024 * 1024;
   static constexpr int kDqOffset = kDsOffset + 2 * Tr::kTileDsBytes;
-  // A consumer warp's dQ: 16 rows x 64 columns, or (kTransposedDq) 16 columns x kBlockM rows.
+  // A consumer warp's dQ: 16 rows x 64 columns, or (kTransposedDq) 16 columns x kBlockM rows, in
+  // kDqUnits 1 KB units of 16 rows (attention_dq_convert_transposed_kernel).
+  static constexpr bool kTransposedDq = Tr::kTransposedDq;
   static constexpr int kDqWarpBytes = (Tr::kTransposedDq ? Tr::kBlockM : 64) * 16 * 4;
+  static constexpr int kDqUnits = Tr::kBlockM / 16;
   static constexpr int kDqEnd = kDqOffset + 8 * kDqWarpBytes;
   static constexpr int kBarriersOffset = kBarriersAfterFloats ? kFloatsEnd : kDqEnd;
   static constexpr int kSmemBytes = 1024 + (kBarriersAfterFloats ? kDqEnd : kBarriersOffset + kBarriersBytes);
@@ -77,15 +80,18 @@ struct DqBulkAdd {
     return ((smem_addr(attention_smem) + 1023) & ~1023u) + L::kDqOffset +
            (threadIdx.x / 32 - 4) * L::kDqWarpBytes;  // consumer warps are 4..11
   }
-  // The hand-off of the rows stored for `target` (dq_target of the tile that stored them).
+  // The hand-off of the rows stored for `target` (dq_target of the tile that stored them). 80-query
+  // tiles (kTransposedDq): the tile's 16-row units that start within Sq, contiguous in the warp's
+  // panel (dq_accum_panel_unit; the tile may start at any multiple of 16 rows: KeyBlock).
   __device__ __forceinline__ void flush(const DqTarget& target) const {
     fence_proxy_async_shared();  // the stores, visible to the TMA unit's reads
     __syncwarp();
-    bulk_reduce_add_f32(target.valid && (threadIdx.x & 31) == 0, target.tile, buffer(), L::kDqWarpBytes);
+    const uint32_t bytes = L::kTransposedDq ? min(target.units, L::kDqUnits) * 1024 : L::kDqWarpBytes;
+    bulk_reduce_add_f32(target.valid && (threadIdx.x & 31) == 0, target.tile, buffer(), bytes);
   }
   // Stores the rows; their tile and `valid` come back to flush() one tile later.
-  // kTransposedDq (40 floats, dQ^T): float4 j of lane l at 16 (32 j + l), the layout
-  // attention_dq_convert_transposed_kernel reads.
+  // kTransposedDq (40 floats, dQ^T): float4 j of lane l at 16 (32 j + l), so 16-row unit j / 2 is the
+  // 1 KB at j / 2 KB, the layout of the warp's panel (dq_accum_panel_unit).
   __device__ __forceinline__ void operator()(const float (&dq)[40], float*, int lane, bool) const {
     const uint32_t buf = buffer();
     bulk_wait_group_read_all();
@@ -361,14 +367,14 @@ void launch_attention_bwd(const BwdParams& params, const BwdParams& row_dot_para
   const int64_t blocks = kv_blocks * params.heads_kv * params.batch;
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
   BwdParams p = params;
+  p.bwd_row_align = bwd_row_align();
   BwdTmaParams tma;
   const bool warpspec = use_bwd_warpspec<DkdvTr>(p, &tma);
   BwdTmaParams full_tma = tma;
   bool full_tiles = false;
   if constexpr (FullTr::kTransposedDq) {
     static_assert(FullTr::kBlockN == DkdvTr::kBlockN, "the K / V maps are DkdvTr's");
-    full_tiles = warpspec && !deterministic && params.dq_accum_head_tiles % (FullTr::kBlockM / 16) == 0 &&
-                 bwd_query_rows_d128(params, local) == FullTr::kBlockM &&
+    full_tiles = warpspec && !deterministic && bwd_query_rows_d128(params, local) == FullTr::kBlockM &&
                  require_tma(encode_bwd_query_maps<FullTr>(p, &full_tma));
   }
   int64_t smem_bytes = DkdvTr::kSmemBytes;

@@ -171,13 +171,10 @@ void backward(const Shape& s, const at::Tensor& grad_out_in, const at::Tensor& q
   p.row_dot = row_dot.data_ptr<float>();
   at::Tensor dq_accum;
   if (!deterministic) {
-    // Whole 16-row tiles (the kernels add 16 x 8 tiles, attention_bwd_kernel.cuh); head dim 128: whole
-    // 80-row tiles (the 80-query dk/dv kernel adds a tile's rows at once; launch_attention_bwd). Varlen:
-    // sequence b from row u (cu[b] / u + b) in units of u = 16 or 80 rows (dq_accum_seq_tile0), so
-    // R = u (total / u + B + 1) rows a head; the 80-row allocation also holds the 16-row layout.
-    const int64_t tile_rows = cuda_kernel_head_dim(s.head_dim) == 128 ? 80 : 16;
-    const int64_t rows = varlen != nullptr ? tile_rows * (q.size(2) / tile_rows + s.batch + 1)
-                                           : (s.seqlen_q + tile_rows - 1) / tile_rows * tile_rows;
+    // Whole 16-row tiles (the kernels add 16 x 8 tiles or, the 80-query dk/dv kernel, 16-row units of
+    // dQ^T; attention_bwd_kernel.cuh). Varlen: sequence b from row 16 (cu[b] / 16 + b)
+    // (dq_accum_seq_tile0), so R = 16 (total / 16 + B + 1) rows a head.
+    const int64_t rows = varlen != nullptr ? 16 * (q.size(2) / 16 + s.batch + 1) : (s.seqlen_q + 15) / 16 * 16;
     const int64_t batches = varlen != nullptr ? 1 : s.batch;
     // The kernel head dim's columns: the kernels add the zero columns past the head dim too. Zeroed
     // by the row_dot kernel.

@@ -74,6 +74,15 @@ inline int bwd_query_rows_d128(const FwdParams& p, bool local) {
   return area80 * 100 <= area64 * 105 ? 80 : 64;
 }
 
+// The 80-query dk/dv tiles start at a key block's first visible row rounded down to 16 rows (KeyBlock).
+// FUSEFORGE_ATTENTION_BWD_ROW_ALIGN=80 rounds down to 80 instead, the tiling before (A/B timings, tests).
+inline int bwd_row_align() {
+  const std::string knob = env_string("FUSEFORGE_ATTENTION_BWD_ROW_ALIGN");
+  TORCH_CHECK(knob.empty() || knob == "16" || knob == "80",
+              "FUSEFORGE_ATTENTION_BWD_ROW_ALIGN: expected 16 or 80, got '", knob, "'");
+  return knob == "80" ? 80 : 16;
+}
+
 // Varlen: the kernels take the sequences longest first (check_and_order_sequences_async, FwdParams::
 // seq_order). FUSEFORGE_ATTENTION_VARLEN_LONGEST_FIRST=0 keeps the given order (A/B timings, tests).
 inline bool varlen_longest_first() { return env_flag("FUSEFORGE_ATTENTION_VARLEN_LONGEST_FIRST", true); }

@@ -137,6 +137,8 @@ struct BwdParams : FwdParams {
   int64_t dq_accum_batch_tiles = 0, dq_accum_head_tiles = 0;  // in 16-row tiles
   int64_t dq_accum_floats = 0;  // its size; the row_dot kernel zeroes it
   bool kv_block_slowest = false;  // set by the launcher: the dk/dv grid is (Hk, B, key blocks), heaviest first
+  // The rows the 80-query dk/dv tiles' origin is rounded down to (KeyBlock): 16, or 80 (bwd_row_align).
+  int bwd_row_align = 16;
 };
 
 // Launchers, one explicit instantiation per (element type, head dim, softcap, padded head dim) in

@@ -199,6 +199,17 @@ TEST(AttentionBackwardOrder, KeyBlocksSlowestOnlyForSmallLocalGrids) {
   EXPECT_FALSE(at_::bwd_kv_block_slowest(true, 70000, 132 * 1000, 70000, 4));  // past grid z's 65535
 }
 
+TEST(AttentionBackwardTiles, RowAlignKnob) {
+  const char* name = "FUSEFORGE_ATTENTION_BWD_ROW_ALIGN";
+  EXPECT_EQ(at_::bwd_row_align(), 16);
+  {
+    ScopedEnv env(name, "80");
+    EXPECT_EQ(at_::bwd_row_align(), 80);
+  }
+  ScopedEnv env(name, "64");
+  expect_error_naming([] { at_::bwd_row_align(); }, "FUSEFORGE_ATTENTION_BWD_ROW_ALIGN: expected 16 or 80, got '64'");
+}
+
 TEST(AttentionBackwardOrder, KnobForcesTheOrderAndNamesABadValue) {
   const char* name = "FUSEFORGE_ATTENTION_BWD_KV_SLOWEST";
   {

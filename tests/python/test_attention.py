@@ -482,16 +482,20 @@ def test_cuda_backward_tiles_80(shape, layout, dtype, mask, monkeypatch):
     _, *ref_grads = reference_with_grads(q, k, v, grad, **kw)
     monkeypatch.setenv("FUSEFORGE_ATTENTION_TMA", "1")
     runs = {}
-    for rows in ("80", "64"):
+    # 80-query tiles from each key block's first visible row rounded down to 16 rows (the default) and
+    # to 80 (the tiling before); 64-query tiles.
+    for config, (rows, align) in {"80": ("80", "16"), "80_align80": ("80", "80"), "64": ("64", "16")}.items():
         monkeypatch.setenv("FUSEFORGE_ATTENTION_BWD_ROWS", rows)
+        monkeypatch.setenv("FUSEFORGE_ATTENTION_BWD_ROW_ALIGN", align)
         poison_allocations(q, q, q)
         out = attention(q, k, v, **kw)
-        runs[rows] = torch.autograd.grad(out, (q, k, v), grad)
-        for name, g, r in zip("qkv", runs[rows], ref_grads):
-            assert rel_err(g, r) <= 2 * TOL[dtype], (rows, name, rel_err(g, r))
+        runs[config] = torch.autograd.grad(out, (q, k, v), grad)
+        for name, g, r in zip("qkv", runs[config], ref_grads):
+            assert rel_err(g, r) <= 2 * TOL[dtype], (config, name, rel_err(g, r))
     # the same sums in another order: as close to each other as each is to float64
-    for name, g80, g64 in zip("qkv", runs["80"], runs["64"]):
-        assert rel_err(g80, g64.double()) <= 2 * TOL[dtype], (name, rel_err(g80, g64.double()))
+    for other in ("80_align80", "64"):
+        for name, g80, g in zip("qkv", runs["80"], runs[other]):
+            assert rel_err(g80, g.double()) <= 2 * TOL[dtype], (other, name, rel_err(g80, g.double()))
 
 
 @requires_cuda
