@@ -191,9 +191,11 @@ __global__ void attention_dq_convert_transposed_kernel(const __grid_constant__ B
   const SeqInfo<kVarlen> seq(p, b);
   if (m0 >= seq.seqlen_q) return;
   const int64_t seq_tile0 = dq_accum_seq_tile0<kVarlen>(p, b);
-  const int units = min(kBlockM / 16, (seq.seqlen_q - m0 + 15) / 16);  // within the sequence
-  for (int v = threadIdx.x; v < 8 * units * 64; v += blockDim.x) {
-    const int w = v / (units * 64), u = v / 64 % units, j = 2 * u + (v / 32) % 2, l = v % 32;
+  constexpr int kUnits = kBlockM / 16;
+  const int units = min(kUnits, (seq.seqlen_q - m0 + 15) / 16);  // within the sequence
+  for (int v = threadIdx.x; v < 8 * kUnits * 64; v += blockDim.x) {
+    const int w = v / (kUnits * 64), u = v / 64 % kUnits, j = 2 * u + (v / 32) % 2, l = v % 32;
+    if (u >= units) continue;
     const float4 x = reinterpret_cast<const float4*>(dq_accum_panel_unit(p, b, h, seq_tile0, m0 / 16 + u, w))[v % 64];
     float* dst = tile + (8 * j + 2 * (l & 3)) * kPitch + 16 * w + (l >> 2);
     dst[0] = x.x * p.scale;
