@@ -42,9 +42,9 @@ src_of() { local w; for w in $1; do [ "${w#@}" != "$w" ] && echo "${w#@}"; done;
 # The build a spec times: "shared" (this tree, $BASE_FLAGS) or a private one (flags and/or a source tree).
 build_of() { local flags src; flags=$(flags_of "$1"); src=$(src_of "$1")
   if [ -z "$flags$src" ]; then echo shared; else build_name "$flags" "$src"; fi; }
-if [ "${PRINT_LIBS:-0}" = 1 ]; then  # "name library" a line, for running other things on the builds
+if [ "${PRINT_LIBS:-0}" = 1 ]; then  # "name library [VAR=value ...]" a line, for running other things on the builds
   for variant in "$@"; do
-    echo "${variant%%:*} $(lib_of "$(build_of "${variant#*:}")")"
+    echo "${variant%%:*} $(lib_of "$(build_of "${variant#*:}")") $(envs_of "${variant#*:}")"
   done
   exit 0
 fi

@@ -127,15 +127,15 @@ echo "== attention timings ($(( $(date +%s) - t0 )) s)"
 [ -n "${ATTN_VARLEN_CASES:-}" ] && BENCH=attention_varlen CASES=$ATTN_VARLEN_CASES IMPLS=${ATTN_VARLEN_IMPLS:-fuseforge,fuseforge_causal} \
   bash $T attention "${ATTN[@]}"
 # ATTN_CYCLES_CASES: each build's kernels of these cases under ncu at its locked clock (ncu_pass_cycles.py;
-# cycles do not move with the power cap's clock, which the timings above do). Builds only: a variant's
-# run-time knob (name:ENV=value) is not applied here.
-[ -n "${ATTN_CYCLES_CASES:-}" ] && while read -r name so; do
+# cycles do not move with the power cap's clock, which the timings above do), with each variant's
+# run-time knobs.
+[ -n "${ATTN_CYCLES_CASES:-}" ] && while read -r name so envs; do
   echo "== locked-clock cycles, $name ($(( $(date +%s) - t0 )) s)"
-  FUSEFORGE_EXTENSION=$so timeout -k 20 300 python3 scripts/ncu_pass_cycles.py --cases "$ATTN_CYCLES_CASES" \
+  env $envs FUSEFORGE_EXTENSION=$so timeout -k 20 300 python3 scripts/ncu_pass_cycles.py --cases "$ATTN_CYCLES_CASES" \
     --impls fuseforge --passes ${ATTN_CYCLES_PASSES:-fwdbwd} < /dev/null 2>&1 | grep -v "^$"
 done < <(PRINT_LIBS=1 bash $T attention "${ATTN[@]}")
 declare -A tested=()
-while read -r name so; do
+while read -r name so envs; do
   # ATTN_TEST: the variants whose builds are tested (default: every candidate, not the default)
   if [ -n "${ATTN_TEST:-}" ]; then [[ " $ATTN_TEST " == *" $name "* ]] || continue
   else [ "$name" = default ] || [ "$so" = "$(lib attention shared)" ] && continue; fi
