@@ -174,10 +174,7 @@ void backward(const Shape& s, const at::Tensor& grad_out_in, const at::Tensor& q
     // Whole 16-row tiles (the kernels add 16 x 8 tiles or, the 80-query dk/dv kernel, 16-row units of
     // dQ^T; attention_bwd_kernel.cuh). Varlen: sequence b from row 16 (cu[b] / 16 + b)
     // (dq_accum_seq_tile0), so R = 16 (total / 16 + B + 1) rows a head.
-    int64_t rows = varlen != nullptr ? 16 * (q.size(2) / 16 + s.batch + 1) : (s.seqlen_q + 15) / 16 * 16;
-    // EXPERIMENT: an odd number of 16-row units a head, so the 80-query kernel's 8 dQ^T panels
-    // (dq_accum_panel_unit) are not a power of two apart.
-    if (env_flag("FUSEFORGE_ATTENTION_DQ_ACCUM_ODD", false) && rows / 16 % 2 == 0) rows += 16;
+    const int64_t rows = varlen != nullptr ? 16 * (q.size(2) / 16 + s.batch + 1) : (s.seqlen_q + 15) / 16 * 16;
     const int64_t batches = varlen != nullptr ? 1 : s.batch;
     // The kernel head dim's columns: the kernels add the zero columns past the head dim too. Zeroed
     // by the row_dot kernel.
