@@ -73,6 +73,13 @@ def ratio_table(result: dict) -> str:
             "/ fuseforge's at that one clock.\n")
 
 
+def save(args, result: dict) -> None:
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, args.name + ".json"), "w") as f:
+            json.dump(result, f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default="docs/T32768/H16/D128/causal")
@@ -106,13 +113,11 @@ def main() -> None:
                       f"{cyc / 1e6:.3f} M cycles (each kernel's slowest SM)", flush=True)
                 for name, kms, kcyc in sorted(kernels.values(), key=lambda x: -x[1])[:5]:
                     print(f"    {kms:9.4f} ms {kcyc / 1e6:8.3f} Mcyc  {name[:110]}")
+                save(args, result)  # after every row: a device call cut short keeps what it measured
     table = ratio_table(result) if "fuseforge" in impls and len(impls) > 1 else ""
     print("\n" + table)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
         base = os.path.join(args.out, args.name)
-        with open(base + ".json", "w") as f:
-            json.dump(result, f, indent=1)
         if table:
             with open(base + ".md", "w") as f:
                 f.write(table)
