@@ -335,9 +335,8 @@ bool use_bwd_warpspec(const BwdParams& p, BwdTmaParams* tma) {
 // row_dot_params: the problem as the row_dot kernel sees it (varlen: one sequence of total_q rows,
 // whose row index is the lse layout's). The dk/dv kernel is the warp-specialized one where
 // use_bwd_warpspec says so, else the cp.async one. FullTr: the warp-specialized kernel's tiles on the
-// atomic path (80 queries at head dim 128 without a softcap, BwdConfig; else DkdvTr's), where dq_accum
-// has whole tiles of its rows (attention_cuda.cpp; varlen: whole 80-row units a sequence) and
-// bwd_query_rows_d128 picks 80.
+// atomic path (80 queries at head dim 128 without a softcap, BwdConfig; else DkdvTr's), where
+// bwd_query_rows_d128 picks 80 (dq_accum's 16-row units take any 80-query tile: dq_accum_panel_unit).
 template <class DkdvTr, class DqTr, class FullTr, bool kSoftcap>
 void launch_attention_bwd(const BwdParams& params, const BwdParams& row_dot_params, bool local, bool deterministic) {
   using T = typename DkdvTr::T;
