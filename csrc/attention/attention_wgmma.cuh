@@ -212,6 +212,19 @@ __device__ __forceinline__ void wgmma_ss_k_major(float (&d)[kN / 2], uint32_t sA
   }
   wgmma_commit();
 }
+// d (64 x kN) += A (64 x 16 kKSteps, registers: one A fragment a k-step) * B^T (kN x 16 kKSteps, a
+// K-major PanelTile from sB, b_panel_bytes apart), committed as one group: S = Q K^T with Q held in
+// registers. kN = 128. Like wgmma_ss_k_major it does not fence.
+template <typename T, int kN, int kKSteps>
+__device__ __forceinline__ void wgmma_rs_k_major(float (&d)[kN / 2], const uint32_t (&a)[kKSteps][4], uint32_t sB,
+                                                 uint32_t b_panel_bytes) {
+  static_assert(kN == 128, "m64n128k16");
+  const uint64_t desc_b0 = wgmma_desc_k_major(sB);
+#pragma unroll
+  for (int ks = 0; ks < kKSteps; ++ks)
+    wgmma_m64n128k16_rs<T, 0>(d, a[ks], wgmma_desc_add(desc_b0, (ks >> 2) * b_panel_bytes + (ks & 3) * 32));
+  wgmma_commit();
+}
 #undef FUSEFORGE_WGMMA_TYPED
 #undef FUSEFORGE_WGMMA_D64_OUT
 #undef FUSEFORGE_WGMMA_D40_OUT
