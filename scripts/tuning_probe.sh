@@ -58,7 +58,10 @@ ADAMW=(c16k:)
 # visible range won and is the code, the 80-query tiles' early lse and O's rescale skipped on an
 # unchanged max lost, and one empty-barrier arrive a warp timed 0.5-0.9% faster but failed racecheck;
 # on 2026-11-27 (twenty-third) the lse / row_dot by bulk copy with the warp-level release timed mixed
-# (window 1.5-3% slower) and failed racecheck too (branch wip/bwd-tile-stats-bulk). Add
+# (window 1.5-3% slower) and failed racecheck too (branch wip/bwd-tile-stats-bulk); on 2026-11-27
+# (twenty-fifth) the 80-query tiles' constant-size dQ^T reduction (wip/dq-target-const) and the
+# forward's row sums by a wgmma against ones (wip/fwd-row-sum-mma) lost, head dim 128's forward with Q
+# in registers won and is the code. Add
 # "name:-DKNOB=1" (or "name:ENV=value") entries for the next candidates, and "before:@baseline"
 # (scripts/prepare_baseline.sh; carry "baseline") to time the previous commit in the same call.
 ATTN=(default:)
