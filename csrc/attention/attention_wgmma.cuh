@@ -212,6 +212,7 @@ __device__ __forceinline__ void wgmma_ss_k_major(float (&d)[kN / 2], uint32_t sA
   }
   wgmma_commit();
 }
+
 // d (64 x kN) += A (64 x 16 kKSteps, registers: one A fragment a k-step) * B^T (kN x 16 kKSteps, a
 // K-major PanelTile from sB, b_panel_bytes apart), committed as one group: S = Q K^T with Q held in
 // registers. kN = 128. Like wgmma_ss_k_major it does not fence.
