@@ -73,7 +73,8 @@ struct WarpSpecFwdLayout {
   // (32 a thread, loaded once a tile), S = Q K^T reads only K from shared memory, and Q's tile is
   // free for the next tile's Q as soon as it is loaded, not after the tile's last S (H100,
   // 2026-11-27: forward at ncu's locked clock -3.6% at S1024/causal, -0.4% at S4096/full, -0.25% at
-  // S16384/full). Head dim 64's three warpgroups have no registers to spare (160 a thread).
+  // S16384/full). Head dim 64's three warpgroups have no registers to spare (160 a thread). Only
+  // with kOwnOutputTile: otherwise O is staged in Q's tile, which must stay until the epilogue.
   static constexpr bool kQInRegisters = Tr::kHeadDim == 128 && kConsumers == 2 && Tr::kBlockN == 128 && kOwnOutputTile;
   static constexpr int kBarriersOffset = kKVOffset + kStages * 2 * Tr::kTileKVBytes + (kOwnOutputTile ? Tr::kTileQBytes : 0);
   static constexpr int kSmemBytes = 1024 + kBarriersOffset + kBarrierBytes;

@@ -175,19 +175,20 @@ def test_cuda_varlen_backward_block_orders(d, options, order, monkeypatch):
 
 
 @requires_cuda
-@pytest.mark.parametrize("rows", ["80", "80_align80", "64"])
+@pytest.mark.parametrize("rows,align", [("80", "16"), ("80", "80"), ("64", "16")],
+                         ids=["80", "80_align80", "64"])
 @pytest.mark.parametrize("options", [o for o in VARLEN_OPTIONS if o[2] is None] + [(False, (20, 9), None)],
                          ids=options_id)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_cuda_varlen_backward_tiles_80(dtype, options, rows, monkeypatch):
+def test_cuda_varlen_backward_tiles_80(dtype, options, rows, align, monkeypatch):
     """Head dim 128's dk/dv tiles of 80 queries (from each key block's first visible row rounded down to
     16 rows, or to 80 as before) and of 64 on packed sequences: shorter than a tile, empty, exactly one
     and two tiles, one row past, long."""
     if not sm90a_kernels_runnable():
         pytest.skip("the 80-query backward is a TMA kernel (sm_90 GPUs only)")
     monkeypatch.setenv("FUSEFORGE_ATTENTION_TMA", "1")
-    monkeypatch.setenv("FUSEFORGE_ATTENTION_BWD_ROWS", rows[:2])
-    monkeypatch.setenv("FUSEFORGE_ATTENTION_BWD_ROW_ALIGN", "80" if rows.endswith("align80") else "16")
+    monkeypatch.setenv("FUSEFORGE_ATTENTION_BWD_ROWS", rows)
+    monkeypatch.setenv("FUSEFORGE_ATTENTION_BWD_ROW_ALIGN", align)
     check_varlen_matches_each_sequence("cuda", dtype, [1, 17, 80, 0, 81, 255, 160, 3, 700], options, 128)
 
 
