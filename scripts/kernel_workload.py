@@ -2,6 +2,7 @@
    python3 scripts/kernel_workload.py add_mul_act 16384x8192 fp32 gelu
    python3 scripts/kernel_workload.py adamw llama1b fp32|bf16-master
    python3 scripts/kernel_workload.py attention D128/S4096/full fuseforge|sdpa_flash|sdpa_cudnn
+     (and cublas_gemm for attention_profiled: one matmul with the case's useful FLOPs)
    python3 scripts/kernel_workload.py attention docs/T32768/H16/D128/causal fuseforge|flex   (bench_attention_varlen)
    ncu --profile-from-start off python3 scripts/kernel_workload.py attention_profiled CASE IMPL [fwd|fwdbwd]
      (one forward, or one forward+backward: the default)
@@ -64,6 +65,8 @@ def attention_call(case, impl, pass_="fwdbwd"):
     """A callable running one forward + backward (pass_ "fwdbwd") or one forward ("fwd") of an
     attention benchmark case by one impl (bench_attention_varlen's cases, "docs/...", "window...",
     "softcap...", through that script's setup)."""
+    if impl == "cublas_gemm":
+        return gemm_call(case, pass_)
     if not case.startswith("D"):
         import bench_attention_varlen
         bench_attention_varlen._selected_impls[:] = [impl]
@@ -73,6 +76,20 @@ def attention_call(case, impl, pass_="fwdbwd"):
         return forward
     g = torch.randn_like(qkv[0])
     return lambda: torch.autograd.grad(forward(), qkv, g)
+
+
+def gemm_call(case, pass_):
+    """The GEMM ceiling of a fixed-length case: one bf16 cuBLAS matmul, 8192 x K by K x 8192, with the
+    useful FLOPs bench_attention counts for the pass (K rounded to a multiple of 64). At ncu's locked
+    clock its time over an attention impl's is the share of the GEMM's rate per cycle that impl runs at."""
+    from bench_attention import parse
+    d, s, causal = parse(case)
+    flops = 4.0 * 32768 * 2048 * s * (0.5 if causal else 1.0) * (3.5 if pass_ == "fwdbwd" else 1.0)
+    m = n = 8192
+    kdim = max(64, round(flops / (2 * m * n) / 64) * 64)
+    a = torch.randn(m, kdim, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(kdim, n, device="cuda", dtype=torch.bfloat16)
+    return lambda: torch.mm(a, b)
 
 
 def attention(case, impl):

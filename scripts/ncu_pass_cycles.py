@@ -4,7 +4,8 @@ clock: impls compared in cycles, apart from the clock each would get at the H100
        --impls fuseforge,flex
    python3 scripts/ncu_pass_cycles.py --cases D64/S1024/full,D128/S16384/causal --impls fuseforge,sdpa_cudnn \
        --passes fwd,fwdbwd --out benchmarks/results    (writes attention_ncu_cycles.json / .md there)
-Cases of bench_attention.py ("D128/S16384/causal": impls fuseforge, sdpa_cudnn, sdpa_flash) or of
+Cases of bench_attention.py ("D128/S16384/causal": impls fuseforge, sdpa_cudnn, sdpa_flash, and
+cublas_gemm: one bf16 matmul with the case's useful FLOPs, the GEMM ceiling at the same clock) or of
 bench_attention_varlen.py (fuseforge, flex). Runs `ncu --profile-from-start off` on
 scripts/kernel_workload.py attention_profiled (one warmed-up call inside cudaProfilerStart / Stop)
 and prints, per impl and pass, the kernels' summed duration and elapsed cycles, and its five longest
