@@ -61,7 +61,8 @@ ADAMW=(c16k:)
 # (window 1.5-3% slower) and failed racecheck too (branch wip/bwd-tile-stats-bulk); on 2026-11-27
 # (twenty-fifth) the 80-query tiles' constant-size dQ^T reduction (wip/dq-target-const) and the
 # forward's row sums by a wgmma against ones (wip/fwd-row-sum-mma) lost, head dim 128's forward with Q
-# in registers won and is the code. Add
+# in registers won and is the code; on 2026-11-27 (twenty-sixth) head dim 128's exponentials partly on
+# the FMA pipe (wip/fwd-poly-exp-d128) lost. Add
 # "name:-DKNOB=1" (or "name:ENV=value") entries for the next candidates, and "before:@baseline"
 # (scripts/prepare_baseline.sh; carry "baseline") to time the previous commit in the same call.
 ATTN=(default:)
