@@ -145,6 +145,35 @@ def test_backward_matches_reference(device, dtype, shape):
         assert rel_err(g, r) <= 2 * TOL[dtype], f"{name}: {rel_err(g, r):.3e}"
 
 
+# Scale factors of k's 128-key blocks: the scores jump past every earlier block's (x4: the running
+# max moves by more than 2^8 in exp2 units; x16: by more than 2^64), and fall again (x0.25).
+KEY_BLOCK_SCALES = (1.0, 4.0, 1.0, 16.0, 0.25, 1.0)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+def test_scores_jumping_between_key_blocks(device, dtype, causal, d):
+    """The online softmax's corrections when a later key tile's scores pass the running max by far
+    (O and the sums rescaled by up to 2^-64 at once), and when they fall below it; forward and
+    backward against float64."""
+    sq, sk = 192, 128 * len(KEY_BLOCK_SCALES) - 40  # the last block partial
+    q, k, v = make_qkv(1, 2, 2, sq, sk, d, dtype, device)
+    scales = torch.tensor(KEY_BLOCK_SCALES, dtype=torch.float64).repeat_interleave(128)[:sk]
+    k = (k.double() * scales.to(device)[:, None]).to(dtype).requires_grad_(True)
+    q, v = q.requires_grad_(True), v.requires_grad_(True)
+    out, lse = attention(q, k, v, causal=causal, return_lse=True)
+    ref_out, ref_lse = reference(q, k, v, causal)
+    assert rel_err(out, ref_out) <= TOL[dtype], rel_err(out, ref_out)
+    assert rel_err(lse, ref_lse) <= max(TOL[dtype], 1e-6), rel_err(lse, ref_lse)
+    assert ref_lse.max() > 30  # the x16 block's scores (natural units) dominate the rows that see it
+    grad = randn(*q.shape, dtype=dtype, device=device)
+    grads = torch.autograd.grad(out, (q, k, v), grad)
+    _, *ref_grads = reference_with_grads(q, k, v, grad, causal)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert rel_err(g, r) <= 2 * TOL[dtype], f"{name}: {rel_err(g, r):.3e}"
+
+
 @pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
 def test_strided_bshd_views(device, dtype):
     """(B, S, H, D) storage passed as transposed views: no copy needed, output keeps q's strides."""
