@@ -41,6 +41,19 @@ def parse(case: str):
     return int(d[1:]), int(s[1:]), mask == "causal"
 
 
+def gpu_shape(case: str):
+    """(B, H, S, D, causal) of a GPU case: B * S = 32768 tokens, H * D = 2048."""
+    d, s, causal = parse(case)
+    return 32768 // s, 2048 // d, s, d, causal
+
+
+def attention_flops(b: int, h: int, s: int, d: int, causal: bool, pass_: str = "fwd") -> float:
+    """The useful FLOPs the table counts: the forward's two matmuls (half with a causal mask); the
+    backward 2.5 x that, so fwdbwd 3.5 x."""
+    fwd = 4.0 * b * h * s * s * d * (0.5 if causal else 1.0)
+    return fwd * (3.5 if pass_ == "fwdbwd" else 1.0)
+
+
 def reference_slice(q, k, v, causal):
     """fp32 attention of batch 0, head 0 (S x S scores fit for one head)."""
     q0, k0, v0 = (t[0, 0].float() for t in (q, k, v))
@@ -77,7 +90,7 @@ def setup_cpu(case: str) -> list[Bench]:
     q, k, v = torch.randn(b, hq, s, d), torch.randn(b, hk, s, d), torch.randn(b, hk, s, d)
     grad = torch.randn(b, hq, s, d)
     qg, kg, vg = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
-    fwd_flops = 4.0 * b * hq * s * s * d * (0.5 if causal else 1.0)
+    fwd_flops, fwdbwd_flops = (attention_flops(b, hq, s, d, causal, pass_) for pass_ in ("fwd", "fwdbwd"))
 
     eager = eager_attention(causal)
     impls = {"fuseforge": lambda q_, k_, v_: attention(q_, k_, v_, causal=causal),
@@ -119,7 +132,7 @@ def setup_cpu(case: str) -> list[Bench]:
             return torch.autograd.grad(o, (qg, kg, vg), grad)
 
         benches.append(Bench(case, "fwd", name, fwd, flops=fwd_flops, rel_err=fwd_err))
-        benches.append(Bench(case, "fwdbwd", name, fwdbwd, flops=3.5 * fwd_flops, rel_err=bwd_err))
+        benches.append(Bench(case, "fwdbwd", name, fwdbwd, flops=fwdbwd_flops, rel_err=bwd_err))
     return benches
 
 
@@ -128,13 +141,12 @@ def setup(case: str) -> list[Bench]:
         return setup_cpu(case)
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    d, s, causal = parse(case)
-    b, h = 32768 // s, 2048 // d
+    b, h, s, d, causal = gpu_shape(case)
     dev, dt = "cuda", torch.bfloat16
     q, k, v = (torch.randn(b, h, s, d, device=dev, dtype=dt) for _ in range(3))
     grad = torch.randn(b, h, s, d, device=dev, dtype=dt)
     qg, kg, vg = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
-    fwd_flops = 4.0 * b * h * s * s * d * (0.5 if causal else 1.0)
+    fwd_flops, fwdbwd_flops = (attention_flops(b, h, s, d, causal, pass_) for pass_ in ("fwd", "fwdbwd"))
     ref = reference_slice(q, k, v, causal)
 
     impls = {"fuseforge": lambda q_, k_, v_: attention(q_, k_, v_, causal=causal)}
@@ -165,7 +177,7 @@ def setup(case: str) -> list[Bench]:
             return torch.autograd.grad(o, (qg, kg, vg), grad)
 
         benches.append(Bench(case, "fwd", name, fwd, flops=fwd_flops, rel_err=err))
-        benches.append(Bench(case, "fwdbwd", name, fwdbwd, flops=3.5 * fwd_flops))
+        benches.append(Bench(case, "fwdbwd", name, fwdbwd, flops=fwdbwd_flops))
     return benches
 
 

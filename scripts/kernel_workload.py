@@ -47,9 +47,8 @@ def attention_case(case, impl):
     """q, k, v of one attention benchmark case (bench_attention.py's shapes) and a forward by one impl."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from bench_attention import parse
-    d, s, causal = parse(case)
-    b, h = 32768 // s, 2048 // d
+    from bench_attention import gpu_shape
+    b, h, s, d, causal = gpu_shape(case)
     q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
 
     def forward():
@@ -82,9 +81,8 @@ def gemm_call(case, pass_):
     """The GEMM ceiling of a fixed-length case: one bf16 cuBLAS matmul, 8192 x K by K x 8192, with the
     useful FLOPs bench_attention counts for the pass (K rounded to a multiple of 64). At ncu's locked
     clock its time over an attention impl's is the share of the GEMM's rate per cycle that impl runs at."""
-    from bench_attention import parse
-    _, s, causal = parse(case)  # the FLOPs do not depend on the head dim: b * h * d = 32768 * 2048 / s
-    flops = 4.0 * 32768 * 2048 * s * (0.5 if causal else 1.0) * (3.5 if pass_ == "fwdbwd" else 1.0)
+    from bench_attention import attention_flops, gpu_shape
+    flops = attention_flops(*gpu_shape(case), pass_)
     m = n = 8192
     kdim = max(64, round(flops / (2 * m * n) / 64) * 64)
     a = torch.randn(m, kdim, device="cuda", dtype=torch.bfloat16)
