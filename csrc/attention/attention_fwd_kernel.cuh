@@ -217,9 +217,14 @@ struct QueryBlock {
 // One key tile of the online softmax, for a warp's kMT x 16 rows: new running max, the factor
 // (correction) by which O and the running sum shrink, the running sum, and P = exp2(S * scale_log2 -
 // max) in place of S. O is left alone: rescale_rows applies the correction (online_softmax does both).
-template <int kMT, int kNCols>
-__device__ __forceinline__ void softmax_rows(float (&s)[kMT][kNCols / 8][4], float (&row_max)[kMT][2],
+// kLazy: the running max moves only when a tile's max passes it by more than 2^kLazyMaxGrowth (in
+// exp2 units); otherwise P = 2^(S scale - the old max) may reach 2^kLazyMaxGrowth, which float sums and
+// 16-bit P hold, and correction is 1. Returns whether any of the thread's rows moved its max.
+constexpr float kLazyMaxGrowth = 8.f;
+template <int kMT, int kNCols, bool kLazy = false>
+__device__ __forceinline__ bool softmax_rows(float (&s)[kMT][kNCols / 8][4], float (&row_max)[kMT][2],
                                              float (&row_sum)[kMT][2], float (&correction)[kMT][2], float scale_log2) {
+  bool moved = false;
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
@@ -228,6 +233,12 @@ __device__ __forceinline__ void softmax_rows(float (&s)[kMT][kNCols / 8][4], flo
 #pragma unroll
       for (int nt = 0; nt < kNCols / 8; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * hh], s[mt][nt][2 * hh + 1]));
       mx = warp_max4(mx);
+      if constexpr (kLazy) {
+        // -inf - -inf is NaN: a row with every key masked so far keeps -inf (the test is false).
+        const bool move = (mx - row_max[mt][hh]) * scale_log2 > kLazyMaxGrowth;
+        mx = move ? mx : row_max[mt][hh];
+        moved |= move;
+      }
       // A row with every key masked so far keeps max -inf: subtract 0 instead (no inf - inf).
       const float max_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;
       correction[mt][hh] = fast_exp2(row_max[mt][hh] * scale_log2 - max_scaled);
@@ -242,6 +253,7 @@ __device__ __forceinline__ void softmax_rows(float (&s)[kMT][kNCols / 8][4], flo
         }
       row_sum[mt][hh] = row_sum[mt][hh] * correction[mt][hh] + sum;  // per-thread partial; reduced at the end
     }
+  return moved;
 }
 
 template <int kMT, int kD>

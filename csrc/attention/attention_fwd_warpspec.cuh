@@ -239,16 +239,78 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
     uint32_t pa[kBlockN / 16][4];  // P of the previous tile as wgmma A fragments
 
     // Tile i's softmax after O's product landed: softcap, mask, online update of max / sum / O, P
-    // into pa.
+    // into pa. The running max moves only past a 2^8 growth (softmax_rows' kLazy), and O is rescaled
+    // only when a row of the warp moved it (FlashAttention-4's conditional rescale): after the first
+    // tiles a row's max rarely moves that far, and the 64 rescale multiplies were the softmax's tail.
     auto softmax_tile = [&](int i, float (&sacc)[kBlockN / 2]) {
       const int n0 = (n_begin + i) * kBlockN;
       apply_softcap<kSoftcap>(sacc, p);
       auto& s3 = reinterpret_cast<float(&)[1][kBlockN / 8][4]>(sacc);
       if (tile_needs_mask<kMask, kBlockM, kBlockN>(m0, n0, seqlen_k, offset, p))
         apply_mask<kMask, 1, kBlockN>(s3, m0 + warp_row0, n0, seqlen_k, offset, p, lane);
-      online_softmax<1, kBlockN, kD>(s3, o3, row_max, row_sum, scale_log2);
+      // P converted before the rescale's branch: ptxas schedules within a basic block, so the
+      // conversions stay among the exponentials.
+      float correction[1][2];
+      const bool moved = softmax_rows<1, kBlockN, true>(s3, row_max, row_sum, correction, scale_log2);
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk) c_to_a_fragment<T>(s3[0][2 * kk], s3[0][2 * kk + 1], pa[kk]);
+      if (__any_sync(0xffffffffu, moved)) rescale_rows<1, kD>(o3, correction);
+    };
+    // Tiles after the first: the exponentials against the running max before this tile's max is
+    // known, so the max and its shuffles leave the exponentials' path. The tile's max, taken beside
+    // them, decides: if a row of the warp would move its max (softmax_rows' lazy rule, or its first
+    // visible keys), the warp redoes the tile from S, which is kept for that; otherwise P stands.
+    auto softmax_tile_spec = [&](int i, float (&sacc)[kBlockN / 2]) {
+      const int n0 = (n_begin + i) * kBlockN;
+      apply_softcap<kSoftcap>(sacc, p);
+      auto& s3 = reinterpret_cast<float(&)[1][kBlockN / 8][4]>(sacc);
+      if (tile_needs_mask<kMask, kBlockM, kBlockN>(m0, n0, seqlen_k, offset, p))
+        apply_mask<kMask, 1, kBlockN>(s3, m0 + warp_row0, n0, seqlen_k, offset, p, lane);
+      float pf[1][kBlockN / 8][4];
+      float sum[2];
+      bool move = false;
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const float ref = row_max[0][hh];
+        // A row with every key masked so far: exponentials against 0 (no inf - inf); its first
+        // visible key moves it.
+        const float ref_scaled = ref == -INFINITY ? 0.f : ref * scale_log2;
+        float mx = -INFINITY, sm = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < kBlockN / 8; ++nt) {
+          mx = fmaxf(mx, fmaxf(s3[0][nt][2 * hh], s3[0][nt][2 * hh + 1]));
+#pragma unroll
+          for (int e = 2 * hh; e < 2 * hh + 2; ++e) {
+            pf[0][nt][e] = fast_exp2(fmaf(s3[0][nt][e], scale_log2, -ref_scaled));
+            sm += pf[0][nt][e];
+          }
+        }
+        mx = warp_max4(mx);
+        move |= ref == -INFINITY ? mx != -INFINITY : (mx - ref) * scale_log2 > kLazyMaxGrowth;
+        sum[hh] = sm;
+      }
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk) c_to_a_fragment<T>(pf[0][2 * kk], pf[0][2 * kk + 1], pa[kk]);
+      if (__any_sync(0xffffffffu, move)) {  // rare: the exact lazy step from S
+        // keep is 0, but ptxas cannot know it: the speculative P and sums stay live on this path
+        // too, so ptxas cannot sink their computation below the branch (behind the max and vote).
+        const uint32_t keep = static_cast<uint32_t>(n_tiles) >> 31;
+        float correction[1][2];
+        softmax_rows<1, kBlockN, true>(s3, row_max, row_sum, correction, scale_log2);
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk) {
+          uint32_t exact[4];
+          c_to_a_fragment<T>(s3[0][2 * kk], s3[0][2 * kk + 1], exact);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) pa[kk][j] = exact[j] | (pa[kk][j] & keep);
+        }
+        row_sum[0][0] += keep ? sum[0] : 0.f;
+        row_sum[0][1] += keep ? sum[1] : 0.f;
+        rescale_rows<1, kD>(o3, correction);
+      } else {
+        row_sum[0][0] += sum[0];
+        row_sum[0][1] += sum[1];
+      }
     };
     auto s_product = [&](float (&sacc)[kBlockN / 2], int st) {
       if constexpr (L::kQInRegisters)
@@ -293,7 +355,12 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
         wgmma_fence_operands(o);
         release(empty_k(early_k ? s : s_prev));
         release(empty_v(s_prev));
-        softmax_tile(i, sacc);
+        // head dim 128, fixed length only: S's copy spills at 64 (the three-warpgroup kernels' 160
+        // registers) and in the varlen kernels (40-84 bytes)
+        if constexpr (kD == 128 && !kVarlen)
+          softmax_tile_spec(i, sacc);
+        else
+          softmax_tile(i, sacc);
       }
       if constexpr (L::kOwnOutputTile && !L::kQInRegisters) mbarrier_arrive(empty_q);  // every S of the tile has run
       const int s_last = stage(n_tiles - 1);
