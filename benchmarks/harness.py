@@ -310,9 +310,9 @@ def _time_recorded(bench: Bench, **kwargs) -> float:
     return ms
 
 
-def time_interleaved(benches: list[Bench], rounds: int, rep_ms: float = 100) -> dict[int, Optional[float]]:
-    """Median ms of each bench over `rounds` rounds that time every bench in turn (time_ms with
-    rep_ms each): slow drifts of the GPU's clocks and temperature fall on every impl alike instead of on
+def time_interleaved(benches: list[Bench], rounds: int, rep_ms: float = 100) -> dict[int, Optional[list[float]]]:
+    """Each bench's ms in each of `rounds` rounds that time every bench in turn (time_ms with rep_ms
+    each): slow drifts of the GPU's clocks and temperature fall on every impl alike instead of on
     whichever is timed first. None for a bench that ran out of memory."""
     times: dict[int, list[float]] = {id(b): [] for b in benches}
     failed: set[int] = set()
@@ -326,7 +326,7 @@ def time_interleaved(benches: list[Bench], rounds: int, rep_ms: float = 100) -> 
                 failed.add(id(b))
                 gc.collect()
                 torch.cuda.empty_cache()
-    return {k: (None if k in failed else median(v)) for k, v in times.items()}
+    return {k: (None if k in failed else v) for k, v in times.items()}
 
 
 def measure(bench: Bench, with_memory: bool = True, ms: Optional[float] = None) -> dict:
@@ -400,7 +400,10 @@ def run(op: str, cases: Iterable[str], setup: Callable[[str], list[Bench]], argv
             if rounds > 1 and timed[id(b)] is None:
                 row = {"case": b.case, "pass": b.pass_, "impl": b.impl, "error": "out of memory"}
             else:
-                row = measure(b, with_memory=not args.no_memory, ms=timed.get(id(b)))
+                rounds_ms = timed.get(id(b))
+                row = measure(b, with_memory=not args.no_memory, ms=median(rounds_ms) if rounds_ms else None)
+                if rounds_ms:  # each round's median: a row that moved between rounds shows it
+                    row["ms_rounds"] = [_round(ms) for ms in rounds_ms]
             result["rows"].append(row)
             row_spans.append((row, _timing_spans.pop(id(b), [])))
             log("    " + "  ".join(f"{k}={v}" for k, v in row.items() if k != "case"))

@@ -58,3 +58,27 @@ def test_ncu_ratio_table():
     table = ncu_pass_cycles.ratio_table(result)
     assert "| D128/S1024/full | fwd | 2 | 3 | 1.500x |" in table
     assert "(1.45 GHz)" in table and "`0123456789ab`" in table and "d0 and d1 (one device call each)" in table
+
+
+def test_round_robin_rows_keep_each_round(tmp_path):
+    """With rounds > 1 a row's ms is the median of its rounds, and each round's ms is kept beside it
+    (a row that moved between rounds shows it)."""
+    calls = {"a": 0, "b": 0}
+
+    def bench_fn(name):
+        def fn():
+            calls[name] += 1
+            sum(range(2000))
+        return fn
+
+    def setup(case):
+        return [harness.Bench(case, "fwd", name, bench_fn(name)) for name in ("a", "b")]
+
+    result = harness.run("roundtest", ["c"], setup, argv=["--device", "cpu", "--no-memory", "--rounds", "3",
+                                                        "--out", str(tmp_path)], cpu_cases=["c"])
+    rows = result["rows"]
+    assert [r["impl"] for r in rows] == ["a", "b"] and calls["a"] > 3 and calls["b"] > 3
+    for r in rows:
+        assert len(r["ms_rounds"]) == 3 and all(ms > 0 for ms in r["ms_rounds"])
+        assert r["ms"] == harness._round(harness.median(r["ms_rounds"]))
+    assert (tmp_path / "roundtest_cpu.json").exists()
