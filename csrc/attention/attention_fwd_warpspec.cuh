@@ -355,9 +355,10 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
         wgmma_fence_operands(o);
         release(empty_k(early_k ? s : s_prev));
         release(empty_v(s_prev));
-        // head dim 128, fixed length only: S's copy spills at 64 (the three-warpgroup kernels' 160
-        // registers) and in the varlen kernels (40-84 bytes)
-        if constexpr (kD == 128 && !kVarlen)
+        // Two warpgroups (240 registers a thread) at head dims 64 and 128, fixed length only: S's copy
+        // spills in head dim 64's three-warpgroup kernels (160 registers) and in the varlen kernels
+        // (40-84 bytes). Head dim 256 fits but was not timed.
+        if constexpr ((kD == 64 || kD == 128) && L::kConsumers == 2 && !kVarlen)
           softmax_tile_spec(i, sacc);
         else
           softmax_tile(i, sacc);
