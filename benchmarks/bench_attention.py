@@ -11,10 +11,11 @@ eager (softmax(q k^T scale + mask) v) and compile (torch.compile of eager). rel_
 output (fwd) and the largest of its output's and gradients' errors (fwdbwd) against float64. The
 machine's other load shows up in CPU timings: `--rounds 5` interleaves the impls.
 
-Default 2 rounds (harness.time_interleaved: every impl of a pass timed in turn, twice) rather than
-one impl after another with fuseforge first and cuDNN last: the same code timed first and last in
-one call differed by up to 7% (H100, 2026-11-25, docs/notes_attention.md). The two-round run takes
-about as long (64-66 s on the H100 against 66-69 s).
+Default 3 rounds (harness.time_interleaved: every impl of a pass timed in turn, three times) rather
+than one impl after another with fuseforge first and cuDNN last: the same code timed first and last
+in one call differed by up to 7% (H100, 2026-11-25, docs/notes_attention.md). Three, not two: a
+run's rounds differ by up to 12% for every impl (the JSON's `ms_rounds`), and the median of two is
+the slower one (2026-11-27). Two rounds took 64-76 s on the H100.
 """
 from __future__ import annotations
 
@@ -182,4 +183,4 @@ def setup(case: str) -> list[Bench]:
 
 
 if __name__ == "__main__":
-    run("attention", CASES, setup, description=__doc__, cpu_cases=CPU_CASES, rounds=2)
+    run("attention", CASES, setup, description=__doc__, cpu_cases=CPU_CASES, rounds=3)
