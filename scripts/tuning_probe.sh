@@ -63,7 +63,8 @@ ADAMW=(c16k:)
 # forward's row sums by a wgmma against ones (wip/fwd-row-sum-mma) lost, head dim 128's forward with Q
 # in registers won and is the code; on 2026-11-27 (twenty-sixth) head dim 128's exponentials partly on
 # the FMA pipe (wip/fwd-poly-exp-d128) lost; on 2026-11-27 (twenty-seventh) the forward's conditional
-# rescale and head dim 128's speculative exponentials won and are the code. Add
+# rescale and the speculative exponentials (head dim 128, and 64's two-warpgroup kernels) won and are
+# the code. Add
 # "name:-DKNOB=1" (or "name:ENV=value") entries for the next candidates, and "before:@baseline"
 # (scripts/prepare_baseline.sh; carry "baseline") to time the previous commit in the same call.
 ATTN=(default:)

@@ -238,16 +238,21 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
     auto& o3 = reinterpret_cast<float(&)[1][kD / 8][4]>(o);
     uint32_t pa[kBlockN / 16][4];  // P of the previous tile as wgmma A fragments
 
-    // Tile i's softmax after O's product landed: softcap, mask, online update of max / sum / O, P
-    // into pa. The running max moves only past a 2^8 growth (softmax_rows' kLazy), and O is rescaled
-    // only when a row of the warp moved it (FlashAttention-4's conditional rescale): after the first
-    // tiles a row's max rarely moves that far, and the 64 rescale multiplies were the softmax's tail.
-    auto softmax_tile = [&](int i, float (&sacc)[kBlockN / 2]) {
+    // Tile i's scores, softcapped and masked, as the warp's rows (in place of sacc).
+    auto scores_of_tile = [&](int i, float (&sacc)[kBlockN / 2]) -> float(&)[1][kBlockN / 8][4] {
       const int n0 = (n_begin + i) * kBlockN;
       apply_softcap<kSoftcap>(sacc, p);
       auto& s3 = reinterpret_cast<float(&)[1][kBlockN / 8][4]>(sacc);
       if (tile_needs_mask<kMask, kBlockM, kBlockN>(m0, n0, seqlen_k, offset, p))
         apply_mask<kMask, 1, kBlockN>(s3, m0 + warp_row0, n0, seqlen_k, offset, p, lane);
+      return s3;
+    };
+    // Tile i's softmax after O's product landed: softcap, mask, online update of max / sum / O, P
+    // into pa. The running max moves only past a 2^8 growth (softmax_rows' kLazy), and O is rescaled
+    // only when a row of the warp moved it (FlashAttention-4's conditional rescale): after the first
+    // tiles a row's max rarely moves that far, and the 64 rescale multiplies were the softmax's tail.
+    auto softmax_tile = [&](int i, float (&sacc)[kBlockN / 2]) {
+      auto& s3 = scores_of_tile(i, sacc);
       // P converted before the rescale's branch: ptxas schedules within a basic block, so the
       // conversions stay among the exponentials.
       float correction[1][2];
@@ -261,11 +266,7 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
     // them, decides: if a row of the warp would move its max (softmax_rows' lazy rule, or its first
     // visible keys), the warp redoes the tile from S, which is kept for that; otherwise P stands.
     auto softmax_tile_spec = [&](int i, float (&sacc)[kBlockN / 2]) {
-      const int n0 = (n_begin + i) * kBlockN;
-      apply_softcap<kSoftcap>(sacc, p);
-      auto& s3 = reinterpret_cast<float(&)[1][kBlockN / 8][4]>(sacc);
-      if (tile_needs_mask<kMask, kBlockM, kBlockN>(m0, n0, seqlen_k, offset, p))
-        apply_mask<kMask, 1, kBlockN>(s3, m0 + warp_row0, n0, seqlen_k, offset, p, lane);
+      auto& s3 = scores_of_tile(i, sacc);
       float pf[1][kBlockN / 8][4];
       float sum[2];
       bool move = false;
