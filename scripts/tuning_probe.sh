@@ -64,7 +64,9 @@ ADAMW=(c16k:)
 # in registers won and is the code; on 2026-11-27 (twenty-sixth) head dim 128's exponentials partly on
 # the FMA pipe (wip/fwd-poly-exp-d128) lost; on 2026-11-27 (twenty-seventh) the forward's conditional
 # rescale and the speculative exponentials (head dim 128, and 64's two-warpgroup kernels) won and are
-# the code. Add
+# the code; on 2026-11-27 (twenty-eighth) warpgroups skipping the key tiles none of their rows see
+# (idle warpgroups, and each warpgroup's trailing masked tiles; three-warpgroup and varlen kernels)
+# won and is the code. Add
 # "name:-DKNOB=1" (or "name:ENV=value") entries for the next candidates, and "before:@baseline"
 # (scripts/prepare_baseline.sh; carry "baseline") to time the previous commit in the same call.
 ATTN=(default:)

@@ -322,9 +322,43 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
     auto stage = [&](int i) { return (kv + i) % kStages; };
     auto phase = [&](int i) { return ((kv + i) / kStages) & 1; };
 
+    // A warpgroup whose 64 rows all lie past the sequence's end (the last query tile's, when the
+    // length is no multiple of the tile: D64's 192-row tiles at S = 1024, 4096, 16384) issues no
+    // products and no softmax, and a warpgroup stops at its own last visible key tile (with a causal
+    // mask or a window a tile's later warpgroups see more keys than its first). Each key tile
+    // it skips keeps its barrier protocol (the full stages' waits, a turn, the releases of K and V),
+    // so the producer and the other warpgroups count the same arrives; an idle warpgroup's O stays
+    // zero and its rows are never stored. A loop of its own: the products stay outside any condition
+    // inside a loop (below). Three warpgroups and packed sequences only: head dim 128's fixed-length
+    // causal kernel spilled 8 bytes with it (and its benchmark lengths are multiples of 128).
+    constexpr bool kSkipIdle = L::kConsumers == 3 || kVarlen;
+    auto skip_key_tiles = [&](int first) {
+      for (int i = first; i < n_tiles; ++i) {
+        const int s = stage(i);
+        mbarrier_wait(full_k(s), phase(i));
+        mbarrier_wait(full_v(s), phase(i));
+        turn_begin();
+        turn_end();
+        release(empty_k(s));
+        release(empty_v(s));
+      }
+    };
+    int my_tiles = n_tiles;  // the key tiles this warpgroup computes, [0, my_tiles)
+    if constexpr (kSkipIdle) {
+      const int wg_m0 = m0 + cwg * 64, wg_rows = min(64, blk.seqlen_q - wg_m0);
+      if (wg_rows <= 0) {
+        my_tiles = 0;
+      } else if constexpr (kMask != kNoMask) {
+        int wg_begin, wg_end;
+        query_key_tiles<int>(true, kMask == kWindow, wg_m0, wg_rows, seqlen_k, offset, p.window_left,
+                             p.window_right, kBlockN, wg_begin, wg_end);
+        my_tiles = min(n_tiles, wg_end - n_begin);
+      }
+    }
+
     // The first and the last key tile are peeled: a product under a condition inside the loop makes
     // ptxas serialize every wgmma of the kernel.
-    if (n_tiles > 0) {
+    if (my_tiles > 0) {
       {
         float sacc[kBlockN / 2];
 #pragma unroll
@@ -339,7 +373,7 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
         if (early_k) release(empty_k(stage(0)));
         softmax_tile(0, sacc);
       }
-      for (int i = 1; i < n_tiles; ++i) {
+      for (int i = 1; i < my_tiles; ++i) {
         const int s = stage(i), s_prev = stage(i - 1);
         float sacc[kBlockN / 2];
 #pragma unroll
@@ -365,8 +399,8 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
           softmax_tile(i, sacc);
       }
       if constexpr (L::kOwnOutputTile && !L::kQInRegisters) mbarrier_arrive(empty_q);  // every S of the tile has run
-      const int s_last = stage(n_tiles - 1);
-      mbarrier_wait(full_v(s_last), phase(n_tiles - 1));
+      const int s_last = stage(my_tiles - 1);
+      mbarrier_wait(full_v(s_last), phase(my_tiles - 1));
       turn_begin();
       wgmma_rs_mn_major<T, kD, kBlockN / 16>(o, pa, sV(s_last), KVTile::kPanelBytes);
       turn_end();
@@ -374,9 +408,14 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
       wgmma_fence_operands(o);
       if (!early_k) release(empty_k(s_last));
       release(empty_v(s_last));
+    } else if (kSkipIdle && n_tiles > 0) {  // this warpgroup computes none of the tile's key tiles
+      if constexpr (L::kOwnOutputTile && !L::kQInRegisters) mbarrier_arrive(empty_q);
+      turn_begin();  // the turn of the last tile's P V product
+      turn_end();
     } else if constexpr (L::kOwnOutputTile && !L::kQInRegisters) {
       mbarrier_arrive(empty_q);
     }
+    if constexpr (kSkipIdle) skip_key_tiles(my_tiles);
     kv += n_tiles;
 
     // Epilogue: O / l, and lse = max * scale + ln(l) (-inf and a zero row where no key was seen).

@@ -435,9 +435,12 @@ def requires_hopper_for(kernel):
 @requires_cuda
 @pytest.mark.parametrize("kernel", list(FORWARD_KERNELS))
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+# Idle warpgroups (every row of theirs past the end, in the last query tile): 300 at 128 rows (one
+# of two), 200 and 300 at head dim 64's 192 rows (two and one of three).
 @pytest.mark.parametrize("shape", [(2, 8, 2, 300, 300, 128, True), (1, 4, 4, 129, 520, 64, False),
                                    (1, 4, 1, 200, 77, 96, True), (1, 4, 2, 200, 333, 256, True),
-                                   (2, 2, 2, 129, 129, 256, False), (2, 4, 2, 260, 400, 128, False)], ids=shape_id)
+                                   (2, 2, 2, 129, 129, 256, False), (2, 4, 2, 260, 400, 128, False),
+                                   (1, 4, 2, 200, 260, 64, True), (2, 2, 2, 300, 300, 64, False)], ids=shape_id)
 def test_cuda_kernels(kernel, layout, shape, monkeypatch):
     if not requires_hopper_for(kernel):
         pytest.skip("the TMA kernels run on sm_90 GPUs only")
@@ -541,7 +544,9 @@ def test_cuda_sanitize_kernels(kernel, d, causal, monkeypatch):
         pytest.skip("80-query backward tiles are head dim 128's")
     for name, value in FORWARD_KERNELS[kernel].items():
         monkeypatch.setenv(name, value)
-    q, k, v = make_qkv(1, 4, 2, 150, 70, d, torch.float16, "cuda", requires_grad=True)
+    # 200 queries at head dim 64 (192-row tiles): two of the last tile's three warpgroups idle; 150
+    # at 128 rows: one of two
+    q, k, v = make_qkv(1, 4, 2, 200 if d == 64 else 150, 70, d, torch.float16, "cuda", requires_grad=True)
     out = attention(q, k, v, causal=causal)
     grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
     ref, *ref_grads = reference_with_grads(q, k, v, torch.ones_like(out), causal)
