@@ -436,11 +436,13 @@ def requires_hopper_for(kernel):
 @pytest.mark.parametrize("kernel", list(FORWARD_KERNELS))
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 # Idle warpgroups (every row of theirs past the end, in the last query tile): 300 at 128 rows (one
-# of two), 200 and 300 at head dim 64's 192 rows (two and one of three).
+# of two), 200 and 300 at head dim 64's 192 rows (two and one of three). 300 x 40 causal: the first
+# two 128-row query tiles see no key at all (Sq - Sk = 260).
 @pytest.mark.parametrize("shape", [(2, 8, 2, 300, 300, 128, True), (1, 4, 4, 129, 520, 64, False),
                                    (1, 4, 1, 200, 77, 96, True), (1, 4, 2, 200, 333, 256, True),
                                    (2, 2, 2, 129, 129, 256, False), (2, 4, 2, 260, 400, 128, False),
-                                   (1, 4, 2, 200, 260, 64, True), (2, 2, 2, 300, 300, 64, False)], ids=shape_id)
+                                   (1, 4, 2, 200, 260, 64, True), (2, 2, 2, 300, 300, 64, False),
+                                   (1, 2, 2, 300, 40, 128, True)], ids=shape_id)
 def test_cuda_kernels(kernel, layout, shape, monkeypatch):
     if not requires_hopper_for(kernel):
         pytest.skip("the TMA kernels run on sm_90 GPUs only")
