@@ -2,7 +2,7 @@
 # What ptxas makes of CUDA files, in seconds and without a GPU: each file to PTX (nvcc -ptx, the
 # device code only: ~8 s for an attention instantiation) and then ptxas -v for sm_90a (~4 s), where a
 # full `nvcc -c` takes 5-8 minutes on the development machine (the host compilation is the slow part).
-# Prints each kernel's registers and spills and ptxas's wgmma notes (C7515: "wgmma serialized", the
+# Prints each kernel's spills and ptxas's wgmma notes (C7515: "wgmma serialized", the
 # one that costs every product of a kernel), and keeps the cubins for scripts/sass_report.py.
 #
 #   bash scripts/ptxas_check.sh [-DKNOB=1 ...] csrc/attention/instantiations/attention_fwd_bf16_hdim128.cu [...]
@@ -36,7 +36,7 @@ for f in "${files[@]}"; do
   fi
   ptxas -arch=sm_90a -O3 -v "$OUT_DIR/$name.ptx" -o "$OUT_DIR/$name.cubin" > "$OUT_DIR/$name.log" 2>&1 || status=1
   echo "== $f ${defines[*]}"
-  # One line a kernel: registers, spills; then the wgmma notes (C75xx), kernel names shortened.
+  # One line a kernel (its spills) and one a wgmma note (C75xx), kernel names shortened; registers: the .log.
   python3 - "$OUT_DIR/$name.log" <<'EOF'
 import re, subprocess, sys
 lines = open(sys.argv[1]).read().splitlines()
