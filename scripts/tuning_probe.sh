@@ -66,7 +66,8 @@ ADAMW=(c16k:)
 # rescale and the speculative exponentials (head dim 128, and 64's two-warpgroup kernels) won and are
 # the code; on 2026-11-27 (twenty-eighth) warpgroups skipping the key tiles none of their rows see
 # (idle warpgroups, and each warpgroup's trailing masked tiles; three-warpgroup and varlen kernels)
-# won and is the code. Add
+# won and is the code; on 2026-11-27 (twenty-ninth) the half last key tile, pipelined tiles and
+# 192-row tiles at D64/S1024/causal lost (branch wip/fwd-half-pipe). Add
 # "name:-DKNOB=1" (or "name:ENV=value") entries for the next candidates, and "before:@baseline"
 # (scripts/prepare_baseline.sh; carry "baseline") to time the previous commit in the same call.
 ATTN=(default:)
@@ -139,6 +140,7 @@ echo "== attention timings ($(( $(date +%s) - t0 )) s)"
 # run-time knobs.
 [ -n "${ATTN_CYCLES_CASES:-}" ] && while read -r name so envs; do
   echo "== locked-clock cycles, $name ($(( $(date +%s) - t0 )) s)"
+  [ -n "$so" ] || { echo "no build"; continue; }
   env $envs FUSEFORGE_EXTENSION=$so timeout -k 20 300 python3 scripts/ncu_pass_cycles.py --cases "$ATTN_CYCLES_CASES" \
     --impls fuseforge --passes ${ATTN_CYCLES_PASSES:-fwdbwd} < /dev/null 2>&1 | grep -v "^$"
 done < <(PRINT_LIBS=1 bash $T attention "${ATTN[@]}")
@@ -147,6 +149,7 @@ while read -r name so envs; do
   # ATTN_TEST: the variants whose builds are tested (default: every candidate, not the default)
   if [ -n "${ATTN_TEST:-}" ]; then [[ " $ATTN_TEST " == *" $name "* ]] || continue
   else [ "$name" = default ] || [ "$so" = "$(lib attention shared)" ] && continue; fi
+  [ -n "$so" ] || { echo "== attention GPU tests, $name: no build"; continue; }
   [ -n "${tested[$so]:-}" ] && continue
   tested[$so]=1
   echo "== attention GPU tests, $name ($(( $(date +%s) - t0 )) s)"
