@@ -69,7 +69,7 @@ def ratio_table(result: dict) -> str:
     dates = result.get("dates", [result["date"]])  # --append: one a device call
     return ("\n".join(lines) + f"\n\n{result['gpu']} at ncu's locked SM clock ({clock:.2f} GHz), torch "
             f"{result['torch']}, CUDA {result['cuda']}, commit `{result['commit'][:12]}`, {' and '.join(dates)}"
-            f"{' (one device call each)' if len(dates) > 1 else ''}; every "
+            f"{' (one run of the script each)' if len(dates) > 1 else ''}; every "
             "kernel of one warmed-up call summed (`scripts/ncu_pass_cycles.py`). `X / fuseforge` = X's time "
             "/ fuseforge's at that one clock.\n")
 
