@@ -57,7 +57,7 @@ def test_ncu_ratio_table():
               "dates": ["d0", "d1"]}
     table = ncu_pass_cycles.ratio_table(result)
     assert "| D128/S1024/full | fwd | 2 | 3 | 1.500x |" in table
-    assert "(1.45 GHz)" in table and "`0123456789ab`" in table and "d0 and d1 (one device call each)" in table
+    assert "(1.45 GHz)" in table and "`0123456789ab`" in table and "d0 and d1 (one run of the script each)" in table
 
 
 def test_round_robin_rows_keep_each_round(tmp_path):
