@@ -66,7 +66,7 @@ def ratio_table(result: dict) -> str:
             cells += [f"{ms:.4g}", f"{ms / ff:.3f}x" if ff > 0 else "-"]
         lines.append("| " + " | ".join(cells) + " |")
     clock = sum(r["mcycles"] for r in rows) / max(sum(r["ms"] for r in rows), 1e-9)  # M cycles a ms = GHz
-    dates = result.get("dates", [result["date"]])  # --append: one a device call
+    dates = result.get("dates", [result["date"]])  # a date a run of the script (--append adds one)
     return ("\n".join(lines) + f"\n\n{result['gpu']} at ncu's locked SM clock ({clock:.2f} GHz), torch "
             f"{result['torch']}, CUDA {result['cuda']}, commit `{result['commit'][:12]}`, {' and '.join(dates)}"
             f"{' (one run of the script each)' if len(dates) > 1 else ''}; every "
