@@ -67,9 +67,11 @@ ADAMW=(c16k:)
 # the code; on 2026-11-27 (twenty-eighth) warpgroups skipping the key tiles none of their rows see
 # (idle warpgroups, and each warpgroup's trailing masked tiles; three-warpgroup and varlen kernels)
 # won and is the code; on 2026-11-27 (twenty-ninth) the half last key tile, pipelined tiles and
-# 192-row tiles at D64/S1024/causal lost (branch wip/fwd-half-pipe). Add
-# "name:-DKNOB=1" (or "name:ENV=value") entries for the next candidates, and "before:@baseline"
-# (scripts/prepare_baseline.sh; carry "baseline") to time the previous commit in the same call.
+# 192-row tiles at D64/S1024/causal lost (branch wip/fwd-half-pipe); on 2026-11-27 (thirtieth) the
+# forward's query tiles ending at the last row won and are the code (with them, 192 rows at
+# D64/S1024/causal). Add "name:-DKNOB=1" (or "name:ENV=value") entries for the next candidates, and
+# "before:@baseline" (scripts/prepare_baseline.sh; carry "baseline") to time the previous commit in
+# the same call.
 ATTN=(default:)
 PARTS=${PARTS:-build tests time profile e2e lce}
 OPS=${OPS-adamw add_mul_act}
@@ -92,7 +94,7 @@ has e2e && { MAX_JOBS=8 python3 setup.py -q build_ext --inplace > /tmp/tune/logs
 wait "${pids[@]}"
 echo "== builds: $(( $(date +%s) - t0 )) s"
 lib() { ls /tmp/tune/$1/$2/lib/fuseforge/_C*.so; }
-pt() { timeout -k 20 ${TEST_TIMEOUT:-300} python3 -m pytest -q -x -p no:cacheprovider ${TEST_K:+-k "$TEST_K"} "$@" 2>&1 | tail -2; }
+pt() { timeout -k 20 ${TEST_TIMEOUT:-300} python3 -m pytest -q -x -rf -p no:cacheprovider ${TEST_K:+-k "$TEST_K"} "$@" 2>&1 | grep -E "^FAILED|passed|failed|error" | tail -3; }
 if has time; then
 echo "== timings ($(( $(date +%s) - t0 )) s)"
 op adamw && CASES=llama1b IMPLS=fuseforge,torch_fused bash $T adamw "${ADAMW[@]}"

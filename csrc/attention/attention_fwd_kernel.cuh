@@ -152,12 +152,12 @@ __device__ __forceinline__ void stage_rows(const float (&acc)[kMT][kD / 8][4], c
 
 // Writes a warp's kMTiles x 16 rows x kHeadDim fp32 accumulator, times row_scale[mt][half], as T
 // rows of a strided global matrix: staged through the warp's own rows of the swizzled smem tile
-// sStage (so the global stores are 16-byte and coalesced). Rows at or past rows_valid and columns at
-// or past cols_valid (the head dim, a multiple of 8) are skipped.
+// sStage (so the global stores are 16-byte and coalesced). Rows before row_begin or at or past
+// rows_valid and columns at or past cols_valid (the head dim, a multiple of 8) are skipped.
 template <typename T, int kD, int kMT>
 __device__ __forceinline__ void store_rows(const float (&acc)[kMT][kD / 8][4], const float (&row_scale)[kMT][2],
                                            unsigned char* sStage, int warp_row0, T* gmem, int64_t row_stride,
-                                           int rows_valid, int cols_valid, int lane) {
+                                           int rows_valid, int cols_valid, int lane, int row_begin = 0) {
   using Tile = SwizzledTile<kD>;
   stage_rows<T, kD, kMT, Tile>(acc, row_scale, sStage, warp_row0, lane);
   __syncwarp();
@@ -167,7 +167,7 @@ __device__ __forceinline__ void store_rows(const float (&acc)[kMT][kD / 8][4], c
     const int idx = i * 32 + lane;
     const int r = idx / kChunks, c = idx % kChunks;
     const int row = warp_row0 + r;
-    if (row < rows_valid && c * 8 < cols_valid) {
+    if (row < rows_valid && row >= row_begin && c * 8 < cols_valid) {
       const uint4 v = *reinterpret_cast<const uint4*>(sStage + Tile::offset(row, c * 8));
       *reinterpret_cast<uint4*>(gmem + row * row_stride + c * 8) = v;
     }
@@ -177,9 +177,14 @@ __device__ __forceinline__ void store_rows(const float (&acc)[kMT][kD / 8][4], c
 // The query tile a forward (or deterministic dq) block owns: kBlockM rows of one (batch or sequence,
 // head), heaviest causal blocks first (the last query rows see the most keys), and the key tiles
 // [n_begin, n_end) its rows may see. rows_q <= 0: the block is past its sequence (varlen) and exits.
-template <typename T, int kBlockM, int kBlockN, int kMask, bool kVarlen>
+// kBottom: the tiles end at the sequence's last row instead of starting at its first, so a partial
+// tile is the first (with a causal mask the lightest) instead of the last (the heaviest); its rows
+// [0, row_lo) lie before the sequence (m0 < 0): their Q is zeros (TMA's fill before row 0) or the
+// previous sequence's rows, and they are never stored.
+template <typename T, int kBlockM, int kBlockN, int kMask, bool kVarlen, bool kBottom = false>
 struct QueryBlock {
   int h, b, hk, m0, rows_q, seqlen_q, seqlen_k, offset, n_begin, n_end, q_row0, k_row0;
+  int row_lo = 0;      // the tile's first row inside the sequence (kBottom: > 0 for a partial first tile)
   int64_t lse_row0;    // index of the sequence's row 0 in lse (and row_dot)
   const T *q, *k, *v;  // q at the tile's first row; k, v at the sequence's first key of the head
   // One block a tile: the grid is (query blocks, heads, batch).
@@ -193,11 +198,16 @@ struct QueryBlock {
     seqlen_k = seq.seqlen_k;
     q_row0 = seq.q_row0;
     k_row0 = seq.k_row0;
-    m0 = m_block * kBlockM;
+    if constexpr (kBottom) {
+      m0 = seqlen_q - ((seqlen_q + kBlockM - 1) / kBlockM - m_block) * kBlockM;
+      row_lo = max(0, -m0);
+    } else {
+      m0 = m_block * kBlockM;
+    }
     rows_q = min(kBlockM, seqlen_q - m0);
     offset = seqlen_k - seqlen_q;
-    query_key_tiles<int>(kMask != kNoMask, kMask == kWindow, m0, rows_q, seqlen_k, offset, p.window_left,
-                         p.window_right, kBlockN, n_begin, n_end);
+    query_key_tiles<int>(kMask != kNoMask, kMask == kWindow, m0 + row_lo, rows_q - row_lo, seqlen_k, offset,
+                         p.window_left, p.window_right, kBlockN, n_begin, n_end);
     lse_row0 = b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_row0;
     q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
         static_cast<int64_t>(seq.q_row0 + m0) * p.q_row_stride;
@@ -292,7 +302,7 @@ __device__ __forceinline__ void finish_rows(const float (&row_max)[kMT][2], cons
       const float l = warp_sum4(row_sum[mt][hh]);
       inv_sum[mt][hh] = l > 0.f ? 1.f / l : 0.f;
       const int row = row0 + mt * 16 + (lane >> 2) + hh * 8;
-      if ((lane & 3) == 0 && row < seqlen_q) {
+      if ((lane & 3) == 0 && row < seqlen_q && row >= 0) {
         lse[row] = l > 0.f ? row_max[mt][hh] * p.scale + logf(l) : -INFINITY;
       }
     }

@@ -98,7 +98,9 @@ template <class Tr, int kMask, bool kSoftcap, bool kVarlen>
 __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, const FwdTmaParams& tma) {
   using T = typename Tr::T;
   using L = WarpSpecFwdLayout<Tr>;
-  using Block = QueryBlock<T, Tr::kBlockM, Tr::kBlockN, kMask, kVarlen>;
+  // Query tiles end at the sequence's last row: a partial tile is the first, under a causal mask the
+  // lightest (H100, 2026-11-27: D64/S1024/causal's forward -7% cycles; docs/notes_attention.md).
+  using Block = QueryBlock<T, Tr::kBlockM, Tr::kBlockN, kMask, kVarlen, /*kBottom=*/true>;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kD = Tr::kHeadDim, kStages = L::kStages;
   static_assert(kBlockM == 128 || kBlockM == 192, "two or three consumer warpgroups of 64 rows");
   static_assert(wgmma_fwd_tile_supported<Tr>(), "a key-tile / head-dim pair the wgmma forward bodies take");
@@ -322,8 +324,8 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
     auto stage = [&](int i) { return (kv + i) % kStages; };
     auto phase = [&](int i) { return ((kv + i) / kStages) & 1; };
 
-    // A warpgroup whose 64 rows all lie past the sequence's end (the last query tile's, when the
-    // length is no multiple of the tile: D64's 192-row tiles at S = 1024, 4096, 16384) issues no
+    // A warpgroup whose 64 rows all lie before the sequence's first row (the first query tile's, when
+    // the length is no multiple of the tile: D64's 192-row tiles at S = 1024, 4096, 16384) issues no
     // products and no softmax, and a warpgroup stops at its own last visible key tile (with a causal
     // mask or a window a tile's later warpgroups see more keys than its first). Each key tile
     // it skips keeps its barrier protocol (the full stages' waits, a turn, the releases of K and V),
@@ -345,12 +347,14 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
     };
     int my_tiles = n_tiles;  // the key tiles this warpgroup computes, [0, my_tiles)
     if constexpr (kSkipIdle) {
-      const int wg_m0 = m0 + cwg * 64, wg_rows = min(64, blk.seqlen_q - wg_m0);
+      // The warpgroup's rows inside the sequence: [wg_first, wg_first + wg_rows).
+      const int wg_m0 = m0 + cwg * 64, wg_first = max(wg_m0, 0);
+      const int wg_rows = min(wg_m0 + 64, blk.seqlen_q) - wg_first;
       if (wg_rows <= 0) {
         my_tiles = 0;
       } else if constexpr (kMask != kNoMask) {
         int wg_begin, wg_end;
-        query_key_tiles<int>(true, kMask == kWindow, wg_m0, wg_rows, seqlen_k, offset, p.window_left,
+        query_key_tiles<int>(true, kMask == kWindow, wg_first, wg_rows, seqlen_k, offset, p.window_left,
                              p.window_right, kBlockN, wg_begin, wg_end);
         my_tiles = min(n_tiles, wg_end - n_begin);
       }
@@ -423,7 +427,9 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
     float inv_sum[1][2];
     finish_rows<1>(row_max, row_sum, inv_sum, p.lse + blk.lse_row0, m0 + warp_row0, blk.seqlen_q, p, lane);
     if constexpr (!L::kOwnOutputTile) named_barrier_sync(1, kThreads2);
-    if (!kVarlen && tma.store_o_tma) {
+    // A partial first tile stores its rows itself: an O box at a negative row traps (illegal
+    // instruction on the H100), where a Q box there loads zeros.
+    if (!kVarlen && tma.store_o_tma && blk.row_lo == 0) {
       // O / l as T into this warp's rows of a PanelTile (the TMA's 128-byte swizzle), then one box a
       // 64-column panel. The previous tile's boxes were read long ago; the wait is for the ordering.
       if (lane == 0) bulk_wait_group_read_all();
@@ -441,10 +447,12 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
       }
       __syncwarp();
     } else {
-      __syncwarp();  // the previous tile's reads of this warp's staging rows are done
+      // the previous tile's reads of this warp's staging rows are done (its O boxes too)
+      if (!kVarlen && tma.store_o_tma && lane == 0) bulk_wait_group_read_all();
+      __syncwarp();
       T* out = blk.template rows<T>(p.out, p.out_batch_stride, p.out_head_stride, p.out_row_stride, p);
       store_rows<T, kD, 1>(o3, inv_sum, smem + L::kOutOffset, warp_row0, out, p.out_row_stride, blk.rows_q,
-                           valid_head_dim<Tr>(p), lane);
+                           valid_head_dim<Tr>(p), lane, blk.row_lo);
     }
     if constexpr (!L::kOwnOutputTile) mbarrier_arrive(empty_q);  // the staging rows are read
   }

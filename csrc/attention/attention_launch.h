@@ -13,14 +13,18 @@ namespace fuseforge::attention {
 // Query rows x keys the forward's tiles of block_m rows compute for one (sequence, head) of seqlen_q
 // x seqlen_k under p's mask (local: p.window_left / window_right): the key tiles QueryBlock visits
 // (query_key_tiles), each whole. A causal mask has no left bound; with window_left clamped to the
-// max length, as the host does, the left bound reaches no key then either.
+// max length, as the host does, the left bound reaches no key then either. bottom: the tiles end at
+// the last row, a partial tile first (the warp-specialized forward's: QueryBlock's kBottom); else
+// they start at row 0 (the cp.async forward's, and the backward's query tiles).
 inline int64_t fwd_tile_area(const FwdParams& p, bool local, int64_t seqlen_q, int64_t seqlen_k, int block_m,
-                             int block_n) {
+                             int block_n, bool bottom = false) {
   int64_t area = 0;
-  for (int64_t m0 = 0; m0 < seqlen_q; m0 += block_m) {
+  const int64_t m_first = bottom ? seqlen_q - (seqlen_q + block_m - 1) / block_m * block_m : 0;
+  for (int64_t m0 = m_first; m0 < seqlen_q; m0 += block_m) {
     int64_t n_begin = 0, n_end = 0;
-    query_key_tiles<int64_t>(local, /*left_bound=*/true, m0, std::min<int64_t>(block_m, seqlen_q - m0), seqlen_k,
-                             seqlen_k - seqlen_q, p.window_left, p.window_right, block_n, n_begin, n_end);
+    const int64_t first = std::max<int64_t>(m0, 0);  // the tile's first row inside the sequence
+    query_key_tiles<int64_t>(local, /*left_bound=*/true, first, std::min<int64_t>(m0 + block_m, seqlen_q) - first,
+                             seqlen_k, seqlen_k - seqlen_q, p.window_left, p.window_right, block_n, n_begin, n_end);
     area += (n_end - n_begin) * block_n * block_m;
   }
   return area;
@@ -28,27 +32,28 @@ inline int64_t fwd_tile_area(const FwdParams& p, bool local, int64_t seqlen_q, i
 
 // fwd_tile_area of the sequence the tile-size rules judge a call by: the sequence at fixed length,
 // the mean sequence for varlen (its lengths are on the device; rows_q / rows_k are the totals).
-inline int64_t typical_tile_area(const FwdParams& p, bool local, int block_m, int block_n) {
-  if (p.cu_seqlens_q == nullptr) return fwd_tile_area(p, local, p.seqlen_q, p.seqlen_k, block_m, block_n);
+inline int64_t typical_tile_area(const FwdParams& p, bool local, int block_m, int block_n, bool bottom = false) {
+  if (p.cu_seqlens_q == nullptr) return fwd_tile_area(p, local, p.seqlen_q, p.seqlen_k, block_m, block_n, bottom);
   const int64_t sequences = std::max(1, p.batch);
   return fwd_tile_area(p, local, (p.rows_q + sequences - 1) / sequences, (p.rows_k + sequences - 1) / sequences,
-                       block_m, block_n);
+                       block_m, block_n, bottom);
 }
 
 // Head dim 64's forward tiles: 192 rows (WarpSpecFwdTraits) computes ~15% more a second than 128
 // (H100, 2026-11-25: S16384 causal 5.13 -> 4.55 ms for 2.3% more tile area, S4096 1.41 -> 1.33 for
-// 9% more), but where a sequence is a few tiles long its partial last tile and the causal diagonal
-// waste more of a 192-row tile: S1024 causal computes 33% more area than with 128 rows. So 128 rows
-// where the 192-row tiles' area is over 1.15x theirs (measured on 2026-11-26: the faster of the two
-// in each of five rows, docs/notes_attention.md). Varlen: the mean sequence (the lengths are on the
-// device). FUSEFORGE_ATTENTION_FWD_ROWS=128 or 192 forces one (A/B timings, tests).
+// 9% more), but where a sequence is a few tiles long its partial tile and the causal diagonal waste
+// more of a 192-row tile. So 128 rows where the 192-row tiles' area is over 1.15x theirs (measured
+// on 2026-11-26: the faster of the two in each of five rows, docs/notes_attention.md), counted with
+// the kernel's tiles ending at the last row: S1024 causal is then 1.125x and takes 192 rows (7% fewer
+// cycles than 128 on 2026-11-27; aligned to the start it was 1.33x and level). Varlen: the mean
+// sequence (the lengths are on the device). FUSEFORGE_ATTENTION_FWD_ROWS=128 or 192 forces one.
 inline int fwd_query_rows_d64(const FwdParams& p, bool local) {
   const std::string knob = env_string("FUSEFORGE_ATTENTION_FWD_ROWS");
   TORCH_CHECK(knob.empty() || knob == "128" || knob == "192",
               "FUSEFORGE_ATTENTION_FWD_ROWS: expected 128 or 192, got '", knob, "'");
   if (!knob.empty()) return knob == "128" ? 128 : 192;
-  const int64_t area128 = typical_tile_area(p, local, 128, 128);
-  const int64_t area192 = typical_tile_area(p, local, 192, 128);
+  const int64_t area128 = typical_tile_area(p, local, 128, 128, /*bottom=*/true);
+  const int64_t area192 = typical_tile_area(p, local, 192, 128, /*bottom=*/true);
   return area192 * 100 > area128 * 115 ? 128 : 192;
 }
 

@@ -435,9 +435,10 @@ def requires_hopper_for(kernel):
 @requires_cuda
 @pytest.mark.parametrize("kernel", list(FORWARD_KERNELS))
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
-# Idle warpgroups (every row of theirs past the end, in the last query tile): 300 at 128 rows (one
-# of two), 200 and 300 at head dim 64's 192 rows (two and one of three). 300 x 40 causal: the first
-# two 128-row query tiles see no key at all (Sq - Sk = 260).
+# Partial first query tiles (the warp-specialized forward's tiles end at the last row; TMA's Q box
+# starts before row 0, O is stored by the threads) with idle warpgroups (every row of theirs before
+# row 0): 300 at 128 rows (one of two), 200 and 300 at head dim 64's 192 rows (two and one of three).
+# 300 x 40 causal: the first two 128-row query tiles see no key at all (Sq - Sk = 260).
 @pytest.mark.parametrize("shape", [(2, 8, 2, 300, 300, 128, True), (1, 4, 4, 129, 520, 64, False),
                                    (1, 4, 1, 200, 77, 96, True), (1, 4, 2, 200, 333, 256, True),
                                    (2, 2, 2, 129, 129, 256, False), (2, 4, 2, 260, 400, 128, False),
