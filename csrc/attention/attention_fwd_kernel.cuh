@@ -153,12 +153,12 @@ __device__ __forceinline__ void stage_rows(const float (&acc)[kMT][kD / 8][4], c
 // Writes a warp's kMTiles x 16 rows x kHeadDim fp32 accumulator, times row_scale[mt][half], as T
 // rows of a strided global matrix: staged through the warp's own rows of the swizzled smem tile
 // sStage (so the global stores are 16-byte and coalesced). Rows before row_begin or at or past
-// rows_valid and columns at or past cols_valid (the head dim, a multiple of 8) are skipped.
-template <typename T, int kD, int kMT>
+// rows_valid and columns at or past cols_valid (the head dim, a multiple of 8) are skipped. Tile:
+// sStage's layout (stage_rows), the one other warps' stores into it use, so warps stay in their rows.
+template <typename T, int kD, int kMT, class Tile = SwizzledTile<kD>>
 __device__ __forceinline__ void store_rows(const float (&acc)[kMT][kD / 8][4], const float (&row_scale)[kMT][2],
                                            unsigned char* sStage, int warp_row0, T* gmem, int64_t row_stride,
                                            int rows_valid, int cols_valid, int lane, int row_begin = 0) {
-  using Tile = SwizzledTile<kD>;
   stage_rows<T, kD, kMT, Tile>(acc, row_scale, sStage, warp_row0, lane);
   __syncwarp();
   constexpr int kChunks = kD / 8;

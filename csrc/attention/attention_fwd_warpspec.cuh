@@ -447,11 +447,13 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
       }
       __syncwarp();
     } else {
-      // the previous tile's reads of this warp's staging rows are done (its O boxes too)
+      // the previous tile's reads of this warp's staging rows are done (its O boxes too). Staged in
+      // the boxes' layout (QTile), so each warp keeps to its own rows whichever way a tile is stored
+      // (in SwizzledTile's rows of 2 x kD bytes a warp's rows cover other warps' panel rows: racecheck).
       if (!kVarlen && tma.store_o_tma && lane == 0) bulk_wait_group_read_all();
       __syncwarp();
       T* out = blk.template rows<T>(p.out, p.out_batch_stride, p.out_head_stride, p.out_row_stride, p);
-      store_rows<T, kD, 1>(o3, inv_sum, smem + L::kOutOffset, warp_row0, out, p.out_row_stride, blk.rows_q,
+      store_rows<T, kD, 1, QTile>(o3, inv_sum, smem + L::kOutOffset, warp_row0, out, p.out_row_stride, blk.rows_q,
                            valid_head_dim<Tr>(p), lane, blk.row_lo);
     }
     if constexpr (!L::kOwnOutputTile) mbarrier_arrive(empty_q);  // the staging rows are read
