@@ -138,6 +138,15 @@ def sm90a_only_sm90_target(arch_list: str) -> bool:
     return "9.0a" in archs and not archs & {"9.0", "Hopper"}
 
 
+# nvcc's flags for the CUDA sources; scripts/ptxas_check.sh imports them (this file runs setup()
+# only as a script, which pip's build backend also does).
+NVCC_FLAGS = [
+    "-O3", "-std=c++20", "--expt-relaxed-constexpr",
+    "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
+    "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+]
+
+
 def extension():
     with_cuda = want_cuda()
     debug = os.environ.get("FUSEFORGE_DEBUG", "0") == "1"
@@ -153,12 +162,7 @@ def extension():
                             include_dirs=[os.path.join(ROOT, CSRC)] + cuda_library_includes(), py_limited_api=True)
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0a")
     arch_defines = ["-DFUSEFORGE_SM90A_BUILD"] if sm90a_only_sm90_target(os.environ["TORCH_CUDA_ARCH_LIST"]) else []
-    nvcc = [
-        "-O3", "-std=c++20", "--expt-relaxed-constexpr",
-        "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
-        "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
-        "--threads=2",
-    ]
+    nvcc = NVCC_FLAGS + ["--threads=2"]
     if debug:
         nvcc.append("-lineinfo")
     nvcc += os.environ.get("FUSEFORGE_NVCC_FLAGS", "").split()
@@ -169,15 +173,16 @@ def extension():
                          extra_link_args=["-fopenmp"], py_limited_api=True)
 
 
-setup(
-    name="fuseforge",
-    version="0.1.0",
-    description="Fused CUDA kernels for training PyTorch models",
-    package_dir={"": "python"},
-    packages=find_packages("python"),
-    ext_modules=[extension()],
-    cmdclass={"build_ext": BuildWithIsaKernels},
-    options={"bdist_wheel": {"py_limited_api": "cp39"}},
-    python_requires=">=3.10",
-    install_requires=["torch>=2.11"],
-)
+if __name__ == "__main__":
+    setup(
+        name="fuseforge",
+        version="0.1.0",
+        description="Fused CUDA kernels for training PyTorch models",
+        package_dir={"": "python"},
+        packages=find_packages("python"),
+        ext_modules=[extension()],
+        cmdclass={"build_ext": BuildWithIsaKernels},
+        options={"bdist_wheel": {"py_limited_api": "cp39"}},
+        python_requires=">=3.10",
+        install_requires=["torch>=2.11"],
+    )

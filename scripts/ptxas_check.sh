@@ -9,7 +9,7 @@
 #   OUT_DIR=/tmp/ptxas_check (default): <file>.ptx, <file>.cubin, <file>.log
 #   python3 scripts/sass_report.py /tmp/ptxas_check/a.cubin /tmp/ptxas_check/b.cubin   # SASS A/B
 #
-# The nvcc flags are setup.py's for TORCH_CUDA_ARCH_LIST=9.0a (keep the two in step).
+# The nvcc flags are setup.py's (NVCC_FLAGS) with its defines for TORCH_CUDA_ARCH_LIST=9.0a.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${OUT_DIR:-/tmp/ptxas_check}
@@ -17,6 +17,8 @@ mkdir -p "$OUT_DIR"
 defines=() files=()
 for a in "$@"; do [[ $a == -D* ]] && defines+=("$a") || files+=("$a"); done
 [ ${#files[@]} -gt 0 ] || { echo "usage: ptxas_check.sh [-DKNOB=1 ...] FILE.cu [...]"; exit 2; }
+mapfile -t nvcc_flags < <(python3 -c "import setup; print('\n'.join(setup.NVCC_FLAGS))")
+[ ${#nvcc_flags[@]} -gt 0 ] || { echo "ptxas_check.sh: no NVCC_FLAGS from setup.py"; exit 2; }
 mapfile -t includes < <(python3 - <<'EOF'
 import glob, os, site, sysconfig
 sp = site.getsitepackages()[0]
@@ -29,8 +31,7 @@ EOF
 status=0
 for f in "${files[@]}"; do
   name=$(basename "$f" .cu)
-  if ! nvcc -O3 -std=c++20 --expt-relaxed-constexpr -U__CUDA_NO_HALF_OPERATORS__ -U__CUDA_NO_HALF_CONVERSIONS__ \
-      -U__CUDA_NO_BFLOAT16_OPERATORS__ -U__CUDA_NO_BFLOAT16_CONVERSIONS__ -DFUSEFORGE_WITH_CUDA -DFUSEFORGE_SM90A_BUILD \
+  if ! nvcc "${nvcc_flags[@]}" -DFUSEFORGE_WITH_CUDA -DFUSEFORGE_SM90A_BUILD \
       -gencode arch=compute_90a,code=sm_90a "${defines[@]}" -Icsrc "${includes[@]}" -ptx "$f" -o "$OUT_DIR/$name.ptx"; then
     echo "== $f: nvcc failed"; status=1; continue
   fi
