@@ -198,12 +198,8 @@ struct QueryBlock {
     seqlen_k = seq.seqlen_k;
     q_row0 = seq.q_row0;
     k_row0 = seq.k_row0;
-    if constexpr (kBottom) {
-      m0 = seqlen_q - ((seqlen_q + kBlockM - 1) / kBlockM - m_block) * kBlockM;
-      row_lo = max(0, -m0);
-    } else {
-      m0 = m_block * kBlockM;
-    }
+    m0 = query_tile_first_row<int>(kBottom, seqlen_q, kBlockM, m_block);
+    if constexpr (kBottom) row_lo = max(0, -m0);
     rows_q = min(kBlockM, seqlen_q - m0);
     offset = seqlen_k - seqlen_q;
     query_key_tiles<int>(kMask != kNoMask, kMask == kWindow, m0 + row_lo, rows_q - row_lo, seqlen_k, offset,

@@ -19,8 +19,7 @@ namespace fuseforge::attention {
 inline int64_t fwd_tile_area(const FwdParams& p, bool local, int64_t seqlen_q, int64_t seqlen_k, int block_m,
                              int block_n, bool bottom = false) {
   int64_t area = 0;
-  const int64_t m_first = bottom ? seqlen_q - (seqlen_q + block_m - 1) / block_m * block_m : 0;
-  for (int64_t m0 = m_first; m0 < seqlen_q; m0 += block_m) {
+  for (int64_t m0 = query_tile_first_row<int64_t>(bottom, seqlen_q, block_m, 0); m0 < seqlen_q; m0 += block_m) {
     int64_t n_begin = 0, n_end = 0;
     const int64_t first = std::max<int64_t>(m0, 0);  // the tile's first row inside the sequence
     query_key_tiles<int64_t>(local, /*left_bound=*/true, first, std::min<int64_t>(m0 + block_m, seqlen_q) - first,

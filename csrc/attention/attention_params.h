@@ -36,6 +36,14 @@ C10_HOST_DEVICE inline void query_key_tiles(bool local, bool left_bound, I m0, I
   n_end = max(n_begin, (key_end + block_n - 1) / block_n);
 }
 
+// The first row of query tile m_block (block_m rows) of a sequence of seqlen_q rows: the tiles start
+// at row 0, or (bottom) end at the last row, so a partial tile is the first and starts before row 0.
+// The kernels' QueryBlock and the host's tile plan (fwd_tile_area) both take it. I: as above.
+template <typename I>
+C10_HOST_DEVICE inline I query_tile_first_row(bool bottom, I seqlen_q, I block_m, I m_block) {
+  return bottom ? seqlen_q - ((seqlen_q + block_m - 1) / block_m - m_block) * block_m : m_block * block_m;
+}
+
 struct FwdParams {
   // q (B, Hq, Sq, D), k/v (B, Hk, Sk, D), out like q: any strides, the last dim contiguous.
   const void* q = nullptr;
