@@ -427,9 +427,10 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
     float inv_sum[1][2];
     finish_rows<1>(row_max, row_sum, inv_sum, p.lse + blk.lse_row0, m0 + warp_row0, blk.seqlen_q, p, lane);
     if constexpr (!L::kOwnOutputTile) named_barrier_sync(1, kThreads2);
-    // A partial first tile stores its rows itself: an O box at a negative row traps (illegal
-    // instruction on the H100), where a Q box there loads zeros.
-    if (!kVarlen && tma.store_o_tma && blk.row_lo == 0) {
+    // O by TMA boxes where a tensor map describes out; a partial first tile stores its rows itself: an
+    // O box at a negative row traps (illegal instruction on the H100), where a Q box there loads zeros.
+    const bool o_boxes = !kVarlen && tma.store_o_tma;
+    if (o_boxes && blk.row_lo == 0) {
       // O / l as T into this warp's rows of a PanelTile (the TMA's 128-byte swizzle), then one box a
       // 64-column panel. The previous tile's boxes were read long ago; the wait is for the ordering.
       if (lane == 0) bulk_wait_group_read_all();
@@ -450,7 +451,7 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
       // the previous tile's reads of this warp's staging rows are done (its O boxes too). Staged in
       // the boxes' layout (QTile), so each warp keeps to its own rows whichever way a tile is stored
       // (in SwizzledTile's rows of 2 x kD bytes a warp's rows cover other warps' panel rows: racecheck).
-      if (!kVarlen && tma.store_o_tma && lane == 0) bulk_wait_group_read_all();
+      if (o_boxes && lane == 0) bulk_wait_group_read_all();
       __syncwarp();
       T* out = blk.template rows<T>(p.out, p.out_batch_stride, p.out_head_stride, p.out_row_stride, p);
       store_rows<T, kD, 1, QTile>(o3, inv_sum, smem + L::kOutOffset, warp_row0, out, p.out_row_stride, blk.rows_q,
