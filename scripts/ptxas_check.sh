@@ -17,7 +17,7 @@ mkdir -p "$OUT_DIR"
 defines=() files=()
 for a in "$@"; do [[ $a == -D* ]] && defines+=("$a") || files+=("$a"); done
 [ ${#files[@]} -gt 0 ] || { echo "usage: ptxas_check.sh [-DKNOB=1 ...] FILE.cu [...]"; exit 2; }
-mapfile -t nvcc_flags < <(python3 -c "import setup; print('\n'.join(setup.NVCC_FLAGS))")
+mapfile -t nvcc_flags < <(python3 -c "import setup; print('\n'.join(setup.NVCC_FLAGS))" 2>/dev/null)  # torch warns on import without a GPU
 [ ${#nvcc_flags[@]} -gt 0 ] || { echo "ptxas_check.sh: no NVCC_FLAGS from setup.py"; exit 2; }
 mapfile -t includes < <(python3 - <<'EOF'
 import glob, os, site, sysconfig
