@@ -278,7 +278,21 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
         // A row with every key masked so far: exponentials against 0 (no inf - inf); its first
         // visible key moves it.
         const float ref_scaled = ref == -INFINITY ? 0.f : ref * scale_log2;
-        float mx = -INFINITY, sm = 0.f;
+        float sm = 0.f;
+#if FUSEFORGE_ATTN_FWD_SUM_RULE
+#pragma unroll
+        for (int nt = 0; nt < kBlockN / 8; ++nt)
+#pragma unroll
+          for (int e = 2 * hh; e < 2 * hh + 2; ++e) {
+            pf[0][nt][e] = fast_exp2(fmaf(s3[0][nt][e], scale_log2, -ref_scaled));
+            sm += pf[0][nt][e];
+          }
+        // Each exponential is at most the thread's sum of the row's: a sum within 2^kLazyMaxGrowth
+        // bounds every P by the lazy rule's bound without the row max (64 FMNMX and two shuffles a
+        // tile). A row with no key seen yet always redoes (its P is against 0, not a max).
+        move |= ref == -INFINITY || sm > kLazySumBound;
+#else
+        float mx = -INFINITY;
 #pragma unroll
         for (int nt = 0; nt < kBlockN / 8; ++nt) {
           mx = fmaxf(mx, fmaxf(s3[0][nt][2 * hh], s3[0][nt][2 * hh + 1]));
@@ -290,6 +304,7 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
         }
         mx = warp_max4(mx);
         move |= ref == -INFINITY ? mx != -INFINITY : (mx - ref) * scale_log2 > kLazyMaxGrowth;
+#endif
         sum[hh] = sm;
       }
 #pragma unroll
@@ -299,7 +314,9 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
         // too, so ptxas cannot sink their computation below the branch (behind the max and vote).
         const uint32_t keep = static_cast<uint32_t>(n_tiles) >> 31;
         float correction[1][2];
-        softmax_rows<1, kBlockN, true>(s3, row_max, row_sum, correction, scale_log2);
+        // The sum rule redoes a tile whose sums pass the bound without its max passing the lazy rule's:
+        // the redo then takes the exact max, so the next tiles' sums start from P <= 1, not 2^8.
+        softmax_rows<1, kBlockN, !FUSEFORGE_ATTN_FWD_SUM_RULE>(s3, row_max, row_sum, correction, scale_log2);
 #pragma unroll
         for (int kk = 0; kk < kBlockN / 16; ++kk) {
           uint32_t exact[4];

@@ -174,6 +174,40 @@ def test_scores_jumping_between_key_blocks(device, dtype, causal, d):
         assert rel_err(g, r) <= 2 * TOL[dtype], f"{name}: {rel_err(g, r):.3e}"
 
 
+# Offsets of every score of k's 128-key blocks, in exp2 units: rises under the lazy rule's 2^8 that
+# add up past it (0 -> 2 -> 4 -> 6), rises of 1.5-7.5 where a whole block sits near its max (a
+# thread's sum of exponentials passes 2^8 while the max moves by less), and a fall.
+KEY_BLOCK_RISES_LOG2 = (0.0, 2.0, 4.0, 6.0, 7.5, 13.0, 13.5, 3.0)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
+def test_scores_rising_below_lazy_bound(device, dtype, causal, d):
+    """The forward's bound on P without the row max (its exponentials against a running max that may
+    lag the scores): whole key blocks rising by less than 2^8 each; forward, lse and backward
+    against float64."""
+    sq, sk = 192, 128 * len(KEY_BLOCK_RISES_LOG2) - 40
+    q, k, v = make_qkv(1, 2, 2, sq, sk, d, dtype, device)
+    # Feature 0 adds a block's offset to each of its scores: q's is 1, k's the offset / (scale log2 e).
+    rises = torch.tensor(KEY_BLOCK_RISES_LOG2, dtype=torch.float64).repeat_interleave(128)[:sk]
+    q = q.detach().clone()
+    k = k.detach().clone()
+    q[..., 0] = 1.0
+    k[..., 0] = (rises * math.sqrt(d) / math.log2(math.e)).to(dtype).to(device)
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    out, lse = attention(q, k, v, causal=causal, return_lse=True)
+    ref_out, ref_lse = reference(q, k, v, causal)
+    assert rel_err(out, ref_out) <= TOL[dtype], rel_err(out, ref_out)
+    assert rel_err(lse, ref_lse) <= max(TOL[dtype], 1e-6), rel_err(lse, ref_lse)
+    assert ref_lse.max() > 9  # the +13.5 block (9.4 in natural units) leads the rows that see it
+    grad = randn(*q.shape, dtype=dtype, device=device)
+    grads = torch.autograd.grad(out, (q, k, v), grad)
+    _, *ref_grads = reference_with_grads(q, k, v, grad, causal)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert rel_err(g, r) <= 2 * TOL[dtype], f"{name}: {rel_err(g, r):.3e}"
+
+
 @pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
 def test_strided_bshd_views(device, dtype):
     """(B, S, H, D) storage passed as transposed views: no copy needed, output keeps q's strides."""
