@@ -227,9 +227,6 @@ struct QueryBlock {
 // exp2 units); otherwise P = 2^(S scale - the old max) may reach 2^kLazyMaxGrowth, which float sums and
 // 16-bit P hold, and correction is 1. Returns whether any of the thread's rows moved its max.
 constexpr float kLazyMaxGrowth = 8.f, kLazySumBound = 256.f;  // 2^kLazyMaxGrowth
-#ifndef FUSEFORGE_ATTN_FWD_SUM_RULE
-#define FUSEFORGE_ATTN_FWD_SUM_RULE 0
-#endif
 template <int kMT, int kNCols, bool kLazy = false>
 __device__ __forceinline__ bool softmax_rows(float (&s)[kMT][kNCols / 8][4], float (&row_max)[kMT][2],
                                              float (&row_sum)[kMT][2], float (&correction)[kMT][2], float scale_log2) {

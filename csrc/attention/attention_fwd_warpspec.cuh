@@ -263,10 +263,14 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
       for (int kk = 0; kk < kBlockN / 16; ++kk) c_to_a_fragment<T>(s3[0][2 * kk], s3[0][2 * kk + 1], pa[kk]);
       if (__any_sync(0xffffffffu, moved)) rescale_rows<1, kD>(o3, correction);
     };
-    // Tiles after the first: the exponentials against the running max before this tile's max is
-    // known, so the max and its shuffles leave the exponentials' path. The tile's max, taken beside
-    // them, decides: if a row of the warp would move its max (softmax_rows' lazy rule, or its first
-    // visible keys), the warp redoes the tile from S, which is kept for that; otherwise P stands.
+    // Tiles after the first: the exponentials against the running max, and no tile max at all. A
+    // thread's sum of a row's exponentials bounds each of them, so a sum within 2^kLazyMaxGrowth
+    // keeps P within the lazy rule's bound; a larger sum (or a row with no key seen yet) makes the
+    // warp redo the tile from S, which is kept for that, with the exact max. Otherwise P stands.
+    // Without the row max (64 FMNMX, two shuffles) the step is 344 SASS instructions instead of 429
+    // (bf16, no mask), and the softmax is the path the other warpgroup's products wait on (H100,
+    // 2026-11-27: forward at ncu's locked clock -8.8% at D128/S1024/full, -11.4% at S16384/full,
+    // -8.5% at S4096/causal; docs/notes_attention.md).
     auto softmax_tile_spec = [&](int i, float (&sacc)[kBlockN / 2]) {
       auto& s3 = scores_of_tile(i, sacc);
       float pf[1][kBlockN / 8][4];
@@ -275,11 +279,9 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const float ref = row_max[0][hh];
-        // A row with every key masked so far: exponentials against 0 (no inf - inf); its first
-        // visible key moves it.
+        // A row with every key masked so far: exponentials against 0 (no inf - inf), then the redo.
         const float ref_scaled = ref == -INFINITY ? 0.f : ref * scale_log2;
         float sm = 0.f;
-#if FUSEFORGE_ATTN_FWD_SUM_RULE
 #pragma unroll
         for (int nt = 0; nt < kBlockN / 8; ++nt)
 #pragma unroll
@@ -287,36 +289,19 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
             pf[0][nt][e] = fast_exp2(fmaf(s3[0][nt][e], scale_log2, -ref_scaled));
             sm += pf[0][nt][e];
           }
-        // Each exponential is at most the thread's sum of the row's: a sum within 2^kLazyMaxGrowth
-        // bounds every P by the lazy rule's bound without the row max (64 FMNMX and two shuffles a
-        // tile). A row with no key seen yet always redoes (its P is against 0, not a max).
-        move |= ref == -INFINITY || sm > kLazySumBound;
-#else
-        float mx = -INFINITY;
-#pragma unroll
-        for (int nt = 0; nt < kBlockN / 8; ++nt) {
-          mx = fmaxf(mx, fmaxf(s3[0][nt][2 * hh], s3[0][nt][2 * hh + 1]));
-#pragma unroll
-          for (int e = 2 * hh; e < 2 * hh + 2; ++e) {
-            pf[0][nt][e] = fast_exp2(fmaf(s3[0][nt][e], scale_log2, -ref_scaled));
-            sm += pf[0][nt][e];
-          }
-        }
-        mx = warp_max4(mx);
-        move |= ref == -INFINITY ? mx != -INFINITY : (mx - ref) * scale_log2 > kLazyMaxGrowth;
-#endif
+        move |= ref == -INFINITY || sm > kLazySumBound;  // a NaN sum compares false: NaN reaches O
         sum[hh] = sm;
       }
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk) c_to_a_fragment<T>(pf[0][2 * kk], pf[0][2 * kk + 1], pa[kk]);
-      if (__any_sync(0xffffffffu, move)) {  // rare: the exact lazy step from S
+      if (__any_sync(0xffffffffu, move)) {  // rare: the exact step from S
         // keep is 0, but ptxas cannot know it: the speculative P and sums stay live on this path
         // too, so ptxas cannot sink their computation below the branch (behind the max and vote).
         const uint32_t keep = static_cast<uint32_t>(n_tiles) >> 31;
         float correction[1][2];
-        // The sum rule redoes a tile whose sums pass the bound without its max passing the lazy rule's:
-        // the redo then takes the exact max, so the next tiles' sums start from P <= 1, not 2^8.
-        softmax_rows<1, kBlockN, !FUSEFORGE_ATTN_FWD_SUM_RULE>(s3, row_max, row_sum, correction, scale_log2);
+        // The exact max, not the lazy one: a tile whose sums passed the bound may not have moved the
+        // max past 2^8, and from a lazy max the next tiles would redo too.
+        softmax_rows<1, kBlockN, false>(s3, row_max, row_sum, correction, scale_log2);
 #pragma unroll
         for (int kk = 0; kk < kBlockN / 16; ++kk) {
           uint32_t exact[4];
