@@ -72,7 +72,7 @@ ADAMW=(c16k:)
 # D64/S1024/causal). Add "name:-DKNOB=1" (or "name:ENV=value") entries for the next candidates, and
 # "before:@baseline" (scripts/prepare_baseline.sh; carry "baseline") to time the previous commit in
 # the same call.
-ATTN=(default:)
+ATTN=(default: specall:-DFUSEFORGE_ATTN_FWD_SPEC_ALL=1)
 PARTS=${PARTS:-build tests time profile e2e lce}
 OPS=${OPS-adamw add_mul_act}
 has() { [[ " $PARTS " == *" $1 "* ]]; }

@@ -25,6 +25,10 @@
 #include "common/env.h"
 #include "common/tma.cuh"
 
+#ifndef FUSEFORGE_ATTN_FWD_SPEC_ALL  // A/B knob: the speculative tiles in every warp-specialized forward
+#define FUSEFORGE_ATTN_FWD_SPEC_ALL 0
+#endif
+
 namespace fuseforge::attention {
 
 // The kernel's second parameter: tensor maps of q, k, v as (head dim, rows, heads, batch), the
@@ -399,7 +403,7 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
         // Two warpgroups (240 registers a thread) at head dims 64 and 128, fixed length only: S's copy
         // spills in head dim 64's three-warpgroup kernels (160 registers) and in the varlen kernels
         // (40-84 bytes). Head dim 256 fits but was not timed.
-        if constexpr ((kD == 64 || kD == 128) && L::kConsumers == 2 && !kVarlen)
+        if constexpr (FUSEFORGE_ATTN_FWD_SPEC_ALL || ((kD == 64 || kD == 128) && L::kConsumers == 2 && !kVarlen))
           softmax_tile_spec(i, sacc);
         else
           softmax_tile(i, sacc);
