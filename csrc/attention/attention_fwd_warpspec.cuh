@@ -25,10 +25,6 @@
 #include "common/env.h"
 #include "common/tma.cuh"
 
-#ifndef FUSEFORGE_ATTN_FWD_SPEC_ALL  // A/B knob: the speculative tiles in every warp-specialized forward
-#define FUSEFORGE_ATTN_FWD_SPEC_ALL 0
-#endif
-
 namespace fuseforge::attention {
 
 // The kernel's second parameter: tensor maps of q, k, v as (head dim, rows, heads, batch), the
@@ -273,8 +269,10 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
     // warp redo the tile from S, which is kept for that, with the exact max. Otherwise P stands.
     // Without the row max (64 FMNMX, two shuffles) the step is 344 SASS instructions instead of 429
     // (bf16, no mask), and the softmax is the path the other warpgroup's products wait on (H100,
-    // 2026-11-27: forward at ncu's locked clock -8.8% at D128/S1024/full, -11.4% at S16384/full,
-    // -8.5% at S4096/causal; docs/notes_attention.md).
+    // 2026-11-27, forward at ncu's locked clock: D128 -8.8% at S1024/full, -11.4% at S16384/full,
+    // -8.5% at S4096/causal; D64's three warpgroups -8.8% to -14.9%; docs/notes_attention.md). Every
+    // warp-specialized forward takes it: without the max, S's copy fits in the three-warpgroup and
+    // varlen kernels' registers too (no spills).
     auto softmax_tile_spec = [&](int i, float (&sacc)[kBlockN / 2]) {
       auto& s3 = scores_of_tile(i, sacc);
       float pf[1][kBlockN / 8][4];
@@ -400,13 +398,7 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
         wgmma_fence_operands(o);
         release(empty_k(early_k ? s : s_prev));
         release(empty_v(s_prev));
-        // Two warpgroups (240 registers a thread) at head dims 64 and 128, fixed length only: S's copy
-        // spills in head dim 64's three-warpgroup kernels (160 registers) and in the varlen kernels
-        // (40-84 bytes). Head dim 256 fits but was not timed.
-        if constexpr (FUSEFORGE_ATTN_FWD_SPEC_ALL || ((kD == 64 || kD == 128) && L::kConsumers == 2 && !kVarlen))
-          softmax_tile_spec(i, sacc);
-        else
-          softmax_tile(i, sacc);
+        softmax_tile_spec(i, sacc);
       }
       if constexpr (L::kOwnOutputTile && !L::kQInRegisters) mbarrier_arrive(empty_q);  // every S of the tile has run
       const int s_last = stage(my_tiles - 1);
