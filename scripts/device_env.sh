@@ -13,3 +13,8 @@ if [ -z "${FUSEFORGE_COMMIT:-}" ]; then
 print(harness.git_commit())" 2>/dev/null || echo unknown)
 fi
 export FUSEFORGE_COMMIT
+# Said where it shows: a table labelled with the device copy's stale commit was relabelled by hand
+# twice (2c3aa51c's tables, c3ffbe7's e2e).
+case "$FUSEFORGE_COMMIT" in
+  *-dirty|unknown) echo "device_env.sh: FUSEFORGE_COMMIT=$FUSEFORGE_COMMIT (the device copy's git state): pass the tree's sha as a literal, FUSEFORGE_COMMIT=<sha>" >&2 ;;
+esac
