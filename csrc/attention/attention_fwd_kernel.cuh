@@ -226,7 +226,11 @@ struct QueryBlock {
 // kLazy: the running max moves only when a tile's max passes it by more than 2^kLazyMaxGrowth (in
 // exp2 units); otherwise P = 2^(S scale - the old max) may reach 2^kLazyMaxGrowth, which float sums and
 // 16-bit P hold, and correction is 1. Returns whether any of the thread's rows moved its max.
-constexpr float kLazyMaxGrowth = 8.f, kLazySumBound = 256.f;  // 2^kLazyMaxGrowth
+constexpr float kLazyMaxGrowth = 8.f;
+// The bound on a thread's sum of a row's P (the speculative forward tiles' test): 2^kLazyMaxGrowth.
+constexpr float kLazySumBound = static_cast<float>(1u << static_cast<unsigned>(kLazyMaxGrowth));
+static_assert(kLazySumBound == 256.f && static_cast<float>(static_cast<unsigned>(kLazyMaxGrowth)) == kLazyMaxGrowth,
+              "a whole growth, so the bound is its power of two");
 template <int kMT, int kNCols, bool kLazy = false>
 __device__ __forceinline__ bool softmax_rows(float (&s)[kMT][kNCols / 8][4], float (&row_max)[kMT][2],
                                              float (&row_sum)[kMT][2], float (&correction)[kMT][2], float scale_log2) {

@@ -298,7 +298,7 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
       for (int kk = 0; kk < kBlockN / 16; ++kk) c_to_a_fragment<T>(pf[0][2 * kk], pf[0][2 * kk + 1], pa[kk]);
       if (__any_sync(0xffffffffu, move)) {  // rare: the exact step from S
         // keep is 0, but ptxas cannot know it: the speculative P and sums stay live on this path
-        // too, so ptxas cannot sink their computation below the branch (behind the max and vote).
+        // too, so ptxas cannot sink their computation below the branch (behind the sums' vote).
         const uint32_t keep = static_cast<uint32_t>(n_tiles) >> 31;
         float correction[1][2];
         // The exact max, not the lazy one: a tile whose sums passed the bound may not have moved the
@@ -453,7 +453,7 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
       __syncwarp();
       T* out = blk.template rows<T>(p.out, p.out_batch_stride, p.out_head_stride, p.out_row_stride, p);
       store_rows<T, kD, 1, QTile>(o3, inv_sum, smem + L::kOutOffset, warp_row0, out, p.out_row_stride, blk.rows_q,
-                           valid_head_dim<Tr>(p), lane, blk.row_lo);
+                                  valid_head_dim<Tr>(p), lane, blk.row_lo);
     }
     if constexpr (!L::kOwnOutputTile) mbarrier_arrive(empty_q);  // the staging rows are read
   }
