@@ -74,7 +74,7 @@ ADAMW=(c16k:)
 # forward. Add "name:-DKNOB=1" (or "name:ENV=value") entries for the next candidates, and
 # "before:@baseline" (scripts/prepare_baseline.sh; carry "baseline") to time the previous commit in
 # the same call.
-ATTN=(default: "waitall:FUSEFORGE_ATTENTION_BWD_DQ_WAIT_COMPLETE=1")
+ATTN=(default:)
 PARTS=${PARTS:-build tests time profile e2e lce}
 OPS=${OPS-adamw add_mul_act}
 has() { [[ " $PARTS " == *" $1 "* ]]; }

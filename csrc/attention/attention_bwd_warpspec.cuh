@@ -236,11 +236,7 @@ __device__ __forceinline__ void finish_dq(const BwdParams& p, const Blk& blk, in
                                           const DqBulkAdd<WarpSpecBwdLayout<Tr>>& dq_add) {
   if (kAtomicDq) {
     if (blk.iterations > 0) dq_add.flush(dq_target<Tr>(p, blk, blk.iterations - 1, cwarp));
-    // Only the reads of shared memory must be done before the block leaves (CUTLASS's TMA-store
-    // epilogues wait the same way): the reductions' writes are complete when the kernel is, which is
-    // all the dq convert kernel needs. Their completion is an L2 round trip under load.
-    if (p.bwd_dq_wait_complete) bulk_wait_group_all();
-    else bulk_wait_group_read_all();
+    bulk_wait_group_all();
   }
 }
 
@@ -371,7 +367,6 @@ void launch_attention_bwd(const BwdParams& params, const BwdParams& row_dot_para
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
   BwdParams p = params;
   p.bwd_row_align = bwd_row_align();
-  p.bwd_dq_wait_complete = env_flag("FUSEFORGE_ATTENTION_BWD_DQ_WAIT_COMPLETE", false);
   BwdTmaParams tma;
   const bool warpspec = use_bwd_warpspec<DkdvTr>(p, &tma);
   BwdTmaParams full_tma = tma;

@@ -147,9 +147,6 @@ struct BwdParams : FwdParams {
   bool kv_block_slowest = false;  // set by the launcher: the dk/dv grid is (Hk, B, key blocks), heaviest first
   // The rows the 80-query dk/dv tiles' origin is rounded down to (KeyBlock): 16, or 80 (bwd_row_align).
   int bwd_row_align = 16;
-  // The warp-specialized dk/dv block waits for its dQ reductions' completion before it leaves, not only
-  // for their reads of shared memory (finish_dq; FUSEFORGE_ATTENTION_BWD_DQ_WAIT_COMPLETE, A/B timings).
-  bool bwd_dq_wait_complete = false;
 };
 
 // Launchers, one explicit instantiation per (element type, head dim, softcap, padded head dim) in
