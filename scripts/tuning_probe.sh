@@ -71,7 +71,9 @@ ADAMW=(c16k:)
 # forward's query tiles ending at the last row won and are the code (with them, 192 rows at
 # D64/S1024/causal); on 2026-11-27 (thirty-first) the speculative tiles' bound on P from a thread's
 # sums instead of the row max won, and with it the speculative tiles in every warp-specialized
-# forward. Add "name:-DKNOB=1" (or "name:ENV=value") entries for the next candidates, and
+# forward; on 2026-11-27 (thirty-second) the dQ convert by each group's last key block lost
+# (branch wip/bwd-fused-convert-last-block), the dk/dv block's exit wait on the reductions' reads
+# only and 128-row forward tiles at D64/S1024/causal timed level and slower. Add "name:-DKNOB=1" (or "name:ENV=value") entries for the next candidates, and
 # "before:@baseline" (scripts/prepare_baseline.sh; carry "baseline") to time the previous commit in
 # the same call.
 ATTN=(default:)
