@@ -145,6 +145,21 @@ def test_backward_matches_reference(device, dtype, shape):
         assert rel_err(g, r) <= 2 * TOL[dtype], f"{name}: {rel_err(g, r):.3e}"
 
 
+def check_output_lse_and_grads(q, k, v, causal, dtype):
+    """attention's output, lse and gradients (q, k, v require grad) against float64; returns the
+    reference lse for the caller's checks of the case it built."""
+    out, lse = attention(q, k, v, causal=causal, return_lse=True)
+    ref_out, ref_lse = reference(q, k, v, causal)
+    assert rel_err(out, ref_out) <= TOL[dtype], rel_err(out, ref_out)
+    assert rel_err(lse, ref_lse) <= max(TOL[dtype], 1e-6), rel_err(lse, ref_lse)
+    grad = randn(*q.shape, dtype=dtype, device=q.device)
+    grads = torch.autograd.grad(out, (q, k, v), grad)
+    _, *ref_grads = reference_with_grads(q, k, v, grad, causal)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert rel_err(g, r) <= 2 * TOL[dtype], f"{name}: {rel_err(g, r):.3e}"
+    return ref_lse
+
+
 # Scale factors of k's 128-key blocks: the scores jump past every earlier block's (x4: the running
 # max moves by more than 2^8 in exp2 units; x16: by more than 2^64), and fall again (x0.25).
 KEY_BLOCK_SCALES = (1.0, 4.0, 1.0, 16.0, 0.25, 1.0)
@@ -162,16 +177,8 @@ def test_scores_jumping_between_key_blocks(device, dtype, causal, d):
     scales = torch.tensor(KEY_BLOCK_SCALES, dtype=torch.float64).repeat_interleave(128)[:sk]
     k = (k.double() * scales.to(device)[:, None]).to(dtype).requires_grad_(True)
     q, v = q.requires_grad_(True), v.requires_grad_(True)
-    out, lse = attention(q, k, v, causal=causal, return_lse=True)
-    ref_out, ref_lse = reference(q, k, v, causal)
-    assert rel_err(out, ref_out) <= TOL[dtype], rel_err(out, ref_out)
-    assert rel_err(lse, ref_lse) <= max(TOL[dtype], 1e-6), rel_err(lse, ref_lse)
+    ref_lse = check_output_lse_and_grads(q, k, v, causal, dtype)
     assert ref_lse.max() > 30  # the x16 block's scores (natural units) dominate the rows that see it
-    grad = randn(*q.shape, dtype=dtype, device=device)
-    grads = torch.autograd.grad(out, (q, k, v), grad)
-    _, *ref_grads = reference_with_grads(q, k, v, grad, causal)
-    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
-        assert rel_err(g, r) <= 2 * TOL[dtype], f"{name}: {rel_err(g, r):.3e}"
 
 
 # Offsets of every score of k's 128-key blocks, in exp2 units: rises under the lazy rule's 2^8 that
@@ -196,16 +203,8 @@ def test_scores_rising_below_lazy_bound(device, dtype, causal, d):
     q[..., 0] = 1.0
     k[..., 0] = (rises * math.sqrt(d) / math.log2(math.e)).to(dtype).to(device)
     q, k, v = (t.requires_grad_(True) for t in (q, k, v))
-    out, lse = attention(q, k, v, causal=causal, return_lse=True)
-    ref_out, ref_lse = reference(q, k, v, causal)
-    assert rel_err(out, ref_out) <= TOL[dtype], rel_err(out, ref_out)
-    assert rel_err(lse, ref_lse) <= max(TOL[dtype], 1e-6), rel_err(lse, ref_lse)
+    ref_lse = check_output_lse_and_grads(q, k, v, causal, dtype)
     assert ref_lse.max() > 9  # the +13.5 block (9.4 in natural units) leads the rows that see it
-    grad = randn(*q.shape, dtype=dtype, device=device)
-    grads = torch.autograd.grad(out, (q, k, v), grad)
-    _, *ref_grads = reference_with_grads(q, k, v, grad, causal)
-    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
-        assert rel_err(g, r) <= 2 * TOL[dtype], f"{name}: {rel_err(g, r):.3e}"
 
 
 @pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
