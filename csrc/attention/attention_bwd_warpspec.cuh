@@ -136,10 +136,11 @@ struct WarpSpecBwdSmem {
   __device__ __forceinline__ uint32_t full_kv() const { return bars; }
   __device__ __forceinline__ uint32_t full(int s) const { return bars + 8 * (1 + s); }
   __device__ __forceinline__ uint32_t empty(int s) const { return bars + 8 * (1 + L::kStages + s); }
-  // Thread 0 initializes the mbarriers, then the block syncs.
-  __device__ __forceinline__ void init_barriers(int tid) const {
+  // Thread 0 initializes the mbarriers, then the block syncs. full_kv: the K / V copies' arrive, and
+  // with dq_accum zeroed in the kernel the zeroing warp's (dq_zero_wait).
+  __device__ __forceinline__ void init_barriers(int tid, bool zero_dq) const {
     if (tid == 0) {
-      mbarrier_init(full_kv(), 1);
+      mbarrier_init(full_kv(), zero_dq ? 2 : 1);
       for (int s = 0; s < L::kStages; ++s) {
         mbarrier_init(full(s), 32);  // the producer warp's lanes, after their lse / row_dot stores
         // Every consumer thread arrives after its last read of the stage (its lse / row_dot reads are
@@ -240,6 +241,40 @@ __device__ __forceinline__ void finish_dq(const BwdParams& p, const Blk& blk, in
   }
 }
 
+// dq_accum's zeroing in the kernel (BwdParams::dq_zero_ahead; the grid in its default order), by one
+// warp of the producer warpgroup, idle otherwise. Every block zeroes unit t + dq_zero_ahead for a
+// later block and counts it in that block's grid row; dq_zero_ahead >= kv_blocks, so a block waits
+// only on blocks of lower index, which have started (blocks start in index order) and whose zeroing
+// waits on lower ones still: no cycle. The units of the rows' first dq_zero_ahead blocks are the
+// zero-first kernel's (counted as done). Measured in docs/notes_attention.md.
+template <class Tr, bool kVarlen>
+__device__ __forceinline__ void dq_zero_ahead(const BwdParams& p, int lane) {
+  const int blocks = gridDim.x * gridDim.y * gridDim.z;
+  const int u = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z) + static_cast<int>(p.dq_zero_ahead);
+  if (u >= blocks) return;
+  zero_dq_accum_unit<Tr::kHeadDim, Tr::kTransposedDq, kVarlen>(p, u, gridDim.x, lane, 32);
+  fence_proxy_async_global();  // the zeros, ordered before the bulk reductions (async proxy) into them
+  __syncwarp();
+  if (lane == 0) {
+    __threadfence();
+    atomicAdd(p.dq_zero_counts + u / gridDim.x, 1);
+  }
+}
+// Lane 0: until this block's grid row has its units zeroed (those of blocks past dq_zero_ahead
+// counted), then an arrive on full_kv, which the consumers wait on before their first reduction.
+__device__ __forceinline__ void dq_zero_wait(const BwdParams& p, uint32_t full_kv, int lane) {
+  if (lane != 0) return;
+  // Units r kv_blocks + x < dq_zero_ahead are the zero-first kernel's.
+  const int kv_blocks = gridDim.x, row = blockIdx.y + gridDim.y * blockIdx.z;
+  const int64_t first_counted = p.dq_zero_ahead - static_cast<int64_t>(row) * kv_blocks;
+  const int expected = first_counted <= 0 ? kv_blocks : first_counted >= kv_blocks ? 0 : kv_blocks - first_counted;
+  if (expected > 0) {
+    while (load_acquire_gpu(p.dq_zero_counts + row) < expected) __nanosleep(100);
+    fence_proxy_async_global();
+  }
+  mbarrier_arrive(full_kv);
+}
+
 template <class Tr, int kMask, bool kSoftcap, bool kVarlen, bool kAtomicDq>
 __device__ __forceinline__ void attention_bwd_dkdv_warpspec_body(const BwdParams& p, const BwdTmaParams& tma) {
   using L = WarpSpecBwdLayout<Tr>;
@@ -249,13 +284,22 @@ __device__ __forceinline__ void attention_bwd_dkdv_warpspec_body(const BwdParams
                 "dQ splits one dimension in two");
   const int tid = threadIdx.x, lane = tid & 31, warp = uniform_warp_index();
   const KeyBlock<kBlockM, kBlockN, kMask, kVarlen> blk(p);
-  if (blk.rows_k <= 0) return;  // past its sequence (varlen): the whole block leaves before any barrier
+  const bool zero_dq = kAtomicDq && p.dq_zero_ahead > 0;
+  if (blk.rows_k <= 0) {  // past its sequence (varlen): the whole block leaves before any barrier
+    if (zero_dq && warp == 1) dq_zero_ahead<Tr, kVarlen>(p, lane);
+    return;
+  }
   const int iterations = blk.iterations;
   const WarpSpecBwdSmem<Tr> sm;
-  sm.init_barriers(tid);
+  sm.init_barriers(tid, zero_dq);
 
-  if (warp < 4) {  // producer warpgroup: warp 0 works, the others leave
+  if (warp < 4) {  // producer warpgroup: warp 0 loads, warp 1 zeroes dq_accum (if so), the others leave
     setmaxnreg_dec<L::kProducerRegs>();
+    if (warp == 1 && zero_dq) {  // returns: nothing of warp 0's stays live across the zeroing (24 registers)
+      dq_zero_wait(p, sm.full_kv(), lane);
+      dq_zero_ahead<Tr, kVarlen>(p, lane);
+      return;
+    }
     if (warp != 0) return;
     const int batch = kVarlen ? 0 : blk.b;
     if (lane == 0) {
@@ -347,9 +391,6 @@ void launch_attention_bwd(const BwdParams& params, const BwdParams& row_dot_para
                 "attention backward with head dim 256 needs a compute capability 9.0 GPU (H100, H200) and a "
                 "build for TORCH_CUDA_ARCH_LIST=9.0a (its kernel is sm_90a code only)");
   }
-  const int64_t rows = static_cast<int64_t>(row_dot_params.batch) * row_dot_params.heads_q * row_dot_params.seqlen_q;
-  launch_kernel(attention_row_dot_kernel<T, kD>, dim3(static_cast<unsigned>(ceil_div(rows * (kD / 8), 256))),
-                dim3(256), 0, row_dot_params);
   // Causal: key block 0 of a head sees every query, the last one few. When the grid is a few waves
   // (GQA: each block loops over the group's heads, so the grid is small and its blocks long), the
   // launch order decides the tail: key blocks slowest (grid z) starts every head's heaviest block
@@ -388,12 +429,29 @@ void launch_attention_bwd(const BwdParams& params, const BwdParams& row_dot_para
                                   static_cast<unsigned>(kv_blocks))
                            : dim3(static_cast<unsigned>(kv_blocks), static_cast<unsigned>(params.heads_kv),
                                   static_cast<unsigned>(params.batch));
+  // dq_accum zeroed by the warp-specialized dk/dv kernel (BwdParams::dq_zero_ahead) in its default
+  // order; else by the row_dot kernel.
+  const bool zero_in_dkdv = !deterministic && warpspec && !p.kv_block_slowest;
+  p.dq_zero_ahead = zero_in_dkdv ? bwd_dq_zero_ahead(blocks, resident, kv_blocks) : 0;
+  BwdParams row_dot_p = row_dot_params;
+  if (p.dq_zero_ahead > 0) row_dot_p.dq_accum = nullptr;
+  const int64_t rows = static_cast<int64_t>(row_dot_p.batch) * row_dot_p.heads_q * row_dot_p.seqlen_q;
+  launch_kernel(attention_row_dot_kernel<T, kD>, dim3(static_cast<unsigned>(ceil_div(rows * (kD / 8), 256))),
+                dim3(256), 0, row_dot_p);
+  // The units no dk/dv block zeroes ahead, and the grid rows' counts.
+  auto zero_first = [&]<class Tr, bool kVarlen>() {
+    if (p.dq_zero_ahead == 0) return;
+    launch_kernel(attention_dq_zero_first_kernel<kD, Tr::kTransposedDq, kVarlen>,
+                  dim3(static_cast<unsigned>(p.dq_zero_ahead)), dim3(256), 0, p, static_cast<int>(kv_blocks),
+                  static_cast<int>(params.heads_kv * params.batch));
+  };
   auto launch_dkdv = [&]<int kMask, bool kVarlen, bool kAtomicDq>() {
     // Nested: a condition on FullTr alone discards the branch when the launcher is instantiated (the
     // kernel and its layout exist for 80-query tiles only).
     if constexpr (FullTr::kTransposedDq) {
       if constexpr (kAtomicDq) {
         if (full_tiles) {
+          zero_first.template operator()<FullTr, kVarlen>();
           launch_kernel(attention_bwd_dkdv_warpspec_kernel<FullTr, kMask, kSoftcap, kVarlen, kAtomicDq>, grid_kv,
                         dim3(WarpSpecBwdLayout<FullTr>::kThreads), WarpSpecBwdLayout<FullTr>::kSmemBytes, p, full_tma);
           return;
@@ -403,6 +461,7 @@ void launch_attention_bwd(const BwdParams& params, const BwdParams& row_dot_para
     if constexpr (bwd_warpspec_head_dim<kD>()) {
       if (warpspec) {
         using L = WarpSpecBwdLayout<DkdvTr>;
+        if constexpr (kAtomicDq) zero_first.template operator()<DkdvTr, kVarlen>();
         launch_kernel(attention_bwd_dkdv_warpspec_kernel<DkdvTr, kMask, kSoftcap, kVarlen, kAtomicDq>, grid_kv,
                       dim3(L::kThreads), L::kSmemBytes, p, tma);
         return;

@@ -169,7 +169,7 @@ void backward(const Shape& s, const at::Tensor& grad_out_in, const at::Tensor& q
   set_strides(dv, p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride);
   at::Tensor row_dot = at::empty(lse.sizes(), q.options().dtype(at::kFloat));  // lse's layout
   p.row_dot = row_dot.data_ptr<float>();
-  at::Tensor dq_accum;
+  at::Tensor dq_accum, dq_zero_counts;
   if (!deterministic) {
     // Whole 16-row tiles (the kernels add 16 x 8 tiles or, the 80-query dk/dv kernel, 16-row units of
     // dQ^T; attention_bwd_kernel.cuh). Varlen: sequence b from row 16 (cu[b] / 16 + b)
@@ -177,12 +177,16 @@ void backward(const Shape& s, const at::Tensor& grad_out_in, const at::Tensor& q
     const int64_t rows = varlen != nullptr ? 16 * (q.size(2) / 16 + s.batch + 1) : (s.seqlen_q + 15) / 16 * 16;
     const int64_t batches = varlen != nullptr ? 1 : s.batch;
     // The kernel head dim's columns: the kernels add the zero columns past the head dim too. Zeroed
-    // by the row_dot kernel.
+    // by the row_dot kernel, or by the dk/dv kernel ahead of its use (BwdParams::dq_zero_ahead).
     dq_accum = at::empty({batches, s.heads_q, rows, cuda_kernel_head_dim(s.head_dim)}, q.options().dtype(at::kFloat));
     p.dq_accum = dq_accum.data_ptr<float>();
     p.dq_accum_floats = dq_accum.numel();
     p.dq_accum_head_tiles = rows / 16;
     p.dq_accum_batch_tiles = varlen != nullptr ? 0 : s.heads_q * rows / 16;
+    // An int a row of the dk/dv grid (kv head, batch or sequence) where the dk/dv kernel zeroes
+    // dq_accum itself (BwdParams::dq_zero_ahead); zeroed on the device by the launcher's kernels.
+    dq_zero_counts = at::empty({s.heads_kv * s.batch}, q.options().dtype(at::kInt));
+    p.dq_zero_counts = dq_zero_counts.data_ptr<int>();
   }
   // The row_dot kernel's view: every row of q once (varlen: one sequence of total_q rows).
   BwdParams row_dot_params = p;

@@ -87,6 +87,17 @@ inline int bwd_row_align() {
   return knob == "80" ? 80 : 16;
 }
 
+// How far ahead (in blocks) the dk/dv kernel zeroes dq_accum (BwdParams::dq_zero_ahead): two waves of
+// resident blocks by default, so a unit is zeroed about a block's time before its first reduction and
+// stays in L2 meanwhile; at least a grid row (kv_blocks: a block waits only on lower ones). 0 where
+// the row_dot kernel zeroes dq_accum: FUSEFORGE_ATTENTION_BWD_ZERO_AHEAD=0 (A/B timings, tests), or a
+// grid the blocks cover in one stretch. The knob's positive values set the distance (tests).
+inline int64_t bwd_dq_zero_ahead(int64_t blocks, int64_t resident, int64_t kv_blocks) {
+  if (env_string("FUSEFORGE_ATTENTION_BWD_ZERO_AHEAD") == "0") return 0;
+  const int64_t ahead = std::max(env_positive_int("FUSEFORGE_ATTENTION_BWD_ZERO_AHEAD", 2 * resident), kv_blocks);
+  return ahead < blocks && blocks <= INT32_MAX ? ahead : 0;
+}
+
 // Varlen: the kernels take the sequences longest first (check_and_order_sequences_async, FwdParams::
 // seq_order). FUSEFORGE_ATTENTION_VARLEN_LONGEST_FIRST=0 keeps the given order (A/B timings, tests).
 inline bool varlen_longest_first() { return env_flag("FUSEFORGE_ATTENTION_VARLEN_LONGEST_FIRST", true); }

@@ -90,6 +90,16 @@ __device__ __forceinline__ void bulk_wait_group_read_all() {
 }
 __device__ __forceinline__ void bulk_wait_group_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
+// This thread's generic-proxy writes to global memory, ordered before later async-proxy (TMA)
+// accesses of it, its own or (through a release / acquire chain) another block's.
+__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
+// An acquire load at GPU scope (a flag another block releases).
+__device__ __forceinline__ int load_acquire_gpu(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
 // Named barriers (ids 1..15; 0 is __syncthreads): `threads` = every thread that syncs or arrives.
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");

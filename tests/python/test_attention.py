@@ -441,6 +441,9 @@ FORWARD_KERNELS = {"tma_pingpong": {"FUSEFORGE_ATTENTION_TMA": "1"},
                                              "FUSEFORGE_ATTENTION_FWD_BLOCKS": "3"},
                    "tma_bwd_rows_64": {"FUSEFORGE_ATTENTION_TMA": "1", "FUSEFORGE_ATTENTION_BWD_ROWS": "64"},
                    "tma_bwd_rows_80": {"FUSEFORGE_ATTENTION_TMA": "1", "FUSEFORGE_ATTENTION_BWD_ROWS": "80"},
+                   # dq_accum zeroed by the dk/dv kernel a grid row ahead (test_cuda_backward_dq_zeroed_ahead)
+                   "tma_bwd_zero_ahead": {"FUSEFORGE_ATTENTION_TMA": "1", "FUSEFORGE_ATTENTION_BWD_ZERO_AHEAD": "1",
+                                          "FUSEFORGE_ATTENTION_BWD_KV_SLOWEST": "0"},
                    "cp_async": {"FUSEFORGE_ATTENTION_TMA": "0"}}
 
 
@@ -566,11 +569,44 @@ def test_cuda_backward_tiles_80(shape, layout, dtype, mask, monkeypatch):
             assert rel_err(g80, g.double()) <= 2 * TOL[dtype], (other, name, rel_err(g80, g.double()))
 
 
+# ---- dq_accum zeroed by the dk/dv kernel, each unit by the block FUSEFORGE_ATTENTION_BWD_ZERO_AHEAD blocks
+# before the first one that reduces into it (at least a grid row: "1" is one row ahead; "11" leaves a row
+# partly to the zero-first kernel; "0": the row_dot kernel zeroes all of dq_accum, as before). dq_accum
+# comes from blocks full of NaN, so a unit nobody zeroes, or one zeroed after a reduction into it, shows in
+# dQ. Key blocks in their default order (the zeroing's; small grids with a mask take key blocks slowest).
+# Shapes: 3 key blocks a row and 6 rows (GQA); 8 and 4 (Sq != Sk, partial tiles); 6 and 6 with 3 16-row
+# units of queries (slices of no rows).
+@requires_cuda
+@pytest.mark.parametrize("ahead", ["0", "1", "11"])
+@pytest.mark.parametrize("d,mask,rows", [(128, "full", "80"), (128, "causal", "64"), (128, "window", "80"),
+                                         (64, "full", "64"), (64, "causal", "64")])
+@pytest.mark.parametrize("shape", [(3, 4, 2, 300, 260), (2, 2, 2, 1000, 999), (2, 6, 3, 40, 700)],
+                         ids=lambda s: shape_id((*s, 0, False)))
+def test_cuda_backward_dq_zeroed_ahead(shape, d, mask, rows, ahead, monkeypatch):
+    if not sm90a_kernels_runnable():
+        pytest.skip("the zeroing ahead is the warp-specialized dk/dv kernel's (sm_90 GPUs only)")
+    b, hq, hk, sq, sk = shape
+    kw = MASKS_80[mask]
+    q, k, v = make_qkv(b, hq, hk, sq, sk, d, torch.bfloat16, "cuda", requires_grad=True)
+    grad = randn(*q.shape, dtype=torch.bfloat16, device="cuda")
+    _, *ref_grads = reference_with_grads(q, k, v, grad, **kw)
+    for name, value in {"FUSEFORGE_ATTENTION_TMA": "1", "FUSEFORGE_ATTENTION_BWD_KV_SLOWEST": "0",
+                        "FUSEFORGE_ATTENTION_BWD_ROWS": rows, "FUSEFORGE_ATTENTION_BWD_ZERO_AHEAD": ahead}.items():
+        monkeypatch.setenv(name, value)
+    out = attention(q, k, v, **kw)
+    dq_accum_bytes = b * hq * ((sq + 15) // 16 * 16) * d * 4
+    poison_allocations(dq_accum_bytes, dq_accum_bytes, q, q)
+    grads = torch.autograd.grad(out, (q, k, v), grad)
+    for name, g, r in zip("qkv", grads, ref_grads):
+        assert rel_err(g, r) <= 2 * TOL[torch.bfloat16], (name, rel_err(g, r))
+
+
 @requires_cuda
 @pytest.mark.sanitize
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])  # full at 128: 80-query dk/dv tiles
 @pytest.mark.parametrize("d", [64, 128, 256])  # head dim 64: 192-row forward tiles (the varlen case: 128)
-@pytest.mark.parametrize("kernel", ["tma_no_pingpong", "tma_3_blocks", "tma_bwd_rows_80", "cp_async"])
+@pytest.mark.parametrize("kernel", ["tma_no_pingpong", "tma_3_blocks", "tma_bwd_rows_80", "tma_bwd_zero_ahead",
+                                    "cp_async"])
 def test_cuda_sanitize_kernels(kernel, d, causal, monkeypatch):
     if not requires_hopper_for(kernel):
         pytest.skip("the TMA kernels run on sm_90 GPUs only")
@@ -578,6 +614,8 @@ def test_cuda_sanitize_kernels(kernel, d, causal, monkeypatch):
         pytest.skip("without a mask only head dim 128 has backward kernels of its own (80-query tiles)")
     if kernel == "tma_bwd_rows_80" and d != 128:
         pytest.skip("80-query backward tiles are head dim 128's")
+    if kernel == "tma_bwd_zero_ahead" and d == 256:
+        pytest.skip("head dim 256's dk/dv kernel leaves dq_accum to the row_dot kernel")
     for name, value in FORWARD_KERNELS[kernel].items():
         monkeypatch.setenv(name, value)
     # 200 queries at head dim 64 (192-row tiles): two of the last tile's three warpgroups idle; 150
