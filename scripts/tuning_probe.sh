@@ -77,7 +77,7 @@ ADAMW=(c16k:)
 # ping-pong and early K release still win (off: 2-4% and 7-18% slower at S1024). Add
 # "name:-DKNOB=1" (or "name:ENV=value") entries for the next candidates, and "before:@baseline"
 # (scripts/prepare_baseline.sh; carry "baseline") to time the previous commit in the same call.
-ATTN=(default: "z0:FUSEFORGE_ATTENTION_BWD_ZERO_AHEAD=0")
+ATTN=(default: "z0:FUSEFORGE_ATTENTION_BWD_ZERO_AHEAD=0" "z132:FUSEFORGE_ATTENTION_BWD_ZERO_AHEAD=132" "late:-DFUSEFORGE_ATTENTION_BWD_ZERO_LATE=1")
 PARTS=${PARTS:-build tests time profile e2e lce}
 OPS=${OPS-adamw add_mul_act}
 has() { [[ " $PARTS " == *" $1 "* ]]; }

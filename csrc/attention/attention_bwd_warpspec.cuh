@@ -297,6 +297,9 @@ __device__ __forceinline__ void attention_bwd_dkdv_warpspec_body(const BwdParams
     setmaxnreg_dec<L::kProducerRegs>();
     if (warp == 1 && zero_dq) {  // returns: nothing of warp 0's stays live across the zeroing (24 registers)
       dq_zero_wait(p, sm.full_kv(), lane);
+#if FUSEFORGE_ATTENTION_BWD_ZERO_LATE
+      if (iterations > 0) mbarrier_wait(sm.empty(0), 0);  // after the first tile: the block's loads go first
+#endif
       dq_zero_ahead<Tr, kVarlen>(p, lane);
       return;
     }
