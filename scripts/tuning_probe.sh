@@ -74,10 +74,13 @@ ADAMW=(c16k:)
 # forward; on 2026-11-27 (thirty-second) the dQ convert by each group's last key block lost
 # (branch wip/bwd-fused-convert-last-block), the dk/dv block's exit wait on the reductions' reads
 # only and 128-row forward tiles at D64/S1024/causal timed level and slower, and the forward's
-# ping-pong and early K release still win (off: 2-4% and 7-18% slower at S1024). Add
+# ping-pong and early K release still win (off: 2-4% and 7-18% slower at S1024); on 2026-11-27
+# (thirty-third) dq_accum zeroed by the dk/dv kernel a wave ahead won (FUSEFORGE_ATTENTION_BWD_ZERO_AHEAD=0
+# for the row_dot kernel's zeroing), two waves ahead and the zeroing after the block's first tile
+# did not do better. Add
 # "name:-DKNOB=1" (or "name:ENV=value") entries for the next candidates, and "before:@baseline"
 # (scripts/prepare_baseline.sh; carry "baseline") to time the previous commit in the same call.
-ATTN=(default: "z0:FUSEFORGE_ATTENTION_BWD_ZERO_AHEAD=0" "z132:FUSEFORGE_ATTENTION_BWD_ZERO_AHEAD=132" "late:-DFUSEFORGE_ATTENTION_BWD_ZERO_LATE=1")
+ATTN=(default:)
 PARTS=${PARTS:-build tests time profile e2e lce}
 OPS=${OPS-adamw add_mul_act}
 has() { [[ " $PARTS " == *" $1 "* ]]; }

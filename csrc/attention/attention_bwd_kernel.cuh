@@ -25,8 +25,9 @@ __device__ __forceinline__ float lse_to_log2(float lse) { return lse == -INFINIT
 // total rows), kD / 8 threads a row, 16 bytes of each a thread (the kernels' operands are 16-byte
 // aligned with strides in multiples of 8 elements: kernel_ready, attention_cuda.cpp; head dims are
 // multiples of 8). The same grid zeroes dq_accum (p.dq_accum_floats; none when deterministic or where
-// the dk/dv kernel zeroes it, BwdParams::dq_zero_ahead), so the backward has no separate fill (the H100/H200 profile: a warp a row with 4-byte loads plus
-// at::zeros took 0.17 ms at 32768 tokens x 16 heads x 128, cuDNN's fused kernel 0.14).
+// the dk/dv kernel zeroes it, BwdParams::dq_zero_ahead), so the backward has no separate fill (the
+// H100/H200 profile: a warp a row with 4-byte loads plus at::zeros took 0.17 ms at 32768 tokens x 16
+// heads x 128, cuDNN's fused kernel 0.14).
 template <typename T, int kD>
 __global__ void attention_row_dot_kernel(const __grid_constant__ BwdParams p) {
   constexpr int kThreadsPerRow = kD / 8;
@@ -178,32 +179,28 @@ __device__ __forceinline__ float* dq_accum_panel_unit(const BwdParams& p, int b,
          (panel * p.dq_accum_head_tiles + seq_tile0 + unit) * 256;
 }
 
-// dq_accum zeroed by the dk/dv kernel (BwdParams::dq_zero_ahead) instead of by the row_dot kernel:
-// zeroed in L2 a wave or two before the first reduction into it, dq_accum's lines go out to memory
-// once, reduced; the row_dot kernel's zeros went out and came back for the first reduction (512 of
-// its 768 MB at 32768 tokens x 16 heads x 128). Unit u is what the dk/dv grid's block at linear index
-// u zeroes in the default order (key block x = u % kv_blocks of grid row u / kv_blocks = (kv head,
-// batch or sequence slot)): slice x of that row's dq_accum, i.e. of each head of the GQA group and each
-// panel (8 in the 80-query kernel's transposed layout, dq_accum_panel_unit; else 1) the 16-row units
-// [x per, (x + 1) per) of the sequence's ceil(Sq / 16), per = ceil(units / kv_blocks). Units and grid
+// dq_accum zeroed by the dk/dv kernel (BwdParams::dq_zero_ahead; fixed length) instead of by the
+// row_dot kernel: zeroed in L2 about a wave before the first reduction into it, dq_accum's lines go
+// out to memory once, reduced; the row_dot kernel's zeros went out and came back for the first
+// reduction (512 of its 768 MB at 32768 tokens x 16 heads x 128). Unit u is what the dk/dv grid's
+// block at linear index u zeroes in the default order (key block x = u % kv_blocks of grid row
+// u / kv_blocks = (kv head, batch)): slice x of that row's dq_accum, i.e. of each head of the GQA group
+// and each panel (8 in the 80-query kernel's transposed layout, dq_accum_panel_unit; else 1) the
+// 16-row units [x per, (x + 1) per) of ceil(Sq / 16), per = ceil(units / kv_blocks). Units and grid
 // rows fit an int (the launcher checks).
-template <int kD, bool kTransposedDq, bool kVarlen>
+template <int kD, bool kTransposedDq>
 __device__ __forceinline__ void zero_dq_accum_unit(const BwdParams& p, int u, int kv_blocks, int thread, int threads) {
   constexpr int kPanels = kTransposedDq ? 8 : 1, kUnitVectors = 16 * kD / kPanels / 4;
-  const int x = u % kv_blocks, row = u / kv_blocks, hk = row % p.heads_kv;
-  int b = row / p.heads_kv;
-  if constexpr (kVarlen) b = p.seq_order[b];
-  const SeqInfo<kVarlen> seq(p, b);
-  const int units = (seq.seqlen_q + 15) / 16, per = (units + kv_blocks - 1) / kv_blocks;
+  const int x = u % kv_blocks, row = u / kv_blocks, hk = row % p.heads_kv, b = row / p.heads_kv;
+  const int units = (p.seqlen_q + 15) / 16, per = (units + kv_blocks - 1) / kv_blocks;
   const int first = x * per, count = min(per, units - first);
   if (count <= 0) return;
   const int vectors = count * kUnitVectors;
-  const int64_t unit0 = dq_accum_seq_tile0<kVarlen>(p, b) + first;
   for (int r = 0; r < p.group * kPanels; ++r) {
     const int h = hk * p.group + r / kPanels, panel = r % kPanels;
     float4* dst = reinterpret_cast<float4*>(p.dq_accum) +
                   ((b * p.dq_accum_batch_tiles + h * p.dq_accum_head_tiles) * kPanels +
-                   panel * p.dq_accum_head_tiles + unit0) *
+                   panel * p.dq_accum_head_tiles + first) *
                       kUnitVectors;
     for (int i = thread; i < vectors; i += threads) dst[i] = make_float4(0.f, 0.f, 0.f, 0.f);
   }
@@ -211,9 +208,9 @@ __device__ __forceinline__ void zero_dq_accum_unit(const BwdParams& p, int u, in
 
 // Units [0, gridDim.x) of zero_dq_accum_unit, the ones no dk/dv block zeroes ahead, and the dk/dv grid
 // rows' counts (`rows` ints), before the dk/dv kernel.
-template <int kD, bool kTransposedDq, bool kVarlen>
+template <int kD, bool kTransposedDq>
 __global__ void attention_dq_zero_first_kernel(const __grid_constant__ BwdParams p, int kv_blocks, int rows) {
-  zero_dq_accum_unit<kD, kTransposedDq, kVarlen>(p, blockIdx.x, kv_blocks, threadIdx.x, blockDim.x);
+  zero_dq_accum_unit<kD, kTransposedDq>(p, blockIdx.x, kv_blocks, threadIdx.x, blockDim.x);
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < rows; i += gridDim.x * blockDim.x) p.dq_zero_counts[i] = 0;
 }
 

@@ -241,18 +241,18 @@ __device__ __forceinline__ void finish_dq(const BwdParams& p, const Blk& blk, in
   }
 }
 
-// dq_accum's zeroing in the kernel (BwdParams::dq_zero_ahead; the grid in its default order), by one
-// warp of the producer warpgroup, idle otherwise. Every block zeroes unit t + dq_zero_ahead for a
-// later block and counts it in that block's grid row; dq_zero_ahead >= kv_blocks, so a block waits
-// only on blocks of lower index, which have started (blocks start in index order) and whose zeroing
-// waits on lower ones still: no cycle. The units of the rows' first dq_zero_ahead blocks are the
-// zero-first kernel's (counted as done). Measured in docs/notes_attention.md.
-template <class Tr, bool kVarlen>
+// dq_accum's zeroing in the kernel (BwdParams::dq_zero_ahead: fixed length, the grid in its default
+// order), by one warp of the producer warpgroup, idle otherwise. Every block zeroes unit t +
+// dq_zero_ahead for a later block and counts it in that block's grid row; dq_zero_ahead >= kv_blocks,
+// so a block waits only on blocks of lower index, which have started (blocks start in index order)
+// and whose zeroing waits on lower ones still: no cycle. The units of the first dq_zero_ahead blocks
+// are the zero-first kernel's (counted as done). Measured in docs/notes_attention.md.
+template <class Tr>
 __device__ __forceinline__ void dq_zero_ahead(const BwdParams& p, int lane) {
   const int blocks = gridDim.x * gridDim.y * gridDim.z;
   const int u = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z) + static_cast<int>(p.dq_zero_ahead);
   if (u >= blocks) return;
-  zero_dq_accum_unit<Tr::kHeadDim, Tr::kTransposedDq, kVarlen>(p, u, gridDim.x, lane, 32);
+  zero_dq_accum_unit<Tr::kHeadDim, Tr::kTransposedDq>(p, u, gridDim.x, lane, 32);
   fence_proxy_async_global();  // the zeros, ordered before the bulk reductions (async proxy) into them
   __syncwarp();
   if (lane == 0) {
@@ -284,9 +284,11 @@ __device__ __forceinline__ void attention_bwd_dkdv_warpspec_body(const BwdParams
                 "dQ splits one dimension in two");
   const int tid = threadIdx.x, lane = tid & 31, warp = uniform_warp_index();
   const KeyBlock<kBlockM, kBlockN, kMask, kVarlen> blk(p);
-  const bool zero_dq = kAtomicDq && p.dq_zero_ahead > 0;
+  const bool zero_dq = kAtomicDq && !kVarlen && p.dq_zero_ahead > 0;
   if (blk.rows_k <= 0) {  // past its sequence (varlen): the whole block leaves before any barrier
-    if (zero_dq && warp == 1) dq_zero_ahead<Tr, kVarlen>(p, lane);
+    // (A block that leaves still zeroes the unit it owes. Never at fixed length, but with this path
+    // ptxas keeps the 80-query kernel's loop bound in a register: without it, one spill.)
+    if (zero_dq && warp == 1) dq_zero_ahead<Tr>(p, lane);
     return;
   }
   const int iterations = blk.iterations;
@@ -297,10 +299,7 @@ __device__ __forceinline__ void attention_bwd_dkdv_warpspec_body(const BwdParams
     setmaxnreg_dec<L::kProducerRegs>();
     if (warp == 1 && zero_dq) {  // returns: nothing of warp 0's stays live across the zeroing (24 registers)
       dq_zero_wait(p, sm.full_kv(), lane);
-#if FUSEFORGE_ATTENTION_BWD_ZERO_LATE
-      if (iterations > 0) mbarrier_wait(sm.empty(0), 0);  // after the first tile: the block's loads go first
-#endif
-      dq_zero_ahead<Tr, kVarlen>(p, lane);
+      dq_zero_ahead<Tr>(p, lane);
       return;
     }
     if (warp != 0) return;
@@ -432,9 +431,9 @@ void launch_attention_bwd(const BwdParams& params, const BwdParams& row_dot_para
                                   static_cast<unsigned>(kv_blocks))
                            : dim3(static_cast<unsigned>(kv_blocks), static_cast<unsigned>(params.heads_kv),
                                   static_cast<unsigned>(params.batch));
-  // dq_accum zeroed by the warp-specialized dk/dv kernel (BwdParams::dq_zero_ahead) in its default
-  // order; else by the row_dot kernel.
-  const bool zero_in_dkdv = !deterministic && warpspec && !p.kv_block_slowest;
+  // dq_accum zeroed by the warp-specialized dk/dv kernel (BwdParams::dq_zero_ahead) at fixed length in
+  // its default order; else by the row_dot kernel.
+  const bool zero_in_dkdv = !deterministic && warpspec && !p.kv_block_slowest && params.cu_seqlens_q == nullptr;
   p.dq_zero_ahead = zero_in_dkdv ? bwd_dq_zero_ahead(blocks, resident, kv_blocks) : 0;
   BwdParams row_dot_p = row_dot_params;
   if (p.dq_zero_ahead > 0) row_dot_p.dq_accum = nullptr;
@@ -442,9 +441,9 @@ void launch_attention_bwd(const BwdParams& params, const BwdParams& row_dot_para
   launch_kernel(attention_row_dot_kernel<T, kD>, dim3(static_cast<unsigned>(ceil_div(rows * (kD / 8), 256))),
                 dim3(256), 0, row_dot_p);
   // The units no dk/dv block zeroes ahead, and the grid rows' counts.
-  auto zero_first = [&]<class Tr, bool kVarlen>() {
+  auto zero_first = [&]<class Tr>() {
     if (p.dq_zero_ahead == 0) return;
-    launch_kernel(attention_dq_zero_first_kernel<kD, Tr::kTransposedDq, kVarlen>,
+    launch_kernel(attention_dq_zero_first_kernel<kD, Tr::kTransposedDq>,
                   dim3(static_cast<unsigned>(p.dq_zero_ahead)), dim3(256), 0, p, static_cast<int>(kv_blocks),
                   static_cast<int>(params.heads_kv * params.batch));
   };
@@ -454,7 +453,7 @@ void launch_attention_bwd(const BwdParams& params, const BwdParams& row_dot_para
     if constexpr (FullTr::kTransposedDq) {
       if constexpr (kAtomicDq) {
         if (full_tiles) {
-          zero_first.template operator()<FullTr, kVarlen>();
+          if constexpr (!kVarlen) zero_first.template operator()<FullTr>();
           launch_kernel(attention_bwd_dkdv_warpspec_kernel<FullTr, kMask, kSoftcap, kVarlen, kAtomicDq>, grid_kv,
                         dim3(WarpSpecBwdLayout<FullTr>::kThreads), WarpSpecBwdLayout<FullTr>::kSmemBytes, p, full_tma);
           return;
@@ -464,7 +463,7 @@ void launch_attention_bwd(const BwdParams& params, const BwdParams& row_dot_para
     if constexpr (bwd_warpspec_head_dim<kD>()) {
       if (warpspec) {
         using L = WarpSpecBwdLayout<DkdvTr>;
-        if constexpr (kAtomicDq) zero_first.template operator()<DkdvTr, kVarlen>();
+        if constexpr (kAtomicDq && !kVarlen) zero_first.template operator()<DkdvTr>();
         launch_kernel(attention_bwd_dkdv_warpspec_kernel<DkdvTr, kMask, kSoftcap, kVarlen, kAtomicDq>, grid_kv,
                       dim3(L::kThreads), L::kSmemBytes, p, tma);
         return;

@@ -183,10 +183,12 @@ void backward(const Shape& s, const at::Tensor& grad_out_in, const at::Tensor& q
     p.dq_accum_floats = dq_accum.numel();
     p.dq_accum_head_tiles = rows / 16;
     p.dq_accum_batch_tiles = varlen != nullptr ? 0 : s.heads_q * rows / 16;
-    // An int a row of the dk/dv grid (kv head, batch or sequence) where the dk/dv kernel zeroes
-    // dq_accum itself (BwdParams::dq_zero_ahead); zeroed on the device by the launcher's kernels.
-    dq_zero_counts = at::empty({s.heads_kv * s.batch}, q.options().dtype(at::kInt));
-    p.dq_zero_counts = dq_zero_counts.data_ptr<int>();
+    // An int a row of the dk/dv grid (kv head, batch) for the dk/dv kernel's own zeroing of dq_accum at
+    // fixed length (BwdParams::dq_zero_ahead); zeroed on the device by the launcher's kernels.
+    if (varlen == nullptr) {
+      dq_zero_counts = at::empty({s.heads_kv * s.batch}, q.options().dtype(at::kInt));
+      p.dq_zero_counts = dq_zero_counts.data_ptr<int>();
+    }
   }
   // The row_dot kernel's view: every row of q once (varlen: one sequence of total_q rows).
   BwdParams row_dot_params = p;

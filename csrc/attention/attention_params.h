@@ -144,11 +144,11 @@ struct BwdParams : FwdParams {
   float* dq_accum = nullptr;
   int64_t dq_accum_batch_tiles = 0, dq_accum_head_tiles = 0;  // in 16-row tiles
   int64_t dq_accum_floats = 0;  // its size; the row_dot kernel zeroes it unless dq_zero_ahead > 0
-  // dq_accum zeroed by the dk/dv kernel itself (attention_bwd_kernel.cuh, zero_dq_accum_unit): the
-  // block at linear index t zeroes the unit of block t + dq_zero_ahead and counts it in
-  // dq_zero_counts (an int a grid row), which a row's blocks wait on before their first reduction;
-  // units below dq_zero_ahead are zeroed by attention_dq_zero_first_kernel. 0: the row_dot kernel
-  // zeroes all of dq_accum.
+  // dq_accum zeroed by the dk/dv kernel itself (fixed length; attention_bwd_kernel.cuh,
+  // zero_dq_accum_unit): the block at linear index t zeroes the unit of block t + dq_zero_ahead and
+  // counts it in dq_zero_counts (an int a grid row), which a row's blocks wait on before their first
+  // reduction; units below dq_zero_ahead are zeroed by attention_dq_zero_first_kernel. 0: the row_dot
+  // kernel zeroes all of dq_accum.
   int64_t dq_zero_ahead = 0;
   int* dq_zero_counts = nullptr;
   bool kv_block_slowest = false;  // set by the launcher: the dk/dv grid is (Hk, B, key blocks), heaviest first

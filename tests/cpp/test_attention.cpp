@@ -234,12 +234,12 @@ TEST(AttentionBackwardOrder, KnobForcesTheOrderAndNamesABadValue) {
                       "FUSEFORGE_ATTENTION_BWD_KV_SLOWEST: expected 0 or 1, got 'yes'");
 }
 
-TEST(AttentionBackwardZeroing, DistanceIsTwoWavesAtLeastARowAndOffWhereTheGridIsShorter) {
+TEST(AttentionBackwardZeroing, DistanceIsAWaveAtLeastARowAndOffForShortGrids) {
   const char* name = "FUSEFORGE_ATTENTION_BWD_ZERO_AHEAD";
   // 132 resident blocks: D128/S1024 (4096 blocks of 8 key blocks a row), S16384 (128 a row).
-  EXPECT_EQ(at_::bwd_dq_zero_ahead(4096, 132, 8), 264);
+  EXPECT_EQ(at_::bwd_dq_zero_ahead(4096, 132, 8), 132);
   EXPECT_EQ(at_::bwd_dq_zero_ahead(4096, 132, 512), 512);  // at least a grid row
-  EXPECT_EQ(at_::bwd_dq_zero_ahead(264, 132, 8), 0);       // the zero-first kernel would do it all
+  EXPECT_EQ(at_::bwd_dq_zero_ahead(132, 132, 8), 0);       // the zero-first kernel would do it all
   {
     ScopedEnv env(name, "1");
     EXPECT_EQ(at_::bwd_dq_zero_ahead(4096, 132, 8), 8);
