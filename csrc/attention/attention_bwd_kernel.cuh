@@ -179,38 +179,89 @@ __device__ __forceinline__ float* dq_accum_panel_unit(const BwdParams& p, int b,
          (panel * p.dq_accum_head_tiles + seq_tile0 + unit) * 256;
 }
 
-// dq_accum zeroed by the dk/dv kernel (BwdParams::dq_zero_ahead; fixed length) instead of by the
-// row_dot kernel: zeroed in L2 about a wave before the first reduction into it, dq_accum's lines go
-// out to memory once, reduced; the row_dot kernel's zeros went out and came back for the first
-// reduction (512 of its 768 MB at 32768 tokens x 16 heads x 128). Unit u is what the dk/dv grid's
-// block at linear index u zeroes in the default order (key block x = u % kv_blocks of grid row
-// u / kv_blocks = (kv head, batch)): slice x of that row's dq_accum, i.e. of each head of the GQA group
-// and each panel (8 in the 80-query kernel's transposed layout, dq_accum_panel_unit; else 1) the
-// 16-row units [x per, (x + 1) per) of ceil(Sq / 16), per = ceil(units / kv_blocks). Units and grid
-// rows fit an int (the launcher checks).
+// dq_accum zeroed by the dk/dv kernel (BwdParams::dq_zero_ahead) instead of by the row_dot kernel:
+// zeroed in L2 about a wave before the first reduction into it, dq_accum's lines go out to memory
+// once, reduced; the row_dot kernel's zeros went out and came back for the first reduction (512 of
+// its 768 MB at 32768 tokens x 16 heads x 128). The grid in its default order (key block x, kv head,
+// batch or sequence slot z); its real blocks (at fixed length all, varlen those within their
+// sequence) numbered in grid order: row (hk, z) holds `blocks` of them from `first`. Real block u
+// zeroes the unit of real block u + dq_zero_ahead: slice x of its row's dq_accum, i.e. of each head
+// of the GQA group and each panel (8 in the 80-query kernel's transposed layout, dq_accum_panel_unit;
+// else 1) the 16-row units [x per, (x + 1) per) of the sequence's ceil(Sq / 16), per = ceil(units /
+// blocks). Units and grid rows fit an int (the launcher checks).
+struct DqZeroRow {
+  int first, blocks;
+};
+template <bool kVarlen>
+__device__ __forceinline__ DqZeroRow dq_zero_row(const BwdParams& p, int hk, int z, int kv_blocks) {
+  if constexpr (kVarlen) {
+    const int before = p.key_block_prefix[z], blocks = p.key_block_prefix[z + 1] - before;
+    return {p.heads_kv * before + hk * blocks, blocks};
+  }
+  return {(z * p.heads_kv + hk) * kv_blocks, kv_blocks};
+}
+template <bool kVarlen>
+__device__ __forceinline__ int dq_zero_units(const BwdParams& p, int kv_blocks) {
+  if constexpr (kVarlen) return p.heads_kv * p.key_block_prefix[p.batch];
+  return kv_blocks * p.heads_kv * p.batch;
+}
+struct DqZeroUnit {
+  int hk, b, x, slices, seqlen_q, row;  // b: the batch (0 for varlen); row: the grid row's index, for its count
+  int64_t seq_tile0;
+};
+// Real block u (< dq_zero_units) as a unit. Varlen: the sequence slot z by a binary search of the key
+// block prefix sums (the last slot whose first real block is at most u: never an empty sequence's).
+template <bool kVarlen>
+__device__ __forceinline__ DqZeroUnit dq_zero_unit(const BwdParams& p, int u, int kv_blocks) {
+  if constexpr (kVarlen) {
+    int lo = 0, hi = p.batch - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (p.heads_kv * p.key_block_prefix[mid] <= u) lo = mid;
+      else hi = mid - 1;
+    }
+    const int before = p.key_block_prefix[lo], blocks = p.key_block_prefix[lo + 1] - before;
+    const int within = u - p.heads_kv * before, b = p.seq_order[lo];
+    return {within / blocks, 0, within % blocks, blocks, p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b],
+            lo * p.heads_kv + within / blocks, dq_accum_seq_tile0<true>(p, b)};
+  }
+  const int row = u / kv_blocks;
+  return {row % p.heads_kv, row / p.heads_kv, u % kv_blocks, kv_blocks, p.seqlen_q, row, 0};
+}
 template <int kD, bool kTransposedDq>
-__device__ __forceinline__ void zero_dq_accum_unit(const BwdParams& p, int u, int kv_blocks, int thread, int threads) {
+__device__ __forceinline__ void zero_dq_accum_unit(const BwdParams& p, const DqZeroUnit& z, int thread, int threads) {
   constexpr int kPanels = kTransposedDq ? 8 : 1, kUnitVectors = 16 * kD / kPanels / 4;
-  const int x = u % kv_blocks, row = u / kv_blocks, hk = row % p.heads_kv, b = row / p.heads_kv;
-  const int units = (p.seqlen_q + 15) / 16, per = (units + kv_blocks - 1) / kv_blocks;
-  const int first = x * per, count = min(per, units - first);
+  const int units = (z.seqlen_q + 15) / 16, per = (units + z.slices - 1) / z.slices;
+  const int first = z.x * per, count = min(per, units - first);
   if (count <= 0) return;
   const int vectors = count * kUnitVectors;
   for (int r = 0; r < p.group * kPanels; ++r) {
-    const int h = hk * p.group + r / kPanels, panel = r % kPanels;
+    const int h = z.hk * p.group + r / kPanels, panel = r % kPanels;
     float4* dst = reinterpret_cast<float4*>(p.dq_accum) +
-                  ((b * p.dq_accum_batch_tiles + h * p.dq_accum_head_tiles) * kPanels +
-                   panel * p.dq_accum_head_tiles + first) *
+                  ((z.b * p.dq_accum_batch_tiles + h * p.dq_accum_head_tiles) * kPanels +
+                   panel * p.dq_accum_head_tiles + z.seq_tile0 + first) *
                       kUnitVectors;
     for (int i = thread; i < vectors; i += threads) dst[i] = make_float4(0.f, 0.f, 0.f, 0.f);
   }
 }
 
 // Units [0, gridDim.x) of zero_dq_accum_unit, the ones no dk/dv block zeroes ahead, and the dk/dv grid
-// rows' counts (`rows` ints), before the dk/dv kernel.
-template <int kD, bool kTransposedDq>
+// rows' counts (`rows` ints), before the dk/dv kernel. Varlen: also the dQ rows of sequences without
+// keys (no key block zeroes them; their dQ is 0).
+template <int kD, bool kTransposedDq, bool kVarlen>
 __global__ void attention_dq_zero_first_kernel(const __grid_constant__ BwdParams p, int kv_blocks, int rows) {
-  zero_dq_accum_unit<kD, kTransposedDq>(p, blockIdx.x, kv_blocks, threadIdx.x, blockDim.x);
+  if (static_cast<int>(blockIdx.x) < dq_zero_units<kVarlen>(p, kv_blocks))
+    zero_dq_accum_unit<kD, kTransposedDq>(p, dq_zero_unit<kVarlen>(p, blockIdx.x, kv_blocks), threadIdx.x, blockDim.x);
+  if constexpr (kVarlen) {
+    for (int z = blockIdx.x; z < p.batch; z += gridDim.x) {
+      if (p.key_block_prefix[z + 1] != p.key_block_prefix[z]) continue;
+      const int b = p.seq_order[z];
+      for (int hk = 0; hk < p.heads_kv; ++hk)
+        zero_dq_accum_unit<kD, kTransposedDq>(
+            p, {hk, 0, 0, 1, p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b], 0, dq_accum_seq_tile0<true>(p, b)}, threadIdx.x,
+            blockDim.x);
+    }
+  }
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < rows; i += gridDim.x * blockDim.x) p.dq_zero_counts[i] = 0;
 }
 

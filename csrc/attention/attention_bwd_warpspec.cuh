@@ -241,35 +241,39 @@ __device__ __forceinline__ void finish_dq(const BwdParams& p, const Blk& blk, in
   }
 }
 
-// dq_accum's zeroing in the kernel (BwdParams::dq_zero_ahead: fixed length, the grid in its default
-// order), by one warp of the producer warpgroup, idle otherwise. Every block zeroes unit t +
-// dq_zero_ahead for a later block and counts it in that block's grid row; dq_zero_ahead >= kv_blocks,
-// so a block waits only on blocks of lower index, which have started (blocks start in index order)
-// and whose zeroing waits on lower ones still: no cycle. The units of the first dq_zero_ahead blocks
-// are the zero-first kernel's (counted as done). Measured in docs/notes_attention.md.
-template <class Tr>
+// dq_accum's zeroing in the kernel (BwdParams::dq_zero_ahead, the grid in its default order), by one
+// warp of the producer warpgroup, idle otherwise. Every real block (DqZeroRow: varlen, those within
+// their sequence) zeroes the unit of real block u + dq_zero_ahead and counts it in that block's grid
+// row; dq_zero_ahead >= a row's blocks, so a block waits only on blocks of lower index, which have
+// started (blocks start in index order) and whose zeroing waits on lower ones still: no cycle. The
+// units of the first dq_zero_ahead real blocks are the zero-first kernel's (counted as done).
+// Measured in docs/notes_attention.md.
+template <class Tr, bool kVarlen>
 __device__ __forceinline__ void dq_zero_ahead(const BwdParams& p, int lane) {
-  const int blocks = gridDim.x * gridDim.y * gridDim.z;
-  const int u = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z) + static_cast<int>(p.dq_zero_ahead);
-  if (u >= blocks) return;
-  zero_dq_accum_unit<Tr::kHeadDim, Tr::kTransposedDq>(p, u, gridDim.x, lane, 32);
+  const DqZeroRow row = dq_zero_row<kVarlen>(p, blockIdx.y, blockIdx.z, gridDim.x);
+  const int u = row.first + blockIdx.x + static_cast<int>(p.dq_zero_ahead);
+  // (A block past its sequence, varlen, is no real block and owes nothing.)
+  if (static_cast<int>(blockIdx.x) >= row.blocks || u >= dq_zero_units<kVarlen>(p, gridDim.x)) return;
+  const DqZeroUnit unit = dq_zero_unit<kVarlen>(p, u, gridDim.x);
+  zero_dq_accum_unit<Tr::kHeadDim, Tr::kTransposedDq>(p, unit, lane, 32);
   fence_proxy_async_global();  // the zeros, ordered before the bulk reductions (async proxy) into them
   __syncwarp();
   if (lane == 0) {
     __threadfence();
-    atomicAdd(p.dq_zero_counts + u / gridDim.x, 1);
+    atomicAdd(p.dq_zero_counts + unit.row, 1);
   }
 }
-// Lane 0: until this block's grid row has its units zeroed (those of blocks past dq_zero_ahead
+// Lane 0: until this block's grid row has its units zeroed (those of real blocks past dq_zero_ahead
 // counted), then an arrive on full_kv, which the consumers wait on before their first reduction.
+template <bool kVarlen>
 __device__ __forceinline__ void dq_zero_wait(const BwdParams& p, uint32_t full_kv, int lane) {
   if (lane != 0) return;
-  // Units r kv_blocks + x < dq_zero_ahead are the zero-first kernel's.
-  const int kv_blocks = gridDim.x, row = blockIdx.y + gridDim.y * blockIdx.z;
-  const int64_t first_counted = p.dq_zero_ahead - static_cast<int64_t>(row) * kv_blocks;
-  const int expected = first_counted <= 0 ? kv_blocks : first_counted >= kv_blocks ? 0 : kv_blocks - first_counted;
+  const DqZeroRow row = dq_zero_row<kVarlen>(p, blockIdx.y, blockIdx.z, gridDim.x);
+  // Units of real blocks below dq_zero_ahead are the zero-first kernel's.
+  const int64_t first_counted = p.dq_zero_ahead - row.first;
+  const int expected = first_counted <= 0 ? row.blocks : first_counted >= row.blocks ? 0 : row.blocks - first_counted;
   if (expected > 0) {
-    while (load_acquire_gpu(p.dq_zero_counts + row) < expected) __nanosleep(100);
+    while (load_acquire_gpu(p.dq_zero_counts + blockIdx.y + gridDim.y * blockIdx.z) < expected) __nanosleep(100);
     fence_proxy_async_global();
   }
   mbarrier_arrive(full_kv);
@@ -284,11 +288,11 @@ __device__ __forceinline__ void attention_bwd_dkdv_warpspec_body(const BwdParams
                 "dQ splits one dimension in two");
   const int tid = threadIdx.x, lane = tid & 31, warp = uniform_warp_index();
   const KeyBlock<kBlockM, kBlockN, kMask, kVarlen> blk(p);
-  const bool zero_dq = kAtomicDq && !kVarlen && p.dq_zero_ahead > 0;
+  const bool zero_dq = kAtomicDq && p.dq_zero_ahead > 0;
   if (blk.rows_k <= 0) {  // past its sequence (varlen): the whole block leaves before any barrier
-    // (A block that leaves still zeroes the unit it owes. Never at fixed length, but with this path
-    // ptxas keeps the 80-query kernel's loop bound in a register: without it, one spill.)
-    if (zero_dq && warp == 1) dq_zero_ahead<Tr>(p, lane);
+    // (The zeroing call returns at once here: no real block. But with it on this path ptxas keeps the
+    // 80-query kernel's loop bound in a register: without it, one spill.)
+    if (zero_dq && warp == 1) dq_zero_ahead<Tr, kVarlen>(p, lane);
     return;
   }
   const int iterations = blk.iterations;
@@ -298,8 +302,8 @@ __device__ __forceinline__ void attention_bwd_dkdv_warpspec_body(const BwdParams
   if (warp < 4) {  // producer warpgroup: warp 0 loads, warp 1 zeroes dq_accum (if so), the others leave
     setmaxnreg_dec<L::kProducerRegs>();
     if (warp == 1 && zero_dq) {  // returns: nothing of warp 0's stays live across the zeroing (24 registers)
-      dq_zero_wait(p, sm.full_kv(), lane);
-      dq_zero_ahead<Tr>(p, lane);
+      dq_zero_wait<kVarlen>(p, sm.full_kv(), lane);
+      dq_zero_ahead<Tr, kVarlen>(p, lane);
       return;
     }
     if (warp != 0) return;
@@ -431,9 +435,12 @@ void launch_attention_bwd(const BwdParams& params, const BwdParams& row_dot_para
                                   static_cast<unsigned>(kv_blocks))
                            : dim3(static_cast<unsigned>(kv_blocks), static_cast<unsigned>(params.heads_kv),
                                   static_cast<unsigned>(params.batch));
-  // dq_accum zeroed by the warp-specialized dk/dv kernel (BwdParams::dq_zero_ahead) at fixed length in
-  // its default order; else by the row_dot kernel.
-  const bool zero_in_dkdv = !deterministic && warpspec && !p.kv_block_slowest && params.cu_seqlens_q == nullptr;
+  // dq_accum zeroed by the warp-specialized dk/dv kernel (BwdParams::dq_zero_ahead) in its default
+  // order; else by the row_dot kernel. (Varlen: `blocks` counts grid slots, the real blocks' bound.)
+  static_assert(DkdvTr::kBlockN == kBwdZeroKeyBlockRows || !bwd_warpspec_head_dim<kD>(),
+                "key_block_prefix counts the warp-specialized kernel's key blocks");
+  const bool zero_in_dkdv = !deterministic && warpspec && !p.kv_block_slowest &&
+                            (params.cu_seqlens_q == nullptr || params.key_block_prefix != nullptr);
   p.dq_zero_ahead = zero_in_dkdv ? bwd_dq_zero_ahead(blocks, resident, kv_blocks) : 0;
   BwdParams row_dot_p = row_dot_params;
   if (p.dq_zero_ahead > 0) row_dot_p.dq_accum = nullptr;
@@ -441,9 +448,9 @@ void launch_attention_bwd(const BwdParams& params, const BwdParams& row_dot_para
   launch_kernel(attention_row_dot_kernel<T, kD>, dim3(static_cast<unsigned>(ceil_div(rows * (kD / 8), 256))),
                 dim3(256), 0, row_dot_p);
   // The units no dk/dv block zeroes ahead, and the grid rows' counts.
-  auto zero_first = [&]<class Tr>() {
+  auto zero_first = [&]<class Tr, bool kVarlen>() {
     if (p.dq_zero_ahead == 0) return;
-    launch_kernel(attention_dq_zero_first_kernel<kD, Tr::kTransposedDq>,
+    launch_kernel(attention_dq_zero_first_kernel<kD, Tr::kTransposedDq, kVarlen>,
                   dim3(static_cast<unsigned>(p.dq_zero_ahead)), dim3(256), 0, p, static_cast<int>(kv_blocks),
                   static_cast<int>(params.heads_kv * params.batch));
   };
@@ -453,7 +460,7 @@ void launch_attention_bwd(const BwdParams& params, const BwdParams& row_dot_para
     if constexpr (FullTr::kTransposedDq) {
       if constexpr (kAtomicDq) {
         if (full_tiles) {
-          if constexpr (!kVarlen) zero_first.template operator()<FullTr>();
+          zero_first.template operator()<FullTr, kVarlen>();
           launch_kernel(attention_bwd_dkdv_warpspec_kernel<FullTr, kMask, kSoftcap, kVarlen, kAtomicDq>, grid_kv,
                         dim3(WarpSpecBwdLayout<FullTr>::kThreads), WarpSpecBwdLayout<FullTr>::kSmemBytes, p, full_tma);
           return;
@@ -463,7 +470,7 @@ void launch_attention_bwd(const BwdParams& params, const BwdParams& row_dot_para
     if constexpr (bwd_warpspec_head_dim<kD>()) {
       if (warpspec) {
         using L = WarpSpecBwdLayout<DkdvTr>;
-        if constexpr (kAtomicDq && !kVarlen) zero_first.template operator()<DkdvTr>();
+        if constexpr (kAtomicDq) zero_first.template operator()<DkdvTr, kVarlen>();
         launch_kernel(attention_bwd_dkdv_warpspec_kernel<DkdvTr, kMask, kSoftcap, kVarlen, kAtomicDq>, grid_kv,
                       dim3(L::kThreads), L::kSmemBytes, p, tma);
         return;

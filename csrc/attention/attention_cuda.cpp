@@ -76,16 +76,20 @@ void fill_forward(FwdParams& p, const Shape& s, const at::Tensor& q, const at::T
 struct VarlenArgs {
   at::Tensor cu_q, cu_k;
   at::Tensor seq_order;  // the kernels' order of the sequences (FwdParams::seq_order)
+  at::Tensor key_block_prefix;  // the backward's (BwdParams::key_block_prefix); undefined in the forward
 };
 
-// Checks cu_seqlens and writes the sequence order, on the device (check_and_order_sequences_async).
+// Checks cu_seqlens and writes the sequence order (and for the backward its key blocks' prefix sums),
+// on the device (check_and_order_sequences_async).
 VarlenArgs prepare_varlen(const Shape& s, const at::Tensor& q, const at::Tensor& k, const at::Tensor& cu_seqlens_q,
-                          const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k) {
+                          const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, bool backward) {
   VarlenArgs a{cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(),
-               at::empty({std::max<int64_t>(s.batch, 1)}, cu_seqlens_q.options())};
+               at::empty({std::max<int64_t>(s.batch, 1)}, cu_seqlens_q.options()), {}};
+  if (backward) a.key_block_prefix = at::empty({s.batch + 1}, cu_seqlens_q.options());
   check_and_order_sequences_async(a.cu_q.data_ptr<int>(), a.cu_k.data_ptr<int>(), static_cast<int>(s.batch), q.size(0),
                                   k.size(0), max_seqlen_q, max_seqlen_k, varlen_longest_first(),
-                                  a.seq_order.data_ptr<int>());
+                                  a.seq_order.data_ptr<int>(),
+                                  backward ? a.key_block_prefix.data_ptr<int>() : nullptr, kBwdZeroKeyBlockRows);
   return a;
 }
 
@@ -183,17 +187,16 @@ void backward(const Shape& s, const at::Tensor& grad_out_in, const at::Tensor& q
     p.dq_accum_floats = dq_accum.numel();
     p.dq_accum_head_tiles = rows / 16;
     p.dq_accum_batch_tiles = varlen != nullptr ? 0 : s.heads_q * rows / 16;
-    // An int a row of the dk/dv grid (kv head, batch) for the dk/dv kernel's own zeroing of dq_accum at
-    // fixed length (BwdParams::dq_zero_ahead); zeroed on the device by the launcher's kernels.
-    if (varlen == nullptr) {
-      dq_zero_counts = at::empty({s.heads_kv * s.batch}, q.options().dtype(at::kInt));
-      p.dq_zero_counts = dq_zero_counts.data_ptr<int>();
-    }
+    // An int a row of the dk/dv grid (kv head, batch or sequence) for the dk/dv kernel's own zeroing of
+    // dq_accum (BwdParams::dq_zero_ahead); zeroed on the device by the launcher's kernels.
+    dq_zero_counts = at::empty({s.heads_kv * s.batch}, q.options().dtype(at::kInt));
+    p.dq_zero_counts = dq_zero_counts.data_ptr<int>();
   }
   // The row_dot kernel's view: every row of q once (varlen: one sequence of total_q rows).
   BwdParams row_dot_params = p;
   if (varlen != nullptr) {
     set_varlen(p, *varlen);
+    p.key_block_prefix = varlen->key_block_prefix.data_ptr<int>();
     p.do_batch_stride = p.dq_batch_stride = p.dk_batch_stride = p.dv_batch_stride = 0;
     row_dot_params.batch = 1;
     row_dot_params.seqlen_q = static_cast<int>(q.size(2));
@@ -257,7 +260,7 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen_fwd_cuda(const at::Tensor& q
   const MaskOptions o = check_mask_options(causal, window_left, window_right, softcap);
   check_grid_limits(s);
   const c10::cuda::CUDAGuard guard(q.device());
-  const VarlenArgs varlen = prepare_varlen(s, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+  const VarlenArgs varlen = prepare_varlen(s, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, false);
   at::Tensor out = at::empty_like(q);
   at::Tensor lse = at::empty({s.heads_q, q.size(0)}, q.options().dtype(at::kFloat));
   if (s.batch > 0) {
@@ -279,7 +282,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_bwd_cuda(
   const c10::cuda::CUDAGuard guard(q.device());
   at::Tensor grad_q = at::empty_like(q), grad_k = at::empty_like(k), grad_v = at::empty_like(v);
   if (backward_is_trivial(s, grad_q, grad_k, grad_v)) return {grad_q, grad_k, grad_v};
-  const VarlenArgs varlen = prepare_varlen(s, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+  const VarlenArgs varlen = prepare_varlen(s, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, true);
   backward(s, as_batch_of_one(grad_out), as_batch_of_one(q), as_batch_of_one(k), as_batch_of_one(v),
            as_batch_of_one(out), lse.unsqueeze(0), scale, o, deterministic, as_batch_of_one(grad_q),
            as_batch_of_one(grad_k), as_batch_of_one(grad_v), &varlen);

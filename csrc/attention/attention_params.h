@@ -144,17 +144,24 @@ struct BwdParams : FwdParams {
   float* dq_accum = nullptr;
   int64_t dq_accum_batch_tiles = 0, dq_accum_head_tiles = 0;  // in 16-row tiles
   int64_t dq_accum_floats = 0;  // its size; the row_dot kernel zeroes it unless dq_zero_ahead > 0
-  // dq_accum zeroed by the dk/dv kernel itself (fixed length; attention_bwd_kernel.cuh,
-  // zero_dq_accum_unit): the block at linear index t zeroes the unit of block t + dq_zero_ahead and
+  // dq_accum zeroed by the dk/dv kernel itself (attention_bwd_kernel.cuh, DqZeroUnit): the block that
+  // is the t-th of the grid's real key blocks zeroes the unit of real block t + dq_zero_ahead and
   // counts it in dq_zero_counts (an int a grid row), which a row's blocks wait on before their first
   // reduction; units below dq_zero_ahead are zeroed by attention_dq_zero_first_kernel. 0: the row_dot
-  // kernel zeroes all of dq_accum.
+  // kernel zeroes all of dq_accum. Real blocks: at fixed length every block of the grid; varlen the
+  // blocks within their sequence, counted with key_block_prefix (batch + 1 ints: entry z = the
+  // 128-key blocks of sequences seq_order[0, z), written by check_and_order_sequences_async).
   int64_t dq_zero_ahead = 0;
   int* dq_zero_counts = nullptr;
+  const int* key_block_prefix = nullptr;  // of kBwdZeroKeyBlockRows-key blocks
   bool kv_block_slowest = false;  // set by the launcher: the dk/dv grid is (Hk, B, key blocks), heaviest first
   // The rows the 80-query dk/dv tiles' origin is rounded down to (KeyBlock): 16, or 80 (bwd_row_align).
   int bwd_row_align = 16;
 };
+
+// The key block of the warp-specialized dk/dv kernel, the one that zeroes dq_accum itself (BwdParams::
+// key_block_prefix counts these).
+constexpr int kBwdZeroKeyBlockRows = 128;
 
 // Launchers, one explicit instantiation per (element type, head dim, softcap, padded head dim) in
 // instantiations/*.cu; they launch on the current stream of the current device (the caller holds the
@@ -165,9 +172,12 @@ struct BwdParams : FwdParams {
 // problem as the row_dot kernel sees it (varlen: one sequence of all total_q rows).
 // Varlen: checks cu_seqlens on the device (attention_varlen_check.cu): a device-side assert names
 // what is wrong; and writes seq_order (batch ints): the sequences by decreasing len_q + len_k
-// (longest_first; else 0, 1, ...). Launched ahead of the attention kernels on the current stream.
+// (longest_first; else 0, 1, ...), and, unless null, key_block_prefix (batch + 1 ints, BwdParams): the
+// blocks of key_block_rows keys of the sequences before each in that order. Launched ahead of the
+// attention kernels on the current stream.
 void check_and_order_sequences_async(const int* cu_q, const int* cu_k, int batch, int64_t total_q, int64_t total_k,
-                                     int64_t max_q, int64_t max_k, bool longest_first, int* seq_order);
+                                     int64_t max_q, int64_t max_k, bool longest_first, int* seq_order,
+                                     int* key_block_prefix, int key_block_rows);
 
 template <typename T, int kHeadDim, bool kSoftcap, bool kPadHeadDim>
 void run_attention_fwd(const FwdParams& params, bool local);

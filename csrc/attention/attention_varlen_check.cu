@@ -2,7 +2,8 @@
 // a one-block kernel ahead of the attention kernels on the same stream checks what the kernels rely on
 // and, on bad input, stops with a device-side assert naming the argument (PyTorch's way for bad
 // indices on CUDA; no kernel after it on the stream runs, so nothing reads out of bounds). The same
-// block writes the order the kernels take the sequences in (FwdParams::seq_order): longest first.
+// block writes the order the kernels take the sequences in (FwdParams::seq_order): longest first, and
+// for the backward the prefix sums of its key blocks in that order (BwdParams::key_block_prefix).
 #include <c10/macros/Macros.h>
 
 #include <cstdio>
@@ -19,7 +20,7 @@ constexpr int kOrderBuckets = 1024;  // of len_q + len_k >> order_shift, a count
 
 __global__ void check_and_order_sequences_kernel(const int* cu_q, const int* cu_k, int batch, int64_t total_q,
                                                  int64_t total_k, int64_t max_q, int64_t max_k, int order_shift,
-                                                 int* seq_order) {
+                                                 int* seq_order, int* key_block_prefix, int key_block_rows) {
   for (int b = threadIdx.x; b <= batch; b += blockDim.x) {
     const int q = cu_q[b], k = cu_k[b];
     bool ok = true;
@@ -53,42 +54,62 @@ __global__ void check_and_order_sequences_kernel(const int* cu_q, const int* cu_
   // len_q + len_k (its top bucket the longest); ties in any order (the order never changes a result:
   // every tile's work is its own, dQ's sums are unordered anyway outside deterministic mode, and
   // deterministic mode sums nothing across blocks). order_shift < 0: the given order.
+  __shared__ typename cub::BlockScan<int, kThreads>::TempStorage scan_storage;
   if (order_shift < 0) {
     for (int b = threadIdx.x; b < batch; b += blockDim.x) seq_order[b] = b;
-    return;
+  } else {
+    __shared__ int bucket_next[kOrderBuckets];
+    for (int i = threadIdx.x; i < kOrderBuckets; i += blockDim.x) bucket_next[i] = 0;
+    __syncthreads();
+    auto bucket = [&](int b) {  // decreasing length: bucket 0 holds the longest
+      const int len = max(0, cu_q[b + 1] - cu_q[b]) + max(0, cu_k[b + 1] - cu_k[b]);
+      return kOrderBuckets - 1 - min(kOrderBuckets - 1, len >> order_shift);
+    };
+    for (int b = threadIdx.x; b < batch; b += blockDim.x) atomicAdd(&bucket_next[bucket(b)], 1);
+    __syncthreads();
+    constexpr int kPerThread = kOrderBuckets / kThreads;
+    int counts[kPerThread];
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i) counts[i] = bucket_next[threadIdx.x * kPerThread + i];
+    cub::BlockScan<int, kThreads>(scan_storage).ExclusiveSum(counts, counts);
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i) bucket_next[threadIdx.x * kPerThread + i] = counts[i];
+    __syncthreads();
+    for (int b = threadIdx.x; b < batch; b += blockDim.x) seq_order[atomicAdd(&bucket_next[bucket(b)], 1)] = b;
   }
-  __shared__ int bucket_next[kOrderBuckets];
-  __shared__ typename cub::BlockScan<int, kThreads>::TempStorage scan_storage;
-  for (int i = threadIdx.x; i < kOrderBuckets; i += blockDim.x) bucket_next[i] = 0;
+  if (key_block_prefix == nullptr) return;
+  // The backward's key blocks in that order (BwdParams::key_block_prefix): entry z counts the blocks
+  // of key_block_rows keys of sequences seq_order[0, z). The block's global writes above are visible
+  // to all of its threads after the barrier.
   __syncthreads();
-  auto bucket = [&](int b) {  // decreasing length: bucket 0 holds the longest
-    const int len = max(0, cu_q[b + 1] - cu_q[b]) + max(0, cu_k[b + 1] - cu_k[b]);
-    return kOrderBuckets - 1 - min(kOrderBuckets - 1, len >> order_shift);
-  };
-  for (int b = threadIdx.x; b < batch; b += blockDim.x) atomicAdd(&bucket_next[bucket(b)], 1);
-  __syncthreads();
-  constexpr int kPerThread = kOrderBuckets / kThreads;
-  int counts[kPerThread];
-#pragma unroll
-  for (int i = 0; i < kPerThread; ++i) counts[i] = bucket_next[threadIdx.x * kPerThread + i];
-  cub::BlockScan<int, kThreads>(scan_storage).ExclusiveSum(counts, counts);
-#pragma unroll
-  for (int i = 0; i < kPerThread; ++i) bucket_next[threadIdx.x * kPerThread + i] = counts[i];
-  __syncthreads();
-  for (int b = threadIdx.x; b < batch; b += blockDim.x) seq_order[atomicAdd(&bucket_next[bucket(b)], 1)] = b;
+  int carry = 0;
+  for (int z0 = 0; z0 <= batch; z0 += kThreads) {
+    const int z = z0 + threadIdx.x;
+    int blocks = 0;
+    if (z < batch) {
+      const int b = seq_order[z];
+      blocks = (max(0, cu_k[b + 1] - cu_k[b]) + key_block_rows - 1) / key_block_rows;
+    }
+    int before, chunk;
+    cub::BlockScan<int, kThreads>(scan_storage).ExclusiveSum(blocks, before, chunk);
+    if (z <= batch) key_block_prefix[z] = carry + before;
+    carry += chunk;
+    __syncthreads();  // scan_storage is reused
+  }
 }
 
 }  // namespace
 
 void check_and_order_sequences_async(const int* cu_q, const int* cu_k, int batch, int64_t total_q, int64_t total_k,
-                                     int64_t max_q, int64_t max_k, bool longest_first, int* seq_order) {
+                                     int64_t max_q, int64_t max_k, bool longest_first, int* seq_order,
+                                     int* key_block_prefix, int key_block_rows) {
   int order_shift = -1;
   if (longest_first) {
     order_shift = 0;
     while (((max_q + max_k) >> order_shift) >= kOrderBuckets) ++order_shift;
   }
   launch_kernel(check_and_order_sequences_kernel, dim3(1), dim3(kThreads), 0, cu_q, cu_k, batch, total_q, total_k,
-                max_q, max_k, order_shift, seq_order);
+                max_q, max_k, order_shift, seq_order, key_block_prefix, key_block_rows);
 }
 
 }  // namespace fuseforge::attention

@@ -192,6 +192,38 @@ def test_cuda_varlen_backward_tiles_80(dtype, options, rows, align, monkeypatch)
     check_varlen_matches_each_sequence("cuda", dtype, [1, 17, 80, 0, 81, 255, 160, 3, 700], options, 128)
 
 
+@requires_cuda
+@pytest.mark.parametrize("order", ["1", "0"], ids=["longest_first", "given_order"])
+@pytest.mark.parametrize("ahead", ["1", "20"])
+@pytest.mark.parametrize("options", [(True, None, None), (False, None, None), (True, (31, 0), None)],
+                         ids=options_id)
+@pytest.mark.parametrize("d,rows", [(128, "80"), (128, "64"), (64, "64")])
+def test_cuda_varlen_backward_dq_zeroed_ahead(d, rows, options, ahead, order, monkeypatch):
+    """dq_accum zeroed by the dk/dv kernel on packed sequences, the distance counted in real key blocks
+    (those within their sequence, BwdParams::key_block_prefix) in either sequence order: "1" is the
+    longest sequence's key blocks ahead, "20" leaves some of the 28 real blocks to the zero-first
+    kernel. The q and k lengths differ; one sequence has queries and no keys (its dQ rows, 0, are
+    the zero-first kernel's), one neither. dq_accum comes from blocks full of NaN, so a unit nobody
+    zeroes, or one zeroed after a reduction into it, shows in dQ."""
+    if not sm90a_kernels_runnable():
+        pytest.skip("the zeroing ahead is the warp-specialized dk/dv kernel's (sm_90 GPUs only)")
+    causal, window, cap = options
+    lengths_q, lengths_k = [300, 17, 40, 0, 129, 700, 5], [260, 17, 0, 0, 300, 650, 9]
+    q, k, v, cu_q, cu_k, max_q, max_k = varlen_case(lengths_q, lengths_k, 4, 2, d, torch.bfloat16, "cuda")
+    grad = randn(*q.shape, dtype=torch.bfloat16, device="cuda")
+    for name, value in {"FUSEFORGE_ATTENTION_TMA": "1", "FUSEFORGE_ATTENTION_BWD_KV_SLOWEST": "0",
+                        "FUSEFORGE_ATTENTION_BWD_ROWS": rows, "FUSEFORGE_ATTENTION_BWD_ZERO_AHEAD": ahead,
+                        "FUSEFORGE_ATTENTION_VARLEN_LONGEST_FIRST": order}.items():
+        monkeypatch.setenv(name, value)
+    out = attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, window=window, softcap=cap)
+    dq_accum_bytes = 4 * 16 * (q.shape[0] // 16 + len(lengths_q) + 1) * d * 4  # (1, Hq, R, D) floats
+    poison_allocations(dq_accum_bytes, dq_accum_bytes, q, q)
+    grads = torch.autograd.grad(out, (q, k, v), grad)
+    _, _, *ref_grads = per_sequence_reference(q, k, v, grad, lengths_q, lengths_k, causal, window, cap)
+    for name, g, r in zip("qkv", grads, ref_grads):
+        assert rel_err(g, r) <= 2 * TOL[torch.bfloat16], (name, rel_err(g, r))
+
+
 @pytest.mark.parametrize("d", [64, 96, 256])
 @pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
 def test_varlen_cross_lengths_and_loose_max(device, dtype, d):
@@ -392,6 +424,19 @@ def test_cuda_sanitize_varlen_tiles_80(causal, monkeypatch):
     monkeypatch.setenv("FUSEFORGE_ATTENTION_TMA", "1")
     monkeypatch.setenv("FUSEFORGE_ATTENTION_BWD_ROWS", "80")
     check_small_varlen_case([70, 0, 150, 1, 80], 128, causal=causal)
+
+
+@requires_cuda
+@pytest.mark.sanitize
+@pytest.mark.parametrize("d", [64, 128])
+def test_cuda_sanitize_varlen_dq_zeroed_ahead(d, monkeypatch):
+    """dq_accum zeroed by the dk/dv kernel a key block row ahead (real blocks: 16 of 36 grid slots)."""
+    if not sm90a_kernels_runnable():
+        pytest.skip("the zeroing ahead is the warp-specialized dk/dv kernel's (sm_90 GPUs only)")
+    for name, value in {"FUSEFORGE_ATTENTION_TMA": "1", "FUSEFORGE_ATTENTION_BWD_KV_SLOWEST": "0",
+                        "FUSEFORGE_ATTENTION_BWD_ZERO_AHEAD": "1"}.items():
+        monkeypatch.setenv(name, value)
+    check_small_varlen_case([70, 0, 150, 1, 80, 300], d, causal=True)
 
 
 @requires_cuda
