@@ -80,7 +80,7 @@ ADAMW=(c16k:)
 # did not do better. Add
 # "name:-DKNOB=1" (or "name:ENV=value") entries for the next candidates, and "before:@baseline"
 # (scripts/prepare_baseline.sh; carry "baseline") to time the previous commit in the same call.
-ATTN=(default: "z0:FUSEFORGE_ATTENTION_BWD_ZERO_AHEAD=0")
+ATTN=(default: "el:-DFUSEFORGE_ATTENTION_DQ_ZERO_EVICT_LAST=1" "a33:FUSEFORGE_ATTENTION_BWD_ZERO_AHEAD=33")
 PARTS=${PARTS:-build tests time profile e2e lce}
 OPS=${OPS-adamw add_mul_act}
 has() { [[ " $PARTS " == *" $1 "* ]]; }
