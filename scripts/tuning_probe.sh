@@ -77,10 +77,12 @@ ADAMW=(c16k:)
 # ping-pong and early K release still win (off: 2-4% and 7-18% slower at S1024); on 2026-11-27
 # (thirty-third) dq_accum zeroed by the dk/dv kernel a wave ahead won (FUSEFORGE_ATTENTION_BWD_ZERO_AHEAD=0
 # for the row_dot kernel's zeroing), two waves ahead and the zeroing after the block's first tile
-# did not do better. Add
+# did not do better; on 2026-11-28 (thirty-fourth) the same for varlen (distance in real key blocks)
+# won and is the code, the zeros stored with an L2 evict_last policy and a distance of 33 blocks timed
+# level. Add
 # "name:-DKNOB=1" (or "name:ENV=value") entries for the next candidates, and "before:@baseline"
 # (scripts/prepare_baseline.sh; carry "baseline") to time the previous commit in the same call.
-ATTN=(default: "el:-DFUSEFORGE_ATTENTION_DQ_ZERO_EVICT_LAST=1" "a33:FUSEFORGE_ATTENTION_BWD_ZERO_AHEAD=33")
+ATTN=(default:)
 PARTS=${PARTS:-build tests time profile e2e lce}
 OPS=${OPS-adamw add_mul_act}
 has() { [[ " $PARTS " == *" $1 "* ]]; }

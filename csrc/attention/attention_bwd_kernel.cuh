@@ -228,9 +228,6 @@ __device__ __forceinline__ DqZeroUnit dq_zero_unit(const BwdParams& p, int u, in
   const int row = u / kv_blocks;
   return {row % p.heads_kv, row / p.heads_kv, u % kv_blocks, kv_blocks, p.seqlen_q, row, 0};
 }
-#ifndef FUSEFORGE_ATTENTION_DQ_ZERO_EVICT_LAST  // A/B knob: the zeros stored with an L2 evict_last policy
-#define FUSEFORGE_ATTENTION_DQ_ZERO_EVICT_LAST 0
-#endif
 template <int kD, bool kTransposedDq>
 __device__ __forceinline__ void zero_dq_accum_unit(const BwdParams& p, const DqZeroUnit& z, int thread, int threads) {
   constexpr int kPanels = kTransposedDq ? 8 : 1, kUnitVectors = 16 * kD / kPanels / 4;
@@ -238,23 +235,13 @@ __device__ __forceinline__ void zero_dq_accum_unit(const BwdParams& p, const DqZ
   const int first = z.x * per, count = min(per, units - first);
   if (count <= 0) return;
   const int vectors = count * kUnitVectors;
-#if FUSEFORGE_ATTENTION_DQ_ZERO_EVICT_LAST
-  uint64_t policy;
-  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(policy));
-#endif
   for (int r = 0; r < p.group * kPanels; ++r) {
     const int h = z.hk * p.group + r / kPanels, panel = r % kPanels;
     float4* dst = reinterpret_cast<float4*>(p.dq_accum) +
                   ((z.b * p.dq_accum_batch_tiles + h * p.dq_accum_head_tiles) * kPanels +
                    panel * p.dq_accum_head_tiles + z.seq_tile0 + first) *
                       kUnitVectors;
-#if FUSEFORGE_ATTENTION_DQ_ZERO_EVICT_LAST
-    for (int i = thread; i < vectors; i += threads)
-      asm volatile("st.global.L2::cache_hint.v4.f32 [%0], {%1, %1, %1, %1}, %2;\n" ::"l"(dst + i), "f"(0.f), "l"(policy)
-                   : "memory");
-#else
     for (int i = thread; i < vectors; i += threads) dst[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-#endif
   }
 }
 

@@ -87,15 +87,17 @@ inline int bwd_row_align() {
   return knob == "80" ? 80 : 16;
 }
 
-// How far ahead (in blocks) the dk/dv kernel zeroes dq_accum at fixed length (BwdParams::
-// dq_zero_ahead): a wave of resident blocks, so a unit is zeroed about a block's time before its first
-// reduction and stays in L2 meanwhile; at least a grid row (kv_blocks: a block waits only on lower
-// ones). Measured on the H100 (2026-11-27, docs/notes_attention.md): forward+backward at S1024 2.4-4.0%
-// faster than with the row_dot kernel's zeroing (two waves ahead: 1.9-3.0%). Packed documents timed
-// 1.5% slower (two waves; most of their grid is blocks past their sequence, so a unit's zeroing came
-// shortly before its use): varlen keeps the row_dot kernel's. 0 where the row_dot kernel zeroes
-// dq_accum: FUSEFORGE_ATTENTION_BWD_ZERO_AHEAD=0, or a grid the zero-first kernel would cover whole.
-// The knob's positive values set the distance (A/B timings, tests).
+// How far ahead (in real blocks: varlen counts only those within their sequence) the dk/dv kernel
+// zeroes dq_accum (BwdParams::dq_zero_ahead): a wave of resident blocks, so a unit is zeroed about a
+// block's time before its first reduction; at least a grid row (kv_blocks: a block waits only on lower
+// ones). Measured on the H100 (docs/notes_attention.md): forward+backward at S1024 2.4-4.0% faster
+// than with the row_dot kernel's zeroing (two waves ahead: 1.9-3.0%), packed documents 1.2-1.3%
+// (counted in grid slots, most of them blocks past their sequence, they had been 1.5% slower). ncu
+// reads the zeros going out to memory and back all the same (the gain is the row_dot kernel's 268 MB
+// of stores moved under the dk/dv kernel's compute); 33 blocks ahead kept most in L2 (dk/dv DRAM
+// bytes -29%) and timed level. 0 where the row_dot kernel zeroes dq_accum:
+// FUSEFORGE_ATTENTION_BWD_ZERO_AHEAD=0, or a grid the zero-first kernel would cover whole. The
+// knob's positive values set the distance (A/B timings, tests).
 inline int64_t bwd_dq_zero_ahead(int64_t blocks, int64_t resident, int64_t kv_blocks) {
   if (env_string("FUSEFORGE_ATTENTION_BWD_ZERO_AHEAD") == "0") return 0;
   const int64_t ahead = std::max(env_positive_int("FUSEFORGE_ATTENTION_BWD_ZERO_AHEAD", resident), kv_blocks);
