@@ -224,6 +224,32 @@ def test_cuda_varlen_backward_dq_zeroed_ahead(d, rows, options, ahead, order, mo
         assert rel_err(g, r) <= 2 * TOL[torch.bfloat16], (name, rel_err(g, r))
 
 
+@requires_cuda
+@pytest.mark.parametrize("order", ["1", "0"], ids=["longest_first", "given_order"])
+def test_cuda_varlen_backward_dq_zeroed_ahead_many_sequences(order, monkeypatch):
+    """520 sequences: the key blocks' prefix sums (BwdParams::key_block_prefix) span three chunks of
+    the check kernel's block scan, so a wrong carry between chunks puts units in the wrong place."""
+    if not sm90a_kernels_runnable():
+        pytest.skip("the zeroing ahead is the warp-specialized dk/dv kernel's (sm_90 GPUs only)")
+    g = torch.Generator().manual_seed(7)
+    lengths = torch.randint(0, 200, (520,), generator=g)
+    lengths[::9] = 0
+    lengths = lengths.tolist()
+    q, k, v, cu_q, cu_k, max_q, max_k = varlen_case(lengths, lengths, 2, 1, 64, torch.bfloat16, "cuda")
+    grad = randn(*q.shape, dtype=torch.bfloat16, device="cuda")
+    for name, value in {"FUSEFORGE_ATTENTION_TMA": "1", "FUSEFORGE_ATTENTION_BWD_KV_SLOWEST": "0",
+                        "FUSEFORGE_ATTENTION_BWD_ZERO_AHEAD": "1",
+                        "FUSEFORGE_ATTENTION_VARLEN_LONGEST_FIRST": order}.items():
+        monkeypatch.setenv(name, value)
+    out = attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=True)
+    dq_accum_bytes = 2 * 16 * (q.shape[0] // 16 + len(lengths) + 1) * 64 * 4
+    poison_allocations(dq_accum_bytes, q, q)
+    grads = torch.autograd.grad(out, (q, k, v), grad)
+    _, _, *ref_grads = per_sequence_reference(q, k, v, grad, lengths, lengths, True, None, None)
+    for name, g_, r in zip("qkv", grads, ref_grads):
+        assert rel_err(g_, r) <= 2 * TOL[torch.bfloat16], (name, rel_err(g_, r))
+
+
 @pytest.mark.parametrize("d", [64, 96, 256])
 @pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
 def test_varlen_cross_lengths_and_loose_max(device, dtype, d):
