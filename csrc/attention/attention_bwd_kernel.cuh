@@ -179,10 +179,10 @@ __device__ __forceinline__ float* dq_accum_panel_unit(const BwdParams& p, int b,
          (panel * p.dq_accum_head_tiles + seq_tile0 + unit) * 256;
 }
 
-// dq_accum zeroed by the dk/dv kernel (BwdParams::dq_zero_ahead) instead of by the row_dot kernel:
-// zeroed in L2 about a wave before the first reduction into it, dq_accum's lines go out to memory
-// once, reduced; the row_dot kernel's zeros went out and came back for the first reduction (512 of
-// its 768 MB at 32768 tokens x 16 heads x 128). The grid in its default order (key block x, kv head,
+// dq_accum zeroed by the dk/dv kernel (BwdParams::dq_zero_ahead) instead of by the row_dot kernel: the
+// 268 MB of zeros at 32768 tokens x 16 heads x 128 stored under the dk/dv kernel's compute rather
+// than in a kernel of their own (a wave ahead they still go out to memory and come back for the
+// first reduction, ncu's DRAM bytes in docs/notes_attention.md). The grid in its default order (key block x, kv head,
 // batch or sequence slot z); its real blocks (at fixed length all, varlen those within their
 // sequence) numbered in grid order: row (hk, z) holds `blocks` of them from `first`. Real block u
 // zeroes the unit of real block u + dq_zero_ahead: slice x of its row's dq_accum, i.e. of each head
