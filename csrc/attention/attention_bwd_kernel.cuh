@@ -209,6 +209,11 @@ struct DqZeroUnit {
   int hk, b, x, slices, seqlen_q, row;  // b: the batch (0 for varlen); row: the grid row's index, for its count
   int64_t seq_tile0;
 };
+// Varlen: slice x of `slices` of kv head hk's rows of the sequence in slot z.
+__device__ __forceinline__ DqZeroUnit dq_zero_varlen_unit(const BwdParams& p, int z, int hk, int x, int slices) {
+  const int b = p.seq_order[z];
+  return {hk, 0, x, slices, SeqInfo<true>(p, b).seqlen_q, z * p.heads_kv + hk, dq_accum_seq_tile0<true>(p, b)};
+}
 // Real block u (< dq_zero_units) as a unit. Varlen: the sequence slot z by a binary search of the key
 // block prefix sums (the last slot whose first real block is at most u: never an empty sequence's).
 template <bool kVarlen>
@@ -221,9 +226,8 @@ __device__ __forceinline__ DqZeroUnit dq_zero_unit(const BwdParams& p, int u, in
       else hi = mid - 1;
     }
     const int before = p.key_block_prefix[lo], blocks = p.key_block_prefix[lo + 1] - before;
-    const int within = u - p.heads_kv * before, b = p.seq_order[lo];
-    return {within / blocks, 0, within % blocks, blocks, p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b],
-            lo * p.heads_kv + within / blocks, dq_accum_seq_tile0<true>(p, b)};
+    const int within = u - p.heads_kv * before;
+    return dq_zero_varlen_unit(p, lo, within / blocks, within % blocks, blocks);
   }
   const int row = u / kv_blocks;
   return {row % p.heads_kv, row / p.heads_kv, u % kv_blocks, kv_blocks, p.seqlen_q, row, 0};
@@ -255,11 +259,8 @@ __global__ void attention_dq_zero_first_kernel(const __grid_constant__ BwdParams
   if constexpr (kVarlen) {
     for (int z = blockIdx.x; z < p.batch; z += gridDim.x) {
       if (p.key_block_prefix[z + 1] != p.key_block_prefix[z]) continue;
-      const int b = p.seq_order[z];
       for (int hk = 0; hk < p.heads_kv; ++hk)
-        zero_dq_accum_unit<kD, kTransposedDq>(
-            p, {hk, 0, 0, 1, p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b], 0, dq_accum_seq_tile0<true>(p, b)}, threadIdx.x,
-            blockDim.x);
+        zero_dq_accum_unit<kD, kTransposedDq>(p, dq_zero_varlen_unit(p, z, hk, 0, 1), threadIdx.x, blockDim.x);
     }
   }
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < rows; i += gridDim.x * blockDim.x) p.dq_zero_counts[i] = 0;
