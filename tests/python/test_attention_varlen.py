@@ -192,6 +192,25 @@ def test_cuda_varlen_backward_tiles_80(dtype, options, rows, align, monkeypatch)
     check_varlen_matches_each_sequence("cuda", dtype, [1, 17, 80, 0, 81, 255, 160, 3, 700], options, 128)
 
 
+def check_varlen_dq_zeroed_ahead(lengths_q, lengths_k, hq, hk, d, options, env, monkeypatch):
+    """bf16 gradients of a packed batch against the per-sequence float64 reference with dq_accum zeroed
+    by the dk/dv kernel (the TMA kernels, key blocks in their default order, `env`'s knobs) and
+    allocated from blocks full of NaN, so a unit nobody zeroes, or one zeroed after a reduction into
+    it, shows in dQ."""
+    causal, window, cap = options
+    q, k, v, cu_q, cu_k, max_q, max_k = varlen_case(lengths_q, lengths_k, hq, hk, d, torch.bfloat16, "cuda")
+    grad = randn(*q.shape, dtype=torch.bfloat16, device="cuda")
+    for name, value in {"FUSEFORGE_ATTENTION_TMA": "1", "FUSEFORGE_ATTENTION_BWD_KV_SLOWEST": "0", **env}.items():
+        monkeypatch.setenv(name, value)
+    out = attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, window=window, softcap=cap)
+    dq_accum_bytes = hq * 16 * (q.shape[0] // 16 + len(lengths_q) + 1) * d * 4  # (1, Hq, R, D) floats
+    poison_allocations(dq_accum_bytes, dq_accum_bytes, q, q)
+    grads = torch.autograd.grad(out, (q, k, v), grad)
+    _, _, *ref_grads = per_sequence_reference(q, k, v, grad, lengths_q, lengths_k, causal, window, cap)
+    for name, g, r in zip("qkv", grads, ref_grads):
+        assert rel_err(g, r) <= 2 * TOL[torch.bfloat16], (name, rel_err(g, r))
+
+
 @requires_cuda
 @pytest.mark.parametrize("order", ["1", "0"], ids=["longest_first", "given_order"])
 @pytest.mark.parametrize("ahead", ["1", "20"])
@@ -203,25 +222,12 @@ def test_cuda_varlen_backward_dq_zeroed_ahead(d, rows, options, ahead, order, mo
     (those within their sequence, BwdParams::key_block_prefix) in either sequence order: "1" is the
     longest sequence's key blocks ahead, "20" leaves some of the 28 real blocks to the zero-first
     kernel. The q and k lengths differ; one sequence has queries and no keys (its dQ rows, 0, are
-    the zero-first kernel's), one neither. dq_accum comes from blocks full of NaN, so a unit nobody
-    zeroes, or one zeroed after a reduction into it, shows in dQ."""
+    the zero-first kernel's), one neither."""
     if not sm90a_kernels_runnable():
         pytest.skip("the zeroing ahead is the warp-specialized dk/dv kernel's (sm_90 GPUs only)")
-    causal, window, cap = options
-    lengths_q, lengths_k = [300, 17, 40, 0, 129, 700, 5], [260, 17, 0, 0, 300, 650, 9]
-    q, k, v, cu_q, cu_k, max_q, max_k = varlen_case(lengths_q, lengths_k, 4, 2, d, torch.bfloat16, "cuda")
-    grad = randn(*q.shape, dtype=torch.bfloat16, device="cuda")
-    for name, value in {"FUSEFORGE_ATTENTION_TMA": "1", "FUSEFORGE_ATTENTION_BWD_KV_SLOWEST": "0",
-                        "FUSEFORGE_ATTENTION_BWD_ROWS": rows, "FUSEFORGE_ATTENTION_BWD_ZERO_AHEAD": ahead,
-                        "FUSEFORGE_ATTENTION_VARLEN_LONGEST_FIRST": order}.items():
-        monkeypatch.setenv(name, value)
-    out = attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, window=window, softcap=cap)
-    dq_accum_bytes = 4 * 16 * (q.shape[0] // 16 + len(lengths_q) + 1) * d * 4  # (1, Hq, R, D) floats
-    poison_allocations(dq_accum_bytes, dq_accum_bytes, q, q)
-    grads = torch.autograd.grad(out, (q, k, v), grad)
-    _, _, *ref_grads = per_sequence_reference(q, k, v, grad, lengths_q, lengths_k, causal, window, cap)
-    for name, g, r in zip("qkv", grads, ref_grads):
-        assert rel_err(g, r) <= 2 * TOL[torch.bfloat16], (name, rel_err(g, r))
+    check_varlen_dq_zeroed_ahead([300, 17, 40, 0, 129, 700, 5], [260, 17, 0, 0, 300, 650, 9], 4, 2, d, options,
+                                 {"FUSEFORGE_ATTENTION_BWD_ROWS": rows, "FUSEFORGE_ATTENTION_BWD_ZERO_AHEAD": ahead,
+                                  "FUSEFORGE_ATTENTION_VARLEN_LONGEST_FIRST": order}, monkeypatch)
 
 
 @requires_cuda
@@ -235,19 +241,9 @@ def test_cuda_varlen_backward_dq_zeroed_ahead_many_sequences(order, monkeypatch)
     lengths = torch.randint(0, 200, (520,), generator=g)
     lengths[::9] = 0
     lengths = lengths.tolist()
-    q, k, v, cu_q, cu_k, max_q, max_k = varlen_case(lengths, lengths, 2, 1, 64, torch.bfloat16, "cuda")
-    grad = randn(*q.shape, dtype=torch.bfloat16, device="cuda")
-    for name, value in {"FUSEFORGE_ATTENTION_TMA": "1", "FUSEFORGE_ATTENTION_BWD_KV_SLOWEST": "0",
-                        "FUSEFORGE_ATTENTION_BWD_ZERO_AHEAD": "1",
-                        "FUSEFORGE_ATTENTION_VARLEN_LONGEST_FIRST": order}.items():
-        monkeypatch.setenv(name, value)
-    out = attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=True)
-    dq_accum_bytes = 2 * 16 * (q.shape[0] // 16 + len(lengths) + 1) * 64 * 4
-    poison_allocations(dq_accum_bytes, q, q)
-    grads = torch.autograd.grad(out, (q, k, v), grad)
-    _, _, *ref_grads = per_sequence_reference(q, k, v, grad, lengths, lengths, True, None, None)
-    for name, g_, r in zip("qkv", grads, ref_grads):
-        assert rel_err(g_, r) <= 2 * TOL[torch.bfloat16], (name, rel_err(g_, r))
+    check_varlen_dq_zeroed_ahead(lengths, lengths, 2, 1, 64, (True, None, None),
+                                 {"FUSEFORGE_ATTENTION_BWD_ZERO_AHEAD": "1",
+                                  "FUSEFORGE_ATTENTION_VARLEN_LONGEST_FIRST": order}, monkeypatch)
 
 
 @pytest.mark.parametrize("d", [64, 96, 256])
