@@ -1,13 +1,15 @@
 """Device time of every kernel one call launches, per impl, for cases of bench_attention.py or
 bench_attention_varlen.py (torch.profiler, after warm-up; the mean over a few calls). Shows where a
 pass's time goes beyond its main kernel: fuseforge's row_dot, dq_accum zeroing and dq convert
-kernels beside cuDNN's.
+kernels beside cuDNN's; and the device's idle time between consecutive kernels (launch latency and
+ramp: what programmatic dependent launch could hide), by kernel pair.
    python3 scripts/attention_kernel_times.py [--bench attention] [--cases D128/S1024/full,...]
                                              [--impls fuseforge,sdpa_cudnn] [--pass fwdbwd] [--calls 5]
 """
 import argparse
 import importlib
 import os
+import re
 import sys
 from collections import defaultdict
 
@@ -18,8 +20,15 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 sys.path.insert(0, os.path.join(ROOT, "python"))
 
 
-def kernel_times(fn, calls: int) -> list[tuple[str, float, int]]:
-    """(kernel name, mean ms a call, launches a call) for every kernel fn launches, longest first."""
+def short(name: str) -> str:
+    """A kernel's function name without return type, namespace, template arguments and parameters."""
+    return re.sub(r".*::", "", re.sub(r"[<(].*", "", name.removeprefix("void ")))
+
+
+def kernel_times(fn, calls: int) -> tuple[list[tuple[str, float, int]], list[tuple[str, float, int]]]:
+    """(kernel name, mean ms a call, launches a call) for every kernel fn launches, longest first; and
+    (previous kernel -> kernel, mean us idle a call before it, count a call): the gaps between one
+    kernel's end and the next one's start, the calls run back to back."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -28,12 +37,20 @@ def kernel_times(fn, calls: int) -> list[tuple[str, float, int]]:
             fn()
         torch.cuda.synchronize()
     total_us, count = defaultdict(float), defaultdict(int)
+    kernels = []
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
             total_us[ev.name] += ev.device_time
             count[ev.name] += 1
+            kernels.append((ev.time_range.start, ev.time_range.end, short(ev.name)))
     rows = [(name, us / calls / 1000, count[name] // calls) for name, us in total_us.items()]
-    return sorted(rows, key=lambda r: -r[1])
+    kernels.sort()
+    gap_us, gap_count = defaultdict(float), defaultdict(int)
+    for (_, prev_end, prev), (start, _, name) in zip(kernels, kernels[1:]):
+        gap_us[f"{prev} -> {name}"] += max(0.0, start - prev_end)
+        gap_count[f"{prev} -> {name}"] += 1
+    gaps = [(pair, us / calls, gap_count[pair] // calls) for pair, us in gap_us.items()]
+    return sorted(rows, key=lambda r: -r[1]), sorted(gaps, key=lambda r: -r[1])
 
 
 def main() -> None:
@@ -50,10 +67,13 @@ def main() -> None:
         for b in bench.setup(case):
             if b.pass_ != args.pass_ or b.impl not in impls:
                 continue
-            rows = kernel_times(b.fn, args.calls)
-            print(f"\n== {case} {b.pass_} {b.impl}: {sum(r[1] for r in rows):.4f} ms of kernels a call")
+            rows, gaps = kernel_times(b.fn, args.calls)
+            print(f"\n== {case} {b.pass_} {b.impl}: {sum(r[1] for r in rows):.4f} ms of kernels a call, "
+                  f"{sum(g[1] for g in gaps):.1f} us idle between them")
             for name, ms, n in rows:
                 print(f"  {ms:9.4f} ms  x{n:<3d} {name[:150]}")
+            for pair, us, n in gaps:
+                print(f"  {us:7.1f} us idle x{n:<3d} {pair[:150]}")
         torch.cuda.empty_cache()
 
 

@@ -82,7 +82,7 @@ ADAMW=(c16k:)
 # level. Add
 # "name:-DKNOB=1" (or "name:ENV=value") entries for the next candidates, and "before:@baseline"
 # (scripts/prepare_baseline.sh; carry "baseline") to time the previous commit in the same call.
-ATTN=(default: "z66:FUSEFORGE_ATTENTION_BWD_ZERO_AHEAD=66" "z33:FUSEFORGE_ATTENTION_BWD_ZERO_AHEAD=33")
+ATTN=(default: "serial:FUSEFORGE_ATTENTION_BWD_OVERLAP=0")
 PARTS=${PARTS:-build tests time profile e2e lce}
 OPS=${OPS-adamw add_mul_act}
 has() { [[ " $PARTS " == *" $1 "* ]]; }

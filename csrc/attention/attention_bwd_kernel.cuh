@@ -30,6 +30,7 @@ __device__ __forceinline__ float lse_to_log2(float lse) { return lse == -INFINIT
 // heads x 128, cuDNN's fused kernel 0.14).
 template <typename T, int kD>
 __global__ void attention_row_dot_kernel(const __grid_constant__ BwdParams p) {
+  grid_dependents_may_launch();  // the zero-first or dk/dv kernel's prologue under this grid's tail
   constexpr int kThreadsPerRow = kD / 8;
   static_assert(32 % kThreadsPerRow == 0, "a row's threads within one warp");
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -134,6 +135,7 @@ struct DqAtomicAdd {
 // Grid: (16-row tiles of the longest sequence x D / 8 x 8) / 256, heads, batch (or sequences).
 template <typename T, int kD, bool kVarlen>
 __global__ void attention_dq_convert_kernel(const __grid_constant__ BwdParams p) {
+  grid_dependency_wait();  // dq_accum complete (launched overlapping the dk/dv kernel's tail)
   constexpr int kChunks = kD / 8;
   const int h = blockIdx.y, b = blockIdx.z;
   const SeqInfo<kVarlen> seq(p, b);
@@ -254,6 +256,9 @@ __device__ __forceinline__ void zero_dq_accum_unit(const BwdParams& p, const DqZ
 // keys (no key block zeroes them; their dQ is 0).
 template <int kD, bool kTransposedDq, bool kVarlen>
 __global__ void attention_dq_zero_first_kernel(const __grid_constant__ BwdParams p, int kv_blocks, int rows) {
+  // Launched overlapping the row_dot kernel, which touches nothing written here: the zeroing runs under
+  // its tail, and the wait at the end makes this grid's completion imply the row_dot kernel's too.
+  grid_dependents_may_launch();
   if (static_cast<int>(blockIdx.x) < dq_zero_units<kVarlen>(p, kv_blocks))
     zero_dq_accum_unit<kD, kTransposedDq>(p, dq_zero_unit<kVarlen>(p, blockIdx.x, kv_blocks), threadIdx.x, blockDim.x);
   if constexpr (kVarlen) {
@@ -264,6 +269,7 @@ __global__ void attention_dq_zero_first_kernel(const __grid_constant__ BwdParams
     }
   }
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < rows; i += gridDim.x * blockDim.x) p.dq_zero_counts[i] = 0;
+  grid_dependency_wait();
 }
 
 // dq = scale * dq_accum for the 80-query dk/dv kernel (dq_accum_panel_unit's layout). A block
@@ -272,6 +278,7 @@ __global__ void attention_dq_zero_first_kernel(const __grid_constant__ BwdParams
 // sequences: blocks past a sequence leave, units past it are not read).
 template <typename T, int kBlockM, bool kVarlen>
 __global__ void attention_dq_convert_transposed_kernel(const __grid_constant__ BwdParams p) {
+  grid_dependency_wait();  // dq_accum complete (launched overlapping the dk/dv kernel's tail)
   constexpr int kD = 128, kPitch = kD + 4;
   static_assert(kBlockM % 16 == 0, "whole 16-row units");
   __shared__ float tile[kBlockM * kPitch];

@@ -287,9 +287,14 @@ __device__ __forceinline__ void attention_bwd_dkdv_warpspec_body(const BwdParams
   static_assert((kD == 128 && (kBlockM == 64 || kBlockM == 80)) || (kD == 64 && kBlockM == 128),
                 "dQ splits one dimension in two");
   const int tid = threadIdx.x, lane = tid & 31, warp = uniform_warp_index();
+  // Launched overlapping the kernel before it (launch_attention_bwd's `overlap`: the row_dot or
+  // zero-first kernel): every thread waits for it before touching memory it writes (row_dot, dq_accum, the
+  // zeroing counts), the K / V copies go out before. The dq convert kernel may start as SMs free up.
+  grid_dependents_may_launch();
   const KeyBlock<kBlockM, kBlockN, kMask, kVarlen> blk(p);
   const bool zero_dq = kAtomicDq && p.dq_zero_ahead > 0;
   if (blk.rows_k <= 0) {  // past its sequence (varlen): the whole block leaves before any barrier
+    grid_dependency_wait();  // (this grid's completion must imply the kernels' before it)
     // (The zeroing call returns at once here: no real block. But with it on this path ptxas keeps the
     // 80-query kernel's loop bound in a register: without it, one spill.)
     if (zero_dq && warp == 1) dq_zero_ahead<Tr, kVarlen>(p, lane);
@@ -302,6 +307,7 @@ __device__ __forceinline__ void attention_bwd_dkdv_warpspec_body(const BwdParams
   if (warp < 4) {  // producer warpgroup: warp 0 loads, warp 1 zeroes dq_accum (if so), the others leave
     setmaxnreg_dec<L::kProducerRegs>();
     if (warp == 1 && zero_dq) {  // returns: nothing of warp 0's stays live across the zeroing (24 registers)
+      grid_dependency_wait();
       dq_zero_wait<kVarlen>(p, sm.full_kv(), lane);
       dq_zero_ahead<Tr, kVarlen>(p, lane);
       return;
@@ -313,6 +319,7 @@ __device__ __forceinline__ void attention_bwd_dkdv_warpspec_body(const BwdParams
       prefetch_tma_map(&tma.dout);
       load_key_block<Tr, L>(tma, blk, batch, sm.sK, sm.sV, sm.full_kv());
     }
+    grid_dependency_wait();  // row_dot (load_query_tile)
     for (int it = 0; it < iterations; ++it) {
       const int s = it % kStages;
       mbarrier_wait(sm.empty(s), ((it / kStages) & 1) ^ 1);
@@ -322,6 +329,7 @@ __device__ __forceinline__ void attention_bwd_dkdv_warpspec_body(const BwdParams
   }
 
   setmaxnreg_inc<L::kConsumerRegs>();
+  grid_dependency_wait();  // dq_accum zeroed (by the row_dot kernel, or the zero-first kernel's units)
   const int cwarp = warp - 4;  // consumer warp 0..7: keys [16 cwarp, +16) of the block
   float dk[kD / 2], dv[kD / 2];
 #pragma unroll
@@ -442,6 +450,9 @@ void launch_attention_bwd(const BwdParams& params, const BwdParams& row_dot_para
   const bool zero_in_dkdv = !deterministic && warpspec && !p.kv_block_slowest &&
                             (params.cu_seqlens_q == nullptr || params.key_block_prefix != nullptr);
   p.dq_zero_ahead = zero_in_dkdv ? bwd_dq_zero_ahead(blocks, resident, kv_blocks) : 0;
+  // Programmatic dependent launches (launch_kernel_ex): the zero-first, warp-specialized dk/dv and dq
+  // convert kernels start under the tail of the kernel before them, which lets them launch early.
+  const bool overlap = bwd_overlap_launches();
   BwdParams row_dot_p = row_dot_params;
   if (p.dq_zero_ahead > 0) row_dot_p.dq_accum = nullptr;
   const int64_t rows = static_cast<int64_t>(row_dot_p.batch) * row_dot_p.heads_q * row_dot_p.seqlen_q;
@@ -450,7 +461,7 @@ void launch_attention_bwd(const BwdParams& params, const BwdParams& row_dot_para
   // The units no dk/dv block zeroes ahead, and the grid rows' counts.
   auto zero_first = [&]<class Tr, bool kVarlen>() {
     if (p.dq_zero_ahead == 0) return;
-    launch_kernel(attention_dq_zero_first_kernel<kD, Tr::kTransposedDq, kVarlen>,
+    launch_kernel_ex(overlap, attention_dq_zero_first_kernel<kD, Tr::kTransposedDq, kVarlen>,
                   dim3(static_cast<unsigned>(p.dq_zero_ahead)), dim3(256), 0, p, static_cast<int>(kv_blocks),
                   static_cast<int>(params.heads_kv * params.batch));
   };
@@ -461,8 +472,9 @@ void launch_attention_bwd(const BwdParams& params, const BwdParams& row_dot_para
       if constexpr (kAtomicDq) {
         if (full_tiles) {
           zero_first.template operator()<FullTr, kVarlen>();
-          launch_kernel(attention_bwd_dkdv_warpspec_kernel<FullTr, kMask, kSoftcap, kVarlen, kAtomicDq>, grid_kv,
-                        dim3(WarpSpecBwdLayout<FullTr>::kThreads), WarpSpecBwdLayout<FullTr>::kSmemBytes, p, full_tma);
+          launch_kernel_ex(overlap, attention_bwd_dkdv_warpspec_kernel<FullTr, kMask, kSoftcap, kVarlen, kAtomicDq>,
+                           grid_kv, dim3(WarpSpecBwdLayout<FullTr>::kThreads), WarpSpecBwdLayout<FullTr>::kSmemBytes, p,
+                           full_tma);
           return;
         }
       }
@@ -471,8 +483,8 @@ void launch_attention_bwd(const BwdParams& params, const BwdParams& row_dot_para
       if (warpspec) {
         using L = WarpSpecBwdLayout<DkdvTr>;
         if constexpr (kAtomicDq) zero_first.template operator()<DkdvTr, kVarlen>();
-        launch_kernel(attention_bwd_dkdv_warpspec_kernel<DkdvTr, kMask, kSoftcap, kVarlen, kAtomicDq>, grid_kv,
-                      dim3(L::kThreads), L::kSmemBytes, p, tma);
+        launch_kernel_ex(overlap, attention_bwd_dkdv_warpspec_kernel<DkdvTr, kMask, kSoftcap, kVarlen, kAtomicDq>,
+                         grid_kv, dim3(L::kThreads), L::kSmemBytes, p, tma);
         return;
       }
     }
@@ -492,14 +504,14 @@ void launch_attention_bwd(const BwdParams& params, const BwdParams& row_dot_para
         if (full_tiles) {
           const dim3 grid_tiles(static_cast<unsigned>(ceil_div(params.seqlen_q, FullTr::kBlockM)),
                                 static_cast<unsigned>(params.heads_q), static_cast<unsigned>(params.batch));
-          launch_kernel(attention_dq_convert_transposed_kernel<T, FullTr::kBlockM, kVarlen>, grid_tiles, dim3(256), 0,
-                        params);
+          launch_kernel_ex(overlap, attention_dq_convert_transposed_kernel<T, FullTr::kBlockM, kVarlen>, grid_tiles,
+                           dim3(256), 0, params);
           return;
         }
       }
       const dim3 grid_convert(static_cast<unsigned>(ceil_div(ceil_div(params.seqlen_q, 16) * kD, 256)),
                               static_cast<unsigned>(params.heads_q), static_cast<unsigned>(params.batch));
-      launch_kernel(attention_dq_convert_kernel<T, kD, kVarlen>, grid_convert, dim3(256), 0, params);
+      launch_kernel_ex(overlap, attention_dq_convert_kernel<T, kD, kVarlen>, grid_convert, dim3(256), 0, params);
     }
   });
 }

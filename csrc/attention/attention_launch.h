@@ -104,6 +104,10 @@ inline int64_t bwd_dq_zero_ahead(int64_t blocks, int64_t resident, int64_t kv_bl
   return ahead < blocks && blocks <= INT32_MAX ? ahead : 0;
 }
 
+// The backward's programmatic dependent launches (launch_attention_bwd): on unless
+// FUSEFORGE_ATTENTION_BWD_OVERLAP=0 (A/B timings, tests).
+inline bool bwd_overlap_launches() { return env_flag("FUSEFORGE_ATTENTION_BWD_OVERLAP", true); }
+
 // Varlen: the kernels take the sequences longest first (check_and_order_sequences_async, FwdParams::
 // seq_order). FUSEFORGE_ATTENTION_VARLEN_LONGEST_FIRST=0 keeps the given order (A/B timings, tests).
 inline bool varlen_longest_first() { return env_flag("FUSEFORGE_ATTENTION_VARLEN_LONGEST_FIRST", true); }

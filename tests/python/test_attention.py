@@ -602,6 +602,34 @@ def test_cuda_backward_dq_zeroed_ahead(shape, d, mask, rows, ahead, monkeypatch)
 
 
 @requires_cuda
+@pytest.mark.parametrize("overlap", ["1", "0"], ids=["overlap", "serial"])
+@pytest.mark.parametrize("ahead", ["0", "11"])
+@pytest.mark.parametrize("d,mask,rows", [(128, "full", "80"), (128, "causal", "64"), (64, "causal", "64")])
+def test_cuda_backward_overlapped_launches(d, mask, rows, ahead, overlap, monkeypatch):
+    """The backward's kernels launched overlapping the one before them (programmatic dependent launch,
+    FUSEFORGE_ATTENTION_BWD_OVERLAP) and serially, with dq_accum zeroed by the row_dot kernel ("0") or
+    the dk/dv kernel, from poisoned allocations: a kernel that reads what the one before has not
+    finished writing shows in the gradients. Three calls, each against the float64 reference."""
+    if not sm90a_kernels_runnable():
+        pytest.skip("the overlapped launches are the warp-specialized dk/dv kernel's (sm_90 GPUs only)")
+    kw = MASKS_80[mask]
+    q, k, v = make_qkv(4, 8, 4, 1500, 1400, d, torch.bfloat16, "cuda", requires_grad=True)
+    grad = randn(*q.shape, dtype=torch.bfloat16, device="cuda")
+    _, *ref_grads = reference_with_grads(q, k, v, grad, **kw)
+    for name, value in {"FUSEFORGE_ATTENTION_TMA": "1", "FUSEFORGE_ATTENTION_BWD_KV_SLOWEST": "0",
+                        "FUSEFORGE_ATTENTION_BWD_ROWS": rows, "FUSEFORGE_ATTENTION_BWD_ZERO_AHEAD": ahead,
+                        "FUSEFORGE_ATTENTION_BWD_OVERLAP": overlap}.items():
+        monkeypatch.setenv(name, value)
+    for _ in range(3):
+        out = attention(q, k, v, **kw)
+        dq_accum_bytes = q.shape[0] * q.shape[1] * ((q.shape[2] + 15) // 16 * 16) * d * 4
+        poison_allocations(dq_accum_bytes, dq_accum_bytes, q, q, k, k)
+        grads = torch.autograd.grad(out, (q, k, v), grad)
+        for name, g, r in zip("qkv", grads, ref_grads):
+            assert rel_err(g, r) <= 2 * TOL[torch.bfloat16], (name, rel_err(g, r))
+
+
+@requires_cuda
 @pytest.mark.sanitize
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])  # full at 128: 80-query dk/dv tiles
 @pytest.mark.parametrize("d", [64, 128, 256])  # head dim 64: 192-row forward tiles (the varlen case: 128)

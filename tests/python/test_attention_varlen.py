@@ -246,6 +246,25 @@ def test_cuda_varlen_backward_dq_zeroed_ahead_many_sequences(order, monkeypatch)
                                   "FUSEFORGE_ATTENTION_VARLEN_LONGEST_FIRST": order}, monkeypatch)
 
 
+@requires_cuda
+@pytest.mark.parametrize("overlap", ["1", "0"], ids=["overlap", "serial"])
+def test_cuda_varlen_backward_no_keys_overlapped(overlap, monkeypatch):
+    """12,000 queries without keys and 40 keys without queries: dQ and dK / dV are all 0, the zeroing of
+    dq_accum converted, and the dk/dv kernel's blocks leave at once or run no tile. The convert kernel
+    is launched overlapping the dk/dv kernel (FUSEFORGE_ATTENTION_BWD_OVERLAP), so it must find the
+    zeroing complete through the dk/dv blocks' wait: poisoned dq_accum shows a convert that ran ahead."""
+    monkeypatch.setenv("FUSEFORGE_ATTENTION_BWD_OVERLAP", overlap)
+    lengths_q, lengths_k, hq, d = [7000, 5000, 0], [0, 0, 40], 16, 128
+    q, k, v, cu_q, cu_k, max_q, max_k = varlen_case(lengths_q, lengths_k, hq, hq, d, torch.bfloat16, "cuda")
+    grad = randn(*q.shape, dtype=torch.bfloat16, device="cuda")
+    for _ in range(3):
+        out = attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=False)
+        dq_accum_bytes = hq * 16 * (q.shape[0] // 16 + len(lengths_q) + 1) * d * 4
+        poison_allocations(dq_accum_bytes, dq_accum_bytes, q, q, k, k)
+        for g in torch.autograd.grad(out, (q, k, v), grad):
+            assert torch.equal(g, torch.zeros_like(g))
+
+
 @pytest.mark.parametrize("d", [64, 96, 256])
 @pytest.mark.parametrize("device,dtype", DEVICE_DTYPES)
 def test_varlen_cross_lengths_and_loose_max(device, dtype, d):
