@@ -79,10 +79,12 @@ ADAMW=(c16k:)
 # for the row_dot kernel's zeroing), two waves ahead and the zeroing after the block's first tile
 # did not do better; on 2026-11-28 (thirty-fourth) the same for varlen (distance in real key blocks)
 # won and is the code, the zeros stored with an L2 evict_last policy and a distance of 33 blocks timed
-# level. Add
+# level; on 2026-11-28 (thirty-fifth) distances of 66 and 33 blocks timed level across the grid (a
+# wave stays), and the backward's programmatic dependent launches timed mixed (off by default; the
+# candidate below, with the packed documents' blocks past their document no longer waiting). Add
 # "name:-DKNOB=1" (or "name:ENV=value") entries for the next candidates, and "before:@baseline"
 # (scripts/prepare_baseline.sh; carry "baseline") to time the previous commit in the same call.
-ATTN=(default: "serial:FUSEFORGE_ATTENTION_BWD_OVERLAP=0")
+ATTN=(default: "overlap:FUSEFORGE_ATTENTION_BWD_OVERLAP=1")
 PARTS=${PARTS:-build tests time profile e2e lce}
 OPS=${OPS-adamw add_mul_act}
 has() { [[ " $PARTS " == *" $1 "* ]]; }

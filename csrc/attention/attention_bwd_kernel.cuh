@@ -135,13 +135,17 @@ struct DqAtomicAdd {
 // Grid: (16-row tiles of the longest sequence x D / 8 x 8) / 256, heads, batch (or sequences).
 template <typename T, int kD, bool kVarlen>
 __global__ void attention_dq_convert_kernel(const __grid_constant__ BwdParams p) {
-  grid_dependency_wait();  // dq_accum complete (launched overlapping the dk/dv kernel's tail)
   constexpr int kChunks = kD / 8;
   const int h = blockIdx.y, b = blockIdx.z;
   const SeqInfo<kVarlen> seq(p, b);
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int row_tiles = (seq.seqlen_q + 15) / 16;
-  if (idx >= static_cast<int64_t>(row_tiles) * kChunks * 8) return;
+  // dq_accum complete (launched overlapping the dk/dv kernel's tail). Threads past their sequence
+  // leave without the wait, but for block 0's: this grid's completion implies the kernels' before it.
+  const bool past = idx >= static_cast<int64_t>(row_tiles) * kChunks * 8;
+  if (past && blockIdx.x + blockIdx.y + blockIdx.z != 0) return;
+  grid_dependency_wait();
+  if (past) return;
   const int tile = static_cast<int>(idx / 8), r = static_cast<int>(idx % 8);
   const int row_tile = tile / kChunks, c = tile % kChunks;
   if (c * 8 >= p.head_dim) return;  // the zero columns past the head dim (attention_params.h)
@@ -278,12 +282,15 @@ __global__ void attention_dq_zero_first_kernel(const __grid_constant__ BwdParams
 // sequences: blocks past a sequence leave, units past it are not read).
 template <typename T, int kBlockM, bool kVarlen>
 __global__ void attention_dq_convert_transposed_kernel(const __grid_constant__ BwdParams p) {
-  grid_dependency_wait();  // dq_accum complete (launched overlapping the dk/dv kernel's tail)
   constexpr int kD = 128, kPitch = kD + 4;
   static_assert(kBlockM % 16 == 0, "whole 16-row units");
   __shared__ float tile[kBlockM * kPitch];
   const int m0 = blockIdx.x * kBlockM, h = blockIdx.y, b = blockIdx.z;
   const SeqInfo<kVarlen> seq(p, b);
+  // dq_accum complete (launched overlapping the dk/dv kernel's tail). Blocks past their sequence leave
+  // without the wait, but for one: this grid's completion implies the kernels' before it.
+  if (m0 >= seq.seqlen_q && blockIdx.x + blockIdx.y + blockIdx.z != 0) return;
+  grid_dependency_wait();
   if (m0 >= seq.seqlen_q) return;
   const int64_t seq_tile0 = dq_accum_seq_tile0<kVarlen>(p, b);
   constexpr int kUnits = kBlockM / 16;
