@@ -569,6 +569,26 @@ def test_cuda_backward_tiles_80(shape, layout, dtype, mask, monkeypatch):
             assert rel_err(g80, g.double()) <= 2 * TOL[dtype], (other, name, rel_err(g80, g.double()))
 
 
+def check_backward_from_poisoned_dq_accum(shape, d, mask, env, calls, monkeypatch):
+    """bf16 gradients against the float64 reference, `calls` times, with the TMA kernels, key blocks in
+    their default order and `env`'s knobs, dq_accum (and Q- and K-sized buffers) allocated from blocks
+    full of NaN before each backward."""
+    b, hq, hk, sq, sk = shape
+    kw = MASKS_80[mask]
+    q, k, v = make_qkv(b, hq, hk, sq, sk, d, torch.bfloat16, "cuda", requires_grad=True)
+    grad = randn(*q.shape, dtype=torch.bfloat16, device="cuda")
+    _, *ref_grads = reference_with_grads(q, k, v, grad, **kw)
+    for name, value in {"FUSEFORGE_ATTENTION_TMA": "1", "FUSEFORGE_ATTENTION_BWD_KV_SLOWEST": "0", **env}.items():
+        monkeypatch.setenv(name, value)
+    for _ in range(calls):
+        out = attention(q, k, v, **kw)
+        dq_accum_bytes = b * hq * ((sq + 15) // 16 * 16) * d * 4
+        poison_allocations(dq_accum_bytes, dq_accum_bytes, q, q, k, k)
+        grads = torch.autograd.grad(out, (q, k, v), grad)
+        for name, g, r in zip("qkv", grads, ref_grads):
+            assert rel_err(g, r) <= 2 * TOL[torch.bfloat16], (name, rel_err(g, r))
+
+
 # ---- dq_accum zeroed by the dk/dv kernel, each unit by the block FUSEFORGE_ATTENTION_BWD_ZERO_AHEAD blocks
 # before the first one that reduces into it (at least a grid row: "1" is one row ahead; "11" leaves a row
 # partly to the zero-first kernel; "0": the row_dot kernel zeroes all of dq_accum, as before). dq_accum
@@ -585,20 +605,8 @@ def test_cuda_backward_tiles_80(shape, layout, dtype, mask, monkeypatch):
 def test_cuda_backward_dq_zeroed_ahead(shape, d, mask, rows, ahead, monkeypatch):
     if not sm90a_kernels_runnable():
         pytest.skip("the zeroing ahead is the warp-specialized dk/dv kernel's (sm_90 GPUs only)")
-    b, hq, hk, sq, sk = shape
-    kw = MASKS_80[mask]
-    q, k, v = make_qkv(b, hq, hk, sq, sk, d, torch.bfloat16, "cuda", requires_grad=True)
-    grad = randn(*q.shape, dtype=torch.bfloat16, device="cuda")
-    _, *ref_grads = reference_with_grads(q, k, v, grad, **kw)
-    for name, value in {"FUSEFORGE_ATTENTION_TMA": "1", "FUSEFORGE_ATTENTION_BWD_KV_SLOWEST": "0",
-                        "FUSEFORGE_ATTENTION_BWD_ROWS": rows, "FUSEFORGE_ATTENTION_BWD_ZERO_AHEAD": ahead}.items():
-        monkeypatch.setenv(name, value)
-    out = attention(q, k, v, **kw)
-    dq_accum_bytes = b * hq * ((sq + 15) // 16 * 16) * d * 4
-    poison_allocations(dq_accum_bytes, dq_accum_bytes, q, q)
-    grads = torch.autograd.grad(out, (q, k, v), grad)
-    for name, g, r in zip("qkv", grads, ref_grads):
-        assert rel_err(g, r) <= 2 * TOL[torch.bfloat16], (name, rel_err(g, r))
+    check_backward_from_poisoned_dq_accum(shape, d, mask, {"FUSEFORGE_ATTENTION_BWD_ROWS": rows,
+                                                           "FUSEFORGE_ATTENTION_BWD_ZERO_AHEAD": ahead}, 1, monkeypatch)
 
 
 @requires_cuda
@@ -612,21 +620,10 @@ def test_cuda_backward_overlapped_launches(d, mask, rows, ahead, overlap, monkey
     finished writing shows in the gradients. Three calls, each against the float64 reference."""
     if not sm90a_kernels_runnable():
         pytest.skip("the overlapped launches are the warp-specialized dk/dv kernel's (sm_90 GPUs only)")
-    kw = MASKS_80[mask]
-    q, k, v = make_qkv(4, 8, 4, 1500, 1400, d, torch.bfloat16, "cuda", requires_grad=True)
-    grad = randn(*q.shape, dtype=torch.bfloat16, device="cuda")
-    _, *ref_grads = reference_with_grads(q, k, v, grad, **kw)
-    for name, value in {"FUSEFORGE_ATTENTION_TMA": "1", "FUSEFORGE_ATTENTION_BWD_KV_SLOWEST": "0",
-                        "FUSEFORGE_ATTENTION_BWD_ROWS": rows, "FUSEFORGE_ATTENTION_BWD_ZERO_AHEAD": ahead,
-                        "FUSEFORGE_ATTENTION_BWD_OVERLAP": overlap}.items():
-        monkeypatch.setenv(name, value)
-    for _ in range(3):
-        out = attention(q, k, v, **kw)
-        dq_accum_bytes = q.shape[0] * q.shape[1] * ((q.shape[2] + 15) // 16 * 16) * d * 4
-        poison_allocations(dq_accum_bytes, dq_accum_bytes, q, q, k, k)
-        grads = torch.autograd.grad(out, (q, k, v), grad)
-        for name, g, r in zip("qkv", grads, ref_grads):
-            assert rel_err(g, r) <= 2 * TOL[torch.bfloat16], (name, rel_err(g, r))
+    check_backward_from_poisoned_dq_accum((4, 8, 4, 1500, 1400), d, mask,
+                                          {"FUSEFORGE_ATTENTION_BWD_ROWS": rows,
+                                           "FUSEFORGE_ATTENTION_BWD_ZERO_AHEAD": ahead,
+                                           "FUSEFORGE_ATTENTION_BWD_OVERLAP": overlap}, 3, monkeypatch)
 
 
 @requires_cuda
