@@ -80,11 +80,11 @@ ADAMW=(c16k:)
 # did not do better; on 2026-11-28 (thirty-fourth) the same for varlen (distance in real key blocks)
 # won and is the code, the zeros stored with an L2 evict_last policy and a distance of 33 blocks timed
 # level; on 2026-11-28 (thirty-fifth) distances of 66 and 33 blocks timed level across the grid (a
-# wave stays), and the backward's programmatic dependent launches timed mixed (off by default; the
-# candidate below, with the packed documents' blocks past their document no longer waiting). Add
+# wave stays), and the backward's programmatic dependent launches won once the blocks past their
+# document no longer waited (on by default since the thirty-sixth; "serial" below times them off). Add
 # "name:-DKNOB=1" (or "name:ENV=value") entries for the next candidates, and "before:@baseline"
 # (scripts/prepare_baseline.sh; carry "baseline") to time the previous commit in the same call.
-ATTN=(default: "overlap:FUSEFORGE_ATTENTION_BWD_OVERLAP=1")
+ATTN=(default: "serial:FUSEFORGE_ATTENTION_BWD_OVERLAP=0")
 PARTS=${PARTS:-build tests time profile e2e lce}
 OPS=${OPS-adamw add_mul_act}
 has() { [[ " $PARTS " == *" $1 "* ]]; }

@@ -140,12 +140,12 @@ __global__ void attention_dq_convert_kernel(const __grid_constant__ BwdParams p)
   const SeqInfo<kVarlen> seq(p, b);
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int row_tiles = (seq.seqlen_q + 15) / 16;
-  // dq_accum complete (launched overlapping the dk/dv kernel's tail). Threads past their sequence
-  // leave without the wait, but for block 0's: this grid's completion implies the kernels' before it.
-  const bool past = idx >= static_cast<int64_t>(row_tiles) * kChunks * 8;
-  if (past && blockIdx.x + blockIdx.y + blockIdx.z != 0) return;
+  // dq_accum complete (launched overlapping the dk/dv kernel's tail); threads past their sequence leave.
+  if (idx >= static_cast<int64_t>(row_tiles) * kChunks * 8) {
+    grid_dependency_wait_on_early_exit();
+    return;
+  }
   grid_dependency_wait();
-  if (past) return;
   const int tile = static_cast<int>(idx / 8), r = static_cast<int>(idx % 8);
   const int row_tile = tile / kChunks, c = tile % kChunks;
   if (c * 8 >= p.head_dim) return;  // the zero columns past the head dim (attention_params.h)
@@ -287,11 +287,12 @@ __global__ void attention_dq_convert_transposed_kernel(const __grid_constant__ B
   __shared__ float tile[kBlockM * kPitch];
   const int m0 = blockIdx.x * kBlockM, h = blockIdx.y, b = blockIdx.z;
   const SeqInfo<kVarlen> seq(p, b);
-  // dq_accum complete (launched overlapping the dk/dv kernel's tail). Blocks past their sequence leave
-  // without the wait, but for one: this grid's completion implies the kernels' before it.
-  if (m0 >= seq.seqlen_q && blockIdx.x + blockIdx.y + blockIdx.z != 0) return;
+  // dq_accum complete (launched overlapping the dk/dv kernel's tail); blocks past their sequence leave.
+  if (m0 >= seq.seqlen_q) {
+    grid_dependency_wait_on_early_exit();
+    return;
+  }
   grid_dependency_wait();
-  if (m0 >= seq.seqlen_q) return;
   const int64_t seq_tile0 = dq_accum_seq_tile0<kVarlen>(p, b);
   constexpr int kUnits = kBlockM / 16;
   const int units = min(kUnits, (seq.seqlen_q - m0 + 15) / 16);  // within the sequence

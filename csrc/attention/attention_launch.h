@@ -104,12 +104,11 @@ inline int64_t bwd_dq_zero_ahead(int64_t blocks, int64_t resident, int64_t kv_bl
   return ahead < blocks && blocks <= INT32_MAX ? ahead : 0;
 }
 
-// The backward's programmatic dependent launches (launch_attention_bwd): off unless
-// FUSEFORGE_ATTENTION_BWD_OVERLAP=1 (A/B timings, tests). Measured on the H100 (docs/notes_attention.md,
-// 2026-11-28): the 1.2-1.6 us between the backward's kernels go, forward+backward level at S1024 and
-// S16384, the window 1.3% faster, the packed documents 2.2% slower (their blocks past a document each
-// waited then; now one block a grid does, not yet timed).
-inline bool bwd_overlap_launches() { return env_flag("FUSEFORGE_ATTENTION_BWD_OVERLAP", false); }
+// The backward's programmatic dependent launches (launch_attention_bwd); FUSEFORGE_ATTENTION_BWD_OVERLAP=0
+// launches serially (A/B timings, tests). Measured on the H100 (docs/notes_attention.md, 2026-11-28):
+// the 1.2-1.6 us between the backward's kernels go; forward+backward level at fixed length, the
+// window 1.0% and the packed documents 0.8% faster.
+inline bool bwd_overlap_launches() { return env_flag("FUSEFORGE_ATTENTION_BWD_OVERLAP", true); }
 
 // Varlen: the kernels take the sequences longest first (check_and_order_sequences_async, FwdParams::
 // seq_order). FUSEFORGE_ATTENTION_VARLEN_LONGEST_FIRST=0 keeps the given order (A/B timings, tests).

@@ -19,8 +19,9 @@ namespace fuseforge {
 // below). The kernel's blocks may start once every block of the kernel before it on the stream has
 // called grid_dependents_may_launch() (or exited), so its prologue runs under that kernel's tail and
 // the launch latency is hidden. Such a kernel must call grid_dependency_wait() in every thread before
-// it touches memory the kernels before it write, and in at least one thread of every block before it
-// exits: a kernel launched after it then also finds the ones before it complete.
+// it touches memory the kernels before it write, and before it exits in at least one thread of every
+// block, or of one block (grid_dependency_wait_on_early_exit): a kernel launched after it then also
+// finds the ones before it complete.
 template <typename... KernelArgs, typename... Args>
 inline void launch_kernel_ex(bool overlap_previous, void (*kernel)(KernelArgs...), dim3 grid, dim3 block,
                              size_t smem_bytes, Args&&... args) {
@@ -60,6 +61,12 @@ __device__ __forceinline__ void grid_dependency_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
+}
+// For a block that leaves without touching the earlier kernels' memory (past its sequence, say):
+// only the grid's first block waits, so that the grid's completion still implies theirs even where
+// every block leaves early, and the others leave at once.
+__device__ __forceinline__ void grid_dependency_wait_on_early_exit() {
+  if (blockIdx.x + blockIdx.y + blockIdx.z == 0) grid_dependency_wait();
 }
 // This block lets the next kernel (launched with overlap_previous) start its blocks as SMs free up.
 __device__ __forceinline__ void grid_dependents_may_launch() {
