@@ -192,6 +192,12 @@ def test_cuda_varlen_backward_tiles_80(dtype, options, rows, align, monkeypatch)
     check_varlen_matches_each_sequence("cuda", dtype, [1, 17, 80, 0, 81, 255, 160, 3, 700], options, 128)
 
 
+def varlen_dq_accum_bytes(total_q, sequences, hq, d):
+    """dq_accum's size for a packed batch: (Hq, R, D) floats with R = 16 (total / 16 + B + 1), sequences
+    never sharing a 16-row tile (attention_params.h), so poison_allocations can fill blocks that size."""
+    return hq * 16 * (total_q // 16 + sequences + 1) * d * 4
+
+
 def check_varlen_dq_zeroed_ahead(lengths_q, lengths_k, hq, hk, d, options, env, monkeypatch):
     """bf16 gradients of a packed batch against the per-sequence float64 reference with dq_accum zeroed
     by the dk/dv kernel (the TMA kernels, key blocks in their default order, `env`'s knobs) and
@@ -203,7 +209,7 @@ def check_varlen_dq_zeroed_ahead(lengths_q, lengths_k, hq, hk, d, options, env, 
     for name, value in {"FUSEFORGE_ATTENTION_TMA": "1", "FUSEFORGE_ATTENTION_BWD_KV_SLOWEST": "0", **env}.items():
         monkeypatch.setenv(name, value)
     out = attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, window=window, softcap=cap)
-    dq_accum_bytes = hq * 16 * (q.shape[0] // 16 + len(lengths_q) + 1) * d * 4  # (1, Hq, R, D) floats
+    dq_accum_bytes = varlen_dq_accum_bytes(q.shape[0], len(lengths_q), hq, d)
     poison_allocations(dq_accum_bytes, dq_accum_bytes, q, q)
     grads = torch.autograd.grad(out, (q, k, v), grad)
     _, _, *ref_grads = per_sequence_reference(q, k, v, grad, lengths_q, lengths_k, causal, window, cap)
@@ -259,7 +265,7 @@ def test_cuda_varlen_backward_no_keys_overlapped(overlap, monkeypatch):
     grad = randn(*q.shape, dtype=torch.bfloat16, device="cuda")
     for _ in range(3):
         out = attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=False)
-        dq_accum_bytes = hq * 16 * (q.shape[0] // 16 + len(lengths_q) + 1) * d * 4
+        dq_accum_bytes = varlen_dq_accum_bytes(q.shape[0], len(lengths_q), hq, d)
         poison_allocations(dq_accum_bytes, dq_accum_bytes, q, q, k, k)
         for g in torch.autograd.grad(out, (q, k, v), grad):
             assert torch.equal(g, torch.zeros_like(g))
