@@ -302,18 +302,34 @@ class ClockSampler:
 _timing_spans: dict[int, list[tuple[float, float]]] = {}
 
 
-def _time_recorded(bench: Bench, **kwargs) -> float:
-    """time_ms(bench.fn, **kwargs), its wall-clock span recorded in _timing_spans."""
+def _settle(fn: Callable[[], Any], settle_ms: float) -> None:
+    """Runs fn back to back for settle_ms (GPU only), so that what is timed next runs at fn's own
+    steady clock and power rather than at the state the previous bench left: the H100's power limiter
+    acts over about a second, so after a cooler impl the next one's first ~100 ms run at a higher clock
+    (docs/notes_attention.md, thirty-seventh session)."""
+    if settle_ms <= 0 or _device != "cuda":
+        return
+    deadline = time.perf_counter() + settle_ms / 1000
+    while time.perf_counter() < deadline:
+        fn()
+    torch.cuda.synchronize()
+
+
+def _time_recorded(bench: Bench, settle_ms: float = 0, **kwargs) -> float:
+    """time_ms(bench.fn, **kwargs) after _settle(bench.fn, settle_ms), the timed part's wall-clock span
+    recorded in _timing_spans."""
+    _settle(bench.fn, settle_ms)
     t0 = time.time()
     ms = time_ms(bench.fn, **kwargs)
     _timing_spans.setdefault(id(bench), []).append((t0, time.time()))
     return ms
 
 
-def time_interleaved(benches: list[Bench], rounds: int, rep_ms: float = 100) -> dict[int, Optional[list[float]]]:
+def time_interleaved(benches: list[Bench], rounds: int, rep_ms: float = 100,
+                     settle_ms: float = 0) -> dict[int, Optional[list[float]]]:
     """Each bench's ms in each of `rounds` rounds that time every bench in turn (time_ms with rep_ms
-    each): slow drifts of the GPU's clocks and temperature fall on every impl alike instead of on
-    whichever is timed first. None for a bench that ran out of memory."""
+    each, after settle_ms of itself: _settle): slow drifts of the GPU's clocks and temperature fall on
+    every impl alike instead of on whichever is timed first. None for a bench that ran out of memory."""
     times: dict[int, list[float]] = {id(b): [] for b in benches}
     failed: set[int] = set()
     for _ in range(rounds):
@@ -321,7 +337,7 @@ def time_interleaved(benches: list[Bench], rounds: int, rep_ms: float = 100) -> 
             if id(b) in failed:
                 continue
             try:
-                times[id(b)].append(_time_recorded(b, rep_ms=rep_ms))
+                times[id(b)].append(_time_recorded(b, settle_ms=settle_ms, rep_ms=rep_ms))
             except torch.cuda.OutOfMemoryError:
                 failed.add(id(b))
                 gc.collect()
@@ -329,12 +345,13 @@ def time_interleaved(benches: list[Bench], rounds: int, rep_ms: float = 100) -> 
     return {k: (None if k in failed else v) for k, v in times.items()}
 
 
-def measure(bench: Bench, with_memory: bool = True, ms: Optional[float] = None) -> dict:
-    """One result row: ms timed here unless given (time_interleaved), then the peak memory."""
+def measure(bench: Bench, with_memory: bool = True, ms: Optional[float] = None, settle_ms: float = 0) -> dict:
+    """One result row: ms timed here (after settle_ms of bench.fn) unless given (time_interleaved), then
+    the peak memory."""
     row = {"case": bench.case, "pass": bench.pass_, "impl": bench.impl}
     try:
         if ms is None:
-            ms = _time_recorded(bench)
+            ms = _time_recorded(bench, settle_ms=settle_ms)
         row["ms"] = _round(ms)
         if bench.bytes:
             row["GBps"] = _round(bench.bytes / ms / 1e6)
@@ -355,11 +372,13 @@ def measure(bench: Bench, with_memory: bool = True, ms: Optional[float] = None) 
 
 
 def run(op: str, cases: Iterable[str], setup: Callable[[str], list[Bench]], argv: Optional[list] = None,
-        description: str = "", rounds: int = 1, cpu_cases: Optional[Iterable[str]] = None) -> dict:
+        description: str = "", rounds: int = 1, cpu_cases: Optional[Iterable[str]] = None,
+        settle_ms: float = 0) -> dict:
     """Times every Bench that setup(case) returns, case by case, and writes the results. rounds > 1:
     each pass's impls are timed round-robin (time_interleaved), for ops whose impls run long enough
-    to heat the GPU between one impl's timing and the next's. cpu_cases: the cases of --device cpu
-    (results in <op>_cpu.json)."""
+    to heat the GPU between one impl's timing and the next's. settle_ms > 0 (GPU): each timing
+    follows that long of the same bench (_settle), for impls that run at the power cap. cpu_cases:
+    the cases of --device cpu (results in <op>_cpu.json)."""
     global _device
     parser = argparse.ArgumentParser(description=description or f"benchmark {op}")
     parser.add_argument("--device", choices=["cuda", "cpu"], default=_device,
@@ -370,6 +389,8 @@ def run(op: str, cases: Iterable[str], setup: Callable[[str], list[Bench]], argv
     parser.add_argument("--impls", default="", help="comma-separated impl names: time only these")
     parser.add_argument("--rounds", type=int, default=rounds,
                         help=f"round-robin rounds over each pass's impls (default {rounds}; 1: one impl after another)")
+    parser.add_argument("--settle-ms", type=float, default=settle_ms,
+                        help=f"GPU: run each bench this long before timing it (default {settle_ms:g}; 0: none)")
     args = parser.parse_args(argv)
     _device = args.device
     if _device == "cuda" and not torch.cuda.is_available():
@@ -385,6 +406,8 @@ def run(op: str, cases: Iterable[str], setup: Callable[[str], list[Bench]], argv
         keys = [k for k in args.cases.split(",") if k]
         cases = [c for c in cases if any(k in c for k in keys)]
     result = {"op": op, **env_info(), "ceilings": measure_ceilings(), "rounds": rounds, "rows": []}
+    if _device == "cuda" and args.settle_ms > 0:
+        result["settle_ms"] = args.settle_ms
     log(f"{op}: {len(cases)} cases on {result.get('cpu', result['gpu'])} (torch {result['torch']}, commit {result['commit']}), "
         f"ceilings {result['ceilings']}")
     sampler = ClockSampler().start() if _device == "cuda" else None
@@ -395,13 +418,15 @@ def run(op: str, cases: Iterable[str], setup: Callable[[str], list[Bench]], argv
         timed: dict[int, Optional[float]] = {}
         if rounds > 1:  # every pass's impls, round-robin
             for pass_ in dict.fromkeys(b.pass_ for b in benches):
-                timed.update(time_interleaved([b for b in benches if b.pass_ == pass_], rounds))
+                timed.update(time_interleaved([b for b in benches if b.pass_ == pass_], rounds,
+                                              settle_ms=args.settle_ms))
         for b in benches:
             if rounds > 1 and timed[id(b)] is None:
                 row = {"case": b.case, "pass": b.pass_, "impl": b.impl, "error": "out of memory"}
             else:
                 rounds_ms = timed.get(id(b))
-                row = measure(b, with_memory=not args.no_memory, ms=median(rounds_ms) if rounds_ms else None)
+                row = measure(b, with_memory=not args.no_memory, ms=median(rounds_ms) if rounds_ms else None,
+                              settle_ms=args.settle_ms)
                 if rounds_ms:  # each round's median: a row that moved between rounds shows it
                     row["ms_rounds"] = [_round(ms) for ms in rounds_ms]
             result["rows"].append(row)

@@ -82,3 +82,24 @@ def test_round_robin_rows_keep_each_round(tmp_path):
         assert len(r["ms_rounds"]) == 3 and all(ms > 0 for ms in r["ms_rounds"])
         assert r["ms"] == harness._round(harness.median(r["ms_rounds"]))
     assert (tmp_path / "roundtest_cpu.json").exists()
+
+
+def test_settle_runs_the_bench_before_its_timed_span(monkeypatch):
+    """settle_ms (GPU): the bench runs back to back that long before time_ms, and the span kept for
+    its clock and power (_timing_spans) starts after the settling; none on the CPU or with 0."""
+    import time
+
+    monkeypatch.setattr(harness.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(harness, "time_ms", lambda fn, **kw: (fn(), 1.0)[1])
+    for device, settle_ms, settles in (("cuda", 50, True), ("cuda", 0, False), ("cpu", 50, False)):
+        monkeypatch.setattr(harness, "_device", device)
+        calls = []
+        bench = harness.Bench("c", "fwd", "a", lambda: calls.append(time.time()))
+        start = time.time()
+        assert harness._time_recorded(bench, settle_ms=settle_ms) == 1.0
+        (t0, _), = harness._timing_spans.pop(id(bench))
+        if settles:
+            assert len(calls) > 2 and calls[-2] - start >= 0.045  # settling: all but time_ms's call
+            assert calls[-2] <= t0 <= calls[-1]
+        else:
+            assert len(calls) == 1
