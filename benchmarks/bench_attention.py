@@ -11,7 +11,7 @@ eager (softmax(q k^T scale + mask) v) and compile (torch.compile of eager). rel_
 output (fwd) and the largest of its output's and gradients' errors (fwdbwd) against float64. The
 machine's other load shows up in CPU timings: `--rounds 5` interleaves the impls.
 
-Each timing follows 1 s of the same impl (--settle-ms 1000, harness._settle), 2 rounds
+Each timing follows 0.6 s of the same impl (--settle-ms 600, harness._settle), 2 rounds
 (harness.time_interleaved: every impl of a pass timed in turn). Under the H100's power cap a kernel
 timed for 150 ms right after a cooler one runs at a clock it cannot hold: at D128/S16384/full,
 forward+backward, cuDNN read 27.5 ms timed after the memory-efficient backend (the order of every
@@ -185,4 +185,4 @@ def setup(case: str) -> list[Bench]:
 
 
 if __name__ == "__main__":
-    run("attention", CASES, setup, description=__doc__, cpu_cases=CPU_CASES, rounds=2, settle_ms=1000)
+    run("attention", CASES, setup, description=__doc__, cpu_cases=CPU_CASES, rounds=2, settle_ms=600)

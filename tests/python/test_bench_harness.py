@@ -89,11 +89,21 @@ def test_settle_runs_the_bench_before_its_timed_span(monkeypatch):
     its clock and power (_timing_spans) starts after the settling; none on the CPU or with 0."""
     import time
 
+    waits = []
+
+    class Event:  # a stand-in: the settling waits on the call two back, so calls never pile up queued
+        def record(self):
+            self.n = len(calls)
+
+        def synchronize(self):
+            waits.append(len(calls) - self.n)
+
     monkeypatch.setattr(harness.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(harness.torch.cuda, "Event", Event)
     monkeypatch.setattr(harness, "time_ms", lambda fn, **kw: (fn(), 1.0)[1])
     for device, settle_ms, settles in (("cuda", 50, True), ("cuda", 0, False), ("cpu", 50, False)):
         monkeypatch.setattr(harness, "_device", device)
-        calls = []
+        calls, waits[:] = [], []
         bench = harness.Bench("c", "fwd", "a", lambda: calls.append(time.time()))
         start = time.time()
         assert harness._time_recorded(bench, settle_ms=settle_ms) == 1.0
@@ -101,5 +111,6 @@ def test_settle_runs_the_bench_before_its_timed_span(monkeypatch):
         if settles:
             assert len(calls) > 2 and calls[-2] - start >= 0.045  # settling: all but time_ms's call
             assert calls[-2] <= t0 <= calls[-1]
+            assert len(waits) == len(calls) - 3 and set(waits) == {2}  # each call waits for the one 2 back
         else:
             assert len(calls) == 1
