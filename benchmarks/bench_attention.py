@@ -11,13 +11,15 @@ eager (softmax(q k^T scale + mask) v) and compile (torch.compile of eager). rel_
 output (fwd) and the largest of its output's and gradients' errors (fwdbwd) against float64. The
 machine's other load shows up in CPU timings: `--rounds 5` interleaves the impls.
 
-Each timing follows 0.6 s of the same impl (--settle-ms 600, harness._settle), 2 rounds
-(harness.time_interleaved: every impl of a pass timed in turn). Under the H100's power cap a kernel
-timed for 150 ms right after a cooler one runs at a clock it cannot hold: at D128/S16384/full,
-forward+backward, cuDNN read 27.5 ms timed after the memory-efficient backend (the order of every
-round) and 28.5 ms held for 5 s, ours 26.3 and 26.5 (2026-11-28, docs/notes_attention.md,
-thirty-seventh session). A training step keeps the GPU at its cap, so every impl is timed there.
-Tables up to ca50579 timed 3 rounds of 50 ms warm-up and 100 ms, no settling.
+Default 3 rounds (harness.time_interleaved: every impl of a pass timed in turn, three times) rather
+than one impl after another with fuseforge first and cuDNN last: the same code timed first and last
+in one call differed by up to 7% (H100, 2026-11-25, docs/notes_attention.md). Three, not two: a
+run's rounds differ by up to 12% for every impl (the JSON's `ms_rounds`), and the median of two is
+the slower one (2026-11-27). Two rounds took 64-76 s on the H100.
+`--settle-ms 600 --rounds 2` times each impl after 0.6 s of itself instead (harness._settle), at the
+clock its own power allows under the H100's cap rather than the one the impls before it left: rows
+move by up to ~10% either way (benchmarks/results/attention_settled.md, notes' thirty-seventh
+session), so the README's table names its regime.
 """
 from __future__ import annotations
 
@@ -185,4 +187,4 @@ def setup(case: str) -> list[Bench]:
 
 
 if __name__ == "__main__":
-    run("attention", CASES, setup, description=__doc__, cpu_cases=CPU_CASES, rounds=2, settle_ms=600)
+    run("attention", CASES, setup, description=__doc__, cpu_cases=CPU_CASES, rounds=3)

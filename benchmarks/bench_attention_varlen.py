@@ -60,11 +60,12 @@ packed batch is nonzero here); window and softcap: the last 1024 query rows of t
 
 An impl that fails (the extension not built, a Flex compile error, cuDNN refusing the shapes, out of
 memory in its first run) is not timed: its rows are written with "error": "skipped" and a `reason`
-(listed under the markdown table too). Defaults to 2 rounds (harness.time_interleaved), each
-timing after 0.6 s of the same impl (--settle-ms 600: why in bench_attention.py); a run of all cases
-takes several minutes, most of it Flex's compiles and the settling. Flags as harness.run: --cases (substrings,
-e.g. "docs", "D64", "window", "softcap"), --impls (impls that run: sdpa_cudnn_best is derived, not
-run), --rounds N, --settle-ms MS, --out, --no-memory. Needs the extension built with attention_varlen, window and
+(listed under the markdown table too). Defaults to 3 rounds (harness.time_interleaved); a run of all
+cases takes several minutes, most of it Flex's compiles. `--settle-ms 600 --rounds 2`: each impl
+timed after 0.6 s of itself (bench_attention.py says why; results/attention_varlen_settled.md).
+Flags as harness.run: --cases (substrings, e.g. "docs", "D64", "window", "softcap"), --impls (impls
+that run: sdpa_cudnn_best is derived, not run), --rounds N, --settle-ms MS, --out, --no-memory.
+Needs the extension built with attention_varlen, window and
 softcap (fuseforge's rows are skipped, with the import error as the reason, where it is not).
 """
 from __future__ import annotations
@@ -660,8 +661,7 @@ def main(argv: Optional[list] = None) -> dict:
     if known.device != "cuda" or not torch.cuda.is_available():
         sys.exit("bench_attention_varlen needs a CUDA GPU (it has no CPU cases)")
     _selected_impls[:] = [i for i in known.impls.split(",") if i]
-    result = harness.run("attention_varlen", CASES, setup, argv=argv, description=__doc__, rounds=2,
-                         settle_ms=600)
+    result = harness.run("attention_varlen", CASES, setup, argv=argv, description=__doc__, rounds=3)
     postprocess(result)
     harness.write(result, known.out)
     with open(os.path.join(known.out, result["op"] + ".md"), "a") as f:

@@ -511,8 +511,11 @@ def markdown_table(result: dict) -> str:
     sha = result["commit"].removesuffix("-dirty")
     commit = sha[:12] + ("-dirty" if sha != result["commit"] else "")
     meta = (f"\n{where}, torch {result['torch']}, CUDA {result['cuda']}, commit `{commit}`, "
-            f"{result['date']}; ceilings {result.get('ceilings', {})}. `vs X` = X's time / fuseforge's.\n")
-    return "\n".join(lines) + "\n" + meta
+            f"{result['date']}; ceilings {result.get('ceilings', {})}. `vs X` = X's time / fuseforge's.")
+    if result.get("settle_ms"):
+        meta += (f" Each impl timed after {result['settle_ms']:g} ms of itself (--settle-ms), "
+                 f"{result.get('rounds', 1)} rounds.")
+    return "\n".join(lines) + "\n" + meta + "\n"
 
 
 def plot(result: dict, path: str) -> None:

@@ -114,3 +114,11 @@ def test_settle_runs_the_bench_before_its_timed_span(monkeypatch):
             assert len(waits) == len(calls) - 3 and set(waits) == {2}  # each call waits for the one 2 back
         else:
             assert len(calls) == 1
+
+
+def test_markdown_table_names_the_settling():
+    row = {"case": "c", "pass": "fwd", "impl": "fuseforge", "ms": 1.0}
+    result = {"rows": [row], "gpu": "G", "torch": "t", "cuda": "c", "commit": "0123456789abcdef", "date": "d",
+              "rounds": 2}
+    assert "settle" not in harness.markdown_table(result)
+    assert "after 600 ms of itself (--settle-ms), 2 rounds." in harness.markdown_table({**result, "settle_ms": 600.0})
