@@ -122,3 +122,25 @@ def test_markdown_table_names_the_settling():
               "rounds": 2}
     assert "settle" not in harness.markdown_table(result)
     assert "after 600 ms of itself (--settle-ms), 2 rounds." in harness.markdown_table({**result, "settle_ms": 600.0})
+
+
+def test_ncu_csv_traffic_columns():
+    """ncu_pass_cycles.py --traffic: each kernel's metrics in the columns' units, ncu's auto-scaled
+    units undone, the workload's own prints before ncu's header skipped."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import ncu_pass_cycles
+    head = '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"'
+    text = "\n".join(["lengths: 1,2,3", head,
+                      '"0","k0","gpu__time_duration.sum","usecond","1,500.00"',
+                      '"0","k0","sm__cycles_elapsed.max","cycle","2,175,000"',
+                      '"0","k0","lts__t_bytes.sum","Mbyte","40.96"',
+                      '"0","k0","lts__t_sectors_op_red.sum","sector","1,000,000"',
+                      '"1","k1","gpu__time_duration.sum","msecond","2.0"',
+                      '"1","k1","lts__t_bytes.sum","Gbyte","1.5"'])
+    kernels = ncu_pass_cycles.parse_ncu_csv(text, ncu_pass_cycles.TRAFFIC)
+    assert kernels["0"]["ms"] == 1.5 and kernels["0"]["cycles"] == 2175000
+    assert abs(kernels["0"]["l2_MB"] - 40.96) < 1e-9 and abs(kernels["0"]["l2_red_MB"] - 32.0) < 1e-9
+    assert kernels["1"]["ms"] == 2.0 and abs(kernels["1"]["l2_MB"] - 1500.0) < 1e-9 and "l2_red_MB" not in kernels["1"]
+    rows = [{"case": "c", "pass": "fwdbwd", "impl": "fuseforge", "ms": 3.5, "l2_MB": 1540.96, "l2_red_MB": 32.0}]
+    table = ncu_pass_cycles.traffic_table({"rows": rows, "gpu": "GPU", "commit": "0123456789abcdef"})
+    assert "| c | fwdbwd | fuseforge | 3.5 | 1541 | 32 |" in table and "| l2_MB | l2_red_MB |" in table
