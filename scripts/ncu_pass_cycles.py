@@ -35,18 +35,22 @@ TRAFFIC = (("l2_MB", "lts__t_bytes.sum", 1e-6), ("l2_red_MB", "lts__t_sectors_op
            ("l2_write_MB", "lts__t_sectors_op_write.sum", 32e-6), ("dram_MB", "dram__bytes.sum", 1e-6),
            ("smem_wavefronts_M", "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum", 1e-6),
            ("inst_M", "smsp__inst_executed.sum", 1e-6))
+# --traffic, per kernel only (printed for the longest kernels, not summed): its launch shape.
+LAUNCH = (("grid", "launch__grid_size", 1.0), ("block", "launch__block_size", 1.0),
+          ("cluster", "launch__cluster_size", 1.0), ("cluster_x", "launch__cluster_dim_x", 1.0),
+          ("cluster_y", "launch__cluster_dim_y", 1.0), ("smem_B", "launch__shared_mem_per_block", 1.0))
 
 
 def available_traffic() -> tuple:
-    """The TRAFFIC entries whose base metric `ncu --query-metrics --chip gh100` lists (all of them,
-    with a note, where the query fails)."""
+    """The TRAFFIC and LAUNCH entries whose base metric `ncu --query-metrics --chip gh100` lists (the
+    TRAFFIC ones, with a note, where the query fails)."""
     out = subprocess.run(["ncu", "--query-metrics", "--chip", "gh100"], capture_output=True, text=True, timeout=120)
     listed = {line.split()[0] for line in out.stdout.splitlines() if line.strip() and "__" in line.split()[0]}
     if out.returncode != 0 or not listed:
-        print(f"ncu --query-metrics failed (rc {out.returncode}): asking for every traffic metric", flush=True)
+        print(f"ncu --query-metrics failed (rc {out.returncode}): asking for the traffic metrics only", flush=True)
         return TRAFFIC
-    kept = tuple(t for t in TRAFFIC if t[1].split(".")[0] in listed)
-    for t in TRAFFIC:
+    kept = tuple(t for t in TRAFFIC + LAUNCH if t[1].split(".")[0] in listed)
+    for t in TRAFFIC + LAUNCH:
         if t not in kept:
             print(f"left out: {t[1]} (not listed for gh100)", flush=True)
     return kept
@@ -169,7 +173,8 @@ def main() -> None:
                 ms, cyc = sum(x["ms"] for x in kernels), sum(x["cycles"] for x in kernels)
                 row = {"case": case, "pass": pass_, "impl": impl, "kernels": len(kernels), "ms": round(ms, 4),
                        "mcycles": round(cyc / 1e6, 4)}
-                row.update({c: round(sum(x.get(c, 0.0) for x in kernels), 3) for c, _, _ in traffic})
+                row.update({t[0]: round(sum(x.get(t[0], 0.0) for x in kernels), 3) for t in traffic
+                            if t not in LAUNCH})
                 result["rows"].append(row)
                 print(f"{case} {pass_} {impl}: {len(kernels)} kernels, {ms:.4f} ms at the locked clock, "
                       f"{cyc / 1e6:.3f} M cycles (each kernel's slowest SM)", flush=True)
