@@ -87,8 +87,9 @@ def parse_ncu_csv(text: str, traffic: tuple = ()) -> dict:
     return kernels
 
 
-def profile(case: str, impl: str, pass_: str, traffic: tuple = ()) -> dict:
-    """parse_ncu_csv of one forward+backward (pass_ "fwdbwd") or forward."""
+def profile(case: str, impl: str, pass_: str, traffic: tuple = ()) -> dict | None:
+    """parse_ncu_csv of one forward+backward (pass_ "fwdbwd") or forward; None where ncu refused the
+    traffic metrics (main then profiles without them)."""
     metrics = ",".join(["gpu__time_duration.sum", "sm__cycles_elapsed.max"] + [t[1] for t in traffic])
     cmd = ["ncu", "--profile-from-start", "off", "--metrics", metrics, "--csv",
            sys.executable, os.path.join(ROOT, "scripts", "kernel_workload.py"), "attention_profiled", case, impl, pass_]
@@ -96,10 +97,9 @@ def profile(case: str, impl: str, pass_: str, traffic: tuple = ()) -> dict:
     try:
         return parse_ncu_csv(done.stdout, traffic)
     except StopIteration:
-        if traffic:  # a metric this ncu refuses: the cycles still count
-            print(f"ncu refused the traffic metrics for {case} {impl} {pass_}; without them:\n"
-                  f"{done.stderr[-1500:]}", flush=True)
-            return profile(case, impl, pass_)
+        if traffic:  # a metric this ncu refuses
+            print(f"ncu refused the traffic metrics for {case} {impl} {pass_}:\n{done.stderr[-1500:]}", flush=True)
+            return None
         sys.exit(f"ncu gave no kernel table for {case} {impl} {pass_}:\n{done.stderr[-2000:]}")
 
 
@@ -173,7 +173,11 @@ def main() -> None:
     for case in args.cases.split(","):
         for pass_ in args.passes.split(","):
             for impl in impls:
-                kernels = profile(case, impl, pass_, traffic).values()
+                kernels = profile(case, impl, pass_, traffic)
+                if kernels is None:  # the cycles still count: this row and the rest without traffic
+                    traffic = ()
+                    kernels = profile(case, impl, pass_)
+                kernels = kernels.values()
                 ms, cyc = sum(x["ms"] for x in kernels), sum(x["cycles"] for x in kernels)
                 row = {"case": case, "pass": pass_, "impl": impl, "kernels": len(kernels), "ms": round(ms, 4),
                        "mcycles": round(cyc / 1e6, 4)}

@@ -580,9 +580,9 @@ def check_backward_from_poisoned_dq_accum(shape, d, mask, env, calls, monkeypatc
     _, *ref_grads = reference_with_grads(q, k, v, grad, **kw)
     for name, value in {"FUSEFORGE_ATTENTION_TMA": "1", "FUSEFORGE_ATTENTION_BWD_KV_SLOWEST": "0", **env}.items():
         monkeypatch.setenv(name, value)
+    dq_accum_bytes = b * hq * ((sq + 15) // 16 * 16) * d * 4
     for _ in range(calls):
         out = attention(q, k, v, **kw)
-        dq_accum_bytes = b * hq * ((sq + 15) // 16 * 16) * d * 4
         poison_allocations(dq_accum_bytes, dq_accum_bytes, q, q, k, k)
         grads = torch.autograd.grad(out, (q, k, v), grad)
         for name, g, r in zip("qkv", grads, ref_grads):

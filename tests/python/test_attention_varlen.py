@@ -263,9 +263,9 @@ def test_cuda_varlen_backward_no_keys_overlapped(overlap, monkeypatch):
     lengths_q, lengths_k, hq, d = [7000, 5000, 0], [0, 0, 40], 16, 128
     q, k, v, cu_q, cu_k, max_q, max_k = varlen_case(lengths_q, lengths_k, hq, hq, d, torch.bfloat16, "cuda")
     grad = randn(*q.shape, dtype=torch.bfloat16, device="cuda")
+    dq_accum_bytes = varlen_dq_accum_bytes(q.shape[0], len(lengths_q), hq, d)
     for _ in range(3):
         out = attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=False)
-        dq_accum_bytes = varlen_dq_accum_bytes(q.shape[0], len(lengths_q), hq, d)
         poison_allocations(dq_accum_bytes, dq_accum_bytes, q, q, k, k)
         for g in torch.autograd.grad(out, (q, k, v), grad):
             assert torch.equal(g, torch.zeros_like(g))
