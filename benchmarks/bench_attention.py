@@ -1,6 +1,9 @@
 """Benchmark: fuseforge.attention vs PyTorch SDPA's flash, efficient and cuDNN backends.
 
 Cases D<d>/S<s>/<mask>: bf16, B = 32768 / s, Hq = Hk = 2048 / d (B * S = 32768 tokens, hidden 2048).
+Cases B<b>/Hq<h>/Hk<h>/S<s>/D<d>/<mask>: that shape, bf16; MODEL_CASES, run after the grid, is the
+attention of benchmarks/bench_e2e.py's 1.2B Llama (GQA 16 / 4, causal, S 2048) at batch 6, the shape
+where a training step meets the kernels (the grid has no GQA).
 FLOPs: the forward does 4 * B * H * S * S * D (two matmuls; half with a causal mask); the backward
 2.5 x that, so fwdbwd counts 3.5 x the forward. rel_err (fwd rows): the output of batch 0, head 0
 against an fp32 reference of that slice.
@@ -36,7 +39,9 @@ from harness import Bench, bench_device, run  # noqa: E402
 import fuseforge  # noqa: E402,F401
 from fuseforge.ops.attention import attention  # noqa: E402
 
-CASES = [f"D{d}/S{s}/{mask}" for d in (64, 128) for s in (1024, 4096, 16384) for mask in ("full", "causal")]
+GRID_CASES = [f"D{d}/S{s}/{mask}" for d in (64, 128) for s in (1024, 4096, 16384) for mask in ("full", "causal")]
+MODEL_CASES = ["B6/Hq16/Hk4/S2048/D128/causal"]
+CASES = GRID_CASES + MODEL_CASES
 CPU_CASES = ["B8/Hq2/Hk1/S128/D64/causal/fp32", "B2/Hq8/Hk8/S1024/D64/causal/fp32", "B2/Hq8/Hk8/S1024/D64/full/fp32",
              "B2/Hq8/Hk2/S1024/D64/causal/fp32"]
 
@@ -47,9 +52,20 @@ def parse(case: str):
 
 
 def gpu_shape(case: str):
-    """(B, H, S, D, causal) of a GPU case: B * S = 32768 tokens, H * D = 2048."""
+    """(B, H, S, D, causal) of a grid case: B * S = 32768 tokens, H * D = 2048."""
     d, s, causal = parse(case)
     return 32768 // s, 2048 // d, s, d, causal
+
+
+def case_shape(case: str):
+    """(B, Hq, Hk, S, D, causal) of any case: a grid case (Hq = Hk) or B<b>/Hq<h>/Hk<h>/S<s>/D<d>/<mask>
+    (a trailing /fp32, the CPU cases' dtype, is not part of the shape)."""
+    if case.startswith("D"):
+        b, h, s, d, causal = gpu_shape(case)
+        return b, h, h, s, d, causal
+    parts = case.split("/")
+    b, hq, hk, s, d = (int(x[len(x.rstrip("0123456789")):]) for x in parts[:5])
+    return b, hq, hk, s, d, parts[5] == "causal"
 
 
 def attention_flops(b: int, h: int, s: int, d: int, causal: bool, pass_: str = "fwd") -> float:
@@ -89,8 +105,7 @@ def eager_attention(causal: bool):
 
 
 def setup_cpu(case: str) -> list[Bench]:
-    b, hq, hk, s, d = (int(x[len(x.rstrip("0123456789")):]) for x in case.split("/")[:5])
-    causal = case.split("/")[5] == "causal"
+    b, hq, hk, s, d, causal = case_shape(case)
     torch.manual_seed(0)
     q, k, v = torch.randn(b, hq, s, d), torch.randn(b, hk, s, d), torch.randn(b, hk, s, d)
     grad = torch.randn(b, hq, s, d)
@@ -146,12 +161,13 @@ def setup(case: str) -> list[Bench]:
         return setup_cpu(case)
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    b, h, s, d, causal = gpu_shape(case)
+    b, hq, hk, s, d, causal = case_shape(case)
     dev, dt = "cuda", torch.bfloat16
-    q, k, v = (torch.randn(b, h, s, d, device=dev, dtype=dt) for _ in range(3))
-    grad = torch.randn(b, h, s, d, device=dev, dtype=dt)
+    q = torch.randn(b, hq, s, d, device=dev, dtype=dt)
+    k, v = (torch.randn(b, hk, s, d, device=dev, dtype=dt) for _ in range(2))
+    grad = torch.randn(b, hq, s, d, device=dev, dtype=dt)
     qg, kg, vg = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
-    fwd_flops, fwdbwd_flops = (attention_flops(b, h, s, d, causal, pass_) for pass_ in ("fwd", "fwdbwd"))
+    fwd_flops, fwdbwd_flops = (attention_flops(b, hq, s, d, causal, pass_) for pass_ in ("fwd", "fwdbwd"))
     ref = reference_slice(q, k, v, causal)
 
     impls = {"fuseforge": lambda q_, k_, v_: attention(q_, k_, v_, causal=causal)}
@@ -159,7 +175,7 @@ def setup(case: str) -> list[Bench]:
                           ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
         def call(q_, k_, v_, backend=backend):
             with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(q_, k_, v_, is_causal=causal)
+                return F.scaled_dot_product_attention(q_, k_, v_, is_causal=causal, enable_gqa=hq != hk)
         impls[name] = call
 
     benches = []

@@ -47,15 +47,16 @@ def attention_case(case, impl):
     """q, k, v of one attention benchmark case (bench_attention.py's shapes) and a forward by one impl."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from bench_attention import gpu_shape
-    b, h, s, d, causal = gpu_shape(case)
-    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    from bench_attention import case_shape
+    b, hq, hk, s, d, causal = case_shape(case)
+    q = torch.randn(b, hq, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(b, hk, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
 
     def forward():
         if impl == "fuseforge":
             return fuseforge.attention(q, k, v, causal=causal)
         with sdpa_kernel({"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}[impl]):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=hq != hk)
 
     return (q, k, v), forward
 
@@ -66,7 +67,7 @@ def attention_call(case, impl, pass_="fwdbwd"):
     "softcap...", through that script's setup)."""
     if impl == "cublas_gemm":
         return gemm_call(case, pass_)
-    if not case.startswith("D"):
+    if not case.startswith(("D", "B")):
         import bench_attention_varlen
         bench_attention_varlen._selected_impls[:] = [impl]
         return next(b.fn for b in bench_attention_varlen.setup(case) if b.impl == impl and b.pass_ == pass_)
@@ -81,8 +82,9 @@ def gemm_call(case, pass_):
     """The GEMM ceiling of a fixed-length case: one bf16 cuBLAS matmul, 8192 x K by K x 8192, with the
     useful FLOPs bench_attention counts for the pass (K rounded to a multiple of 64). At ncu's locked
     clock its time over an attention impl's is the share of the GEMM's rate per cycle that impl runs at."""
-    from bench_attention import attention_flops, gpu_shape
-    flops = attention_flops(*gpu_shape(case), pass_)
+    from bench_attention import attention_flops, case_shape
+    b, hq, _, s, d, causal = case_shape(case)
+    flops = attention_flops(b, hq, s, d, causal, pass_)
     m = n = 8192
     kdim = max(64, round(flops / (2 * m * n) / 64) * 64)
     a = torch.randn(m, kdim, device="cuda", dtype=torch.bfloat16)
