@@ -11,6 +11,9 @@ impls
 - fuseforge: the same model (same seed, same init) patched with fuseforge.patch (fuseforge attention,
   the loss by linear_cross_entropy), bf16 weights with fuseforge.optim.AdamW(master_weights=True):
   fp32 master weights and fp32 moments, the recipe fuseforge recommends.
+- fuseforge_sdpa (not in the defaults): the fuseforge recipe with attention left to transformers'
+  SDPA (cuDNN's kernel on Hopper): its step time minus fuseforge's is what fuseforge attention saves
+  inside the patched step.
 - compile: torch.compile of the eager model (same recipe as eager).
 - fuseforge_compile: the fuseforge recipe with torch.compile of the patched model (the ops trace
   without graph breaks; compile fuses what fuseforge leaves to eager: RMSNorm, rotary, SwiGLU,
@@ -84,11 +87,13 @@ def make_impl(impl: str, cfg: dict, seq: int, device):
     if impl == "compile":
         opt = torch.optim.AdamW(model.parameters(), **HYPER, fused=fused)
         return torch.compile(model), opt, True
-    if impl in ("fuseforge", "fuseforge_compile"):
+    if impl in ("fuseforge", "fuseforge_compile", "fuseforge_sdpa"):
         import fuseforge  # noqa: F401
         from fuseforge.optim import AdamW
         from fuseforge.patch import patch
         model = patch(cast_parameters(model, torch.bfloat16))
+        if impl == "fuseforge_sdpa":  # the loss and the optimizer stay fuseforge's
+            model.set_attn_implementation("sdpa")
         opt = AdamW(model.parameters(), **HYPER, master_weights=True)
         return (torch.compile(model) if impl == "fuseforge_compile" else model), opt, False
     raise ValueError(impl)

@@ -1,6 +1,8 @@
 """Where a training step of the end-to-end case goes, by kernel family, for each impl of
 benchmarks/bench_e2e.py (one profiled step after warm-up; torch.profiler device times).
-   python3 scripts/e2e_profile.py [--impls eager,fuseforge] [--batch 6] [--config 1b]
+   python3 scripts/e2e_profile.py [--impls eager,fuseforge,fuseforge_sdpa] [--batch 6] [--config 1b]
+Kernel times are summed per family; kernels launched early (programmatic dependent launch) count
+their wait too, so the step's event time, not the sum, is what an impl costs.
 """
 import argparse
 import os
@@ -61,8 +63,13 @@ def profile_impl(impl: str, cfg: dict, seq: int, batch: int, device) -> None:
     for fam, ms in sorted(by_family.items(), key=lambda kv: -kv[1]):
         print(f"   {fam:24s} {ms:8.2f} ms  {100 * ms / total:5.1f}%")
     print("   largest kernels:")
-    for name, (ms, count) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:14]:
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])
+    for name, (ms, count) in ranked[:14]:
         print(f"     {ms:8.2f} ms {count:5d}x  {name}")
+    print("   every attention kernel:")  # the family's total is compared between impls: show all of it
+    for name, (ms, count) in ranked:
+        if family(name) == "attention":
+            print(f"     {ms:8.2f} ms {count:5d}x  {name}")
     del model, opt
     bench_e2e.free()
 
