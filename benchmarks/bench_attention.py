@@ -1,9 +1,12 @@
 """Benchmark: fuseforge.attention vs PyTorch SDPA's flash, efficient and cuDNN backends.
 
 Cases D<d>/S<s>/<mask>: bf16, B = 32768 / s, Hq = Hk = 2048 / d (B * S = 32768 tokens, hidden 2048).
-Cases B<b>/Hq<h>/Hk<h>/S<s>/D<d>/<mask>: that shape, bf16; MODEL_CASES, run after the grid, is the
-attention of benchmarks/bench_e2e.py's 1.2B Llama (GQA 16 / 4, causal, S 2048) at batch 6, the shape
-where a training step meets the kernels (the grid has no GQA).
+Cases B<b>/Hq<h>/Hk<h>/S<s>/D<d>/<mask>: that shape, bf16. MODEL_CASES run after the grid, which has
+no grouped-query heads:
+- the attention of benchmarks/bench_e2e.py's 1.2B Llama (GQA 16 / 4, causal, S 2048) at batch 6, the
+  shape where a training step meets the kernels;
+- an 8B Llama's (32 / 8) at batch 1. Its backward has 128 dk/dv blocks of 4 heads for 132 SMs, the
+  case FUSEFORGE_ATTENTION_BWD_HEAD_SPLIT is for.
 FLOPs: the forward does 4 * B * H * S * S * D (two matmuls; half with a causal mask); the backward
 2.5 x that, so fwdbwd counts 3.5 x the forward. rel_err (fwd rows): the output of batch 0, head 0
 against an fp32 reference of that slice.
@@ -40,7 +43,7 @@ import fuseforge  # noqa: E402,F401
 from fuseforge.ops.attention import attention  # noqa: E402
 
 GRID_CASES = [f"D{d}/S{s}/{mask}" for d in (64, 128) for s in (1024, 4096, 16384) for mask in ("full", "causal")]
-MODEL_CASES = ["B6/Hq16/Hk4/S2048/D128/causal"]
+MODEL_CASES = ["B6/Hq16/Hk4/S2048/D128/causal", "B1/Hq32/Hk8/S2048/D128/causal"]
 CASES = GRID_CASES + MODEL_CASES
 CPU_CASES = ["B8/Hq2/Hk1/S128/D64/causal/fp32", "B2/Hq8/Hk8/S1024/D64/causal/fp32", "B2/Hq8/Hk8/S1024/D64/full/fp32",
              "B2/Hq8/Hk2/S1024/D64/causal/fp32"]

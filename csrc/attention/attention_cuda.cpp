@@ -1,11 +1,13 @@
 // attention CUDA implementation, host side: checks, device guard, allocation, params, the dtype and
 // head-dim dispatch to the launchers (instantiations/*.cu). No host sync. Compiled by the C++
 // compiler, not nvcc (see docs/DEVELOPING.md).
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "attention/attention.h"
 #include "attention/attention_launch.h"
@@ -246,7 +248,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(const at::Tens
   const c10::cuda::CUDAGuard guard(q.device());
   at::Tensor grad_q = at::empty_like(q), grad_k = at::empty_like(k), grad_v = at::empty_like(v);
   if (backward_is_trivial(s, grad_q, grad_k, grad_v)) return {grad_q, grad_k, grad_v};
-  backward(s, grad_out, q, k, v, out, lse, scale, o, deterministic, grad_q, grad_k, grad_v, nullptr);
+  // Few dk/dv blocks with grouped-query heads (bwd_gqa_head_split): each KV head's K / V repeated
+  // `split` times, so a block takes group / split query heads; the partials summed in float32.
+  const int64_t key_block_rows = s.head_dim > 128 ? 64 : 128;  // BwdConfig::DkdvTraits::kBlockN
+  const int64_t blocks = (s.seqlen_k + key_block_rows - 1) / key_block_rows * s.heads_kv * s.batch;
+  const int64_t split =
+      s.group() > 1 ? bwd_gqa_head_split(blocks, s.group(), at::cuda::getCurrentDeviceProperties()->multiProcessorCount)
+                    : 1;
+  if (split == 1) {
+    backward(s, grad_out, q, k, v, out, lse, scale, o, deterministic, grad_q, grad_k, grad_v, nullptr);
+    return {grad_q, grad_k, grad_v};
+  }
+  auto repeat = [&](const at::Tensor& t) {
+    return t.unsqueeze(2).expand({s.batch, s.heads_kv, split, s.seqlen_k, s.head_dim})
+        .reshape({s.batch, s.heads_kv * split, s.seqlen_k, s.head_dim});
+  };
+  const at::Tensor k_rep = repeat(k), v_rep = repeat(v);
+  at::Tensor grad_k_rep = at::empty_like(k_rep), grad_v_rep = at::empty_like(v_rep);
+  Shape s_split = s;
+  s_split.heads_kv *= split;
+  backward(s_split, grad_out, q, k_rep, v_rep, out, lse, scale, o, deterministic, grad_q, grad_k_rep, grad_v_rep,
+           nullptr);
+  const std::vector<int64_t> parts{s.batch, s.heads_kv, split, s.seqlen_k, s.head_dim};
+  grad_k.copy_(grad_k_rep.view(parts).sum(2, /*keepdim=*/false, at::kFloat));
+  grad_v.copy_(grad_v_rep.view(parts).sum(2, /*keepdim=*/false, at::kFloat));
   return {grad_q, grad_k, grad_v};
 }
 

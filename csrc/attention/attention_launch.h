@@ -127,4 +127,29 @@ inline bool bwd_kv_block_slowest(bool local, int64_t blocks, int64_t resident, i
   return knob.empty() ? blocks <= max_waves * resident : knob == "1";
 }
 
+// Grouped-query heads in the backward (attention_bwd_cuda): a dk/dv block loops over the `group`
+// query heads of its KV head, so a small batch of short sequences makes fewer, longer blocks than the
+// GPU has SMs. B1 Hk8 S2048 gives 128 blocks of 4 heads on 132 SMs. Its causal blocks' tail, modelled
+// in docs/notes_attention.md (thirty-eighth session), puts the dk/dv kernel at ~1.9x its work spread
+// over the SMs. Splitting each group over `split` blocks gives split x the blocks: K and V are
+// repeated split times and the dK / dV partials summed after. The returned split divides the group.
+// FUSEFORGE_ATTENTION_BWD_HEAD_SPLIT:
+// - unset or "1": no split. This is the default until the split has been timed on the GPU.
+// - "auto": the smallest power-of-two divisor of the group that brings the grid to min_waves waves
+//   of `resident` blocks.
+// - a divisor of the group: that split.
+inline int64_t bwd_gqa_head_split(int64_t blocks, int64_t group, int64_t resident, int64_t min_waves = 2) {
+  const std::string knob = env_string("FUSEFORGE_ATTENTION_BWD_HEAD_SPLIT");
+  if (knob.empty()) return 1;
+  if (knob == "auto") {
+    int64_t split = 1;
+    while (blocks * split < min_waves * resident && group % (2 * split) == 0) split *= 2;
+    return split;
+  }
+  const int64_t split = env_positive_int("FUSEFORGE_ATTENTION_BWD_HEAD_SPLIT", 1);
+  TORCH_CHECK(group % split == 0, "FUSEFORGE_ATTENTION_BWD_HEAD_SPLIT: expected auto or a divisor of the ",
+              group, " query heads a KV head has, got '", knob, "'");
+  return split;
+}
+
 }  // namespace fuseforge::attention

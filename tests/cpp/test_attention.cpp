@@ -252,3 +252,30 @@ TEST(AttentionBackwardZeroing, DistanceIsAWaveAtLeastARowAndOffForShortGrids) {
   expect_error_naming([] { at_::bwd_dq_zero_ahead(4096, 132, 8); },
                       "FUSEFORGE_ATTENTION_BWD_ZERO_AHEAD: expected a positive integer, got '-3'");
 }
+
+TEST(AttentionBackwardHeadSplit, OffUnlessAskedAutoFillsTwoWavesKnobMustDivideTheGroup) {
+  const char* name = "FUSEFORGE_ATTENTION_BWD_HEAD_SPLIT";
+  EXPECT_EQ(at_::bwd_gqa_head_split(128, 4, 132), 1);  // unset: off until timed on the GPU
+  {
+    ScopedEnv env(name, "auto");
+    EXPECT_EQ(at_::bwd_gqa_head_split(128, 4, 132), 4);  // B1 Hk8 S2048: 256 blocks at 2 are still < 264
+    EXPECT_EQ(at_::bwd_gqa_head_split(192, 4, 132), 2);  // 384 blocks at 2
+    EXPECT_EQ(at_::bwd_gqa_head_split(384, 4, 132), 1);  // the 1.2B Llama's step at batch 6: 2.9 waves
+    EXPECT_EQ(at_::bwd_gqa_head_split(16, 4, 132), 4);   // stops at the group
+    EXPECT_EQ(at_::bwd_gqa_head_split(16, 6, 132), 2);   // powers of two that divide the group
+    EXPECT_EQ(at_::bwd_gqa_head_split(16, 1, 132), 1);   // no grouped heads
+  }
+  {
+    ScopedEnv env(name, "2");
+    EXPECT_EQ(at_::bwd_gqa_head_split(10000, 4, 132), 2);  // forced, however many blocks
+  }
+  {
+    ScopedEnv env(name, "3");
+    expect_error_naming([] { at_::bwd_gqa_head_split(128, 4, 132); },
+                        "FUSEFORGE_ATTENTION_BWD_HEAD_SPLIT: expected auto or a divisor of the 4 query heads a KV "
+                        "head has, got '3'");
+  }
+  ScopedEnv env(name, "two");
+  expect_error_naming([] { at_::bwd_gqa_head_split(128, 4, 132); },
+                      "FUSEFORGE_ATTENTION_BWD_HEAD_SPLIT: expected a positive integer, got 'two'");
+}
