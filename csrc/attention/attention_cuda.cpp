@@ -250,7 +250,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(const at::Tens
   if (backward_is_trivial(s, grad_q, grad_k, grad_v)) return {grad_q, grad_k, grad_v};
   // Few dk/dv blocks with grouped-query heads (bwd_gqa_head_split): each KV head's K / V repeated
   // `split` times, so a block takes group / split query heads; the partials summed in float32.
-  const int64_t key_block_rows = s.head_dim > 128 ? 64 : 128;  // BwdConfig::DkdvTraits::kBlockN
+  const int64_t key_block_rows = bwd_key_block_rows(s.head_dim);
   const int64_t blocks = (s.seqlen_k + key_block_rows - 1) / key_block_rows * s.heads_kv * s.batch;
   const int64_t split =
       s.group() > 1 ? bwd_gqa_head_split(blocks, s.group(), at::cuda::getCurrentDeviceProperties()->multiProcessorCount)

@@ -127,6 +127,9 @@ inline bool bwd_kv_block_slowest(bool local, int64_t blocks, int64_t resident, i
   return knob.empty() ? blocks <= max_waves * resident : knob == "1";
 }
 
+// Keys a dk/dv block takes (BwdConfig::DkdvTraits' kBlockN): 64 at head dim 256, else 128.
+constexpr int bwd_key_block_rows(int64_t head_dim) { return head_dim > 128 ? 64 : 128; }
+
 // Grouped-query heads in the backward (attention_bwd_cuda): a dk/dv block loops over the `group`
 // query heads of its KV head, so a small batch of short sequences makes fewer, longer blocks than the
 // GPU has SMs. B1 Hk8 S2048 gives 128 blocks of 4 heads on 132 SMs. Its causal blocks' tail, modelled

@@ -43,7 +43,7 @@ struct FwdConfig {
 // columns each (BwdTraits::kSplitCols); K, V, 2 stages of Q and dO and 2 dS^T tiles take 210 KB.
 template <typename T, int kHeadDim, bool kPadHeadDim>
 struct BwdConfig {
-  using DkdvTraits = BwdTraits<T, kHeadDim, kHeadDim == 64 ? 128 : 64, kHeadDim == 256 ? 64 : 128, 8, kPadHeadDim>;
+  using DkdvTraits = BwdTraits<T, kHeadDim, kHeadDim == 64 ? 128 : 64, bwd_key_block_rows(kHeadDim), 8, kPadHeadDim>;
   // Deterministic dq at head dim 256: 32-key tiles (dQ is 128 floats a thread; S, dP of 64 keys spilled
   // 320 bytes).
   using DqTraits = FwdTraits<T, kHeadDim, 64, kHeadDim == 256 ? 32 : 64, 4, kPadHeadDim>;

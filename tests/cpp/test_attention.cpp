@@ -255,6 +255,9 @@ TEST(AttentionBackwardZeroing, DistanceIsAWaveAtLeastARowAndOffForShortGrids) {
 
 TEST(AttentionBackwardHeadSplit, OffUnlessAskedAutoFillsTwoWavesKnobMustDivideTheGroup) {
   const char* name = "FUSEFORGE_ATTENTION_BWD_HEAD_SPLIT";
+  EXPECT_EQ(at_::bwd_key_block_rows(64), 128);  // the blocks the rule counts (BwdConfig's key tiles)
+  EXPECT_EQ(at_::bwd_key_block_rows(96), 128);
+  EXPECT_EQ(at_::bwd_key_block_rows(256), 64);
   EXPECT_EQ(at_::bwd_gqa_head_split(128, 4, 132), 1);  // unset: off until timed on the GPU
   {
     ScopedEnv env(name, "auto");

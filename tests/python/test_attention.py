@@ -646,7 +646,8 @@ def test_cuda_backward_gqa_head_split(split, d, causal, layout, monkeypatch):
         for name, g, x, r in zip("qkv", grads, (q, k, v), ref_grads):
             assert g.stride() == x.stride(), name
             assert rel_err(g, r) <= 2 * TOL[torch.bfloat16], (name, rel_err(g, r))
-    assert torch.equal(grads[0], unsplit_dq)
+        if deterministic:
+            assert torch.equal(grads[0], unsplit_dq)
 
 
 @requires_cuda
