@@ -1,0 +1,157 @@
+"""Issue 17's end-to-end bar: does the patched training step improve by what fuseforge attention saves?
+
+One model, bench_e2e.py's fuseforge recipe (patched, bf16 weights, fuseforge AdamW). Its steps alternate
+the attention between fuseforge's and transformers' SDPA (cuDNN's kernel on Hopper) in A B B A order,
+so both see the same clocks, power, memory and model state: only the attention differs. The step time
+difference (SDPA step - fuseforge step) is what fuseforge attention saves inside the step.
+
+Beside it, in the same process: the two attention functions alone (transformers' attention interface,
+the call each decoder layer makes, on the model's shapes with (B, S, H, D) memory as the projections
+leave it), forward + backward, interleaved rounds. Their difference times the layer count is the
+saving the step should show.
+
+    FUSEFORGE_COMMIT=<sha> PYTHONPATH=python python3 scripts/e2e_attention_ab.py [--batch 16] [--pairs 12]
+Writes e2e_attention_ab.json and .md into --out (default benchmarks/results).
+"""
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import bench_e2e  # noqa: E402
+import harness  # noqa: E402
+
+MODES = ("fuseforge", "sdpa")  # A, B
+
+
+def step_ab(model, opt, stream: torch.Tensor, pairs: int, device) -> dict:
+    """Step times (ms) per mode: `pairs` A B B A groups after one warm-up step of each mode."""
+    from fuseforge.patch import ATTN_IMPLEMENTATION
+    impl_name = {"fuseforge": ATTN_IMPLEMENTATION, "sdpa": "sdpa"}
+    order = [m for _ in range(pairs) for m in (MODES + MODES[::-1])]
+    timers = {m: harness.StepTimer(device.type == "cuda") for m in MODES}
+    for i, mode in enumerate(list(MODES) + order):
+        model.set_attn_implementation(impl_name[mode])
+        ids = stream[i % stream.shape[0]]
+        if i < len(MODES):  # warm-up: allocations, cuDNN's plan
+            bench_e2e.train_step(model, opt, False, ids, device)
+            continue
+        with timers[mode]:
+            bench_e2e.train_step(model, opt, False, ids, device)
+    model.set_attn_implementation(impl_name["fuseforge"])
+    return {m: t.ms() for m, t in timers.items()}
+
+
+def attention_alone(model, batch: int, seq: int, rounds: int, device) -> dict:
+    """ms of one layer's attention call, forward + backward and forward, per mode (interleaved rounds)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from fuseforge.patch import ATTN_IMPLEMENTATION
+    attn = model.model.layers[0].self_attn
+    cfg = model.config
+    d = cfg.hidden_size // cfg.num_attention_heads
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def leaf(heads):  # (B, S, H, D) memory, seen as (B, H, S, D): the projections' layout
+        x = torch.randn(batch, seq, heads, d, device=device, dtype=torch.bfloat16, generator=g)
+        return x.requires_grad_()
+
+    q, k, v = leaf(cfg.num_attention_heads), leaf(cfg.num_key_value_heads), leaf(cfg.num_key_value_heads)
+    grad = torch.randn(batch, seq, cfg.num_attention_heads, d, device=device, dtype=torch.bfloat16, generator=g)
+    fns = {"fuseforge": ALL_ATTENTION_FUNCTIONS[ATTN_IMPLEMENTATION], "sdpa": ALL_ATTENTION_FUNCTIONS["sdpa"]}
+    benches = []
+    for mode in MODES:
+        def fwd(f=fns[mode]):
+            return f(attn, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, dropout=0.0,
+                     scaling=attn.scaling, is_causal=True)[0]
+
+        def fwdbwd(fwd=fwd):
+            out = fwd()
+            out.backward(grad.view_as(out))
+            return out
+        benches += [harness.Bench("layer", "fwdbwd", mode, fwdbwd), harness.Bench("layer", "fwd", mode, fwd)]
+    with torch.no_grad():
+        ref = benches[1].fn().float()
+        err = (benches[3].fn().float() - ref).norm() / ref.norm()
+    times = harness.time_interleaved(benches, rounds, rep_ms=200, settle_ms=300)
+    out = {"rel_diff_fwd": float(err)}
+    for b in benches:
+        out.setdefault(b.pass_, {})[b.impl] = {"ms": harness.median(times[id(b)]), "rounds": times[id(b)]}
+    return out
+
+
+def markdown(r: dict) -> str:
+    s, a = r["step"], r["attention_alone"]
+    layers = r["layers"]
+    lines = [
+        "| measured | fuseforge attention | SDPA attention (cuDNN) | SDPA - fuseforge |",
+        "|---|---|---|---|",
+        f"| training step, ms (median of {len(s['fuseforge']['step_ms'])} each, A B B A) | "
+        f"{s['fuseforge']['ms']:.1f} | {s['sdpa']['ms']:.1f} | **{s['saved_ms']:+.2f}** "
+        f"(paired: median {s['paired_saved_ms']:+.2f}, quartiles {s['paired_q1']:+.2f} .. {s['paired_q3']:+.2f}) |",
+    ]
+    for p in ("fwdbwd", "fwd"):
+        f, c = a[p]["fuseforge"]["ms"], a[p]["sdpa"]["ms"]
+        lines.append(f"| attention alone, {p}, one layer, ms | {f:.3f} | {c:.3f} | {c - f:+.3f} ({c / f:.2f}x) |")
+    f, c = a["fwdbwd"]["fuseforge"]["ms"], a["fwdbwd"]["sdpa"]["ms"]
+    lines.append(f"| attention alone, fwdbwd x {layers} layers, ms | {layers * f:.2f} | {layers * c:.2f} | "
+                 f"**{layers * (c - f):+.2f}** |")
+    lines.append("")
+    lines.append(f"{r['gpu']}, torch {r['torch']}, CUDA {r['cuda']}, commit `{r['commit']}`, {r['date']}; "
+                 f"{r['case']}. The step difference is what fuseforge attention saves inside the step; the last "
+                 f"row is what it saves alone (fwd output rel. diff between the two: {a['rel_diff_fwd']:.1e}).")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", choices=sorted(bench_e2e.CONFIGS), default="1b")
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=16, help="default 16: bench_e2e's probed batch on the H100 and H200")
+    p.add_argument("--pairs", type=int, default=12, help="A B B A groups: 2 * pairs timed steps a mode")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the attention-alone timing")
+    p.add_argument("--out", default=harness.RESULTS_DIR)
+    p.add_argument("--device", default="cuda", help="cpu: a smoke test (with --config tiny --seq 64 --batch 2)")
+    args = p.parse_args()
+    device = torch.device(args.device)
+    cfg = bench_e2e.CONFIGS[args.config]
+    result = {"op": "e2e_attention_ab", **harness.env_info(),
+              "case": bench_e2e.case_name(cfg, args.seq, args.batch), "layers": cfg["num_hidden_layers"]}
+    harness.log(f"e2e_attention_ab: {result['case']}, {args.pairs} A B B A groups")
+    model, opt, _ = bench_e2e.make_impl("fuseforge", cfg, args.seq, device)
+    g = torch.Generator().manual_seed(1234)
+    stream = torch.randint(0, cfg["vocab_size"], (8, args.batch, args.seq), generator=g).to(device)
+    from fuseforge.patch import stats
+    before = dict(stats)
+    steps = step_ab(model, opt, stream, args.pairs, device)
+    calls = {k: stats[k] - before[k] for k in stats}
+    expected = cfg["num_hidden_layers"] * (1 + 2 * args.pairs)  # a call a layer in each fuseforge step
+    if calls != {"fuseforge": expected, "varlen": 0, "sdpa": 0}:  # fuseforge's kernel in every fuseforge step
+        raise SystemExit(f"e2e_attention_ab: patched attention calls {calls}, expected {expected} fuseforge calls")
+    result["patched_attention_calls"] = calls
+    med = {m: harness.median(steps[m]) for m in MODES}
+    # Pairs of neighbouring steps (A B, then B A): differences of steps timed next to each other.
+    diffs = sorted(b - a for a, b in zip(steps["fuseforge"], steps["sdpa"]))
+    result["step"] = {m: {"ms": round(med[m], 2), "step_ms": [round(x, 2) for x in steps[m]]} for m in MODES}
+    result["step"].update(saved_ms=round(med["sdpa"] - med["fuseforge"], 2),
+                          paired_saved_ms=round(harness.median(diffs), 2),
+                          paired_q1=round(diffs[len(diffs) // 4], 2), paired_q3=round(diffs[3 * len(diffs) // 4], 2))
+    harness.log(f"  step: fuseforge {med['fuseforge']:.1f} ms, sdpa {med['sdpa']:.1f} ms")
+    opt.zero_grad(set_to_none=True)
+    del opt
+    bench_e2e.free()
+    result["attention_alone"] = attention_alone(model, args.batch, args.seq, args.rounds, device)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "e2e_attention_ab.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    md = markdown(result)
+    with open(os.path.join(args.out, "e2e_attention_ab.md"), "w") as f:
+        f.write(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
