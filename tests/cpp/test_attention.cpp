@@ -253,12 +253,16 @@ TEST(AttentionBackwardZeroing, DistanceIsAWaveAtLeastARowAndOffForShortGrids) {
                       "FUSEFORGE_ATTENTION_BWD_ZERO_AHEAD: expected a positive integer, got '-3'");
 }
 
-TEST(AttentionBackwardHeadSplit, OffUnlessAskedAutoFillsTwoWavesKnobMustDivideTheGroup) {
+TEST(AttentionBackwardHeadSplit, AutoFillsTwoWavesByDefaultKnobMustDivideTheGroup) {
   const char* name = "FUSEFORGE_ATTENTION_BWD_HEAD_SPLIT";
   EXPECT_EQ(at_::bwd_key_block_rows(64), 128);  // the blocks the rule counts (BwdConfig's key tiles)
   EXPECT_EQ(at_::bwd_key_block_rows(96), 128);
   EXPECT_EQ(at_::bwd_key_block_rows(256), 64);
-  EXPECT_EQ(at_::bwd_gqa_head_split(128, 4, 132), 1);  // unset: off until timed on the GPU
+  EXPECT_EQ(at_::bwd_gqa_head_split(128, 4, 132), 4);  // unset: auto
+  {
+    ScopedEnv env(name, "1");
+    EXPECT_EQ(at_::bwd_gqa_head_split(16, 4, 132), 1);  // off
+  }
   {
     ScopedEnv env(name, "auto");
     EXPECT_EQ(at_::bwd_gqa_head_split(128, 4, 132), 4);  // B1 Hk8 S2048: 256 blocks at 2 are still < 264

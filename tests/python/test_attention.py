@@ -626,18 +626,19 @@ def test_cuda_backward_overlapped_launches(d, mask, rows, ahead, overlap, monkey
                                            "FUSEFORGE_ATTENTION_BWD_OVERLAP": overlap}, 3, monkeypatch)
 
 
-# ---- grouped-query heads split over dk/dv blocks (FUSEFORGE_ATTENTION_BWD_HEAD_SPLIT, off by default):
+# ---- grouped-query heads split over dk/dv blocks (FUSEFORGE_ATTENTION_BWD_HEAD_SPLIT, auto by default):
 # each KV head's K / V repeated, a block taking group / split query heads, the dK / dV partials summed in
 # float32. Against the float64 reference in both layouts (the gradients keep their input's strides), and
 # the deterministic dQ bitwise that of the unsplit backward (the split changes no query head's work).
 @requires_cuda
-@pytest.mark.parametrize("split", ["2", "4", "auto"])
+@pytest.mark.parametrize("split", ["1", "2", "4", "auto"])
 @pytest.mark.parametrize("d,causal", [(128, True), (128, False), (64, True), (256, True)])
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 def test_cuda_backward_gqa_head_split(split, d, causal, layout, monkeypatch):
     q, k, v = make_qkv(2, 8, 2, 300, 260, d, torch.bfloat16, "cuda", layout=layout, requires_grad=True)
     grad = randn(*q.shape, dtype=torch.bfloat16, device="cuda")
     _, *ref_grads = reference_with_grads(q, k, v, grad, causal)
+    monkeypatch.setenv("FUSEFORGE_ATTENTION_BWD_HEAD_SPLIT", "1")
     unsplit_dq = torch.autograd.grad(attention(q, k, v, causal=causal, deterministic=True), q, grad)[0]
     monkeypatch.setenv("FUSEFORGE_ATTENTION_BWD_HEAD_SPLIT", split)
     for deterministic in (False, True):
