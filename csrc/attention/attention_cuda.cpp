@@ -259,9 +259,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(const at::Tens
     backward(s, grad_out, q, k, v, out, lse, scale, o, deterministic, grad_q, grad_k, grad_v, nullptr);
     return {grad_q, grad_k, grad_v};
   }
+  // A copy: with one KV head, reshape would return a view whose repeated heads have stride 0, which
+  // no TMA map takes (the cp.async kernels would serve it, slower).
   auto repeat = [&](const at::Tensor& t) {
     return t.unsqueeze(2).expand({s.batch, s.heads_kv, split, s.seqlen_k, s.head_dim})
-        .reshape({s.batch, s.heads_kv * split, s.seqlen_k, s.head_dim});
+        .reshape({s.batch, s.heads_kv * split, s.seqlen_k, s.head_dim})
+        .contiguous();
   };
   const at::Tensor k_rep = repeat(k), v_rep = repeat(v);
   at::Tensor grad_k_rep = at::empty_like(k_rep), grad_v_rep = at::empty_like(v_rep);
