@@ -273,8 +273,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(const at::Tens
   backward(s_split, grad_out, q, k_rep, v_rep, out, lse, scale, o, deterministic, grad_q, grad_k_rep, grad_v_rep,
            nullptr);
   const std::vector<int64_t> parts{s.batch, s.heads_kv, split, s.seqlen_k, s.head_dim};
-  grad_k.copy_(grad_k_rep.view(parts).sum(2, /*keepdim=*/false, at::kFloat));
-  grad_v.copy_(grad_v_rep.view(parts).sum(2, /*keepdim=*/false, at::kFloat));
+  // One reduction kernel each, straight into the gradient (its strides); it accumulates in float32.
+  at::sum_out(grad_k, grad_k_rep.view(parts), {2});
+  at::sum_out(grad_v, grad_v_rep.view(parts), {2});
   return {grad_q, grad_k, grad_v};
 }
 
