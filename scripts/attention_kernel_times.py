@@ -3,7 +3,7 @@ bench_attention_varlen.py (torch.profiler, after warm-up; the mean over a few ca
 pass's time goes beyond its main kernel: fuseforge's row_dot, dq_accum zeroing and dq convert
 kernels beside cuDNN's; and the device's idle time between consecutive kernels (launch latency and
 ramp: what programmatic dependent launch could hide), by kernel pair.
-   python3 scripts/attention_kernel_times.py [--bench attention] [--cases D128/S1024/full,...]
+   python3 scripts/attention_kernel_times.py [--bench attention] [--cases D128/S1024/full,B1/Hq32,...]
                                              [--impls fuseforge,sdpa_cudnn] [--pass fwdbwd] [--calls 5]
 """
 import argparse
@@ -63,7 +63,13 @@ def main() -> None:
     args = ap.parse_args()
     bench = importlib.import_module(f"bench_{args.bench}")
     impls = args.impls.split(",")
-    for case in args.cases.split(","):
+    # A case of the benchmark's list by a part of its name, as --cases of the benchmarks takes it
+    # (B1/Hq32: its 8B Llama case), or any shape the benchmark's setup reads.
+    cases = []
+    for key in args.cases.split(","):
+        matches = [c for c in bench.CASES if key in c]
+        cases += matches if matches and key not in bench.CASES else [key]
+    for case in cases:
         for b in bench.setup(case):
             if b.pass_ != args.pass_ or b.impl not in impls:
                 continue
