@@ -2,8 +2,12 @@
 clock / power summary of a row (the GPU runs only produce them)."""
 import datetime as dt
 import importlib.util
+import json
 import os
+import subprocess
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # By path and under its own name: `harness` is tests/python/harness.py in this process.
@@ -144,3 +148,20 @@ def test_ncu_csv_traffic_columns():
     rows = [{"case": "c", "pass": "fwdbwd", "impl": "fuseforge", "ms": 3.5, "l2_MB": 1540.96, "l2_red_MB": 32.0}]
     table = ncu_pass_cycles.traffic_table({"rows": rows, "gpu": "GPU", "commit": "0123456789abcdef"})
     assert "| c | fwdbwd | fuseforge | 3.5 | 1541 | 32 |" in table and "| l2_MB | l2_red_MB |" in table
+
+
+def test_e2e_attention_ab_runs_both_attentions_on_the_cpu(tmp_path):
+    """scripts/e2e_attention_ab.py (issue 17's step A/B) on a tiny Llama on the CPU: every fuseforge
+    step ran fuseforge's attention in every layer (the script checks the patch's call counts), both
+    modes were timed in A B B A order, and the table names the saving."""
+    pytest.importorskip("transformers")
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
+    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "e2e_attention_ab.py"), "--device", "cpu",
+                    "--config", "tiny", "--seq", "32", "--batch", "2", "--pairs", "2", "--rounds", "1",
+                    "--out", str(tmp_path)], check=True, env=env, capture_output=True, timeout=600)
+    result = json.loads((tmp_path / "e2e_attention_ab.json").read_text())
+    assert result["patched_attention_calls"] == {"fuseforge": 2 * (1 + 2 * 2), "varlen": 0, "sdpa": 0}
+    assert [len(result["step"][m]["step_ms"]) for m in ("fuseforge", "sdpa")] == [4, 4]
+    assert set(result["attention_alone"]) == {"fwdbwd", "fwd", "rel_diff_fwd"}
+    assert result["attention_alone"]["rel_diff_fwd"] < 2e-2  # the two attentions agree (bf16)
+    assert "SDPA - fuseforge" in (tmp_path / "e2e_attention_ab.md").read_text()
