@@ -1,7 +1,6 @@
 // attention CUDA implementation, host side: checks, device guard, allocation, params, the dtype and
 // head-dim dispatch to the launchers (instantiations/*.cu). No host sync. Compiled by the C++
 // compiler, not nvcc (see docs/DEVELOPING.md).
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
@@ -12,6 +11,7 @@
 #include "attention/attention.h"
 #include "attention/attention_launch.h"
 #include "attention/attention_params.h"
+#include "common/cuda_utils.h"
 
 namespace fuseforge::attention {
 namespace {
@@ -251,10 +251,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(const at::Tens
   // Few dk/dv blocks with grouped-query heads (bwd_gqa_head_split): each KV head's K / V repeated
   // `split` times, so a block takes group / split query heads; the partials summed in float32.
   const int64_t key_block_rows = bwd_key_block_rows(s.head_dim);
-  const int64_t blocks = (s.seqlen_k + key_block_rows - 1) / key_block_rows * s.heads_kv * s.batch;
-  const int64_t split =
-      s.group() > 1 ? bwd_gqa_head_split(blocks, s.group(), at::cuda::getCurrentDeviceProperties()->multiProcessorCount)
-                    : 1;
+  const int64_t blocks = ceil_div(s.seqlen_k, key_block_rows) * s.heads_kv * s.batch;
+  const int64_t split = s.group() > 1 ? bwd_gqa_head_split(blocks, s.group(), num_sms()) : 1;
   if (split == 1) {
     backward(s, grad_out, q, k, v, out, lse, scale, o, deterministic, grad_q, grad_k, grad_v, nullptr);
     return {grad_q, grad_k, grad_v};
