@@ -14,8 +14,11 @@ saving the step should show.
 Writes e2e_attention_ab.json and .md into --out (default benchmarks/results).
 """
 import argparse
+import contextlib
 import json
 import os
+import random
+import statistics
 import sys
 
 import torch
@@ -36,14 +39,37 @@ def step_ab(model, opt, stream: torch.Tensor, pairs: int, device) -> dict:
     timers = {m: harness.StepTimer(device.type == "cuda") for m in MODES}
     for i, mode in enumerate(list(MODES) + order):
         model.set_attn_implementation(impl_name[mode])
-        ids = stream[i % stream.shape[0]]
-        if i < len(MODES):  # warm-up: allocations, cuDNN's plan
-            bench_e2e.train_step(model, opt, False, ids, device)
-            continue
-        with timers[mode]:
-            bench_e2e.train_step(model, opt, False, ids, device)
+        warm_up = i < len(MODES)  # allocations, cuDNN's plan
+        with contextlib.nullcontext() if warm_up else timers[mode]:
+            bench_e2e.train_step(model, opt, False, stream[i % stream.shape[0]], device)
     model.set_attn_implementation(impl_name["fuseforge"])
     return {m: t.ms() for m, t in timers.items()}
+
+
+def step_summary(steps: dict, resamples: int = 4000) -> dict:
+    """Per mode its median step; the saving (SDPA - fuseforge, ms) as the medians' difference and over
+    the pairs of neighbouring steps (A B, then B A: steps timed next to each other): their median,
+    quartiles, mean and the mean's bootstrap 95% interval (seeded resampling of the pairs)."""
+    med = {m: harness.median(steps[m]) for m in MODES}
+    diffs = sorted(b - a for a, b in zip(steps["fuseforge"], steps["sdpa"]))
+    rng = random.Random(0)
+    means = sorted(statistics.fmean(rng.choices(diffs, k=len(diffs))) for _ in range(resamples))
+    out = {m: {"ms": round(med[m], 2), "step_ms": [round(x, 2) for x in steps[m]]} for m in MODES}
+    out.update(saved_ms=round(med["sdpa"] - med["fuseforge"], 2), paired_saved_ms=round(harness.median(diffs), 2),
+               paired_q1=round(diffs[len(diffs) // 4], 2), paired_q3=round(diffs[3 * len(diffs) // 4], 2),
+               paired_mean_ms=round(statistics.fmean(diffs), 2),
+               paired_mean_ci95=[round(means[int(0.025 * resamples)], 2), round(means[int(0.975 * resamples)], 2)])
+    return out
+
+
+def write(result: dict, base: str) -> None:
+    """base.json and base.md (the table, printed too)."""
+    with open(base + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    md = markdown(result)
+    with open(base + ".md", "w") as f:
+        f.write(md)
+    print(md)
 
 
 def attention_alone(model, batch: int, seq: int, rounds: int, device) -> dict:
@@ -91,7 +117,9 @@ def markdown(r: dict) -> str:
         "|---|---|---|---|",
         f"| training step, ms (median of {len(s['fuseforge']['step_ms'])} each, A B B A) | "
         f"{s['fuseforge']['ms']:.1f} | {s['sdpa']['ms']:.1f} | **{s['saved_ms']:+.2f}** "
-        f"(paired: median {s['paired_saved_ms']:+.2f}, quartiles {s['paired_q1']:+.2f} .. {s['paired_q3']:+.2f}) |",
+        f"(paired: median {s['paired_saved_ms']:+.2f}, quartiles {s['paired_q1']:+.2f} .. {s['paired_q3']:+.2f}; "
+        f"mean {s['paired_mean_ms']:+.2f}, bootstrap 95% {s['paired_mean_ci95'][0]:+.2f} .. "
+        f"{s['paired_mean_ci95'][1]:+.2f}) |",
     ]
     for p in ("fwdbwd", "fwd"):
         f, c = a[p]["fuseforge"]["ms"], a[p]["sdpa"]["ms"]
@@ -115,7 +143,16 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the attention-alone timing")
     p.add_argument("--out", default=harness.RESULTS_DIR)
     p.add_argument("--device", default="cuda", help="cpu: a smoke test (with --config tiny --seq 64 --batch 2)")
+    p.add_argument("--summarize", metavar="JSON", help="recompute a result's step summary from its step times "
+                   "and rewrite its .json and .md (no run)")
     args = p.parse_args()
+    if args.summarize:
+        with open(args.summarize) as f:
+            result = json.load(f)
+        steps = {m: result["step"][m]["step_ms"] for m in MODES}
+        result["step"] = step_summary(steps)
+        write(result, os.path.splitext(args.summarize)[0])
+        return
     device = torch.device(args.device)
     cfg = bench_e2e.CONFIGS[args.config]
     result = {"op": "e2e_attention_ab", **harness.env_info(),
@@ -132,25 +169,14 @@ def main() -> None:
     if calls != {"fuseforge": expected, "varlen": 0, "sdpa": 0}:  # fuseforge's kernel in every fuseforge step
         raise SystemExit(f"e2e_attention_ab: patched attention calls {calls}, expected {expected} fuseforge calls")
     result["patched_attention_calls"] = calls
-    med = {m: harness.median(steps[m]) for m in MODES}
-    # Pairs of neighbouring steps (A B, then B A): differences of steps timed next to each other.
-    diffs = sorted(b - a for a, b in zip(steps["fuseforge"], steps["sdpa"]))
-    result["step"] = {m: {"ms": round(med[m], 2), "step_ms": [round(x, 2) for x in steps[m]]} for m in MODES}
-    result["step"].update(saved_ms=round(med["sdpa"] - med["fuseforge"], 2),
-                          paired_saved_ms=round(harness.median(diffs), 2),
-                          paired_q1=round(diffs[len(diffs) // 4], 2), paired_q3=round(diffs[3 * len(diffs) // 4], 2))
-    harness.log(f"  step: fuseforge {med['fuseforge']:.1f} ms, sdpa {med['sdpa']:.1f} ms")
+    result["step"] = step_summary(steps)
+    harness.log(f"  step: fuseforge {result['step']['fuseforge']['ms']:.1f} ms, sdpa {result['step']['sdpa']['ms']:.1f} ms")
     opt.zero_grad(set_to_none=True)
     del opt
     bench_e2e.free()
     result["attention_alone"] = attention_alone(model, args.batch, args.seq, args.rounds, device)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "e2e_attention_ab.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    md = markdown(result)
-    with open(os.path.join(args.out, "e2e_attention_ab.md"), "w") as f:
-        f.write(md)
-    print(md)
+    write(result, os.path.join(args.out, result["op"]))
 
 
 if __name__ == "__main__":

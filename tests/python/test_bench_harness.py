@@ -162,6 +162,8 @@ def test_e2e_attention_ab_runs_both_attentions_on_the_cpu(tmp_path):
     result = json.loads((tmp_path / "e2e_attention_ab.json").read_text())
     assert result["patched_attention_calls"] == {"fuseforge": 2 * (1 + 2 * 2), "varlen": 0, "sdpa": 0}
     assert [len(result["step"][m]["step_ms"]) for m in ("fuseforge", "sdpa")] == [4, 4]
+    low, high = result["step"]["paired_mean_ci95"]
+    assert low <= result["step"]["paired_mean_ms"] <= high
     assert set(result["attention_alone"]) == {"fwdbwd", "fwd", "rel_diff_fwd"}
     assert result["attention_alone"]["rel_diff_fwd"] < 2e-2  # the two attentions agree (bf16)
     assert "SDPA - fuseforge" in (tmp_path / "e2e_attention_ab.md").read_text()
