@@ -153,17 +153,17 @@ struct WarpSpecBwdSmem {
   }
 };
 
-// Lane 0 of the producer: K and V of key block `blk` on full_kv.
+// Lane 0 of the producer: K and V of key block `blk` (of K / V head kv_head) on full_kv.
 template <class Tr, class L, class Blk>
-__device__ __forceinline__ void load_key_block(const BwdTmaParams& tma, const Blk& blk, int batch, uint32_t sK,
-                                               uint32_t sV, uint32_t full_kv) {
+__device__ __forceinline__ void load_key_block(const BwdTmaParams& tma, const Blk& blk, int kv_head, int batch,
+                                               uint32_t sK, uint32_t sV, uint32_t full_kv) {
   using KVTile = PanelTile<Tr::kBlockN>;
   mbarrier_arrive_expect_tx(full_kv, 2 * Tr::kTileKVBytes);
   const int key_row = blk.k_row0 + blk.n0;
 #pragma unroll
   for (int c = 0; c < L::kPanels; ++c) {
-    tma_load_4d(sK + c * KVTile::kPanelBytes, &tma.k, full_kv, c * 64, key_row, blk.hk, batch);
-    tma_load_4d(sV + c * KVTile::kPanelBytes, &tma.v, full_kv, c * 64, key_row, blk.hk, batch);
+    tma_load_4d(sK + c * KVTile::kPanelBytes, &tma.k, full_kv, c * 64, key_row, kv_head, batch);
+    tma_load_4d(sV + c * KVTile::kPanelBytes, &tma.v, full_kv, c * 64, key_row, kv_head, batch);
   }
 }
 
@@ -319,7 +319,7 @@ __device__ __forceinline__ void attention_bwd_dkdv_warpspec_body(const BwdParams
     if (lane == 0) {
       prefetch_tma_map(&tma.q);
       prefetch_tma_map(&tma.dout);
-      load_key_block<Tr, L>(tma, blk, batch, sm.sK, sm.sV, sm.full_kv());
+      load_key_block<Tr, L>(tma, blk, blk.hk / p.kv_head_split, batch, sm.sK, sm.sV, sm.full_kv());
     }
     grid_dependency_wait();  // row_dot (load_query_tile)
     for (int it = 0; it < iterations; ++it) {
@@ -386,10 +386,10 @@ bool use_bwd_warpspec(const BwdParams& p, BwdTmaParams* tma) {
   if (!tma_kernels_allowed()) return require_tma(false);
   return require_tma(
       encode_bwd_query_maps<Tr>(p, tma) &&
-      encode_rows_map<T>(&tma->k, p, p.k, p.rows_k, p.heads_kv, p.k_row_stride, p.k_head_stride, p.k_batch_stride,
-                         Tr::kBlockN) &&
-      encode_rows_map<T>(&tma->v, p, p.v, p.rows_k, p.heads_kv, p.v_row_stride, p.v_head_stride, p.v_batch_stride,
-                         Tr::kBlockN));
+      encode_rows_map<T>(&tma->k, p, p.k, p.rows_k, p.heads_kv / p.kv_head_split, p.k_row_stride, p.k_head_stride,
+                         p.k_batch_stride, Tr::kBlockN) &&
+      encode_rows_map<T>(&tma->v, p, p.v, p.rows_k, p.heads_kv / p.kv_head_split, p.v_row_stride, p.v_head_stride,
+                         p.v_batch_stride, Tr::kBlockN));
 }
 
 // row_dot_params: the problem as the row_dot kernel sees it (varlen: one sequence of total_q rows,

@@ -156,7 +156,7 @@ void forward(const Shape& s, const at::Tensor& q_in, const at::Tensor& k_in, con
 void backward(const Shape& s, const at::Tensor& grad_out_in, const at::Tensor& q_in, const at::Tensor& k_in,
               const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& lse_in, double scale,
               const MaskOptions& o, bool deterministic, const at::Tensor& grad_q, const at::Tensor& grad_k,
-              const at::Tensor& grad_v, const VarlenArgs* varlen) {
+              const at::Tensor& grad_v, const VarlenArgs* varlen, int64_t kv_head_split = 1) {
   // grad_out may come with any strides (an expanded ones_like, a transposed view): copy if needed.
   const at::Tensor grad_out = kernel_ready(grad_out_in.stride(3) == 1 ? grad_out_in : grad_out_in.contiguous());
   const at::Tensor q = kernel_ready(q_in), k = kernel_ready(k_in), v = kernel_ready(v_in);
@@ -165,6 +165,7 @@ void backward(const Shape& s, const at::Tensor& grad_out_in, const at::Tensor& q
 
   BwdParams p;
   fill_forward(p, s, q, k, v, out, lse, scale, o);
+  p.kv_head_split = static_cast<int>(kv_head_split);  // s counts the split's heads, k / v the real ones
   p.grad_out = grad_out.data_ptr();
   set_strides(grad_out, p.do_batch_stride, p.do_head_stride, p.do_row_stride);
   p.grad_q = dq.data_ptr();
@@ -248,8 +249,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(const at::Tens
   const c10::cuda::CUDAGuard guard(q.device());
   at::Tensor grad_q = at::empty_like(q), grad_k = at::empty_like(k), grad_v = at::empty_like(v);
   if (backward_is_trivial(s, grad_q, grad_k, grad_v)) return {grad_q, grad_k, grad_v};
-  // Few dk/dv blocks with grouped-query heads (bwd_gqa_head_split): each KV head's K / V repeated
-  // `split` times, so a block takes group / split query heads; the partials summed in float32.
+  // Few dk/dv blocks with grouped-query heads (bwd_gqa_head_split): each KV head's K / V read by
+  // `split` blocks of group / split query heads each; their dK / dV partials summed in float32.
   const int64_t key_block_rows = bwd_key_block_rows(s.head_dim);
   const int64_t blocks = ceil_div(s.seqlen_k, key_block_rows) * s.heads_kv * s.batch;
   const int64_t split = s.group() > 1 ? bwd_gqa_head_split(blocks, s.group(), num_sms()) : 1;
@@ -257,19 +258,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(const at::Tens
     backward(s, grad_out, q, k, v, out, lse, scale, o, deterministic, grad_q, grad_k, grad_v, nullptr);
     return {grad_q, grad_k, grad_v};
   }
-  // A copy: with one KV head, reshape would return a view whose repeated heads have stride 0, which
-  // no TMA map takes (the cp.async kernels would serve it, slower).
-  auto repeat = [&](const at::Tensor& t) {
-    return t.unsqueeze(2).expand({s.batch, s.heads_kv, split, s.seqlen_k, s.head_dim})
-        .reshape({s.batch, s.heads_kv * split, s.seqlen_k, s.head_dim})
-        .contiguous();
-  };
-  const at::Tensor k_rep = repeat(k), v_rep = repeat(v);
-  at::Tensor grad_k_rep = at::empty_like(k_rep), grad_v_rep = at::empty_like(v_rep);
+  // K / V read in place (BwdParams::kv_head_split); dK / dV partials a split head, summed below.
+  const std::vector<int64_t> split_shape{s.batch, s.heads_kv * split, s.seqlen_k, s.head_dim};
+  at::Tensor grad_k_rep = at::empty(split_shape, k.options()), grad_v_rep = at::empty(split_shape, v.options());
   Shape s_split = s;
   s_split.heads_kv *= split;
-  backward(s_split, grad_out, q, k_rep, v_rep, out, lse, scale, o, deterministic, grad_q, grad_k_rep, grad_v_rep,
-           nullptr);
+  backward(s_split, grad_out, q, k, v, out, lse, scale, o, deterministic, grad_q, grad_k_rep, grad_v_rep, nullptr,
+           split);
   const std::vector<int64_t> parts{s.batch, s.heads_kv, split, s.seqlen_k, s.head_dim};
   // One reduction kernel each, straight into the gradient (its strides); it accumulates in float32.
   at::sum_out(grad_k, grad_k_rep.view(parts), {2});

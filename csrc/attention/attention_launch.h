@@ -134,8 +134,9 @@ constexpr int bwd_key_block_rows(int64_t head_dim) { return head_dim > 128 ? 64 
 // query heads of its KV head, so a small batch of short sequences makes fewer, longer blocks than the
 // GPU has SMs. B1 Hk8 S2048 gives 128 blocks of 4 heads on 132 SMs. Its causal blocks' tail, modelled
 // in docs/notes_attention.md (thirty-eighth session), puts the dk/dv kernel at ~1.9x its work spread
-// over the SMs. Splitting each group over `split` blocks gives split x the blocks: K and V are
-// repeated split times and the dK / dV partials summed after. The returned split divides the group.
+// over the SMs. Splitting each group over `split` blocks gives split x the blocks: the blocks of a
+// split read their KV head's K and V in place (FwdParams::kv_head_split), and their dK / dV partials
+// are summed after. The returned split divides the group.
 // FUSEFORGE_ATTENTION_BWD_HEAD_SPLIT:
 // - unset or "auto" (the default): the smallest power-of-two divisor of the group that brings the
 //   grid to min_waves waves of `resident` blocks. On the H200 (e22bdce) it took B1 Hq32 Hk8 S2048's

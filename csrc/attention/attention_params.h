@@ -60,6 +60,10 @@ struct FwdParams {
   int64_t v_batch_stride = 0, v_head_stride = 0, v_row_stride = 0;
   int64_t out_batch_stride = 0, out_head_stride = 0, out_row_stride = 0;
   int batch = 0, heads_q = 0, heads_kv = 0, group = 1;  // group = Hq / Hk
+  // The backward's grouped-query head split (attention_bwd_cuda): heads_kv and group count split x
+  // the KV heads, each taking group / split query heads, and KV head hk reads K / V head
+  // hk / kv_head_split in place (its dK / dV go to a partials buffer of heads_kv heads). 1 elsewhere.
+  int kv_head_split = 1;
   int seqlen_q = 0, seqlen_k = 0;  // the max over sequences for varlen
   int64_t rows_q = 0, rows_k = 0;  // the views' row counts: seqlen_q/k, or the totals for varlen (TMA bounds)
   // The tensors' head dim, a multiple of 8 up to the kernel's kHeadDim (64 or 128). The kernels built

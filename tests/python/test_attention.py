@@ -627,8 +627,8 @@ def test_cuda_backward_overlapped_launches(d, mask, rows, ahead, overlap, monkey
 
 
 # ---- grouped-query heads split over dk/dv blocks (FUSEFORGE_ATTENTION_BWD_HEAD_SPLIT, auto by default):
-# each KV head's K / V repeated, a block taking group / split query heads, the dK / dV partials summed in
-# float32. Against the float64 reference in both layouts (the gradients keep their input's strides), and
+# each KV head's K / V read in place by split blocks of group / split query heads each, the dK / dV
+# partials summed in float32. Against the float64 reference in both layouts (the gradients keep their input's strides), and
 # the deterministic dQ bitwise that of the unsplit backward (the split changes no query head's work).
 @requires_cuda
 @pytest.mark.parametrize("split", ["1", "2", "4", "auto"])
