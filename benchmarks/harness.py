@@ -298,6 +298,42 @@ class ClockSampler:
         return out
 
 
+class EnergyCounter:
+    """The GPU's energy counter (NVML's nvmlDeviceGetTotalEnergyConsumption: millijoules since the
+    driver loaded), read through ctypes from the driver's libnvidia-ml, so no pynvml is needed. joules()
+    is None where NVML or the counter is missing (CPU machines, old GPUs). The counter advances in
+    steps of some milliseconds: read it over spans of a second or more."""
+
+    def __init__(self, device: Optional[int] = None):
+        self._nvml = self._handle = None
+        try:
+            import ctypes
+            nvml = ctypes.CDLL("libnvidia-ml.so.1")
+            if nvml.nvmlInit_v2() != 0:
+                return
+            index = torch.cuda.current_device() if device is None else device
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+            ids = [x.strip() for x in visible.split(",") if x.strip()]
+            if ids and all(x.isdigit() for x in ids):  # NVML counts every GPU; CUDA the visible ones
+                index = int(ids[index])
+            handle = ctypes.c_void_p()
+            if nvml.nvmlDeviceGetHandleByIndex_v2(ctypes.c_uint(index), ctypes.byref(handle)) != 0:
+                return
+            self._nvml, self._handle, self._ctypes = nvml, handle, ctypes
+            if self.joules() is None:
+                self._nvml = None
+        except (OSError, AttributeError, RuntimeError):
+            self._nvml = None
+
+    def joules(self) -> Optional[float]:
+        if self._nvml is None:
+            return None
+        mj = self._ctypes.c_ulonglong()
+        if self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle, self._ctypes.byref(mj)) != 0:
+            return None
+        return mj.value / 1000.0
+
+
 # id(bench) -> the (start, end) time.time() spans it was timed in, for the clock it ran at (run()).
 _timing_spans: dict[int, list[tuple[float, float]]] = {}
 
@@ -309,15 +345,37 @@ def _settle(fn: Callable[[], Any], settle_ms: float) -> None:
     (docs/notes_attention.md, thirty-seventh session)."""
     if settle_ms <= 0 or _device != "cuda":
         return
-    deadline = time.perf_counter() + settle_ms / 1000
+    _back_to_back(fn, settle_ms)
+
+
+def _back_to_back(fn: Callable[[], Any], ms: float) -> int:
+    """Calls fn back to back for ms of wall time (GPU), then synchronizes; returns the number of calls."""
+    deadline = time.perf_counter() + ms / 1000
     in_flight: list = []
+    calls = 0
     while time.perf_counter() < deadline:
         fn()
+        calls += 1
         in_flight.append(torch.cuda.Event())
         in_flight[-1].record()
         if len(in_flight) > 2:  # two calls queued: no gap on the GPU, and the host's clock is the GPU's
             in_flight.pop(0).synchronize()
     torch.cuda.synchronize()
+    return calls
+
+
+def energy_per_call(fn: Callable[[], Any], counter: EnergyCounter, ms: float = 2000,
+                    settle_ms: float = 300) -> Optional[dict]:
+    """{"mj": millijoules a call, "ms": wall ms a call, "watts": mean board power} of fn run back to
+    back for ms after settle_ms of itself (GPU), from the energy counter; None without the counter."""
+    _settle(fn, settle_ms)
+    e0, t0 = counter.joules(), time.perf_counter()
+    calls = _back_to_back(fn, ms)
+    e1, t1 = counter.joules(), time.perf_counter()
+    if e0 is None or e1 is None:
+        return None
+    return {"mj": round(1000 * (e1 - e0) / calls, 3), "ms": round(1000 * (t1 - t0) / calls, 4),
+            "watts": round((e1 - e0) / (t1 - t0), 1)}
 
 
 def _time_recorded(bench: Bench, settle_ms: float = 0, **kwargs) -> float:

@@ -10,6 +10,11 @@ the call each decoder layer makes, on the model's shapes with (B, S, H, D) memor
 leave it), forward + backward, interleaved rounds. Their difference times the layer count is the
 saving the step should show.
 
+Energy (CUDA, where NVML's energy counter reads): joules a step per mode (blocks of steps in A B B A
+order) and millijoules a call of each attention alone (2 s back to back after 0.3 s of itself). A step
+that runs at the power cap takes about its energy over the cap's watts, so the layers' saved energy
+over the step's mean power is the saving to expect there, beside the one of the times alone.
+
     FUSEFORGE_COMMIT=<sha> PYTHONPATH=python python3 scripts/e2e_attention_ab.py [--batch 16] [--pairs 12]
 Writes e2e_attention_ab.json and .md into --out (default benchmarks/results).
 """
@@ -20,6 +25,8 @@ import os
 import random
 import statistics
 import sys
+import time
+from typing import Optional
 
 import torch
 
@@ -44,6 +51,34 @@ def step_ab(model, opt, stream: torch.Tensor, pairs: int, device) -> dict:
             bench_e2e.train_step(model, opt, False, stream[i % stream.shape[0]], device)
     model.set_attn_implementation(impl_name["fuseforge"])
     return {m: t.ms() for m, t in timers.items()}
+
+
+def energy_ab(model, opt, stream: torch.Tensor, groups: int, steps_per_block: int, device) -> Optional[dict]:
+    """Joules a step per mode from the GPU's energy counter, over blocks of steps_per_block steps (a
+    synchronize before and after each block) in A B B A order, `groups` times; None without the
+    counter. With the step at the power cap, its time is about its energy over the cap's watts, so a
+    kernel saves in the step what it saves in energy."""
+    counter = harness.EnergyCounter()
+    if device.type != "cuda" or counter.joules() is None:
+        return None
+    from fuseforge.patch import ATTN_IMPLEMENTATION
+    impl_name = {"fuseforge": ATTN_IMPLEMENTATION, "sdpa": "sdpa"}
+    blocks = {m: [] for m in MODES}
+    i = 0
+    for mode in [m for _ in range(groups) for m in (MODES + MODES[::-1])]:
+        model.set_attn_implementation(impl_name[mode])
+        torch.cuda.synchronize()
+        e0, t0 = counter.joules(), time.perf_counter()
+        for _ in range(steps_per_block):
+            bench_e2e.train_step(model, opt, False, stream[i % stream.shape[0]], device)
+            i += 1
+        torch.cuda.synchronize()
+        e1, t1 = counter.joules(), time.perf_counter()
+        blocks[mode].append(((e1 - e0) / steps_per_block, 1000 * (t1 - t0) / steps_per_block))
+    model.set_attn_implementation(impl_name["fuseforge"])
+    return {m: {"j_step": round(harness.median(j for j, _ in b), 2), "ms_step": round(harness.median(t for _, t in b), 2),
+                "watts": round(1000 * sum(j for j, _ in b) / sum(t for _, t in b), 1),
+                "blocks": [[round(j, 2), round(t, 2)] for j, t in b]} for m, b in blocks.items()}
 
 
 def step_summary(steps: dict, resamples: int = 4000) -> dict:
@@ -106,6 +141,16 @@ def attention_alone(model, batch: int, seq: int, rounds: int, device) -> dict:
     out = {"rel_diff_fwd": float(err)}
     for b in benches:
         out.setdefault(b.pass_, {})[b.impl] = {"ms": harness.median(times[id(b)]), "rounds": times[id(b)]}
+    counter = harness.EnergyCounter()
+    if device.type == "cuda" and counter.joules() is not None:  # fwdbwd, A B B A, 2 s each
+        fwdbwd = {b.impl: b.fn for b in benches if b.pass_ == "fwdbwd"}
+        runs = {m: [] for m in MODES}
+        for mode in MODES + MODES[::-1]:
+            runs[mode].append(harness.energy_per_call(fwdbwd[mode], counter))
+        out["energy_fwdbwd"] = {m: {"mj": round(statistics.fmean(r["mj"] for r in runs[m]), 3),
+                                    "ms": round(statistics.fmean(r["ms"] for r in runs[m]), 4),
+                                    "watts": round(statistics.fmean(r["watts"] for r in runs[m]), 1), "runs": runs[m]}
+                                for m in MODES}
     return out
 
 
@@ -127,6 +172,20 @@ def markdown(r: dict) -> str:
     f, c = a["fwdbwd"]["fuseforge"]["ms"], a["fwdbwd"]["sdpa"]["ms"]
     lines.append(f"| attention alone, fwdbwd x {layers} layers, ms | {layers * f:.2f} | {layers * c:.2f} | "
                  f"**{layers * (c - f):+.2f}** |")
+    energy, e_alone = r.get("energy_step"), a.get("energy_fwdbwd")
+    if energy and e_alone:
+        f, c = energy["fuseforge"], energy["sdpa"]
+        lines.append(f"| energy a step, J (mean W; ms a step), {len(f['blocks'])} blocks of "
+                     f"{r['energy_steps_per_block']} steps each | {f['j_step']:.1f} ({f['watts']:.0f} W; {f['ms_step']:.1f}) | "
+                     f"{c['j_step']:.1f} ({c['watts']:.0f} W; {c['ms_step']:.1f}) | {c['j_step'] - f['j_step']:+.2f} J |")
+        f, c = e_alone["fuseforge"], e_alone["sdpa"]
+        lines.append(f"| attention alone, fwdbwd, energy a call, mJ (mean W; ms a call) | {f['mj']:.1f} "
+                     f"({f['watts']:.0f} W; {f['ms']:.3f}) | {c['mj']:.1f} ({c['watts']:.0f} W; {c['ms']:.3f}) | "
+                     f"{c['mj'] - f['mj']:+.1f} mJ ({c['mj'] / f['mj']:.3f}x) |")
+        saved_j = layers * (c["mj"] - f["mj"]) / 1000
+        watts = energy["fuseforge"]["watts"]
+        lines.append(f"| the step saving the energy predicts: {layers} layers' saved energy / the step's mean power, ms "
+                     f"| | | **{1000 * saved_j / watts:+.2f}** ({saved_j:+.3f} J / {watts:.0f} W) |")
     lines.append("")
     lines.append(f"{r['gpu']}, torch {r['torch']}, CUDA {r['cuda']}, commit `{r['commit']}`, {r['date']}; "
                  f"{r['case']}. The step difference is what fuseforge attention saves inside the step; the last "
@@ -141,6 +200,9 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16, help="default 16: bench_e2e's probed batch on the H100 and H200")
     p.add_argument("--pairs", type=int, default=12, help="A B B A groups: 2 * pairs timed steps a mode")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the attention-alone timing")
+    p.add_argument("--energy-groups", type=int, default=2,
+                   help="A B B A groups of step blocks timed by the GPU's energy counter (0: none)")
+    p.add_argument("--energy-steps", type=int, default=3, help="steps a block of the energy phase")
     p.add_argument("--out", default=harness.RESULTS_DIR)
     p.add_argument("--device", default="cuda", help="cpu: a smoke test (with --config tiny --seq 64 --batch 2)")
     p.add_argument("--summarize", metavar="JSON", help="recompute a result's step summary from its step times "
@@ -171,6 +233,9 @@ def main() -> None:
     result["patched_attention_calls"] = calls
     result["step"] = step_summary(steps)
     harness.log(f"  step: fuseforge {result['step']['fuseforge']['ms']:.1f} ms, sdpa {result['step']['sdpa']['ms']:.1f} ms")
+    if args.energy_groups > 0:
+        result["energy_step"] = energy_ab(model, opt, stream, args.energy_groups, args.energy_steps, device)
+        result["energy_steps_per_block"] = args.energy_steps
     opt.zero_grad(set_to_none=True)
     del opt
     bench_e2e.free()

@@ -167,3 +167,28 @@ def test_e2e_attention_ab_runs_both_attentions_on_the_cpu(tmp_path):
     assert set(result["attention_alone"]) == {"fwdbwd", "fwd", "rel_diff_fwd"}
     assert result["attention_alone"]["rel_diff_fwd"] < 2e-2  # the two attentions agree (bf16)
     assert "SDPA - fuseforge" in (tmp_path / "e2e_attention_ab.md").read_text()
+
+
+def test_e2e_attention_ab_table_predicts_the_step_saving_from_energy(monkeypatch):
+    """The energy rows of e2e_attention_ab's table: the layers' saved energy a call over the step's mean
+    power is the step saving a power-capped step should show (16 x 5 mJ / 500 W = 0.16 ms)."""
+    pytest.importorskip("transformers")
+    monkeypatch.setitem(sys.modules, "harness", harness)  # the benchmarks' harness, not the tests'
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "python"))
+    spec = importlib.util.spec_from_file_location("e2e_attention_ab", os.path.join(ROOT, "scripts", "e2e_attention_ab.py"))
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    steps = {"fuseforge": [100.0, 101.0], "sdpa": [102.0, 103.0]}
+    energy = {m: {"j_step": j, "ms_step": t, "watts": w, "blocks": [[j, t]] * 4}
+              for m, j, t, w in (("fuseforge", 50.0, 100.0, 500.0), ("sdpa", 51.0, 102.0, 500.0))}
+    alone = {"rel_diff_fwd": 1e-3,
+             "fwdbwd": {"fuseforge": {"ms": 1.0}, "sdpa": {"ms": 1.1}}, "fwd": {"fuseforge": {"ms": 0.3}, "sdpa": {"ms": 0.3}},
+             "energy_fwdbwd": {"fuseforge": {"mj": 600.0, "ms": 1.0, "watts": 600.0},
+                               "sdpa": {"mj": 605.0, "ms": 1.1, "watts": 550.0}}}
+    result = {"step": ab.step_summary(steps), "attention_alone": alone, "layers": 16, "energy_step": energy,
+              "energy_steps_per_block": 3, "gpu": "GPU", "torch": "2", "cuda": "13", "commit": "abc", "date": "d",
+              "case": "c"}
+    table = ab.markdown(result)
+    assert "| energy a step, J (mean W; ms a step), 4 blocks of 3 steps each | 50.0 (500 W; 100.0) |" in table
+    assert "| 605.0 (550 W; 1.100) | +5.0 mJ (1.008x) |" in table
+    assert "**+0.16** (+0.080 J / 500 W)" in table

@@ -134,10 +134,13 @@ class _AttentionFn(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (causal, scale, deterministic, left, right, softcap)
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # no zeros for lse's gradient, which is never used
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
+        if grad_out is None:
+            return (None,) * 9
         q, k, v, out, lse = ctx.saved_tensors
         grad_q, grad_k, grad_v = _ops.attention_bwd(grad_out, q, k, v, out, lse, *ctx.args)
         return grad_q, grad_k, grad_v, None, None, None, None, None, None
@@ -152,10 +155,13 @@ class _AttentionVarlenFn(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
         ctx.args = (max_q, max_k, causal, scale, deterministic, left, right, softcap)
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
+        if grad_out is None:
+            return (None,) * 13
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
         grad_q, grad_k, grad_v = _ops.attention_varlen_bwd(grad_out, q, k, v, out, lse, cu_q, cu_k, *ctx.args)
         return (grad_q, grad_k, grad_v) + (None,) * 10
@@ -200,9 +206,12 @@ def _fwd_setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.args = (causal, scale, False, left, right, softcap)
     ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)
 
 
 def _fwd_backward(ctx, grad_out, _grad_lse):
+    if grad_out is None:
+        return (None,) * 8
     q, k, v, out, lse = ctx.saved_tensors
     grad_q, grad_k, grad_v = _ops.attention_bwd(grad_out, q, k, v, out, lse, *ctx.args)
     return grad_q, grad_k, grad_v, None, None, None, None, None
@@ -215,9 +224,12 @@ def _varlen_fwd_setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
     ctx.args = (max_q, max_k, causal, scale, False, left, right, softcap)
     ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)
 
 
 def _varlen_fwd_backward(ctx, grad_out, _grad_lse):
+    if grad_out is None:
+        return (None,) * 12
     q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
     grad_q, grad_k, grad_v = _ops.attention_varlen_bwd(grad_out, q, k, v, out, lse, cu_q, cu_k, *ctx.args)
     return (grad_q, grad_k, grad_v) + (None,) * 9
