@@ -139,7 +139,7 @@ class _AttentionFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
-        if grad_out is None:
+        if grad_out is None:  # undefined output gradient (gradcheck's check_undefined_grad passes one)
             return (None,) * 9
         q, k, v, out, lse = ctx.saved_tensors
         grad_q, grad_k, grad_v = _ops.attention_bwd(grad_out, q, k, v, out, lse, *ctx.args)
@@ -160,7 +160,7 @@ class _AttentionVarlenFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
-        if grad_out is None:
+        if grad_out is None:  # undefined output gradient (gradcheck's check_undefined_grad passes one)
             return (None,) * 13
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
         grad_q, grad_k, grad_v = _ops.attention_varlen_bwd(grad_out, q, k, v, out, lse, cu_q, cu_k, *ctx.args)
@@ -210,7 +210,7 @@ def _fwd_setup_context(ctx, inputs, output):
 
 
 def _fwd_backward(ctx, grad_out, _grad_lse):
-    if grad_out is None:
+    if grad_out is None:  # undefined output gradient (gradcheck's check_undefined_grad passes one)
         return (None,) * 8
     q, k, v, out, lse = ctx.saved_tensors
     grad_q, grad_k, grad_v = _ops.attention_bwd(grad_out, q, k, v, out, lse, *ctx.args)
@@ -228,7 +228,7 @@ def _varlen_fwd_setup_context(ctx, inputs, output):
 
 
 def _varlen_fwd_backward(ctx, grad_out, _grad_lse):
-    if grad_out is None:
+    if grad_out is None:  # undefined output gradient (gradcheck's check_undefined_grad passes one)
         return (None,) * 12
     q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
     grad_q, grad_k, grad_v = _ops.attention_varlen_bwd(grad_out, q, k, v, out, lse, cu_q, cu_k, *ctx.args)
