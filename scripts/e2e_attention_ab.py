@@ -38,11 +38,29 @@ import harness  # noqa: E402
 MODES = ("fuseforge", "sdpa")  # A, B
 
 
+def abba(groups: int) -> list:
+    """The modes in A B B A order, `groups` times."""
+    return [m for _ in range(groups) for m in (MODES + MODES[::-1])]
+
+
+def impl_names() -> dict:
+    """Each mode's attention implementation, as the model's set_attn_implementation takes it."""
+    from fuseforge.patch import ATTN_IMPLEMENTATION
+    return {"fuseforge": ATTN_IMPLEMENTATION, "sdpa": "sdpa"}
+
+
+def energy_counter(device) -> Optional[harness.EnergyCounter]:
+    """The GPU's energy counter where it reads (CUDA with NVML), else None."""
+    if device.type != "cuda":
+        return None
+    counter = harness.EnergyCounter()
+    return counter if counter.joules() is not None else None
+
+
 def step_ab(model, opt, stream: torch.Tensor, pairs: int, device) -> dict:
     """Step times (ms) per mode: `pairs` A B B A groups after one warm-up step of each mode."""
-    from fuseforge.patch import ATTN_IMPLEMENTATION
-    impl_name = {"fuseforge": ATTN_IMPLEMENTATION, "sdpa": "sdpa"}
-    order = [m for _ in range(pairs) for m in (MODES + MODES[::-1])]
+    impl_name = impl_names()
+    order = abba(pairs)
     timers = {m: harness.StepTimer(device.type == "cuda") for m in MODES}
     for i, mode in enumerate(list(MODES) + order):
         model.set_attn_implementation(impl_name[mode])
@@ -53,19 +71,16 @@ def step_ab(model, opt, stream: torch.Tensor, pairs: int, device) -> dict:
     return {m: t.ms() for m, t in timers.items()}
 
 
-def energy_ab(model, opt, stream: torch.Tensor, groups: int, steps_per_block: int, device) -> Optional[dict]:
+def energy_ab(model, opt, stream: torch.Tensor, groups: int, steps_per_block: int, device,
+              counter: harness.EnergyCounter) -> dict:
     """Joules a step per mode from the GPU's energy counter, over blocks of steps_per_block steps (a
-    synchronize before and after each block) in A B B A order, `groups` times; None without the
-    counter. With the step at the power cap, its time is about its energy over the cap's watts, so a
-    kernel saves in the step what it saves in energy."""
-    counter = harness.EnergyCounter()
-    if device.type != "cuda" or counter.joules() is None:
-        return None
-    from fuseforge.patch import ATTN_IMPLEMENTATION
-    impl_name = {"fuseforge": ATTN_IMPLEMENTATION, "sdpa": "sdpa"}
+    synchronize before and after each block) in A B B A order, `groups` times. With the step at the
+    power cap, its time is about its energy over the cap's watts, so a kernel saves in the step what it
+    saves in energy."""
+    impl_name = impl_names()
     blocks = {m: [] for m in MODES}
     i = 0
-    for mode in [m for _ in range(groups) for m in (MODES + MODES[::-1])]:
+    for mode in abba(groups):
         model.set_attn_implementation(impl_name[mode])
         torch.cuda.synchronize()
         e0, t0 = counter.joules(), time.perf_counter()
@@ -107,10 +122,11 @@ def write(result: dict, base: str) -> None:
     print(md)
 
 
-def attention_alone(model, batch: int, seq: int, rounds: int, device) -> dict:
-    """ms of one layer's attention call, forward + backward and forward, per mode (interleaved rounds)."""
+def attention_alone(model, batch: int, seq: int, rounds: int, device,
+                    counter: Optional[harness.EnergyCounter]) -> dict:
+    """ms of one layer's attention call, forward + backward and forward, per mode (interleaved rounds);
+    with the energy counter also the forward + backward's energy a call."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    from fuseforge.patch import ATTN_IMPLEMENTATION
     attn = model.model.layers[0].self_attn
     cfg = model.config
     d = cfg.hidden_size // cfg.num_attention_heads
@@ -122,7 +138,7 @@ def attention_alone(model, batch: int, seq: int, rounds: int, device) -> dict:
 
     q, k, v = leaf(cfg.num_attention_heads), leaf(cfg.num_key_value_heads), leaf(cfg.num_key_value_heads)
     grad = torch.randn(batch, seq, cfg.num_attention_heads, d, device=device, dtype=torch.bfloat16, generator=g)
-    fns = {"fuseforge": ALL_ATTENTION_FUNCTIONS[ATTN_IMPLEMENTATION], "sdpa": ALL_ATTENTION_FUNCTIONS["sdpa"]}
+    fns = {m: ALL_ATTENTION_FUNCTIONS[name] for m, name in impl_names().items()}
     benches = []
     for mode in MODES:
         def fwd(f=fns[mode]):
@@ -141,11 +157,10 @@ def attention_alone(model, batch: int, seq: int, rounds: int, device) -> dict:
     out = {"rel_diff_fwd": float(err)}
     for b in benches:
         out.setdefault(b.pass_, {})[b.impl] = {"ms": harness.median(times[id(b)]), "rounds": times[id(b)]}
-    counter = harness.EnergyCounter()
-    if device.type == "cuda" and counter.joules() is not None:  # fwdbwd, A B B A, 2 s each
+    if counter is not None:  # fwdbwd, A B B A, 2 s each
         fwdbwd = {b.impl: b.fn for b in benches if b.pass_ == "fwdbwd"}
         runs = {m: [] for m in MODES}
-        for mode in MODES + MODES[::-1]:
+        for mode in abba(1):
             runs[mode].append(harness.energy_per_call(fwdbwd[mode], counter))
         out["energy_fwdbwd"] = {m: {"mj": round(statistics.fmean(r["mj"] for r in runs[m]), 3),
                                     "ms": round(statistics.fmean(r["ms"] for r in runs[m]), 4),
@@ -233,13 +248,14 @@ def main() -> None:
     result["patched_attention_calls"] = calls
     result["step"] = step_summary(steps)
     harness.log(f"  step: fuseforge {result['step']['fuseforge']['ms']:.1f} ms, sdpa {result['step']['sdpa']['ms']:.1f} ms")
-    if args.energy_groups > 0:
-        result["energy_step"] = energy_ab(model, opt, stream, args.energy_groups, args.energy_steps, device)
+    counter = energy_counter(device)
+    if counter is not None and args.energy_groups > 0:
+        result["energy_step"] = energy_ab(model, opt, stream, args.energy_groups, args.energy_steps, device, counter)
         result["energy_steps_per_block"] = args.energy_steps
     opt.zero_grad(set_to_none=True)
     del opt
     bench_e2e.free()
-    result["attention_alone"] = attention_alone(model, args.batch, args.seq, args.rounds, device)
+    result["attention_alone"] = attention_alone(model, args.batch, args.seq, args.rounds, device, counter)
     os.makedirs(args.out, exist_ok=True)
     write(result, os.path.join(args.out, result["op"]))
 
