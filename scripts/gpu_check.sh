@@ -2,9 +2,10 @@
 # One call on the GPU machine: build, tests, compute-sanitizer, benchmarks. Logs and results go to
 # $OUT (the device tool brings back at most 8 files, so they are packed into two archives).
 #
-#   bash scripts/gpu_check.sh [--ops a,b] [--tests EXPR] [--no-tests] [--no-sanitizer]
+#   bash scripts/gpu_check.sh [--ops a,b] [--files "f g"] [--tests EXPR] [--no-tests] [--no-sanitizer]
 #                             [--bench a,b] [--bench-args "..."] [--no-cpp]
 #   --ops      op folders of csrc/ to build (FUSEFORGE_OPS; default all) and test files to run
+#   --files    test files to run instead of the ops' (e.g. every op but attention on a full build)
 #   --tests    pytest -k expression (default: every test of the chosen ops)
 #   --bench    benchmarks/bench_<name>.py to run (default: none; "all" for every one)
 #   --bench-args extra arguments for every benchmark (e.g. "--cases D64")
@@ -12,10 +13,11 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT" logs_tmp results_tmp
-OPS="" TESTS="" RUN_TESTS=1 SANITIZE=1 BENCH="" BENCH_ARGS="" CPP=1
+OPS="" FILES="" TESTS="" RUN_TESTS=1 SANITIZE=1 BENCH="" BENCH_ARGS="" CPP=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --ops) OPS=$2; shift 2 ;;
+    --files) FILES=$2; shift 2 ;;
     --tests) TESTS=$2; shift 2 ;;
     --no-tests) RUN_TESTS=0; shift ;;
     --no-sanitizer) SANITIZE=0; shift ;;
@@ -57,7 +59,9 @@ summary "build: rc=$rc in $(( $(date +%s) - t0 )) s"; pack
 if [ $rc -ne 0 ]; then grep -E "error|Error" "$LOG/build.log" | head -40; exit 1; fi
 
 test_files=""
-if [ -n "$OPS" ]; then
+if [ -n "$FILES" ]; then
+  test_files=$FILES
+elif [ -n "$OPS" ]; then
   for op in ${OPS//,/ }; do for f in tests/python/test_$op.py tests/python/test_${op}_*.py; do [ -f "$f" ] && test_files="$test_files $f"; done; done
 else
   test_files="tests/python"
