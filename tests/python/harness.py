@@ -2,7 +2,8 @@
 
 - devices(): "cpu" and, where a GPU and a CUDA build exist, "cuda" (otherwise that case is skipped
   with the reason).
-- randn(): fresh random inputs every call (a moving seed, never zeros).
+- randn(): fresh random inputs every call (a moving seed, never zeros; FUSEFORGE_TEST_SEED moves its
+  start, so a run can draw other inputs than the default 1234's).
 - rel_err() / assert_rel_close(): ||out - ref|| / ||ref|| against a float64 reference, with
   per-dtype tolerances in TOL.
 - poison_allocations(): fills the CUDA caching allocator's free blocks with NaN bytes, so an output
@@ -12,6 +13,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 from typing import Callable, Iterable, Sequence
 
 import pytest
@@ -27,7 +29,7 @@ requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason=CUDA_SKIP_REASON)
 # Relative norm error a result may have against float64, by dtype.
 TOL = {torch.float64: 1e-12, torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 8e-3}
 
-_seed = itertools.count(1234)
+_seed = itertools.count(int(os.environ.get("FUSEFORGE_TEST_SEED", "1234")))
 
 
 def devices() -> list:
