@@ -365,7 +365,7 @@ struct KeyBlock {
 template <typename T, int kBlockN, int kD, int kThreads, class Tile>
 __device__ __forceinline__ void load_key_tiles(const BwdParams& p, int b, int hk, int64_t n0, int rows_k, uint32_t sK,
                                                uint32_t sV, int head_dim, int tid) {
-  const int kv_head = hk / p.kv_head_split;  // the head split reads K / V in place
+  const int kv_head = p.kv_source_head(hk);  // the head split reads K / V in place
   const T* k = static_cast<const T*>(p.k) + b * p.k_batch_stride + kv_head * p.k_head_stride + n0 * p.k_row_stride;
   const T* v = static_cast<const T*>(p.v) + b * p.v_batch_stride + kv_head * p.v_head_stride + n0 * p.v_row_stride;
   load_tile_async<kBlockN, kD, kThreads, T, Tile>(sK, k, p.k_row_stride, rows_k, head_dim, tid);

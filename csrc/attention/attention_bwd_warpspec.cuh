@@ -319,7 +319,7 @@ __device__ __forceinline__ void attention_bwd_dkdv_warpspec_body(const BwdParams
     if (lane == 0) {
       prefetch_tma_map(&tma.q);
       prefetch_tma_map(&tma.dout);
-      load_key_block<Tr, L>(tma, blk, blk.hk / p.kv_head_split, batch, sm.sK, sm.sV, sm.full_kv());
+      load_key_block<Tr, L>(tma, blk, p.kv_source_head(blk.hk), batch, sm.sK, sm.sV, sm.full_kv());
     }
     grid_dependency_wait();  // row_dot (load_query_tile)
     for (int it = 0; it < iterations; ++it) {
@@ -386,9 +386,9 @@ bool use_bwd_warpspec(const BwdParams& p, BwdTmaParams* tma) {
   if (!tma_kernels_allowed()) return require_tma(false);
   return require_tma(
       encode_bwd_query_maps<Tr>(p, tma) &&
-      encode_rows_map<T>(&tma->k, p, p.k, p.rows_k, p.heads_kv / p.kv_head_split, p.k_row_stride, p.k_head_stride,
+      encode_rows_map<T>(&tma->k, p, p.k, p.rows_k, p.kv_source_heads(), p.k_row_stride, p.k_head_stride,
                          p.k_batch_stride, Tr::kBlockN) &&
-      encode_rows_map<T>(&tma->v, p, p.v, p.rows_k, p.heads_kv / p.kv_head_split, p.v_row_stride, p.v_head_stride,
+      encode_rows_map<T>(&tma->v, p, p.v, p.rows_k, p.kv_source_heads(), p.v_row_stride, p.v_head_stride,
                          p.v_batch_stride, Tr::kBlockN));
 }
 

@@ -207,7 +207,7 @@ struct QueryBlock {
     lse_row0 = b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_row0;
     q = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride +
         static_cast<int64_t>(seq.q_row0 + m0) * p.q_row_stride;
-    const int kv_head = hk / p.kv_head_split;  // the backward's head split (FwdParams::kv_head_split)
+    const int kv_head = p.kv_source_head(hk);  // the backward's head split (FwdParams::kv_head_split)
     k = static_cast<const T*>(p.k) + b * p.k_batch_stride + kv_head * p.k_head_stride +
         static_cast<int64_t>(seq.k_row0) * p.k_row_stride;
     v = static_cast<const T*>(p.v) + b * p.v_batch_stride + kv_head * p.v_head_stride +

@@ -64,6 +64,9 @@ struct FwdParams {
   // the KV heads, each taking group / split query heads, and KV head hk reads K / V head
   // hk / kv_head_split in place (its dK / dV go to a partials buffer of heads_kv heads). 1 elsewhere.
   int kv_head_split = 1;
+  // The K / V head that KV head hk of the grid reads, and how many K / V heads the tensors hold.
+  FUSEFORGE_ATTN_HD int kv_source_head(int hk) const { return hk / kv_head_split; }
+  FUSEFORGE_ATTN_HD int kv_source_heads() const { return heads_kv / kv_head_split; }
   int seqlen_q = 0, seqlen_k = 0;  // the max over sequences for varlen
   int64_t rows_q = 0, rows_k = 0;  // the views' row counts: seqlen_q/k, or the totals for varlen (TMA bounds)
   // The tensors' head dim, a multiple of 8 up to the kernel's kHeadDim (64 or 128). The kernels built
