@@ -27,12 +27,6 @@ LOSS_TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 1e-5, torc
 # std ~2 over 87 tokens that rounding alone passes 1e-4 in ~5% of draws (1.9e-4 at most in 3000;
 # one failed on the H200 at 05d7351).
 BF16_LOGITS_LOSS_TOL = 1e-4
-
-
-def bf16_logits_loss_tol(x64, w64, t, b64, **kw) -> float:
-    ref = reference(x64, w64, t, b64, **kw).detach()
-    rounded = reference(x64, w64, t, b64, lowp_logits=torch.bfloat16, **kw).detach()
-    return max(BF16_LOGITS_LOSS_TOL, 3 * rel_err(rounded, ref))
 # Gradients go through one rounding of the logit gradients to the input dtype and bf16/fp16 outputs.
 GRAD_TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 8e-3}
 
@@ -84,6 +78,13 @@ def reference(x, w, target, b=None, *, reduction="mean", label_smoothing=0.0, z_
     return loss.sum() / valid.sum().clamp_min(1)
 
 
+def bf16_logits_loss_tol(ref, x64, w64, t, b64, **kw) -> float:
+    """BF16_LOGITS_LOSS_TOL, or 3x how far rounding this draw's x @ W.T to bf16 moves the float64 loss
+    `ref` (reference() of the same arguments), whichever is larger."""
+    rounded = reference(x64, w64, t, b64, lowp_logits=torch.bfloat16, **kw).detach()
+    return max(BF16_LOGITS_LOSS_TOL, 3 * rel_err(rounded, ref.detach()))
+
+
 def leaves64(*ts):
     return [None if t is None else t.detach().cpu().double().requires_grad_() for t in ts]
 
@@ -98,7 +99,7 @@ def check_against_reference(x, w, t, b, *, grad_out=None, loss_tol=None, grad_to
     x64, w64, b64 = leaves64(x, w, b)
     ref = reference(x64, w64, t.cpu(), b64, **kw)
     assert loss.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
-    tol = loss_tol or (bf16_logits_loss_tol(x64, w64, t.cpu(), b64, **kw) if bf16_logits else LOSS_TOL[dtype])
+    tol = loss_tol or (bf16_logits_loss_tol(ref, x64, w64, t.cpu(), b64, **kw) if bf16_logits else LOSS_TOL[dtype])
     assert_rel_close(loss, ref, tol, "loss")
     g = grad_out if grad_out is not None else torch.ones_like(loss)
     params = [p for p in (x, w, b) if p is not None]
@@ -455,7 +456,7 @@ def test_loss_only_bf16_cuda(reduction, options):
         loss = linear_cross_entropy(x, w, t, b, reduction=reduction, **options)
     x64, w64, b64 = leaves64(x, w, b)
     ref = reference(x64, w64, t.cpu(), b64, reduction=reduction, **options)
-    tol = LOSS_TOL[torch.bfloat16] if reduction == "none" else bf16_logits_loss_tol(x64, w64, t.cpu(), b64,
+    tol = LOSS_TOL[torch.bfloat16] if reduction == "none" else bf16_logits_loss_tol(ref, x64, w64, t.cpu(), b64,
                                                                                    reduction=reduction, **options)
     assert_rel_close(loss, ref.detach(), tol, "loss")
 
