@@ -454,6 +454,9 @@ def run(op: str, cases: Iterable[str], setup: Callable[[str], list[Bench]], argv
                         help=f"round-robin rounds over each pass's impls (default {rounds}; 1: one impl after another)")
     parser.add_argument("--settle-ms", type=float, default=settle_ms,
                         help=f"GPU: run each bench this long before timing it (default {settle_ms:g}; 0: none)")
+    parser.add_argument("--energy-ms", type=float, default=0,
+                        help="GPU: also read the energy a call from NVML's counter over this many ms of each "
+                             "bench run back to back, after 300 ms of itself (energy_per_call; 0: not measured)")
     args = parser.parse_args(argv)
     _device = args.device
     if _device == "cuda" and not torch.cuda.is_available():
@@ -474,6 +477,12 @@ def run(op: str, cases: Iterable[str], setup: Callable[[str], list[Bench]], argv
     log(f"{op}: {len(cases)} cases on {result.get('cpu', result['gpu'])} (torch {result['torch']}, commit {result['commit']}), "
         f"ceilings {result['ceilings']}")
     sampler = ClockSampler().start() if _device == "cuda" else None
+    counter = EnergyCounter() if _device == "cuda" and args.energy_ms > 0 else None
+    if counter is not None and counter.joules() is None:
+        log("--energy-ms: no NVML energy counter on this GPU; energy not measured")
+        counter = None
+    if counter is not None:
+        result["energy_ms"] = args.energy_ms
     row_spans: list[tuple[dict, list]] = []  # each row with its bench's timing spans
     for i, case in enumerate(cases):
         log(f"[{i + 1}/{len(cases)}] {case}")
@@ -492,6 +501,11 @@ def run(op: str, cases: Iterable[str], setup: Callable[[str], list[Bench]], argv
                               settle_ms=args.settle_ms)
                 if rounds_ms:  # each round's median: a row that moved between rounds shows it
                     row["ms_rounds"] = [_round(ms) for ms in rounds_ms]
+                if counter is not None and "error" not in row:
+                    energy = energy_per_call(b.fn, counter, ms=args.energy_ms)
+                    if energy is not None:  # at the impl's own steady power, beside its interleaved ms
+                        row.update({"mj": energy["mj"], "energy_call_ms": energy["ms"],
+                                    "energy_watts": energy["watts"]})
             result["rows"].append(row)
             row_spans.append((row, _timing_spans.pop(id(b), [])))
             log("    " + "  ".join(f"{k}={v}" for k, v in row.items() if k != "case"))
@@ -563,6 +577,17 @@ def markdown_table(result: dict) -> str:
                 r = by.get((case, pass_, i), {})
                 cells.append("-" if "sm_mhz" not in r else f"{r['sm_mhz']}{'*' if r.get('power_capped', 0) >= 0.5 else ''}"
                              + (f" / {r['watts']}" if "watts" in r else ""))
+            lines.append("| " + " | ".join(cells) + " |")
+    if any("mj" in r for r in rows):
+        lines += ["", f"Energy a call (mJ; ms a call and mean board power W), from NVML's counter over "
+                      f"{result.get('energy_ms', 0):g} ms of each impl back to back after 300 ms of itself "
+                      "(--energy-ms):", "",
+                  "| case | pass | " + " | ".join(impls) + " |", "|" + "---|" * (len(impls) + 2)]
+        for case, pass_ in keys:
+            cells = [case, pass_]
+            for i in impls:
+                r = by.get((case, pass_, i), {})
+                cells.append("-" if "mj" not in r else f"{r['mj']:.4g} ({r['energy_call_ms']:.4g} ms, {r['energy_watts']:.0f} W)")
             lines.append("| " + " | ".join(cells) + " |")
     where = result["cpu"] if result.get("gpu") == "cpu" and "cpu" in result else result["gpu"]
     # "-dirty": the tree differed from that commit (a device's .git can be older than its tree)

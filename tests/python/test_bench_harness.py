@@ -192,3 +192,17 @@ def test_e2e_attention_ab_table_predicts_the_step_saving_from_energy(monkeypatch
     assert "| energy a step, J (mean W; ms a step), 4 blocks of 3 steps each | 50.0 (500 W; 100.0) |" in table
     assert "| 605.0 (550 W; 1.100) | +5.0 mJ (1.008x) |" in table
     assert "**+0.16** (+0.080 J / 500 W)" in table
+
+
+def test_markdown_table_shows_energy_a_call():
+    """--energy-ms rows: each impl's mJ a call with the ms a call and the power it was read at; rows
+    without it (a peer out of memory) show "-"."""
+    rows = [{"case": "c", "pass": "fwdbwd", "impl": "fuseforge", "ms": 6.1, "mj": 4412.5, "energy_call_ms": 6.3,
+             "energy_watts": 700.4},
+            {"case": "c", "pass": "fwdbwd", "impl": "peer", "ms": 8.8}]
+    result = {"rows": rows, "gpu": "G", "torch": "t", "cuda": "c", "commit": "0123456789abcdef", "date": "d",
+              "energy_ms": 2000.0}
+    table = harness.markdown_table(result)
+    assert "over 2000 ms of each impl" in table
+    assert "| c | fwdbwd | 4412 (6.3 ms, 700 W) | - |" in table
+    assert "Energy a call" not in harness.markdown_table({**result, "rows": [rows[1]]})
