@@ -265,10 +265,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(const at::Tens
   s_split.heads_kv *= split;
   backward(s_split, grad_out, q, k, v, out, lse, scale, o, deterministic, grad_q, grad_k_rep, grad_v_rep, nullptr,
            split);
-  const std::vector<int64_t> parts{s.batch, s.heads_kv, split, s.seqlen_k, s.head_dim};
-  // One reduction kernel each, straight into the gradient (its strides); it accumulates in float32.
-  at::sum_out(grad_k, grad_k_rep.view(parts), {2});
-  at::sum_out(grad_v, grad_v_rep.view(parts), {2});
+  // Both sums in one launch (head_split_sum_async), into the gradients where their rows are 16-byte
+  // aligned (kernel_ready: always, unless k / v is an odd view), else into copies.
+  const at::Tensor dk = kernel_ready(grad_k), dv = kernel_ready(grad_v);
+  HeadSplitSumParams hp;
+  hp.parts[0] = grad_k_rep.data_ptr();
+  hp.parts[1] = grad_v_rep.data_ptr();
+  hp.grad[0] = dk.data_ptr();
+  hp.grad[1] = dv.data_ptr();
+  set_strides(dk, hp.batch_stride[0], hp.head_stride[0], hp.row_stride[0]);
+  set_strides(dv, hp.batch_stride[1], hp.head_stride[1], hp.row_stride[1]);
+  hp.batch = s.batch;
+  hp.heads_kv = s.heads_kv;
+  hp.seqlen = s.seqlen_k;
+  hp.head_dim = s.head_dim;
+  hp.split = static_cast<int>(split);
+  head_split_sum_async(hp, q.scalar_type() == at::kBFloat16);
+  if (!dk.is_same(grad_k)) grad_k.copy_(dk);
+  if (!dv.is_same(grad_v)) grad_v.copy_(dv);
   return {grad_q, grad_k, grad_v};
 }
 

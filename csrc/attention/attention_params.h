@@ -186,6 +186,20 @@ void check_and_order_sequences_async(const int* cu_q, const int* cu_k, int batch
                                      int64_t max_q, int64_t max_k, bool longest_first, int* seq_order,
                                      int* key_block_prefix, int key_block_rows);
 
+// The GQA head split's dK / dV partials (attention_bwd_cuda): parts[0] (dK) and parts[1] (dV), each
+// (batch, heads_kv * split, seqlen, head_dim) contiguous, partial j of KV head h at head h * split + j;
+// grad[0] / grad[1] get each KV head's float32 sum (strides in elements, the head dim contiguous, every
+// row 16-byte aligned; head_dim a multiple of 8). One launch on the current stream
+// (attention_head_split_sum.cu); bf16, else fp16.
+struct HeadSplitSumParams {
+  const void* parts[2] = {nullptr, nullptr};
+  void* grad[2] = {nullptr, nullptr};
+  int64_t batch_stride[2] = {0, 0}, head_stride[2] = {0, 0}, row_stride[2] = {0, 0};
+  int64_t batch = 0, heads_kv = 0, seqlen = 0, head_dim = 0;
+  int split = 1;
+};
+void head_split_sum_async(const HeadSplitSumParams& p, bool bf16);
+
 template <typename T, int kHeadDim, bool kSoftcap, bool kPadHeadDim>
 void run_attention_fwd(const FwdParams& params, bool local);
 template <typename T, int kHeadDim, bool kSoftcap, bool kPadHeadDim>
