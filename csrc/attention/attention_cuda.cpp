@@ -265,8 +265,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cuda(const at::Tens
   s_split.heads_kv *= split;
   backward(s_split, grad_out, q, k, v, out, lse, scale, o, deterministic, grad_q, grad_k_rep, grad_v_rep, nullptr,
            split);
-  // Both sums in one launch (head_split_sum_async), into the gradients where their rows are 16-byte
-  // aligned (kernel_ready: always, unless k / v is an odd view), else into copies.
+  // Both sums in one launch (head_split_sum_async), through kernel_ready as backward() takes its
+  // outputs (empty_like's gradients are always kernel-ready, so no copy in practice).
   const at::Tensor dk = kernel_ready(grad_k), dv = kernel_ready(grad_v);
   HeadSplitSumParams hp;
   hp.parts[0] = grad_k_rep.data_ptr();

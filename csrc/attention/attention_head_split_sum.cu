@@ -1,6 +1,7 @@
 // The GQA head split's last step (attention_bwd_cuda): each KV head's dK / dV is the float32 sum of
-// its `split` partials, both tensors in one launch. It replaces two at::sum_out calls, whose
-// TensorIterator set-up is host time on the small calls that take the split (docs/notes_attention.md).
+// its `split` partials, both tensors in one launch. It replaced two at::sum_out calls: on the H200 at
+// B1 Hq32 Hk8 S2048 (split 4) the backward op took 74 us of host time with them, 32-52 with this,
+// and 0.230 against 0.216 ms on the GPU (docs/notes_attention.md, forty-second session).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
