@@ -567,28 +567,28 @@ def markdown_table(result: dict) -> str:
                 r = by.get((case, pass_, i))
                 cells.append(f"{r['peak_extra_mib']:.0f}" if r and "peak_extra_mib" in r else "-")
         lines.append("| " + " | ".join(cells) + " |")
-    if any("sm_mhz" in r for r in rows):
-        lines += ["", "SM clock and board power while timed (MHz / W, means of nvidia-smi samples; * = the "
-                      "software power cap active in most of them):", "",
-                  "| case | pass | " + " | ".join(impls) + " |", "|" + "---|" * (len(impls) + 2)]
+    def impl_table(title: str, key: str, cell: Callable[[dict], str]) -> list[str]:
+        """A table under `title` of one cell an impl for each (case, pass), where some row has `key`;
+        "-" where that impl's row has none."""
+        if not any(key in r for r in rows):
+            return []
+        out = ["", title, "", "| case | pass | " + " | ".join(impls) + " |", "|" + "---|" * (len(impls) + 2)]
         for case, pass_ in keys:
             cells = [case, pass_]
             for i in impls:
                 r = by.get((case, pass_, i), {})
-                cells.append("-" if "sm_mhz" not in r else f"{r['sm_mhz']}{'*' if r.get('power_capped', 0) >= 0.5 else ''}"
-                             + (f" / {r['watts']}" if "watts" in r else ""))
-            lines.append("| " + " | ".join(cells) + " |")
-    if any("mj" in r for r in rows):
-        lines += ["", f"Energy a call (mJ; ms a call and mean board power W), from NVML's counter over "
-                      f"{result.get('energy_ms', 0):g} ms of each impl back to back after 300 ms of itself "
-                      "(--energy-ms):", "",
-                  "| case | pass | " + " | ".join(impls) + " |", "|" + "---|" * (len(impls) + 2)]
-        for case, pass_ in keys:
-            cells = [case, pass_]
-            for i in impls:
-                r = by.get((case, pass_, i), {})
-                cells.append("-" if "mj" not in r else f"{r['mj']:.4g} ({r['energy_call_ms']:.4g} ms, {r['energy_watts']:.0f} W)")
-            lines.append("| " + " | ".join(cells) + " |")
+                cells.append("-" if key not in r else cell(r))
+            out.append("| " + " | ".join(cells) + " |")
+        return out
+
+    lines += impl_table("SM clock and board power while timed (MHz / W, means of nvidia-smi samples; * = the "
+                        "software power cap active in most of them):", "sm_mhz",
+                        lambda r: f"{r['sm_mhz']}{'*' if r.get('power_capped', 0) >= 0.5 else ''}"
+                                  + (f" / {r['watts']}" if "watts" in r else ""))
+    lines += impl_table(f"Energy a call (mJ; ms a call and mean board power W), from NVML's counter over "
+                        f"{result.get('energy_ms', 0):g} ms of each impl back to back after 300 ms of itself "
+                        "(--energy-ms):", "mj",
+                        lambda r: f"{r['mj']:.4g} ({r['energy_call_ms']:.4g} ms, {r['energy_watts']:.0f} W)")
     where = result["cpu"] if result.get("gpu") == "cpu" and "cpu" in result else result["gpu"]
     # "-dirty": the tree differed from that commit (a device's .git can be older than its tree)
     sha = result["commit"].removesuffix("-dirty")
