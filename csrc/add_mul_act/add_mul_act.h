@@ -5,9 +5,12 @@
 
 #include <optional>
 
-#include "add_mul_act/activation.h"
+#include "common/activation.h"
 
 namespace fuseforge::add_mul_act {
+
+// relu saves a bit per element (its derivative is z > 0); the others save the pre-activation z.
+constexpr bool saves_mask(Activation a) { return a == Activation::kRelu; }
 
 // Every tensor is viewed as rows x cols, cols = the last dim (the bias dim).
 struct Shape2d {

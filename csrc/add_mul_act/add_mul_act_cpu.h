@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-#include "add_mul_act/activation.h"
+#include "common/activation.h"
 #include "common/cpu_isa.h"
 
 namespace fuseforge::add_mul_act {

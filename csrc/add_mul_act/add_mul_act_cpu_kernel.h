@@ -19,7 +19,7 @@ namespace {
 template <typename M>
 using Vec = CpuVec<M>;
 
-// The activations of activation.h on vectors (the same formulas, so CPU and CUDA agree).
+// The activations of common/activation.h on vectors (the same formulas, so CPU and CUDA agree).
 template <Activation A>
 struct VecAct;
 

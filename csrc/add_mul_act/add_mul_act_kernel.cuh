@@ -6,7 +6,7 @@
 #pragma once
 #include <ATen/ATen.h>
 
-#include "add_mul_act/activation.h"
+#include "common/activation.h"
 #include "add_mul_act/add_mul_act_launch.h"
 #include "common/launch.cuh"
 #include "common/vec.cuh"

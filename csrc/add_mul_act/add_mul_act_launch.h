@@ -3,7 +3,7 @@
 #pragma once
 #include <cstdint>
 
-#include "add_mul_act/activation.h"
+#include "common/activation.h"
 #include "add_mul_act/add_mul_act.h"
 #include "common/cuda_utils.h"
 

@@ -6,34 +6,34 @@
 
 #include <cmath>
 
-#include "add_mul_act/activation.h"
+#include "common/activation.h"
 
-namespace fa = fuseforge::add_mul_act;
+namespace ff = fuseforge;  // the activations are shared (common/activation.h)
 
-template <fa::Activation A>
+template <ff::Activation A>
 void expect_derivative_matches_finite_difference() {
   for (double z = -4.0; z <= 4.0; z += 0.37) {
-    if (A == fa::Activation::kRelu && std::abs(z) < 1e-3) continue;  // the kink
+    if (A == ff::Activation::kRelu && std::abs(z) < 1e-3) continue;  // the kink
     const double h = 1e-6;
-    const double numeric = (fa::Act<A>::forward(z + h) - fa::Act<A>::forward(z - h)) / (2 * h);
-    EXPECT_NEAR(fa::Act<A>::derivative(z), numeric, 1e-7) << "z=" << z;
+    const double numeric = (ff::Act<A>::forward(z + h) - ff::Act<A>::forward(z - h)) / (2 * h);
+    EXPECT_NEAR(ff::Act<A>::derivative(z), numeric, 1e-7) << "z=" << z;
   }
 }
 
 TEST(AddMulAct, DerivativesMatchFiniteDifferences) {
-  expect_derivative_matches_finite_difference<fa::Activation::kIdentity>();
-  expect_derivative_matches_finite_difference<fa::Activation::kRelu>();
-  expect_derivative_matches_finite_difference<fa::Activation::kGelu>();
-  expect_derivative_matches_finite_difference<fa::Activation::kGeluTanh>();
-  expect_derivative_matches_finite_difference<fa::Activation::kSilu>();
-  expect_derivative_matches_finite_difference<fa::Activation::kSigmoid>();
+  expect_derivative_matches_finite_difference<ff::Activation::kIdentity>();
+  expect_derivative_matches_finite_difference<ff::Activation::kRelu>();
+  expect_derivative_matches_finite_difference<ff::Activation::kGelu>();
+  expect_derivative_matches_finite_difference<ff::Activation::kGeluTanh>();
+  expect_derivative_matches_finite_difference<ff::Activation::kSilu>();
+  expect_derivative_matches_finite_difference<ff::Activation::kSigmoid>();
 }
 
 TEST(AddMulAct, ParsesActivationsAndNamesTheBadOne) {
-  EXPECT_EQ(fa::parse_activation("gelu_tanh"), fa::Activation::kGeluTanh);
-  EXPECT_EQ(fa::parse_activation("relu"), fa::Activation::kRelu);
+  EXPECT_EQ(ff::parse_activation("gelu_tanh"), ff::Activation::kGeluTanh);
+  EXPECT_EQ(ff::parse_activation("relu"), ff::Activation::kRelu);
   try {
-    fa::parse_activation("swish");
+    ff::parse_activation("swish");
     FAIL() << "expected an error";
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what()).find("got 'swish'"), std::string::npos) << e.what();

@@ -1,31 +1,37 @@
-// The activations of add_mul_act, as host/device functors on the math type (float or double), so
-// the CPU and CUDA implementations compute the same function.
+// Elementwise activations shared by the ops (add_mul_act, glu), as host/device functors on the math
+// type (float or double), so the CPU and CUDA implementations compute the same function.
 #pragma once
 #include <c10/macros/Macros.h>
 #include <c10/util/Exception.h>
 #include <c10/util/string_view.h>
 
 #include <cmath>
+#include <optional>
 #include <string>
 
-namespace fuseforge::add_mul_act {
+namespace fuseforge {
 
 enum class Activation { kIdentity, kRelu, kGelu, kGeluTanh, kSilu, kSigmoid };
 constexpr int kNumActivations = 6;
 
-inline Activation parse_activation(c10::string_view name) {
+// The activation a name spells, or nullopt when it spells none.
+inline std::optional<Activation> activation_from_name(c10::string_view name) {
   if (name == "identity") return Activation::kIdentity;
   if (name == "relu") return Activation::kRelu;
   if (name == "gelu") return Activation::kGelu;
   if (name == "gelu_tanh") return Activation::kGeluTanh;
   if (name == "silu") return Activation::kSilu;
   if (name == "sigmoid") return Activation::kSigmoid;
-  TORCH_CHECK(false, "activation must be one of identity, relu, gelu, gelu_tanh, silu, sigmoid; got '",
-              std::string(name.data(), name.size()), "'");
+  return std::nullopt;
 }
 
-// relu saves a bit per element (its derivative is z > 0); the others save the pre-activation z.
-constexpr bool saves_mask(Activation a) { return a == Activation::kRelu; }
+// Any of the six (an op that builds kernels for fewer checks its own list).
+inline Activation parse_activation(c10::string_view name) {
+  const std::optional<Activation> act = activation_from_name(name);
+  TORCH_CHECK(act.has_value(), "activation must be one of identity, relu, gelu, gelu_tanh, silu, sigmoid; got '",
+              std::string(name.data(), name.size()), "'");
+  return *act;
+}
 
 C10_HOST_DEVICE inline float math_exp(float v) { return expf(v); }
 C10_HOST_DEVICE inline double math_exp(double v) { return exp(v); }
@@ -108,7 +114,7 @@ struct Act<Activation::kSilu> {
 // Calls f.template operator()<A>() with A the compile-time activation.
 #define FUSEFORGE_ACTIVATION_SWITCH(ACT, CONST_NAME, ...)                                                      \
   [&] {                                                                                                         \
-    using ::fuseforge::add_mul_act::Activation;                                                                 \
+    using ::fuseforge::Activation;                                                                              \
     switch (ACT) {                                                                                              \
       case Activation::kIdentity: { constexpr Activation CONST_NAME = Activation::kIdentity; return __VA_ARGS__(); } \
       case Activation::kRelu: { constexpr Activation CONST_NAME = Activation::kRelu; return __VA_ARGS__(); }   \
@@ -119,4 +125,4 @@ struct Act<Activation::kSilu> {
     }                                                                                                           \
   }()
 
-}  // namespace fuseforge::add_mul_act
+}  // namespace fuseforge
