@@ -98,4 +98,43 @@ TORCH_LIBRARY(fuseforge, m) {
         " float scale, bool deterministic, int window_left=-1, int window_right=-1, float softcap=0.0)"
         " -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
   // ---- end attention --------------------------------------------------------------------------
+
+  // ---- rms_norm ---------------------------------------------------------------------------------
+  // h = x + residual (rounded to x's dtype, as the unfused add) or x; over the last dim,
+  // out = h * rstd * (weight_offset + weight), rstd = 1 / sqrt(mean(h^2) + eps), statistics in fp32
+  // (fp64 for fp64). weight_offset 0 is Llama's w * x, 1 Gemma's (1 + w) * x; no weight: w = 1.
+  // weight is x's dtype or float32. out is out_dtype (default x's dtype: an autocast caller asks for the
+  // matmul's dtype directly). residual_out is h (empty without a residual: the caller keeps x), rstd is
+  // (rows,) float32 (float64 for float64 inputs).
+  m.def("rms_norm_fwd(Tensor x, Tensor? weight, Tensor? residual, float eps, float weight_offset,"
+        " ScalarType? out_dtype=None) -> (Tensor out, Tensor residual_out, Tensor rstd)");
+  // Gradients from h (the forward's residual_out, or x) and rstd: grad_input = d(loss)/dh, which is also
+  // the residual's gradient, including grad_residual_out (the gradient reaching residual_out) when
+  // given; grad_input has h's dtype. grad_weight (weight's dtype, reduced in fp32 deterministically) only
+  // when need_grad_weight, else empty.
+  m.def("rms_norm_bwd(Tensor grad_out, Tensor? grad_residual_out, Tensor h, Tensor? weight, Tensor rstd,"
+        " float weight_offset, bool need_grad_weight) -> (Tensor grad_input, Tensor grad_weight)");
+  // ---- end rms_norm -----------------------------------------------------------------------------
+
+  // ---- rotary -----------------------------------------------------------------------------------
+  // Rotary position embedding of q (B, Hq, S, D) and k (B, Hk, S, D) (any strides, the last dim dense)
+  // from position_ids (B or 1, S; int32/int64) and inv_freq (R / 2,) float32: the first R = 2 *
+  // inv_freq.numel() <= D dims of each head rotate by angle position * inv_freq[i] (computed in fp32,
+  // as Hugging Face does), cos and sin scaled by attention_scaling; dims R..D pass through (partial
+  // rotary). interleaved=False pairs dim i with i + R / 2 (Llama's rotate_half), True pairs 2i with 2i + 1.
+  // inverse=True rotates by -angle: the backward. Outputs are out_dtype (default the input's) in
+  // (B, S, H, D) memory, returned as (B, H, S, D) views, like the projections' outputs.
+  m.def("rotary(Tensor q, Tensor k, Tensor inv_freq, Tensor position_ids, float attention_scaling,"
+        " bool interleaved, bool inverse, ScalarType? out_dtype=None) -> (Tensor q_out, Tensor k_out)");
+  // ---- end rotary -------------------------------------------------------------------------------
+
+  // ---- glu: gated activation act(gate) * up ----------------------------------------------------
+  // gate and up of one shape (any rank; rows may be strided, the last dim dense), or up None and gate
+  // the fused projection's output (..., 2I) = [gate | up] (Phi-3's gate_up_proj). activation: silu
+  // (SwiGLU), gelu_tanh (GeGLU), gelu. fp32 arithmetic (fp64 for fp64); out (..., I) in gate's dtype.
+  m.def("glu_fwd(Tensor gate, Tensor? up, str activation) -> Tensor");
+  // Recomputes act(gate) (nothing but gate and up is saved). With up None, grad_gate is the fused
+  // (..., 2I) gradient and grad_up is empty.
+  m.def("glu_bwd(Tensor grad_out, Tensor gate, Tensor? up, str activation) -> (Tensor grad_gate, Tensor grad_up)");
+  // ---- end glu ----------------------------------------------------------------------------------
 }
