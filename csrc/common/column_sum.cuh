@@ -1,0 +1,46 @@
+// Deterministic column sums of fp32 partials (rows x cols, e.g. one row a block of a backward
+// kernel that summed its own rows of a weight or bias gradient): out[c] = sum over r of
+// partials[r][c], in a fixed order, so the result does not depend on timing (no float atomics).
+#pragma once
+#include <cstdint>
+
+#include "common/cuda_utils.h"
+#include "common/launch.cuh"
+
+namespace fuseforge {
+
+constexpr int kColumnSumCols = 32;  // columns a block: a warp reads 128 contiguous bytes of a row
+
+// A block is 32 columns x blockDim.y slices: slice s sums rows s, s + blockDim.y, ... (several
+// loads in flight), then thread y = 0 adds the slice sums in order.
+template <typename Out>
+__global__ void __launch_bounds__(1024) column_sum_kernel(const float* partials, int64_t rows, int64_t cols,
+                                                          Out* out) {
+  __shared__ float slice_sum[32][kColumnSumCols];
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * kColumnSumCols + threadIdx.x;
+  const int slices = blockDim.y;
+  float sum = 0.f;
+  if (col < cols) {
+#pragma unroll 8
+    for (int64_t r = threadIdx.y; r < rows; r += slices) sum += partials[r * cols + col];
+  }
+  slice_sum[threadIdx.y][threadIdx.x] = sum;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < cols) {
+    float total = 0.f;
+    for (int s = 0; s < slices; ++s) total += slice_sum[s][threadIdx.x];
+    out[col] = static_cast<Out>(total);
+  }
+}
+
+// More slices when there are few columns, so a narrow sum (a q/k norm's 128) still has loads in
+// flight on enough SMs; the slice count depends only on the shape, so the order is fixed.
+template <typename Out>
+inline void launch_column_sum(const float* partials, int64_t rows, int64_t cols, Out* out) {
+  const int64_t blocks = ceil_div(cols, kColumnSumCols);
+  const int slices = blocks >= 64 ? 8 : 32;
+  launch_kernel(column_sum_kernel<Out>, dim3(static_cast<unsigned>(blocks)), dim3(kColumnSumCols, slices), 0,
+                partials, rows, cols, out);
+}
+
+}  // namespace fuseforge

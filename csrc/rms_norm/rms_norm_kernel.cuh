@@ -1,0 +1,514 @@
+// rms_norm device code. Every tensor is a rows x cols matrix (cols = hidden). Two kernels a
+// direction:
+// - rows kernels (vectorized, a row that fits in registers): threads_per_row threads hold a row
+//   as 16-byte vectors (k{Forward,Backward}RowShapes), so it is read once; a 256-thread block takes several narrow
+//   rows at once; blocks walk the rows in a grid-stride loop (one wave of resident blocks), and the
+//   backward sums its weight-gradient partials in registers over all the rows it takes.
+// - two-pass kernels (rows too long for registers, or not vectorizable): a block a row, the row
+//   read twice (the second read mostly from L2); N = elements an access (a vector or 1).
+// All arithmetic is fp32; reductions have a fixed order (deterministic results).
+#pragma once
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <atomic>
+#include <type_traits>
+
+#include "common/cuda_utils.h"
+#include "common/launch.cuh"
+#include "common/vec.cuh"
+#include "rms_norm/rms_norm_launch.h"
+
+namespace fuseforge::rms_norm {
+
+template <typename T>
+inline constexpr int kVecElems = 16 / static_cast<int>(sizeof(T));
+
+template <typename U>
+struct TypeTag {
+  using type = U;
+};
+
+// Calls f(TypeTag<U>{}) with U the element type of a run-time dtype, compiling only the types
+// that occur beside activations of type T. The weight: T or float32.
+template <typename T, typename F>
+__device__ __forceinline__ void with_weight_type(Dtype dtype, F&& f) {
+  if constexpr (!std::is_same_v<T, float>) {
+    if (dtype == Dtype::kFloat) return f(TypeTag<float>{});
+  }
+  f(TypeTag<T>{});
+}
+
+// out and grad_out: T, or bf16 / fp16 beside a float32 T.
+template <typename T, typename F>
+__device__ __forceinline__ void with_out_type(Dtype dtype, F&& f) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (dtype == Dtype::kBFloat16) return f(TypeTag<at::BFloat16>{});
+    if (dtype == Dtype::kHalf) return f(TypeTag<at::Half>{});
+  }
+  f(TypeTag<T>{});
+}
+
+// N consecutive elements as floats, in accesses of min(16 bytes, the N elements) each.
+template <int N, typename U>
+__device__ __forceinline__ void load_floats(const U* p, float (&v)[N]) {
+  constexpr int kAccess = 16 / static_cast<int>(sizeof(U)) < N ? 16 / static_cast<int>(sizeof(U)) : N;
+#pragma unroll
+  for (int a = 0; a < N / kAccess; ++a) {
+    const AlignedVector<U, kAccess> chunk = load_vector<U, kAccess>(p + a * kAccess);
+#pragma unroll
+    for (int j = 0; j < kAccess; ++j) v[a * kAccess + j] = static_cast<float>(chunk.val[j]);
+  }
+}
+
+template <int N, typename U>
+__device__ __forceinline__ void store_floats(U* p, const float (&v)[N]) {
+  constexpr int kAccess = 16 / static_cast<int>(sizeof(U)) < N ? 16 / static_cast<int>(sizeof(U)) : N;
+#pragma unroll
+  for (int a = 0; a < N / kAccess; ++a) {
+    AlignedVector<U, kAccess> chunk;
+#pragma unroll
+    for (int j = 0; j < kAccess; ++j) chunk.val[j] = static_cast<U>(v[a * kAccess + j]);
+    store_vector<U, kAccess>(p + a * kAccess, chunk);
+  }
+}
+
+// weight_offset + weight for the N columns from col, or 1 without a weight (no scale). The weight
+// is read for every row: it stays in L1/L2 and would cost registers the row needs.
+template <typename T, int N>
+__device__ __forceinline__ void load_scale(const void* weight, Dtype dtype, float offset, int64_t col,
+                                           float (&s)[N]) {
+  if (weight == nullptr) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) s[j] = 1.f;
+    return;
+  }
+  with_weight_type<T>(dtype, [&](auto tag) {
+    using W = typename decltype(tag)::type;
+    load_floats<N>(static_cast<const W*>(weight) + col, s);
+  });
+#pragma unroll
+  for (int j = 0; j < N; ++j) s[j] = offset + s[j];
+}
+
+template <typename T, int kThreadsPerRow_, int kVecs_>
+struct RowTraits {
+  static constexpr int kThreadsPerRow = kThreadsPerRow_;
+  static constexpr int kVecs = kVecs_;
+  static constexpr int kElems = kVecElems<T>;
+  static constexpr int kThreads = kThreadsPerRow > 256 ? kThreadsPerRow : 256;
+  static constexpr int kRowsPerIter = kThreads / kThreadsPerRow;
+  static constexpr int kWarps = kThreads / 32;
+  static constexpr int kWarpsPerRow = kThreadsPerRow >= 32 ? kThreadsPerRow / 32 : 1;
+  // The weight gradient's partial sums: after the warp shuffles, one set a warp (narrow rows) or a
+  // row slot (wide rows), held by the first kThreadsPerRow threads of each group.
+  static constexpr int kGroupThreads = kThreadsPerRow > 32 ? kThreadsPerRow : 32;
+  static constexpr int kGroups = kThreads / kGroupThreads;
+  static_assert(kThreadsPerRow <= 32 || kThreadsPerRow % 32 == 0, "wide rows take whole warps");
+  static_assert((kThreadsPerRow & (kThreadsPerRow - 1)) == 0, "the shuffles pair lanes by xor");
+};
+
+template <typename T, int kShape>
+using ForwardRow = RowTraits<T, kForwardRowShapes[kShape].threads_per_row, kForwardRowShapes[kShape].vecs>;
+template <typename T, int kShape>
+using BackwardRow = RowTraits<T, kBackwardRowShapes[kShape].threads_per_row, kBackwardRowShapes[kShape].vecs>;
+
+// The sum of v over the kThreadsPerRow threads of a row, which all get it, bit for bit (the xor
+// butterfly adds the same pairs in every lane; the warps are added in order). Wide rows go through
+// red[parity]: alternating halves let one barrier a row suffice.
+template <typename R>
+__device__ __forceinline__ float row_sum(float v, float* red, int parity) {
+  constexpr int kWidth = R::kThreadsPerRow < 32 ? R::kThreadsPerRow : 32;
+#pragma unroll
+  for (int o = kWidth / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if constexpr (R::kThreadsPerRow <= 32) {
+    return v;
+  } else {
+    float* buf = red + parity * R::kWarps;
+    const int warp = threadIdx.x / 32;
+    if (threadIdx.x % 32 == 0) buf[warp] = v;
+    __syncthreads();
+    const int first = warp / R::kWarpsPerRow * R::kWarpsPerRow;
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < R::kWarpsPerRow; ++w) sum += buf[first + w];
+    return sum;
+  }
+}
+
+// The sum of v over the block (blockDim.x a multiple of 32), which every thread gets.
+__device__ __forceinline__ float block_sum(float v, float* red /* [32] */) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
+  __syncthreads();
+  float sum = 0.f;
+  for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) sum += red[w];
+  __syncthreads();  // red is reused by the next call
+  return sum;
+}
+
+// ---- forward ----------------------------------------------------------------------------------
+
+template <typename T, int kShape>
+__global__ void __launch_bounds__(ForwardRow<T, kShape>::kThreads) forward_rows_kernel(const ForwardParams<T> p) {
+  using R = ForwardRow<T, kShape>;
+  constexpr int E = R::kElems;
+  __shared__ float red[2 * R::kWarps];
+  const int lane = threadIdx.x % R::kThreadsPerRow;
+  const int slot = threadIdx.x / R::kThreadsPerRow;
+  const int64_t vectors = p.cols / E;
+  int parity = 0;
+  // Every thread of the block takes the same trips (the barriers of row_sum).
+  for (int64_t first = static_cast<int64_t>(blockIdx.x) * R::kRowsPerIter; first < p.rows;
+       first += static_cast<int64_t>(gridDim.x) * R::kRowsPerIter, parity ^= 1) {
+    const int64_t row = first + slot;
+    const bool row_ok = row < p.rows;
+    const int64_t base = row * p.cols;
+    AlignedVector<T, E> h[R::kVecs];
+#pragma unroll
+    for (int v = 0; v < R::kVecs; ++v) {
+      const int64_t vi = static_cast<int64_t>(v) * R::kThreadsPerRow + lane;
+      if (row_ok && vi < vectors) {
+        h[v] = load_vector<T, E>(p.x + base + vi * E);
+      } else {
+#pragma unroll
+        for (int j = 0; j < E; ++j) h[v].val[j] = static_cast<T>(0.f);
+      }
+    }
+    if (p.residual != nullptr) {
+      AlignedVector<T, E> r[R::kVecs];
+#pragma unroll
+      for (int v = 0; v < R::kVecs; ++v) {
+        const int64_t vi = static_cast<int64_t>(v) * R::kThreadsPerRow + lane;
+        if (row_ok && vi < vectors) {
+          r[v] = load_vector<T, E>(p.residual + base + vi * E);
+        } else {
+#pragma unroll
+          for (int j = 0; j < E; ++j) r[v].val[j] = static_cast<T>(0.f);
+        }
+      }
+#pragma unroll
+      for (int v = 0; v < R::kVecs; ++v) {
+        // h rounded to T, as the unfused `residual + x` is, before it is squared.
+#pragma unroll
+        for (int j = 0; j < E; ++j)
+          h[v].val[j] = static_cast<T>(static_cast<float>(h[v].val[j]) + static_cast<float>(r[v].val[j]));
+        const int64_t vi = static_cast<int64_t>(v) * R::kThreadsPerRow + lane;
+        if (row_ok && vi < vectors) store_vector<T, E>(p.residual_out + base + vi * E, h[v]);
+      }
+    }
+    float sumsq = 0.f;
+#pragma unroll
+    for (int v = 0; v < R::kVecs; ++v) {
+#pragma unroll
+      for (int j = 0; j < E; ++j) {
+        const float f = static_cast<float>(h[v].val[j]);
+        sumsq = fmaf(f, f, sumsq);
+      }
+    }
+    sumsq = row_sum<R>(sumsq, red, parity);
+    const float rstd = 1.f / sqrtf(sumsq / static_cast<float>(p.cols) + p.eps);
+    if (row_ok && lane == 0) p.rstd[row] = rstd;
+    with_out_type<T>(p.out_dtype, [&](auto tag) {
+      using O = typename decltype(tag)::type;
+#pragma unroll
+      for (int v = 0; v < R::kVecs; ++v) {
+        const int64_t vi = static_cast<int64_t>(v) * R::kThreadsPerRow + lane;
+        if (!row_ok || vi >= vectors) continue;
+        float s[E], o[E];
+        load_scale<T, E>(p.weight, p.weight_dtype, p.weight_offset, vi * E, s);
+#pragma unroll
+        for (int j = 0; j < E; ++j) o[j] = static_cast<float>(h[v].val[j]) * rstd * s[j];
+        store_floats<E>(static_cast<O*>(p.out) + base + vi * E, o);
+      }
+    });
+  }
+}
+
+template <typename T, int N>
+__global__ void __launch_bounds__(1024) forward_two_pass_kernel(const ForwardParams<T> p) {
+  __shared__ float red[32];
+  const int64_t accesses = p.cols / N;
+  // The second pass reads h back: from residual_out, which this thread wrote itself.
+  const T* h_src = p.residual != nullptr ? p.residual_out : p.x;
+  for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
+    const int64_t base = row * p.cols;
+    float sumsq = 0.f;
+    for (int64_t i = threadIdx.x; i < accesses; i += blockDim.x) {
+      float h[N];
+      load_floats<N>(p.x + base + i * N, h);
+      if (p.residual != nullptr) {
+        float r[N];
+        load_floats<N>(p.residual + base + i * N, r);
+#pragma unroll
+        for (int j = 0; j < N; ++j) h[j] = static_cast<float>(static_cast<T>(h[j] + r[j]));
+        store_floats<N>(p.residual_out + base + i * N, h);
+      }
+#pragma unroll
+      for (int j = 0; j < N; ++j) sumsq = fmaf(h[j], h[j], sumsq);
+    }
+    sumsq = block_sum(sumsq, red);
+    const float rstd = 1.f / sqrtf(sumsq / static_cast<float>(p.cols) + p.eps);
+    if (threadIdx.x == 0) p.rstd[row] = rstd;
+    with_out_type<T>(p.out_dtype, [&](auto tag) {
+      using O = typename decltype(tag)::type;
+      for (int64_t i = threadIdx.x; i < accesses; i += blockDim.x) {
+        float h[N], s[N], o[N];
+        load_floats<N>(h_src + base + i * N, h);
+        load_scale<T, N>(p.weight, p.weight_dtype, p.weight_offset, i * N, s);
+#pragma unroll
+        for (int j = 0; j < N; ++j) o[j] = h[j] * rstd * s[j];
+        store_floats<N>(static_cast<O*>(p.out) + base + i * N, o);
+      }
+    });
+  }
+}
+
+// ---- backward ---------------------------------------------------------------------------------
+// With xhat = h * rstd and s = weight_offset + weight: grad_input = rstd * (g s - xhat * mean(g s
+// xhat)) (+ grad_residual_out); the weight gradient sums g * xhat over the rows.
+
+template <typename T, int kShape>
+__global__ void __launch_bounds__(BackwardRow<T, kShape>::kThreads) backward_rows_kernel(const BackwardParams<T> p) {
+  using R = BackwardRow<T, kShape>;
+  constexpr int E = R::kElems;
+  constexpr int kExchange = R::kGroups > 1 ? R::kGroups * E * R::kThreadsPerRow : 1;
+  __shared__ float red[2 * R::kWarps];
+  __shared__ float exchange[kExchange];
+  const int lane = threadIdx.x % R::kThreadsPerRow;
+  const int slot = threadIdx.x / R::kThreadsPerRow;
+  const int64_t vectors = p.cols / E;
+  float dw[R::kVecs][E];
+#pragma unroll
+  for (int v = 0; v < R::kVecs; ++v)
+#pragma unroll
+    for (int j = 0; j < E; ++j) dw[v][j] = 0.f;
+  int parity = 0;
+  for (int64_t first = static_cast<int64_t>(blockIdx.x) * R::kRowsPerIter; first < p.rows;
+       first += static_cast<int64_t>(gridDim.x) * R::kRowsPerIter, parity ^= 1) {
+    const int64_t row = first + slot;
+    const bool row_ok = row < p.rows;
+    const int64_t base = row * p.cols;
+    // g is kept as T (exact: a 16-bit grad_out is T itself, and beside a float32 T any out dtype
+    // converts exactly), so a 16-bit row costs half the registers it would as floats.
+    AlignedVector<T, E> h[R::kVecs], g[R::kVecs], grad_res[R::kVecs];
+#pragma unroll
+    for (int v = 0; v < R::kVecs; ++v) {
+      const int64_t vi = static_cast<int64_t>(v) * R::kThreadsPerRow + lane;
+      if (row_ok && vi < vectors) {
+        h[v] = load_vector<T, E>(p.h + base + vi * E);
+      } else {
+#pragma unroll
+        for (int j = 0; j < E; ++j) h[v].val[j] = static_cast<T>(0.f);
+      }
+    }
+    with_out_type<T>(p.out_dtype, [&](auto tag) {
+      using O = typename decltype(tag)::type;
+#pragma unroll
+      for (int v = 0; v < R::kVecs; ++v) {
+        const int64_t vi = static_cast<int64_t>(v) * R::kThreadsPerRow + lane;
+        if (!row_ok || vi >= vectors) {
+#pragma unroll
+          for (int j = 0; j < E; ++j) g[v].val[j] = static_cast<T>(0.f);
+        } else if constexpr (std::is_same_v<O, T>) {
+          g[v] = load_vector<T, E>(static_cast<const T*>(p.grad_out) + base + vi * E);
+        } else {
+          float f[E];
+          load_floats<E>(static_cast<const O*>(p.grad_out) + base + vi * E, f);
+#pragma unroll
+          for (int j = 0; j < E; ++j) g[v].val[j] = f[j];
+        }
+      }
+    });
+    if (p.grad_residual_out != nullptr) {
+#pragma unroll
+      for (int v = 0; v < R::kVecs; ++v) {
+        const int64_t vi = static_cast<int64_t>(v) * R::kThreadsPerRow + lane;
+        if (row_ok && vi < vectors) grad_res[v] = load_vector<T, E>(p.grad_residual_out + base + vi * E);
+      }
+    }
+    const float rstd = row_ok ? p.rstd[row] : 0.f;
+    float dot = 0.f;
+#pragma unroll
+    for (int v = 0; v < R::kVecs; ++v) {
+      const int64_t vi = static_cast<int64_t>(v) * R::kThreadsPerRow + lane;
+      float s[E];
+      load_scale<T, E>(vi < vectors ? p.weight : nullptr, p.weight_dtype, p.weight_offset, vi * E, s);
+#pragma unroll
+      for (int j = 0; j < E; ++j) {
+        const float xhat = static_cast<float>(h[v].val[j]) * rstd;
+        const float gf = static_cast<float>(g[v].val[j]);
+        dw[v][j] = fmaf(gf, xhat, dw[v][j]);  // zero for masked elements (g = 0)
+        dot = fmaf(gf * s[j], xhat, dot);
+      }
+    }
+    const float mean = row_sum<R>(dot, red, parity) / static_cast<float>(p.cols);
+#pragma unroll
+    for (int v = 0; v < R::kVecs; ++v) {
+      const int64_t vi = static_cast<int64_t>(v) * R::kThreadsPerRow + lane;
+      if (!row_ok || vi >= vectors) continue;
+      float s[E], gi[E];
+      load_scale<T, E>(p.weight, p.weight_dtype, p.weight_offset, vi * E, s);  // again: an L1 hit, not registers
+#pragma unroll
+      for (int j = 0; j < E; ++j) {
+        const float xhat = static_cast<float>(h[v].val[j]) * rstd;
+        gi[j] = rstd * (static_cast<float>(g[v].val[j]) * s[j] - xhat * mean);
+        if (p.grad_residual_out != nullptr) gi[j] += static_cast<float>(grad_res[v].val[j]);
+      }
+      store_floats<E>(p.grad_input + base + vi * E, gi);
+    }
+  }
+  if (p.weight_partials == nullptr) return;  // uniform over the grid
+
+  // This block's weight-gradient partial: first across the row slots of a warp (butterfly: the
+  // same sum in every lane of a column), then across groups in order through shared memory.
+  if constexpr (R::kThreadsPerRow < 32) {
+#pragma unroll
+    for (int v = 0; v < R::kVecs; ++v)
+#pragma unroll
+      for (int j = 0; j < E; ++j)
+#pragma unroll
+        for (int o = R::kThreadsPerRow; o < 32; o <<= 1) dw[v][j] += __shfl_xor_sync(0xffffffffu, dw[v][j], o);
+  }
+  const int group = threadIdx.x / R::kGroupThreads;
+  const bool holder = threadIdx.x % R::kGroupThreads < R::kThreadsPerRow;
+  float* partial = p.weight_partials + static_cast<int64_t>(blockIdx.x) * p.cols;
+#pragma unroll
+  for (int v = 0; v < R::kVecs; ++v) {
+    const int64_t vi = static_cast<int64_t>(v) * R::kThreadsPerRow + lane;
+    if constexpr (R::kGroups == 1) {
+      if (vi < vectors) store_floats<E>(partial + vi * E, dw[v]);
+    } else {
+      // [group][element][lane]: a warp's stores hit consecutive banks.
+      if (holder) {
+#pragma unroll
+        for (int j = 0; j < E; ++j) exchange[(group * E + j) * R::kThreadsPerRow + lane] = dw[v][j];
+      }
+      __syncthreads();
+      if (group == 0 && holder && vi < vectors) {
+        float sum[E];
+#pragma unroll
+        for (int j = 0; j < E; ++j) sum[j] = 0.f;
+        for (int k = 0; k < R::kGroups; ++k)
+#pragma unroll
+          for (int j = 0; j < E; ++j) sum[j] += exchange[(k * E + j) * R::kThreadsPerRow + lane];
+        store_floats<E>(partial + vi * E, sum);
+      }
+      __syncthreads();
+    }
+  }
+}
+
+// weight_partials (when set) is zeroed by the host: each block adds its rows into its own row, each
+// thread into the columns only it touches.
+template <typename T, int N>
+__global__ void __launch_bounds__(1024) backward_two_pass_kernel(const BackwardParams<T> p) {
+  __shared__ float red[32];
+  const int64_t accesses = p.cols / N;
+  float* partial = p.weight_partials ? p.weight_partials + static_cast<int64_t>(blockIdx.x) * p.cols : nullptr;
+  for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
+    const int64_t base = row * p.cols;
+    const float rstd = p.rstd[row];
+    with_out_type<T>(p.out_dtype, [&](auto tag) {
+      using O = typename decltype(tag)::type;
+      const O* grad_out = static_cast<const O*>(p.grad_out) + base;
+      float dot = 0.f;  // sum of g s h; times rstd below
+      for (int64_t i = threadIdx.x; i < accesses; i += blockDim.x) {
+        float g[N], h[N], s[N];
+        load_floats<N>(grad_out + i * N, g);
+        load_floats<N>(p.h + base + i * N, h);
+        load_scale<T, N>(p.weight, p.weight_dtype, p.weight_offset, i * N, s);
+#pragma unroll
+        for (int j = 0; j < N; ++j) dot = fmaf(g[j] * s[j], h[j], dot);
+      }
+      const float mean = block_sum(dot, red) * rstd / static_cast<float>(p.cols);
+      for (int64_t i = threadIdx.x; i < accesses; i += blockDim.x) {
+        float g[N], h[N], s[N], gi[N];
+        load_floats<N>(grad_out + i * N, g);
+        load_floats<N>(p.h + base + i * N, h);
+        load_scale<T, N>(p.weight, p.weight_dtype, p.weight_offset, i * N, s);
+        if (p.grad_residual_out != nullptr) {
+          load_floats<N>(p.grad_residual_out + base + i * N, gi);
+        } else {
+#pragma unroll
+          for (int j = 0; j < N; ++j) gi[j] = 0.f;
+        }
+        float dw[N] = {};
+        if (partial) load_floats<N>(partial + i * N, dw);
+#pragma unroll
+        for (int j = 0; j < N; ++j) {
+          const float xhat = h[j] * rstd;
+          gi[j] += rstd * (g[j] * s[j] - xhat * mean);
+          dw[j] = fmaf(g[j], xhat, dw[j]);
+        }
+        store_floats<N>(p.grad_input + base + i * N, gi);
+        if (partial) store_floats<N>(partial + i * N, dw);
+      }
+    });
+  }
+}
+
+// ---- planning ---------------------------------------------------------------------------------
+
+template <typename F>
+decltype(auto) with_row_shape(int index, F&& f) {
+  static_assert(kNumRowShapes == 8, "one case a row shape");
+  switch (index) {
+    case 0: return f(std::integral_constant<int, 0>{});
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    default: return f(std::integral_constant<int, 7>{});
+  }
+}
+
+// Resident blocks an SM of `kernel` at `threads` threads a block, asked once a device.
+template <typename Kernel>
+int resident_blocks(std::atomic<int> (&cache)[kMaxCachedDevices], Kernel kernel, int threads) {
+  return cached_per_device(cache, [&] {
+    int blocks = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, 0));
+    return blocks;
+  });
+}
+
+// One wave of resident blocks (no partly filled last wave; the backward's partials are as few as
+// the grid allows). RowOf<T, S> is the direction's RowTraits of shape S;
+// row_kernel(std::integral_constant<int, S>) and two_pass_kernel(bool vectorized) name its kernels.
+template <typename T, template <typename, int> class RowOf, typename RowKernel, typename TwoPassKernel>
+LaunchPlan make_plan(int64_t rows, int64_t cols, bool aligned, RowKernel row_kernel, TwoPassKernel two_pass_kernel) {
+  static std::atomic<int> row_cache[kNumRowShapes][kMaxCachedDevices];
+  static std::atomic<int> two_pass_cache[2][6][kMaxCachedDevices];  // by vectorized, log2(threads / 32)
+  LaunchPlan plan;
+  plan.vectorized = aligned && cols % kVecElems<T> == 0;
+  const int64_t vectors = cols / kVecElems<T>;
+  plan.row_shape = plan.vectorized ? pick_row_shape(vectors) : -1;
+  const int64_t sms = num_sms();
+  if (plan.row_shape >= 0) {
+    with_row_shape(plan.row_shape, [&](auto shape) {
+      constexpr int kShape = decltype(shape)::value;
+      using R = RowOf<T, kShape>;
+      const int64_t resident = resident_blocks(row_cache[kShape], row_kernel(shape), R::kThreads);
+      plan.block = dim3(R::kThreads);
+      plan.grid = dim3(static_cast<unsigned>(std::min(ceil_div(rows, R::kRowsPerIter), resident * sms)));
+    });
+  } else {
+    const int64_t accesses = plan.vectorized ? vectors : cols;
+    int threads = 32, level = 0;
+    while (threads < 1024 && threads < accesses) {
+      threads *= 2;
+      ++level;
+    }
+    const int64_t resident =
+        resident_blocks(two_pass_cache[plan.vectorized][level], two_pass_kernel(plan.vectorized), threads);
+    plan.block = dim3(threads);
+    plan.grid = dim3(static_cast<unsigned>(std::min(rows, resident * sms)));
+  }
+  return plan;
+}
+
+}  // namespace fuseforge::rms_norm

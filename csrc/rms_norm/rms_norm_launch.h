@@ -1,0 +1,107 @@
+// rms_norm's launch interface, shared by the host code (rms_norm_cuda.cpp, compiled by the C++
+// compiler) and the kernels (*.cu): kernel parameters, the row shapes kept in registers, the
+// launch plan, the planners and launchers.
+#pragma once
+#include <c10/core/ScalarType.h>
+#include <c10/util/Exception.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace fuseforge::rms_norm {
+
+// The dtype of a tensor whose type is chosen at run time (the weight: x's or float32; out and
+// grad_out: x's, or bf16/fp16 beside a float32 x), so that it costs no kernel instantiations.
+enum class Dtype : int { kFloat, kHalf, kBFloat16 };
+
+inline Dtype dtype_of(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return Dtype::kFloat;
+    case at::kHalf: return Dtype::kHalf;
+    case at::kBFloat16: return Dtype::kBFloat16;
+    default: TORCH_CHECK(false, "rms_norm CUDA kernels take float32, float16 or bfloat16, got ", t);
+  }
+}
+
+template <typename T>
+struct ForwardParams {
+  const T* x;
+  const T* residual;   // nullable
+  const void* weight;  // nullable: no scale
+  T* residual_out;     // h = x + residual; set exactly when residual is
+  void* out;
+  float* rstd;
+  int64_t rows, cols;
+  float eps, weight_offset;
+  Dtype weight_dtype, out_dtype;
+};
+
+template <typename T>
+struct BackwardParams {
+  const void* grad_out;          // the forward's out dtype
+  const T* grad_residual_out;    // nullable
+  const T* h;
+  const void* weight;            // nullable
+  const float* rstd;
+  T* grad_input;
+  float* weight_partials;        // nullable: (grid, cols) fp32 partial sums of grad_out * xhat
+  int64_t rows, cols;
+  float weight_offset;
+  Dtype weight_dtype, out_dtype;
+};
+
+// A row kept in registers: threads_per_row threads, each holding vecs 16-byte vectors of it (a
+// row of up to threads_per_row * vecs vectors). Up to 32 threads a row reduce with warp shuffles
+// only, and a 256-thread block takes several rows at once, so a small row (Qwen3's q/k norm: 128)
+// does not leave a block idle; larger rows reduce across warps through shared memory.
+struct RowShape {
+  int threads_per_row;
+  int vecs;
+};
+inline constexpr RowShape kForwardRowShapes[] = {{8, 2},  {16, 2},  {32, 2},  {32, 4},
+                                                 {64, 4}, {128, 4}, {256, 4}, {512, 4}};
+// The backward holds two or three tensors of a row (h, grad_out, grad_residual_out) and its weight
+// gradient's sums: two vectors a thread keep the 16-bit kernels under 128 registers (four took 162
+// for bf16 with ptxas 13: one 256-thread block an SM).
+inline constexpr RowShape kBackwardRowShapes[] = {{8, 2},  {16, 2},  {32, 2},  {64, 2},
+                                                  {128, 2}, {256, 2}, {512, 2}, {1024, 2}};
+inline constexpr int kNumRowShapes = sizeof(kForwardRowShapes) / sizeof(kForwardRowShapes[0]);
+
+constexpr int64_t row_shape_capacity(const RowShape& s) { return static_cast<int64_t>(s.threads_per_row) * s.vecs; }
+
+constexpr bool same_capacities() {
+  if (sizeof(kBackwardRowShapes) != sizeof(kForwardRowShapes)) return false;
+  for (int i = 0; i < kNumRowShapes; ++i)
+    if (row_shape_capacity(kForwardRowShapes[i]) != row_shape_capacity(kBackwardRowShapes[i])) return false;
+  return true;
+}
+static_assert(same_capacities(), "a row takes the same shape index in both directions");
+
+// The first shape whose row holds `vectors` vectors, or -1: rows longer than the last one (bf16
+// 16384, fp32 8192) take the two-pass kernel, which reads each row twice.
+inline int pick_row_shape(int64_t vectors) {
+  for (int i = 0; i < kNumRowShapes; ++i)
+    if (row_shape_capacity(kForwardRowShapes[i]) >= vectors) return i;
+  return -1;
+}
+
+struct LaunchPlan {
+  int row_shape = -1;       // index into k{Forward,Backward}RowShapes; -1: the two-pass kernel
+  bool vectorized = false;  // 16-byte accesses (cols a multiple of a vector, pointers aligned)
+  dim3 grid, block;         // grid.x blocks walk the rows in a grid-stride loop: the weight gradient's partials
+};
+
+// Defined in rms_norm_fwd.cu / rms_norm_bwd.cu for float, at::Half, at::BFloat16. The planners ask
+// the occupancy calculator (cached per device) for one wave of resident blocks; the launchers run
+// on the current stream and never synchronize. launch_backward also sums params.weight_partials
+// (plan.grid.x rows) into grad_weight when they are set.
+template <typename T>
+LaunchPlan plan_forward(int64_t rows, int64_t cols, bool aligned);
+template <typename T>
+void launch_forward(const ForwardParams<T>& params, const LaunchPlan& plan);
+template <typename T>
+LaunchPlan plan_backward(int64_t rows, int64_t cols, bool aligned);
+template <typename T>
+void launch_backward(const BackwardParams<T>& params, const LaunchPlan& plan, void* grad_weight);
+
+}  // namespace fuseforge::rms_norm
