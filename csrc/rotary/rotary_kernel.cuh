@@ -1,0 +1,193 @@
+// rotary device code. A block takes blockDim.z consecutive tokens of the flattened (B, S) grid; a
+// thread owns one chunk of a head (one 16-byte vector of the input type: a rotary chunk of the
+// half-split layout's first R / 2 dims with its partners R / 2 further, a chunk of interleaved
+// pairs, or a pass-through chunk of dims R..D-1) and takes it in every blockDim.y-th head of its
+// token, q's then k's, kBatch heads loaded before any is computed. A thread first issues its first
+// batch's loads; then the token's threads compute its R / 2 cos and sin once (accurate sincosf:
+// angles reach ~1e6 rad) into shared memory, under those loads' latency; one barrier, then every
+// head of the token reads them. No division a head. kVec: every chunk is whole and 16-byte aligned
+// (16-byte accesses); otherwise element accesses masked at the chunk's end. Arithmetic in float32,
+// one rounding to the output type.
+#pragma once
+#include <ATen/ATen.h>
+
+#include "common/launch.cuh"
+#include "common/vec.cuh"
+#include "rotary/rotary_launch.h"
+
+namespace fuseforge::rotary {
+
+// One chunk of a row as loaded (one 16-byte vector), converted to float on use.
+template <typename T>
+struct RawChunk {
+  static constexpr int kElems = chunk_elems<T>();
+  AlignedVector<T, kElems> vec;
+  __device__ __forceinline__ float value(int j) const { return static_cast<float>(vec.val[j]); }
+};
+
+template <typename T, bool kVec>
+__device__ __forceinline__ void load_chunk(const T* __restrict__ src, int n, RawChunk<T>& chunk) {
+  if constexpr (kVec) {
+    chunk.vec = load_vector<T, RawChunk<T>::kElems>(src);
+  } else {
+#pragma unroll
+    for (int j = 0; j < RawChunk<T>::kElems; ++j) chunk.vec.val[j] = j < n ? src[j] : T(0);
+  }
+}
+
+// kN floats to kN elements of the output type: 16-byte stores where 16-byte aligned (kVec).
+template <typename T, int kN, bool kVec>
+__device__ __forceinline__ void store_chunk(T* __restrict__ dst, int n, const float (&v)[kN]) {
+  constexpr int kPerStore = kN * sizeof(T) > 16 ? 16 / static_cast<int>(sizeof(T)) : kN;
+  if constexpr (kVec) {
+#pragma unroll
+    for (int u = 0; u < kN / kPerStore; ++u) {
+      AlignedVector<T, kPerStore> out;
+#pragma unroll
+      for (int j = 0; j < kPerStore; ++j) out.val[j] = static_cast<T>(v[u * kPerStore + j]);
+      store_vector<T, kPerStore>(dst + u * kPerStore, out);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kN; ++j)
+      if (j < n) dst[j] = static_cast<T>(v[j]);
+  }
+}
+
+// The chunk of one head a thread takes: where it is in the head and how many elements it has.
+struct ChunkPlace {
+  bool rotary;
+  int first;  // its first element in the head
+  int n;      // elements inside its range (the scalar path's mask)
+};
+
+template <typename Tin, typename Tout>
+struct HeadRows {
+  const Tin* src;
+  Tout* dst;
+};
+
+// Head h of the token (q's heads first, then k's).
+template <typename Tin, typename Tout>
+__device__ __forceinline__ HeadRows<Tin, Tout> head_rows(const RotaryParams<Tin, Tout>& p, const Tin* q_row,
+                                                         const Tin* k_row, Tout* q_out, Tout* k_out, int h) {
+  if (h < p.heads_q) return {q_row + h * p.q_stride_h, q_out + static_cast<int64_t>(h) * p.head_dim};
+  const int hk = h - p.heads_q;
+  return {k_row + hk * p.k_stride_h, k_out + static_cast<int64_t>(hk) * p.head_dim};
+}
+
+template <typename Tin, typename Tout, bool kInterleaved, bool kVec>
+__global__ void __launch_bounds__(kThreads) rotary_kernel(const RotaryParams<Tin, Tout> p) {
+  constexpr int kChunk = chunk_elems<Tin>();
+  constexpr int kPairs = kInterleaved ? kChunk / 2 : kChunk;  // pairs a rotary chunk holds
+  extern __shared__ float rotary_tables[];  // cos, then sin: (blockDim.z, rot_half) each
+  const int64_t token = static_cast<int64_t>(blockIdx.x) * blockDim.z + threadIdx.z;
+  const bool active = token < p.tokens;  // no early return: every thread reaches the barrier
+  const int64_t b = active ? token / p.seq : 0, s = active ? token - b * p.seq : 0;
+  const Tin* q_row = p.q + b * p.q_stride_b + s * p.q_stride_s;
+  const Tin* k_row = p.k + b * p.k_stride_b + s * p.k_stride_s;
+  Tout* q_out = p.q_out + token * p.heads_q * p.head_dim;
+  Tout* k_out = p.k_out + token * p.heads_k * p.head_dim;
+  const int heads = p.heads_q + p.heads_k;
+  const int head_step = blockDim.y * kBatch;
+  const int partner = kInterleaved ? 0 : p.rot_half;  // the half-split partner's offset
+
+  ChunkPlace place;
+  auto place_chunk = [&](int c) {
+    place.rotary = c < p.rot_chunks;
+    if (place.rotary) {
+      place.first = c * kChunk;
+      place.n = min(kChunk, (kInterleaved ? 2 * p.rot_half : p.rot_half) - place.first);
+    } else {
+      place.first = 2 * p.rot_half + (c - p.rot_chunks) * kChunk;
+      place.n = min(kChunk, p.head_dim - place.first);
+    }
+  };
+  RawChunk<Tin> x[kBatch], y[kBatch];  // y: the half-split partners
+  auto load_batch = [&](int h0) {
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int h = h0 + u * static_cast<int>(blockDim.y);
+      if (h >= heads) break;
+      const Tin* src = head_rows(p, q_row, k_row, q_out, k_out, h).src + place.first;
+      load_chunk<Tin, kVec>(src, place.n, x[u]);
+      if (!kInterleaved && place.rotary) load_chunk<Tin, kVec>(src + partner, place.n, y[u]);
+    }
+  };
+  const bool has_chunk = active && static_cast<int>(threadIdx.x) < p.chunks_per_head;
+  if (has_chunk) {
+    place_chunk(threadIdx.x);
+    load_batch(threadIdx.y);
+  }
+
+  // The token's cos and sin (times attention_scaling), each computed once by one of the token's
+  // threads while the loads above are in flight: angle = float(position) * inv_freq in one
+  // float32 multiply, as Hugging Face computes it.
+  float* cos_tab = rotary_tables + threadIdx.z * p.rot_half;
+  float* sin_tab = cos_tab + blockDim.z * p.rot_half;
+  if (active) {
+    const int64_t at = b * p.pos_stride_b + s * p.pos_stride_s;
+    const float position = p.positions_int64 ? static_cast<float>(static_cast<const int64_t*>(p.position_ids)[at])
+                                             : static_cast<float>(static_cast<const int32_t*>(p.position_ids)[at]);
+    for (int i = threadIdx.y * blockDim.x + threadIdx.x; i < p.rot_half; i += blockDim.x * blockDim.y) {
+      float sv, cv;
+      sincosf(__fmul_rn(position, p.inv_freq[i]), &sv, &cv);
+      cos_tab[i] = cv * p.cos_scaling;
+      sin_tab[i] = sv * p.sin_scaling;
+    }
+  }
+  __syncthreads();
+  if (!has_chunk) return;
+
+  for (int c = threadIdx.x; c < p.chunks_per_head; c += blockDim.x) {
+    if (c != static_cast<int>(threadIdx.x)) {
+      place_chunk(c);
+      load_batch(threadIdx.y);
+    }
+    float cos_v[kPairs], sin_v[kPairs];
+    if (place.rotary) {
+      const int freq0 = kInterleaved ? place.first / 2 : place.first;
+      const int pairs = kInterleaved ? place.n / 2 : place.n;
+#pragma unroll
+      for (int i = 0; i < kPairs; ++i) {
+        cos_v[i] = kVec || i < pairs ? cos_tab[freq0 + i] : 0.f;
+        sin_v[i] = kVec || i < pairs ? sin_tab[freq0 + i] : 0.f;
+      }
+    }
+
+    for (int h0 = threadIdx.y;;) {
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int h = h0 + u * static_cast<int>(blockDim.y);
+        if (h >= heads) break;
+        Tout* dst = head_rows(p, q_row, k_row, q_out, k_out, h).dst + place.first;
+        float out[kChunk], out_partner[kChunk];
+        if (!place.rotary) {
+#pragma unroll
+          for (int j = 0; j < kChunk; ++j) out[j] = x[u].value(j);
+        } else if constexpr (kInterleaved) {
+#pragma unroll
+          for (int i = 0; i < kPairs; ++i) {
+            const float x1 = x[u].value(2 * i), x2 = x[u].value(2 * i + 1);
+            out[2 * i] = x1 * cos_v[i] - x2 * sin_v[i];
+            out[2 * i + 1] = x2 * cos_v[i] + x1 * sin_v[i];
+          }
+        } else {
+#pragma unroll
+          for (int j = 0; j < kChunk; ++j) {
+            const float x1 = x[u].value(j), x2 = y[u].value(j);
+            out[j] = x1 * cos_v[j] - x2 * sin_v[j];
+            out_partner[j] = x2 * cos_v[j] + x1 * sin_v[j];
+          }
+          store_chunk<Tout, kChunk, kVec>(dst + partner, place.n, out_partner);
+        }
+        store_chunk<Tout, kChunk, kVec>(dst, place.n, out);
+      }
+      h0 += head_step;
+      if (h0 >= heads) break;
+      load_batch(h0);
+    }
+  }
+}
+
+}  // namespace fuseforge::rotary

@@ -1,0 +1,66 @@
+// rotary's launch interface, shared by the host code (rotary_cuda.cpp, compiled by the C++ compiler)
+// and the kernel (rotary_launch.cu): kernel parameters, the grid plan, the launcher.
+#pragma once
+#include <algorithm>
+#include <cstdint>
+
+#include "common/cuda_utils.h"
+
+namespace fuseforge::rotary {
+
+constexpr int kThreads = 256;        // the most threads a block
+constexpr int kBatch = 4;            // heads a thread loads before it computes (its loads in flight)
+constexpr int kHeadsPerThread = 8;   // heads (q's and k's together) a thread aims to take, in batches
+constexpr int kMaxChunkThreads = 64; // threads across one head (more chunks: each thread takes several)
+constexpr int64_t kMaxRotaryDims = 8192;       // one token's cos/sin tables must fit in shared memory
+constexpr int64_t kMaxTableBytes = 32 * 1024;
+
+// Elements of a head a thread takes at a time: one 16-byte vector of the input type.
+template <typename T>
+constexpr int chunk_elems() { return 16 / static_cast<int>(sizeof(T)); }
+
+template <typename Tin, typename Tout>
+struct RotaryParams {
+  const Tin* q;
+  const Tin* k;
+  Tout* q_out;  // (B, S, Hq, D) contiguous
+  Tout* k_out;  // (B, S, Hk, D) contiguous
+  const float* inv_freq;     // (rot_half,)
+  const void* position_ids;  // int64 or int32 (positions_int64)
+  bool positions_int64;
+  int64_t pos_stride_b, pos_stride_s;  // pos_stride_b 0: one row for every batch row
+  int64_t q_stride_b, q_stride_h, q_stride_s;
+  int64_t k_stride_b, k_stride_h, k_stride_s;
+  int64_t tokens, seq;  // tokens = B * S
+  int heads_q, heads_k, head_dim, rot_half;
+  int rot_chunks;       // chunks of a head's R rotary dims (half-split: of its first R / 2 dims, with partners)
+  int chunks_per_head;  // rot_chunks + chunks of dims R..D-1
+  float cos_scaling, sin_scaling;  // attention_scaling; sin's is negated for the inverse rotation
+};
+
+// A block is (chunk threads) x (head threads) x (tokens): threadIdx.x walks a head's chunks,
+// threadIdx.y its token's heads (q's, then k's), threadIdx.z the block's tokens.
+struct LaunchPlan {
+  dim3 grid, block;
+  size_t smem_bytes = 0;  // the block's tokens' cos and sin tables
+};
+
+inline LaunchPlan plan_launch(int64_t tokens, int64_t heads, int64_t chunks_per_head, int64_t rot_half) {
+  const int64_t tx = std::min<int64_t>(chunks_per_head, kMaxChunkThreads);
+  const int64_t ty = std::clamp<int64_t>(ceil_div(heads, kHeadsPerThread), 1, kThreads / tx);
+  const int64_t table_bytes = 2 * rot_half * static_cast<int64_t>(sizeof(float));
+  // 64: blockDim.z's limit; the tables stay under 32 KB (several blocks an SM).
+  const int64_t tz = std::clamp<int64_t>(std::min(kThreads / (tx * ty), kMaxTableBytes / table_bytes), 1, 64);
+  LaunchPlan plan;
+  plan.block = dim3(static_cast<unsigned>(tx), static_cast<unsigned>(ty), static_cast<unsigned>(tz));
+  plan.grid = dim3(static_cast<unsigned>(ceil_div(tokens, tz)));
+  plan.smem_bytes = static_cast<size_t>(tz * table_bytes);
+  return plan;
+}
+
+// Defined in rotary_launch.cu for every pair of float, at::Half, at::BFloat16; launches on the
+// current stream and never synchronizes. vectorized: every chunk is whole and 16-byte aligned.
+template <typename Tin, typename Tout>
+void launch_rotary(const RotaryParams<Tin, Tout>& params, const LaunchPlan& plan, bool interleaved, bool vectorized);
+
+}  // namespace fuseforge::rotary
