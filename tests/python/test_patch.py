@@ -3,8 +3,10 @@ Gemma 3 models:
 patched and unpatched losses, gradients, logits and generations agree (packed batches, sliding
 windows and softcapping included); unpatch restores the model."""
 import copy
+import importlib
 import inspect
 import math
+import types
 
 import pytest
 import torch
@@ -82,13 +84,43 @@ MODEL_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "
                  "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 
 
+def exact_norm_forward(self, x):
+    """transformers' RMSNorm in the input's dtype: its own forward computes in float32 whatever the
+    input, which would cap a float64 comparison at ~1e-7."""
+    from fuseforge.patch.layers import NORMS
+    eps = getattr(self, "variance_epsilon", None)
+    eps = self.eps if eps is None else eps
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (NORMS[type(self).__name__] + self.weight)
+
+
+def exact_rotary_forward(self, x, position_ids, layer_type=None):
+    """transformers' rotary embedding with cos and sin of its float32 angles in float64: its own
+    forward rounds them to float32."""
+    prefix = f"{layer_type}_" if layer_type else ""
+    inv_freq = getattr(self, f"{prefix}inv_freq").to(device=x.device, dtype=torch.float32)
+    angle = (position_ids[..., None].float() * inv_freq).double()
+    emb = torch.cat((angle, angle), dim=-1)
+    scaling = getattr(self, f"{prefix}attention_scaling")
+    return (emb.cos() * scaling).to(x.dtype), (emb.sin() * scaling).to(x.dtype)
+
+
 def make_model(family: str, dtype=torch.float32, device="cpu", **extra):
+    """A tiny random model; in float64 its RMSNorms and rotary embedding compute in float64
+    (exact_norm_forward, exact_rotary_forward)."""
+    from transformers.modeling_rope_utils import dynamic_rope_update
+    from fuseforge.patch.layers import NORMS
     cls = getattr(transformers, MODEL_CLASSES[family])
     torch.manual_seed(0)
     model = cls(tiny_config(family, **extra))
     with torch.no_grad():  # random norms and biases too, so every parameter is exercised
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
+    if dtype == torch.float64:
+        for m in model.modules():
+            if type(m).__name__ in NORMS:
+                m.forward = types.MethodType(exact_norm_forward, m)
+            elif type(m).__name__.endswith("RotaryEmbedding"):
+                m.forward = types.MethodType(dynamic_rope_update(exact_rotary_forward), m)
     return model.to(device=device, dtype=dtype)
 
 
@@ -310,6 +342,8 @@ def test_torch_compile_traces_the_kernels_once():
     assert len(graphs) == n_graphs, "the patched model recompiled on a later step"
     code = "\n".join(graphs)
     assert "fuseforge.attention_fwd" in code and "fuseforge.linear_cross_entropy" in code
+    for op in ("rms_norm_fwd", "rotary", "glu_fwd"):  # the decoder layers' ops trace too
+        assert f"fuseforge.{op}" in code, op
     assert "scaled_dot_product_attention" not in code
     with torch.no_grad():
         expected = ref(input_ids=ids, labels=ids).loss
@@ -630,3 +664,127 @@ def test_packed_bf16_cuda_matches_unpatched(family, head_dim):
         geo = math.exp(sum(math.log(r) for r in ratios.values()) / len(ratios))
         print(f"{family} d{head_dim}: error ratio geometric mean {geo:.3f}, worst {worst} {ratios[worst]:.2f}")
         assert geo <= 1.5, f"gradient errors {geo:.2f}x the bf16 reference's (geometric mean over parameters)"
+
+
+# ----------------------------------------------------------------------------------------------
+# The decoder layers: RMSNorm, rotary, the gated MLP and the residual add (fuseforge.patch.layers)
+
+LAYER_FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"]
+LAYER_FEATURES = ("rms_norm", "rotary", "glu", "fuse_residual")
+
+
+def count_layer_ops(monkeypatch):
+    """Counts the calls of the functional ops the patched decoder modules make."""
+    layers = importlib.import_module("fuseforge.patch.layers")  # fuseforge.patch is also the function
+    calls = {"rms_norm": 0, "rotary": 0, "glu": 0, "residual": 0}
+    for name in ("rms_norm", "rotary", "glu"):
+        original = getattr(layers, name)
+
+        def counted(*args, _original=original, _name=name, **kwargs):
+            calls[_name] += 1
+            if _name == "rms_norm" and kwargs.get("residual") is not None:
+                calls["residual"] += 1
+            return _original(*args, **kwargs)
+        monkeypatch.setattr(layers, name, counted)
+    return calls
+
+
+def norms_per_layer(model) -> int:
+    from fuseforge.patch.layers import NORMS
+    layer = model.model.layers[0]
+    return sum(type(m).__name__ in NORMS for m in layer.modules())
+
+
+@pytest.mark.parametrize("family", LAYER_FAMILIES)
+def test_decoder_layers_run_the_fused_ops_and_match(family, monkeypatch):
+    """Every norm, attention rotation and gated activation of every layer runs a fuseforge op; one
+    residual add a layer goes into the next norm; the loss and every gradient match the unpatched
+    model in float64."""
+    model = make_model(family, torch.float64)
+    ids = tokens(2, 21)
+    ref_loss, ref_grads = reference_loss_and_grads(model, ids, ids)
+    calls = count_layer_ops(monkeypatch)
+    patch(model)
+    out, got_grads = loss_and_grads(model, input_ids=ids, labels=ids)
+    layers = model.config.num_hidden_layers
+    assert calls["rms_norm"] == layers * norms_per_layer(model) + 1, calls  # + the final norm
+    assert calls["rotary"] == layers and calls["glu"] == layers and calls["residual"] == layers, calls
+    assert abs(out.loss.item() - ref_loss.item()) <= 1e-10 * ref_loss.item()
+    assert set(got_grads) == set(ref_grads)
+    for name, g in ref_grads.items():
+        assert_rel_close(got_grads[name], g, 1e-9, f"grad {name}")
+
+
+@pytest.mark.parametrize("feature", LAYER_FEATURES)
+@pytest.mark.parametrize("family", ["llama", "phi3", "gemma2"])
+def test_each_layer_fusion_can_be_turned_off(family, feature, monkeypatch):
+    model = make_model(family, torch.float64)
+    ids = tokens(2, 15)
+    ref_loss, ref_grads = reference_loss_and_grads(model, ids, ids)
+    calls = count_layer_ops(monkeypatch)
+    patch(model, **{feature: False})
+    out, got_grads = loss_and_grads(model, input_ids=ids, labels=ids)
+    off = {"rms_norm": ("rms_norm", "residual"), "fuse_residual": ("residual",), "rotary": ("rotary",),
+           "glu": ("glu",)}[feature]
+    for name, n in calls.items():
+        assert (n == 0) == (name in off), (name, calls)
+    assert abs(out.loss.item() - ref_loss.item()) <= 1e-10 * ref_loss.item()
+    for name, g in ref_grads.items():
+        assert_rel_close(got_grads[name], g, 1e-9, f"grad {name}")
+
+
+def test_unpatch_restores_the_decoder_modules():
+    model = make_model("qwen3")
+    patch(model)
+    replaced = [m for m in model.modules() if "forward" in vars(m)]
+    # the model and its head (the loss), the final norm, and per layer 4 norms (2 + q/k), attention, MLP, the layer
+    assert len(replaced) == 2 + 1 + model.config.num_hidden_layers * 7
+    unpatch(model)
+    assert not [m for m in model.modules() if "forward" in vars(m)]
+    assert not [m for m in model.modules() if any(k.startswith("_fuseforge") for k in vars(m))]
+
+
+def test_dynamic_rope_scaling_reads_the_current_inv_freq():
+    """Scaled rotary variants are transformers' own inv_freq: a Llama 3 and a dynamic-NTK model, the
+    latter past its original context so transformers rewrites inv_freq in the forward."""
+    for rope in ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 16, "rope_theta": 10000.0},
+                 {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}):
+        model = make_model("llama", torch.float64, rope_parameters=rope, max_position_embeddings=16)
+        ids = tokens(2, 40)  # longer than max_position_embeddings: the dynamic update binds
+        ref_loss, ref_grads = reference_loss_and_grads(model, ids, ids)
+        patch(model)
+        out, got_grads = loss_and_grads(model, input_ids=ids, labels=ids)
+        assert abs(out.loss.item() - ref_loss.item()) <= 1e-10 * ref_loss.item(), rope["rope_type"]
+        for name, g in ref_grads.items():
+            assert_rel_close(got_grads[name], g, 1e-9, f"{rope['rope_type']} grad {name}")
+
+
+def test_packed_positions_rotate_per_document():
+    """Packed rows whose position_ids restart at 0: the rotation uses each token's own position.
+    (Attention stays transformers' here, so that both sides see the same mask.)"""
+    model = make_model("llama", torch.float64)
+    ids = tokens(1, 20)
+    position_ids = torch.cat([torch.arange(12), torch.arange(8)]).unsqueeze(0)
+    with torch.no_grad():
+        ref = model(input_ids=ids, position_ids=position_ids).logits
+        patch(model, attention=False)
+        got = model(input_ids=ids, position_ids=position_ids).logits
+    assert_rel_close(got, ref, 1e-10, "logits")
+
+
+@requires_cuda
+@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3", "gemma2"])
+def test_fp32_weights_under_cuda_autocast(family):
+    """The benchmarks' recipe on the GPU: fp32 weights, bf16 autocast; loss and gradients within bf16
+    rounding of the unpatched model's."""
+    model = make_model(family, torch.float32, "cuda", head_dim=64) if family != "phi3" else \
+        make_model(family, torch.float32, "cuda", hidden_size=256)
+    ids = tokens(2, 64, "cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        ref, ref_grads = loss_and_grads(model, input_ids=ids, labels=ids)
+        patch(model)
+        out, got_grads = loss_and_grads(model, input_ids=ids, labels=ids)
+    assert abs(out.loss.item() - ref.loss.item()) <= 1e-2 * ref.loss.item()
+    for name, g in ref_grads.items():
+        assert_rel_close(got_grads[name], g, 6e-2, f"grad {name}")

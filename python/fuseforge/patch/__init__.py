@@ -1,7 +1,7 @@
 """`fuseforge.patch(model)` / `fuseforge.unpatch(model)` for Hugging Face Llama-family models (Llama,
 Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3: SUPPORTED_MODELS).
 
-patch() does two things to one model instance and nothing else:
+patch() does three things to one model instance and nothing else (each can be turned off):
 
 1. Attention goes through `fuseforge.ops.attention` (`attention`, or `attention_varlen` for packed
    batches), by transformers' own mechanism: an attention function registered in `AttentionInterface`
@@ -45,7 +45,10 @@ patch() does two things to one model instance and nothing else:
    it: FSDP2 gathers a separately `fully_shard`-ed head's weight for it and reduce-scatters its
    gradient.
 
-unpatch() restores the attention implementation and the forward. Both return the model.
+3. The decoder layers' RMSNorm, rotary embedding, gated-MLP activation and the residual add before
+   the second norm run fuseforge's rms_norm, rotary and glu ops (`fuseforge.patch.layers`).
+
+unpatch() restores the attention implementation, the forwards and the decoder modules. Both return the model.
 """
 from __future__ import annotations
 
@@ -517,34 +520,46 @@ def is_patched(model: nn.Module) -> bool:
     return hasattr(model, _STATE)
 
 
-def patch(model: nn.Module) -> nn.Module:
-    """Routes a Llama / Mistral / Qwen2 / Qwen3 / Phi-3 / Gemma 2 / Gemma 3 model's attention through
-    fuseforge attention and, for the ForCausalLM classes, computes the training loss with
-    linear_cross_entropy. In place; returns the model. Patching a patched model does nothing."""
+def patch(model: nn.Module, *, attention: bool = True, loss: bool = True, rms_norm: bool = True,
+          rotary: bool = True, glu: bool = True, fuse_residual: bool = True) -> nn.Module:
+    """Routes a Llama / Mistral / Qwen2 / Qwen3 / Phi-3 / Gemma 2 / Gemma 3 model through fuseforge: the
+    attention, for the ForCausalLM classes the training loss (linear_cross_entropy), and in the decoder
+    layers RMSNorm, rotary embeddings, the gated MLP's activation and the residual add fused into the
+    next norm (fuseforge.patch.layers). Each keyword turns one of them off. In place; returns the model.
+    Patching a patched model does nothing."""
+    from fuseforge.patch.layers import patch_layers
     name = type(model).__name__
     if name not in SUPPORTED_MODELS:
         raise TypeError(f"fuseforge.patch: model must be one of {', '.join(SUPPORTED_MODELS)}, got {name}")
     if is_patched(model):
         return model
-    _register()
-    state = {"attn_implementation": model.config._attn_implementation, "forward": False}
-    model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    if model.config._attn_implementation != ATTN_IMPLEMENTATION:
-        raise RuntimeError(f"fuseforge.patch: {name} did not accept attn_implementation={ATTN_IMPLEMENTATION!r}")
-    if name.endswith("ForCausalLM"):
+    state = {"attn_implementation": model.config._attn_implementation, "forward": False, "layers": []}
+    if attention:
+        _register()
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+            raise RuntimeError(f"fuseforge.patch: {name} did not accept attn_implementation={ATTN_IMPLEMENTATION!r}")
+    if loss and name.endswith("ForCausalLM"):
         model.forward = types.MethodType(_causal_lm_forward, model)
         model.lm_head.forward = types.MethodType(_lm_head_forward, model.lm_head)
         state["forward"] = True
+    features = [f for f, on in (("rms_norm", rms_norm), ("rotary", rotary), ("glu", glu),
+                                ("fuse_residual", fuse_residual)) if on]
+    state["layers"] = patch_layers(model, features)
     setattr(model, _STATE, state)
     return model
 
 
 def unpatch(model: nn.Module) -> nn.Module:
-    """Undoes patch(): the attention implementation the model had, its class's forward and lm_head's."""
+    """Undoes patch(): the attention implementation the model had, its class's forward and lm_head's,
+    and the decoder modules' forwards."""
     state = getattr(model, _STATE, None)
     if state is None:
         return model
-    model.set_attn_implementation(state["attn_implementation"])
+    from fuseforge.patch.layers import unpatch_layers
+    if model.config._attn_implementation != state["attn_implementation"]:
+        model.set_attn_implementation(state["attn_implementation"])
+    unpatch_layers(state["layers"])
     if state["forward"]:
         del model.forward
         del model.lm_head.forward

@@ -1,0 +1,275 @@
+"""The decoder half of `fuseforge.patch`: RMSNorm, rotary embeddings, the gated MLP's activation and
+the residual add, routed through fuseforge's ops on one model instance.
+
+What is replaced, each an instance `forward` (the classes are untouched, so other models are not):
+- every RMSNorm module of a family in NORMS: `fuseforge.rms_norm` (Llama's `w * x` or Gemma's
+  `(1 + w) * x`), taking an optional `residual=` so that the add before it is the same pass;
+- the attention module: the projections, the q / k norms where the family has them (Qwen3, Gemma 3),
+  `fuseforge.rotary` from `position_ids` and the rotary module's current `inv_freq` (so Llama 3, YaRN,
+  linear, dynamic and long-rope scaling are Hugging Face's own), then the attention function the model is
+  set to, and the output projection;
+- the MLP: `fuseforge.glu` on the gate and up projections (or on Phi-3's fused gate_up projection) for
+  SiLU, tanh-GELU and GELU;
+- the decoder layer: the residual add after attention goes into the next norm (`norm(h, residual=r)`
+  returns the normalised output and `h + r` in one pass).
+
+Under autocast an RMSNorm whose input is float32 (the residual stream of float32 weights) returns the
+autocast dtype directly: its consumers are matrix products that would cast it, so the values are the
+ones eager computes, in half the bytes. Anything the kernels do not take (an activation or a dtype
+without a kernel, attention without position_ids) runs the module's own forward.
+"""
+from __future__ import annotations
+
+import types
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from fuseforge.ops.glu import glu
+from fuseforge.ops.rms_norm import rms_norm
+from fuseforge.ops.rotary import rotary
+
+# RMSNorm classes and their weight offset: 0 for w * x, 1 for Gemma's (1 + w) * x.
+NORMS = {"LlamaRMSNorm": 0.0, "MistralRMSNorm": 0.0, "Qwen2RMSNorm": 0.0, "Qwen3RMSNorm": 0.0,
+         "Phi3RMSNorm": 0.0, "Olmo2RMSNorm": 0.0, "GraniteRMSNorm": 0.0, "GlmRMSNorm": 0.0,
+         "Gemma2RMSNorm": 1.0, "Gemma3RMSNorm": 1.0}
+# Hugging Face activation names and glu's.
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
+               "gelu_fast": None, "gelu": "gelu"}
+# Decoder layers whose norms sit before each block (Llama) or around it (Gemma 2 / 3's four norms).
+PRE_NORM_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
+                   "Phi3DecoderLayer", "GraniteDecoderLayer")
+SANDWICH_LAYERS = ("Gemma2DecoderLayer", "Gemma3DecoderLayer")
+FEATURES = ("rms_norm", "rotary", "glu", "fuse_residual")
+
+_PATCHED = "_fuseforge_layer_patch"
+
+
+# ----------------------------------------------------------------------------------------------
+# RMSNorm
+
+
+def _norm_out_dtype(x: Tensor) -> torch.dtype:
+    if x.dtype == torch.float32 and torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+        if dtype in (torch.float16, torch.bfloat16):
+            return dtype
+    return x.dtype
+
+
+def _norm_forward(self, hidden_states: Tensor, residual: Optional[Tensor] = None):
+    """The patched RMSNorm: `norm(x)`, or with a residual `(norm(x + residual), x + residual)`."""
+    offset = self._fuseforge_weight_offset
+    eps = getattr(self, "variance_epsilon", None)
+    eps = self.eps if eps is None else eps
+    weight = self.weight
+    x = hidden_states
+    if residual is not None and residual.dtype != x.dtype:
+        # The residual stream (float32 under autocast) and a branch's output (bfloat16): the sum has the
+        # wider type, as the unfused add gives.
+        wide = torch.promote_types(x.dtype, residual.dtype)
+        x, residual = x.to(wide), residual.to(wide)
+    out_dtype = _norm_out_dtype(x)
+    # Llama's form returns weight * normalised.to(input dtype): a float32 weight on a 16-bit input without
+    # autocast gives float32, which the kernel does not write; so does a weight of a third type.
+    takes = weight.dtype in (x.dtype, torch.float32) and (
+        offset != 0.0 or weight.dtype == x.dtype or torch.is_autocast_enabled(x.device.type))
+    if not takes:
+        h = x if residual is None else x + residual
+        out = type(self).forward(self, h)
+        return out if residual is None else (out, h)
+    return rms_norm(x, weight, eps, residual=residual, weight_offset=offset, out_dtype=out_dtype)
+
+
+def _norm_with_residual(norm: nn.Module, x: Tensor, residual: Tensor):
+    """(norm(x + residual), x + residual), in one pass when `norm` is patched."""
+    if getattr(norm, "_fuseforge_weight_offset", None) is not None:
+        return norm(x, residual=residual)
+    h = residual + x
+    return norm(h), h
+
+
+# ----------------------------------------------------------------------------------------------
+# Rotary embeddings and attention
+
+
+def _rope_source(rotary_emb: nn.Module, config, layer_idx: int):
+    """(inv_freq attribute, attention_scaling attribute) of the rotary module for one layer, or None.
+    Read at call time: dynamic and long-rope scaling replace inv_freq in the rotary module's forward,
+    which the model still runs once per forward before its layers."""
+    if hasattr(rotary_emb, "inv_freq"):
+        return "inv_freq", "attention_scaling"
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and layer_idx < len(layer_types):
+        name = layer_types[layer_idx]
+        if hasattr(rotary_emb, f"{name}_inv_freq"):
+            return f"{name}_inv_freq", f"{name}_attention_scaling"
+    return None
+
+
+def _attention_function(module: nn.Module):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from fuseforge.patch import ATTN_IMPLEMENTATION, fuseforge_attention_forward
+    impl = module.config._attn_implementation
+    if impl == ATTN_IMPLEMENTATION:
+        return fuseforge_attention_forward
+    if impl in (None, "eager"):
+        import sys
+        return getattr(sys.modules[type(module).__module__], "eager_attention_forward")
+    return ALL_ATTENTION_FUNCTIONS[impl]
+
+
+def _attention_forward(self, hidden_states: Tensor, position_embeddings=None, attention_mask=None, **kwargs):
+    """Hugging Face's decoder attention with the rotation by fuseforge.rotary. Without position_ids
+    (or a rotary module it knows) the module's own forward runs."""
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None or self._fuseforge_rope is None:
+        return type(self).forward(self, hidden_states, position_embeddings=position_embeddings,
+                                  attention_mask=attention_mask, **kwargs)
+    # The cache keyword: `cache`, or `past_key_values` before transformers renamed it (training with
+    # use_cache=True gets an empty one too).
+    cache = kwargs.pop("cache", None)
+    legacy_cache = kwargs.pop("past_key_values", None)
+    rotary_emb, freq_name, scaling_name = self._fuseforge_rope
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+    if hasattr(self, "qkv_proj"):  # Phi-3: one projection, [q | k | v]
+        qkv = self.qkv_proj(hidden_states)
+        q_size = self.config.num_attention_heads * self.head_dim
+        kv_size = self.num_key_value_heads * self.head_dim
+        query, key, value = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        query, key, value = (t.view(hidden_shape) for t in (query, key, value))
+    else:
+        query = self.q_proj(hidden_states).view(hidden_shape)
+        key = self.k_proj(hidden_states).view(hidden_shape)
+        value = self.v_proj(hidden_states).view(hidden_shape)
+    if hasattr(self, "q_norm"):  # Qwen3, Gemma 3: per-head norms before the rotation
+        query, key = self.q_norm(query), self.k_norm(key)
+    query, key, value = (t.transpose(1, 2) for t in (query, key, value))
+    inv_freq = getattr(rotary_emb, freq_name)
+    scaling = float(getattr(rotary_emb, scaling_name, 1.0))
+    query, key = rotary(query, key, inv_freq.to(device=query.device, dtype=torch.float32),
+                        position_ids.to(query.device), scaling)
+    if cache is not None:
+        key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
+    elif legacy_cache is not None:
+        key, value = legacy_cache.update(key, value, self.layer_idx)
+    extra = {}
+    if hasattr(self, "attn_logit_softcapping"):
+        extra["softcap"] = self.attn_logit_softcapping
+    if hasattr(self, "sliding_window"):
+        extra["sliding_window"] = self.sliding_window
+    attn_output, attn_weights = _attention_function(self)(
+        self, query, key, value, attention_mask, dropout=self.attention_dropout if self.training else 0.0,
+        scaling=self.scaling, **extra, **kwargs)
+    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+    return self.o_proj(attn_output), attn_weights
+
+
+# ----------------------------------------------------------------------------------------------
+# MLP
+
+
+def _mlp_forward(self, x: Tensor) -> Tensor:
+    if hasattr(self, "gate_up_proj"):  # Phi-3: [gate | up] from one projection, read in place
+        return self.down_proj(glu(self.gate_up_proj(x), None, self._fuseforge_activation))
+    return self.down_proj(glu(self.gate_proj(x), self.up_proj(x), self._fuseforge_activation))
+
+
+def _mlp_activation(mlp: nn.Module, config) -> Optional[str]:
+    name = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+    if not isinstance(name, str) or not (hasattr(mlp, "gate_up_proj") or hasattr(mlp, "gate_proj")):
+        return None
+    return ACTIVATIONS.get(name)
+
+
+# ----------------------------------------------------------------------------------------------
+# Decoder layers with the residual add in the next norm
+
+
+def _pre_norm_layer_forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
+    """Llama's decoder layer: h = x + attn(norm1(x)); out = h + mlp(norm2(h)), with norm2 taking the add."""
+    if args:  # the models pass everything but the hidden states by name
+        return type(self).forward(self, hidden_states, *args, **kwargs)
+    residual = hidden_states
+    hidden_states = self.input_layernorm(hidden_states)
+    hidden_states, _ = self.self_attn(hidden_states=hidden_states, **kwargs)
+    hidden_states, residual = _norm_with_residual(self.post_attention_layernorm, hidden_states, residual)
+    return residual + self.mlp(hidden_states)
+
+
+def _sandwich_layer_forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
+    """Gemma 2 / 3's decoder layer (a norm before and after each block), the first add in the pre-MLP norm."""
+    if args:
+        return type(self).forward(self, hidden_states, *args, **kwargs)
+    residual = hidden_states
+    hidden_states = self.input_layernorm(hidden_states)
+    hidden_states, _ = self.self_attn(hidden_states=hidden_states, **kwargs)
+    hidden_states = self.post_attention_layernorm(hidden_states)
+    hidden_states, residual = _norm_with_residual(self.pre_feedforward_layernorm, hidden_states, residual)
+    hidden_states = self.post_feedforward_layernorm(self.mlp(hidden_states))
+    return residual + hidden_states
+
+
+def _no_residual_dropout(layer: nn.Module) -> bool:
+    """Phi-3's residual dropouts must be identities for the fused form (p = 0, or eval)."""
+    for name in ("resid_attn_dropout", "resid_mlp_dropout"):
+        drop = getattr(layer, name, None)
+        if isinstance(drop, nn.Dropout) and drop.p > 0:
+            return False
+    return True
+
+
+# ----------------------------------------------------------------------------------------------
+# Patching
+
+
+def _set_forward(module: nn.Module, fn, patched: list) -> None:
+    # An instance forward set before (another wrapper's) comes back at unpatch.
+    patched.append((module, module.__dict__.get("forward")))
+    module.forward = types.MethodType(fn, module)
+
+
+def patch_layers(model: nn.Module, features=FEATURES) -> list:
+    """Installs the features named (a subset of FEATURES) on `model`'s modules; returns the modules
+    whose forward was replaced, with their previous instance forward (unpatch_layers restores it)."""
+    unknown = set(features) - set(FEATURES)
+    if unknown:
+        raise ValueError(f"fuseforge.patch: unknown layer features {sorted(unknown)}; have {FEATURES}")
+    config = model.config
+    base = getattr(model, getattr(model, "base_model_prefix", ""), model)
+    rotary_emb = getattr(base, "rotary_emb", None)
+    patched: list = []
+    for module in model.modules():
+        cls = type(module).__name__
+        if "rms_norm" in features and cls in NORMS:
+            module._fuseforge_weight_offset = NORMS[cls]
+            _set_forward(module, _norm_forward, patched)
+        elif "glu" in features and cls.endswith("MLP"):
+            act = _mlp_activation(module, config)
+            if act is not None:
+                module._fuseforge_activation = act
+                _set_forward(module, _mlp_forward, patched)
+        elif "rotary" in features and cls.endswith("Attention") and hasattr(module, "o_proj") \
+                and rotary_emb is not None and hasattr(module, "layer_idx"):
+            source = _rope_source(rotary_emb, config, module.layer_idx)
+            module._fuseforge_rope = None if source is None else (rotary_emb, *source)
+            _set_forward(module, _attention_forward, patched)
+        elif "fuse_residual" in features and "rms_norm" in features and _no_residual_dropout(module):
+            if cls in PRE_NORM_LAYERS:
+                _set_forward(module, _pre_norm_layer_forward, patched)
+            elif cls in SANDWICH_LAYERS:
+                _set_forward(module, _sandwich_layer_forward, patched)
+    return patched
+
+
+def unpatch_layers(patched: list) -> None:
+    for module, previous in patched:
+        if previous is not None:
+            module.forward = previous
+        elif "forward" in module.__dict__:
+            del module.forward
+        for attr in ("_fuseforge_weight_offset", "_fuseforge_activation", "_fuseforge_rope"):
+            if attr in module.__dict__:
+                delattr(module, attr)
