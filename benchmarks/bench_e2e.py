@@ -1,37 +1,38 @@
-"""End to end (issue 7): 50 training steps of a Hugging Face LlamaForCausalLM, eager against
-fuseforge.patch and torch.compile, in one process, one impl after the other.
+"""End to end: training steps of a Hugging Face causal LM, eager PyTorch against Liger-Kernel's patch,
+fuseforge.patch and torch.compile, in one process, one impl after the other, every impl on the same
+model (same seed, same init) and the same token stream.
 
-Case ``llama-hf/<config>``: random init, hidden 2048, 16 layers, 16 heads (4 KV heads), intermediate
-5632, vocab 128256, sequence 2048, the batch chosen to fit eager (probed: the largest that keeps
-eager's peak under 88% of the GPU), 50 steps on a fixed random token stream (labels = inputs).
+Cases (--config): ``1b`` (Llama: hidden 2048, 16 layers, 16 / 4 heads, intermediate 5632, vocab
+128256), ``qwen2`` (Qwen2-shaped: 16 / 2 heads, intermediate 11008, vocab 151936, tied embeddings),
+``gemma2`` (Gemma-2-shaped: 12 layers, 8 / 4 heads of 256, intermediate 8192, vocab 256000, softcaps,
+GeGLU, a 4096 window), ``8b-layers`` (four Llama-3-8B layers: hidden 4096, intermediate 14336, 32 / 8
+heads). Sequence 2048; the batch given, or chosen to fit eager (--batch auto: the largest that keeps
+eager's peak under 88% of the GPU); labels = inputs.
 
-impls
-- eager: the standard mixed-precision recipe: fp32 weights, bf16 autocast, transformers' SDPA
-  attention, torch.optim.AdamW(fused=True).
-- fuseforge: the same model (same seed, same init) patched with fuseforge.patch (fuseforge attention,
-  the loss by linear_cross_entropy), bf16 weights with fuseforge.optim.AdamW(master_weights=True):
-  fp32 master weights and fp32 moments, the recipe fuseforge recommends.
-- fuseforge_sdpa (not in the defaults): the fuseforge recipe with attention left to transformers'
-  SDPA (cuDNN's kernel on Hopper): its step time minus fuseforge's is what fuseforge attention saves
-  inside the patched step.
-- compile: torch.compile of the eager model (same recipe as eager).
-- fuseforge_compile: the fuseforge recipe with torch.compile of the patched model (the ops trace
-  without graph breaks; compile fuses what fuseforge leaves to eager: RMSNorm, rotary, SwiGLU,
-  residual adds).
+impls (one recipe for all but fuseforge_bf16: fp32 weights, bf16 autocast)
+- eager: transformers' SDPA attention, torch.optim.AdamW(fused=True).
+- liger: eager after Liger-Kernel's apply_liger_kernel_to_<family>(model=...) (RoPE, RMSNorm, SwiGLU /
+  GeGLU, fused linear cross-entropy).
+- fuseforge: fuseforge.patch (attention, the loss, RMSNorm with the residual add, rotary, the gated
+  activation) and fuseforge.optim.AdamW.
+- fuseforge_bf16: fuseforge.patch with bf16 weights and fuseforge.optim.AdamW(master_weights=True).
+- fuseforge_attn_loss, fuseforge_no_rms_norm, fuseforge_no_rotary, fuseforge_no_glu,
+  fuseforge_no_fuse_residual (not in the defaults): one fusion left out each, the ablation.
+- fuseforge_sdpa (not in the defaults): fuseforge with attention left to transformers' SDPA.
+- compile / fuseforge_compile: torch.compile of the eager / fuseforge model.
 The compiled impls come last, because their first step (the compilation) takes minutes: results are
-written after every impl, so a caller's timeout keeps the rows before. FUSEFORGE_E2E_IMPLS=eager,fuseforge
-(or --impls) skips them.
+written after every impl, so a caller's timeout keeps the rows before.
 
 Measured: the loss of every step (the curves go in the JSON and in e2e_loss.png), the step time
-(median of device-event times of steps 6..50: the first five include allocation and autotuning),
-and the peak memory of the whole run (torch.cuda.max_memory_allocated() from before the model is
-built: weights, gradients, optimizer state and activations; `peak_extra_mib`).
-Bars: mean |loss - eager loss| <= 1% of eager's mean loss; step time >= 1.1x faster than eager;
-peak memory <= 0.7x eager's.
+(median of device-event times after the first five steps, which allocate and autotune), and the peak
+memory of the whole run (torch.cuda.max_memory_allocated() from before the model is built: weights,
+gradients, optimizer state and activations; `peak_extra_mib`).
+Bars: mean |loss - eager loss| <= 1% of eager's mean loss; fuseforge >= 1.10x Liger's tokens/s at
+<= 1.0x its peak memory; fuseforge_compile >= 1.05x compile.
 
-    python benchmarks/bench_e2e.py                    # the issue's case, on a GPU
-    python benchmarks/bench_e2e.py --impls eager,fuseforge   # without torch.compile
-    python benchmarks/bench_e2e.py                    # no GPU: a tiny smoke test, results in a temp folder
+    python benchmarks/bench_e2e.py --batch 8                       # Llama 1B, on a GPU
+    python benchmarks/bench_e2e.py --config qwen2 --impls eager,liger,fuseforge
+    python benchmarks/bench_e2e.py                                 # no GPU: a tiny smoke test, results in a temp folder
 """
 from __future__ import annotations
 
@@ -52,50 +53,113 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "python"))
 import harness  # noqa: E402
 
+# Model shapes; "family" picks the Hugging Face classes (FAMILIES) and Liger-Kernel's patch for them.
 CONFIGS = {
-    "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4,
-               intermediate_size=5632, vocab_size=128256),
-    "tiny": dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    "1b": dict(family="llama", hidden_size=2048, num_hidden_layers=16, num_attention_heads=16,
+               num_key_value_heads=4, intermediate_size=5632, vocab_size=128256),
+    # Qwen2-shaped: vocab 151936 with tied embeddings, 2 KV heads, a wide MLP.
+    "qwen2": dict(family="qwen2", hidden_size=2048, num_hidden_layers=16, num_attention_heads=16,
+                  num_key_value_heads=2, intermediate_size=11008, vocab_size=151936, tie_word_embeddings=True),
+    # Gemma-2-shaped: head dim 256, attention and final logit softcaps, GeGLU, a 4096 window every other layer.
+    "gemma2": dict(family="gemma2", hidden_size=2048, num_hidden_layers=12, num_attention_heads=8,
+                   num_key_value_heads=4, head_dim=256, intermediate_size=8192, vocab_size=256000,
+                   sliding_window=4096),
+    # Llama-3-8B-shaped layers (4 of its 32), its vocabulary.
+    "8b-layers": dict(family="llama", hidden_size=4096, num_hidden_layers=4, num_attention_heads=32,
+                      num_key_value_heads=8, intermediate_size=14336, vocab_size=128256),
+    "tiny": dict(family="llama", hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=512, vocab_size=1000),
 }
+FAMILIES = {  # family: (transformers config class, model class, Liger-Kernel's patch function)
+    "llama": ("LlamaConfig", "LlamaForCausalLM", "apply_liger_kernel_to_llama"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", "apply_liger_kernel_to_qwen2"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", "apply_liger_kernel_to_gemma2"),
+}
+DEFAULT_IMPLS = "eager,liger,fuseforge,fuseforge_bf16,compile,fuseforge_compile"
 WARMUP_STEPS = 5
 HYPER = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+# fuseforge rows: the keyword arguments of fuseforge.patch, and the recipe. "autocast" is the one recipe
+# every impl shares (fp32 weights, bf16 autocast; fuseforge's AdamW for fuseforge); "bf16" keeps bf16
+# weights with fp32 master weights in fuseforge's AdamW. The *_no_* rows leave one fusion out (the
+# ablation: what each one buys); fuseforge_attn_loss is attention and the loss alone.
+FUSEFORGE_IMPLS = {
+    "fuseforge": ({}, "autocast"),
+    "fuseforge_bf16": ({}, "bf16"),
+    "fuseforge_attn_loss": (dict(rms_norm=False, rotary=False, glu=False, fuse_residual=False), "autocast"),
+    "fuseforge_no_rms_norm": (dict(rms_norm=False), "autocast"),
+    "fuseforge_no_rotary": (dict(rotary=False), "autocast"),
+    "fuseforge_no_glu": (dict(glu=False), "autocast"),
+    "fuseforge_no_fuse_residual": (dict(fuse_residual=False), "autocast"),
+    "fuseforge_sdpa": (dict(attention=False), "autocast"),
+    "fuseforge_compile": ({}, "autocast"),
+}
 
 
 def case_name(cfg: dict, seq: int, batch: int) -> str:
-    return (f"llama-hf/h{cfg['hidden_size']}-l{cfg['num_hidden_layers']}-q{cfg['num_attention_heads']}"
-            f"-kv{cfg['num_key_value_heads']}-i{cfg['intermediate_size']}-v{cfg['vocab_size']}-s{seq}-b{batch}")
+    head_dim = cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+    return (f"{cfg['family']}-hf/h{cfg['hidden_size']}-l{cfg['num_hidden_layers']}-q{cfg['num_attention_heads']}"
+            f"-kv{cfg['num_key_value_heads']}-d{head_dim}-i{cfg['intermediate_size']}-v{cfg['vocab_size']}"
+            f"-s{seq}-b{batch}")
 
 
 def build_model(cfg: dict, seq: int, device, seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-    config = LlamaConfig(**cfg, max_position_embeddings=seq, tie_word_embeddings=False, use_cache=False,
-                         attn_implementation="sdpa")
+    import transformers
+    config_cls, model_cls, _ = FAMILIES[cfg["family"]]
+    kwargs = {k: v for k, v in cfg.items() if k != "family"}
+    kwargs.setdefault("tie_word_embeddings", False)
+    config = getattr(transformers, config_cls)(**kwargs, max_position_embeddings=max(seq, 8192), use_cache=False,
+                                               attn_implementation="sdpa")
     torch.manual_seed(seed)
     with torch.device(device):
-        model = LlamaForCausalLM(config)  # fp32, initialised on the device from the seed
+        model = getattr(transformers, model_cls)(config)  # fp32, initialised on the device from the seed
     model.train()
     return model
 
 
+class LigerPatch:
+    """Liger-Kernel's patch of one model (RoPE, RMSNorm, SwiGLU / GeGLU, fused linear cross-entropy):
+    it also replaces names in the transformers modeling module (apply_rotary_pos_emb, the norm and MLP
+    classes), which would leak into the rows after it, so __exit__ puts that module's names back."""
+
+    def __init__(self, family: str):
+        import importlib
+        self.module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        self.saved = dict(vars(self.module))
+        self.apply = getattr(importlib.import_module("liger_kernel.transformers"), FAMILIES[family][2])
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for name in set(vars(self.module)) - set(self.saved):
+            delattr(self.module, name)
+        vars(self.module).update(self.saved)
+
+
 def make_impl(impl: str, cfg: dict, seq: int, device):
-    """(model, optimizer, autocast on?) for one impl, built from the same seed."""
+    """(model, optimizer, autocast on?, cleanup or None) for one impl, built from the same seed."""
     model = build_model(cfg, seq, device)
     fused = device.type == "cuda"
     if impl == "eager":
-        return model, torch.optim.AdamW(model.parameters(), **HYPER, fused=fused), True
+        return model, torch.optim.AdamW(model.parameters(), **HYPER, fused=fused), True, None
     if impl == "compile":
         opt = torch.optim.AdamW(model.parameters(), **HYPER, fused=fused)
-        return torch.compile(model), opt, True
-    if impl in ("fuseforge", "fuseforge_compile", "fuseforge_sdpa"):
+        return torch.compile(model), opt, True, None
+    if impl == "liger":
+        liger = LigerPatch(cfg["family"])
+        liger.apply(model=model)
+        return model, torch.optim.AdamW(model.parameters(), **HYPER, fused=fused), True, liger
+    if impl in FUSEFORGE_IMPLS:
         import fuseforge  # noqa: F401
         from fuseforge.optim import AdamW
         from fuseforge.patch import patch
-        model = patch(cast_parameters(model, torch.bfloat16))
-        if impl == "fuseforge_sdpa":  # the loss and the optimizer stay fuseforge's
-            model.set_attn_implementation("sdpa")
-        opt = AdamW(model.parameters(), **HYPER, master_weights=True)
-        return (torch.compile(model) if impl == "fuseforge_compile" else model), opt, False
+        features, recipe = FUSEFORGE_IMPLS[impl]
+        if recipe == "bf16":
+            model = cast_parameters(model, torch.bfloat16)
+        model = patch(model, **features)
+        opt = AdamW(model.parameters(), **HYPER, master_weights=recipe == "bf16")
+        model = torch.compile(model) if impl.endswith("_compile") else model
+        return model, opt, recipe == "autocast", None
     raise ValueError(impl)
 
 
@@ -153,7 +217,7 @@ def probe_batch(cfg: dict, seq: int, device) -> int:
     """The largest batch whose eager training step keeps the peak under 88% of the GPU."""
     if device.type != "cuda":
         return 2
-    model, opt, ac = make_impl("eager", cfg, seq, device)
+    model, opt, ac, _ = make_impl("eager", cfg, seq, device)
     peaks = step_peaks(lambda ids: train_step(model, opt, ac, ids, device), cfg["vocab_size"], seq, device)
     del model, opt
     free()
@@ -165,10 +229,11 @@ def probe_batch(cfg: dict, seq: int, device) -> int:
 def model_flops(cfg: dict, seq: int, tokens: int) -> float:
     """6 * (matmul parameters) * tokens + causal attention (QK^T and PV, forward and backward)."""
     h, layers, inter, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"], cfg["vocab_size"]
-    kv = h // cfg["num_attention_heads"] * cfg["num_key_value_heads"]
-    per_layer = h * h * 2 + h * kv * 2 + 3 * h * inter
+    head_dim = cfg.get("head_dim", h // cfg["num_attention_heads"])
+    q, kv = head_dim * cfg["num_attention_heads"], head_dim * cfg["num_key_value_heads"]
+    per_layer = h * q * 2 + h * kv * 2 + 3 * h * inter
     matmul_params = layers * per_layer + vocab * h  # lm_head; the embedding is a lookup
-    return 6 * matmul_params * tokens + 6 * layers * seq * h * tokens
+    return 6 * matmul_params * tokens + 6 * layers * seq * q * tokens
 
 
 def run_impl(impl: str, cfg: dict, seq: int, stream: torch.Tensor, device) -> dict:
@@ -177,7 +242,7 @@ def run_impl(impl: str, cfg: dict, seq: int, stream: torch.Tensor, device) -> di
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     t_build = time.perf_counter()
-    model, opt, ac = make_impl(impl, cfg, seq, device)
+    model, opt, ac, cleanup = make_impl(impl, cfg, seq, device)
     harness.log(f"  {impl}: built in {time.perf_counter() - t_build:.1f} s")
     timer, losses = harness.StepTimer(device.type == "cuda"), []
     t0 = time.perf_counter()
@@ -193,6 +258,8 @@ def run_impl(impl: str, cfg: dict, seq: int, stream: torch.Tensor, device) -> di
     timed = step_ms[WARMUP_STEPS:] or step_ms  # the first steps allocate and autotune
     ms = harness.median(timed)
     del model, opt, losses
+    if cleanup is not None:
+        cleanup.__exit__(None, None, None)
     free()
     harness.log(f"  {impl}: step {ms:.1f} ms (median of {len(timed)}), peak {peak and round(peak)} MiB, "
                 f"loss {curve[0]:.4f} -> {curve[-1]:.4f}, wall {time.perf_counter() - t0:.1f} s")
@@ -207,7 +274,7 @@ def plot_losses(result: dict, path: str) -> None:
     for row in result["rows"]:
         if row.get("loss_curve"):
             ax.plot(range(1, len(row["loss_curve"]) + 1), row["loss_curve"], label=row["impl"],
-                    lw=1.8 if row["impl"] == "fuseforge" else 1.0, ls="--" if row["impl"] == "compile" else "-")
+                    lw=1.8 if row["impl"] == "fuseforge" else 1.0, ls="--" if "compile" in row["impl"] else "-")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title(f"{result['rows'][0]['case']}\n({result['gpu']}, torch {result['torch']})", fontsize=8)
@@ -226,8 +293,9 @@ def main(argv=None) -> dict:
     p.add_argument("--seq", type=int, default=2048 if on_gpu else 128)
     p.add_argument("--batch", default="auto" if on_gpu else "2", help="an int, or auto: the largest that fits eager")
     p.add_argument("--steps", type=int, default=50 if on_gpu else 4)
-    p.add_argument("--impls", default=os.environ.get("FUSEFORGE_E2E_IMPLS", "eager,fuseforge,compile,fuseforge_compile"),
-                   help="default: $FUSEFORGE_E2E_IMPLS or eager,fuseforge,compile,fuseforge_compile")
+    p.add_argument("--impls", default=os.environ.get("FUSEFORGE_E2E_IMPLS", DEFAULT_IMPLS),
+                   help=f"default: $FUSEFORGE_E2E_IMPLS or {DEFAULT_IMPLS}; also " + ", ".join(
+                       i for i in FUSEFORGE_IMPLS if i not in DEFAULT_IMPLS.split(",")))
     p.add_argument("--device", default="cuda" if on_gpu else "cpu")
     p.add_argument("--out", default=harness.RESULTS_DIR if on_gpu else os.path.join(tempfile.gettempdir(), "fuseforge_e2e_cpu"),
                    help="default: benchmarks/results on a GPU; a temporary folder for the CPU smoke test")
@@ -239,8 +307,15 @@ def main(argv=None) -> dict:
     impls = [i for i in args.impls.split(",") if i]
     if impls and impls[0] != "eager":
         raise SystemExit("--impls must start with eager (the reference of the bars)")
+    if "liger" in impls:
+        try:
+            import liger_kernel  # noqa: F401
+        except ImportError:
+            harness.log("liger-kernel is not installed: no liger row")
+            impls.remove("liger")
 
-    result = {"op": "e2e", **harness.env_info(), "ceilings": harness.measure_ceilings(), "rows": []}
+    op = "e2e" if args.config == "1b" else f"e2e_{args.config.replace('-', '_')}"
+    result = {"op": op, **harness.env_info(), "ceilings": harness.measure_ceilings(), "rows": []}
     batch = probe_batch(cfg, args.seq, device) if args.batch == "auto" else int(args.batch)
     case = case_name(cfg, args.seq, batch)
     tokens = batch * args.seq
@@ -249,7 +324,7 @@ def main(argv=None) -> dict:
     flops = model_flops(cfg, args.seq, tokens)
     harness.log(f"e2e: {case}, {args.steps} steps, impls {impls}, {flops / 1e12:.1f} TFLOP a step")
 
-    eager = None
+    eager = liger = compiled = None
     for impl in impls:
         try:
             r = run_impl(impl, cfg, args.seq, stream, device)
@@ -279,18 +354,28 @@ def main(argv=None) -> dict:
             row["speedup_vs_eager"] = harness._round(eager["ms"] / r["ms"], 3)
             if r["peak"] is not None and eager["peak"]:
                 row["peak_vs_eager"] = harness._round(r["peak"] / eager["peak"], 3)
+            if impl == "liger":
+                liger = r
+            if liger is not None and impl.startswith("fuseforge"):
+                row["speedup_vs_liger"] = harness._round(liger["ms"] / r["ms"], 3)
+                if r["peak"] is not None and liger["peak"]:
+                    row["peak_vs_liger"] = harness._round(r["peak"] / liger["peak"], 3)
             if impl == "fuseforge":
-                result["bars"] = {
-                    "loss_curve_mean_abs_diff_le_1pct": row["mean_abs_loss_diff_rel"] <= 0.01,
-                    "step_time_ge_1.1x": row["speedup_vs_eager"] >= 1.1,
-                    "peak_memory_le_0.7x": row.get("peak_vs_eager", math.inf) <= 0.7,
-                }
+                result["bars"] = {"loss_curve_mean_abs_diff_le_1pct": row["mean_abs_loss_diff_rel"] <= 0.01}
+                if "speedup_vs_liger" in row:
+                    result["bars"]["tokens_per_s_ge_1.1x_liger"] = row["speedup_vs_liger"] >= 1.1
+                    result["bars"]["peak_memory_le_1.0x_liger"] = row.get("peak_vs_liger", math.inf) <= 1.0
+            if impl == "fuseforge_compile" and compiled is not None:
+                row["speedup_vs_compile"] = harness._round(compiled["ms"] / r["ms"], 3)
+                result.setdefault("bars", {})["compile_ge_1.05x_torch_compile"] = row["speedup_vs_compile"] >= 1.05
+            if impl == "compile":
+                compiled = r
         row["loss_curve"] = [round(x, 5) for x in r["curve"]]
         row["step_ms"] = [round(x, 2) for x in r["step_ms"]]
         result["rows"].append(row)
         harness.write(result, args.out)  # after every impl: a later failure keeps what was measured
         try:
-            plot_losses(result, os.path.join(args.out, "e2e_loss.png"))
+            plot_losses(result, os.path.join(args.out, f"{op}_loss.png"))
         except ImportError:
             pass
     if "bars" in result:

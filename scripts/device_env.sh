@@ -18,3 +18,10 @@ export FUSEFORGE_COMMIT
 case "$FUSEFORGE_COMMIT" in
   *-dirty|unknown) echo "device_env.sh: FUSEFORGE_COMMIT=$FUSEFORGE_COMMIT (the device copy's git state): pass the tree's sha as a literal, FUSEFORGE_COMMIT=<sha>" >&2 ;;
 esac
+# Peers that are pure Python + Triton (liger-kernel, cut-cross-entropy) travel as wheels in .whl/
+# (git-ignored; name it in the device call's carry). Source this after setting PYTHONPATH.
+if ls .whl/*.whl >/dev/null 2>&1; then
+  [ -d /tmp/site ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl
+  export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}/tmp/site
+fi

@@ -235,7 +235,7 @@ def main() -> None:
     result = {"op": "e2e_attention_ab", **harness.env_info(),
               "case": bench_e2e.case_name(cfg, args.seq, args.batch), "layers": cfg["num_hidden_layers"]}
     harness.log(f"e2e_attention_ab: {result['case']}, {args.pairs} A B B A groups")
-    model, opt, _ = bench_e2e.make_impl("fuseforge", cfg, args.seq, device)
+    model, opt, _ = bench_e2e.make_impl("fuseforge_bf16", cfg, args.seq, device)[:3]
     g = torch.Generator().manual_seed(1234)
     stream = torch.randint(0, cfg["vocab_size"], (8, args.batch, args.seq), generator=g).to(device)
     from fuseforge.patch import stats

@@ -1,17 +1,16 @@
 #!/usr/bin/env bash
-# One device call for issue 7 (end to end): build every op, the e2e benchmark (bench_e2e.py), the
+# One device call for the end-to-end step: build every op, the e2e benchmark (bench_e2e.py), the
 # patch/model/demo tests (CPU and CUDA), and a short GPU run of the demo, inside a time budget.
 #
-#   bash scripts/e2e_gpu.sh [--budget SECONDS] [--impls eager,fuseforge,compile,fuseforge_compile] [--bench-args "..."]
+#   bash scripts/e2e_gpu.sh [--budget SECONDS] [--impls eager,liger,fuseforge,...] [--bench-args "..."]
 #                           [--demo-steps N] [--no-tests] [--no-demo]
 # Results come back in $OUT: summary.txt, e2e.{json,md,png}, e2e_loss.png, logs.tgz (all logs and
 # the demo's outputs). Each stage gets what is left of the budget, so a slow stage (torch.compile)
 # cannot take the others' results with it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-source scripts/device_env.sh  # the build's compiler (as gpu_check.sh) and FUSEFORGE_COMMIT
 OUT=${OUT:-$PWD/out}
-BUDGET=400 IMPLS=eager,fuseforge,compile,fuseforge_compile BENCH_ARGS="" DEMO_STEPS=120 TESTS=1 DEMO=1
+BUDGET=400 IMPLS=eager,liger,fuseforge,fuseforge_bf16,compile,fuseforge_compile BENCH_ARGS="" DEMO_STEPS=120 TESTS=1 DEMO=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --budget) BUDGET=$2; shift 2 ;;
@@ -24,13 +23,14 @@ while [ $# -gt 0 ]; do
   esac
 done
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python
+source scripts/device_env.sh  # the build's compiler (as gpu_check.sh), FUSEFORGE_COMMIT, the peers' wheels
 WORK=$(mktemp -d)
 mkdir -p "$OUT" "$WORK/logs" "$WORK/results"
 T0=$(date +%s)
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 summary() { echo "$*" | tee -a "$WORK/logs/summary.txt"; }
 pack() {
-  cp "$WORK"/results/e2e.json "$WORK"/results/e2e.md "$WORK"/results/e2e.png "$WORK"/results/e2e_loss.png "$OUT"/ 2>/dev/null
+  cp "$WORK"/results/e2e*.json "$WORK"/results/e2e*.md "$WORK"/results/e2e*.png "$OUT"/ 2>/dev/null
   cp "$WORK/logs/summary.txt" "$OUT/summary.txt" 2>/dev/null
   tar czf "$OUT/logs.tgz" -C "$WORK" logs 2>/dev/null
 }
@@ -55,7 +55,7 @@ timeout -k 5 $t python3 benchmarks/bench_e2e.py --out "$WORK/results" --impls "$
 rc=$?
 summary "bench e2e: rc=$rc in $(( $(date +%s) - t1 )) s (limit $t s)"
 grep -E "probe|e2e:|step .* ms|out of memory|bars|Error|error" "$WORK/logs/bench_e2e.log" | tail -20 | tee -a "$WORK/logs/summary.txt"
-[ -f "$WORK/results/e2e.md" ] && tee -a "$WORK/logs/summary.txt" < "$WORK/results/e2e.md"
+cat "$WORK"/results/e2e*.md 2>/dev/null | tee -a "$WORK/logs/summary.txt"
 
 if [ $TESTS -eq 1 ]; then
   t=$(( $(left) - DEMO * 40 )); [ $t -lt 30 ] && t=30

@@ -29,12 +29,6 @@ while [ $# -gt 0 ]; do
 done
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python FUSEFORGE_OPS=$OPS
 source scripts/device_env.sh  # system g++ instead of the image's static-libstdc++ wrapper
-# Peers that are pure Python + Triton (liger-kernel, cut-cross-entropy) travel as wheels in .whl/
-# (git-ignored; name it in the device call's carry).
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
 LOG=logs_tmp
 # pack() runs after every step, not only at exit: a call cut short by the device's time limit keeps
 # what finished (on 2026-11-25 one that ran past it returned nothing of its tests and benchmarks).
