@@ -23,6 +23,7 @@ test-python: build
 	$(PYTHON) -m pytest -q tests/python
 
 test-cpp: setup
+	$(PYTHON) scripts/ensure_deps.py --gtest
 	mkdir -p build
 	cmake -S . -B build/cpp -G Ninja -DCMAKE_PREFIX_PATH="$(TORCH_CMAKE)" -DCMAKE_BUILD_TYPE=Release > build/cpp-configure.log 2>&1 || (cat build/cpp-configure.log; exit 1)
 	cmake --build build/cpp -j $(JOBS)

@@ -97,11 +97,34 @@ def isa_sources():
             if isa_of(f)]
 
 
+VERSION_FILE = os.path.join(ROOT, "python", "fuseforge", "VERSION")
+
+
+def version() -> str:
+    with open(VERSION_FILE) as f:
+        return f.read().strip()
+
+
+def write_build_info(package_dirs, with_cuda: bool) -> None:
+    """fuseforge/_build_info.py: the torch (and CUDA) the extension is compiled against, which
+    fuseforge checks at import instead of failing on an undefined symbol under another torch."""
+    import torch
+    text = ("# Written by setup.py when the extension is built.\n"
+            f"TORCH_VERSION = {torch.__version__!r}\n"
+            f"CUDA_VERSION = {(torch.version.cuda if with_cuda else None)!r}\n")
+    for d in package_dirs:
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, "_build_info.py"), "w") as f:
+            f.write(text)
+
+
 class BuildWithIsaKernels(BuildExtension):
     """torch's BuildExtension, plus the per-ISA CPU kernel objects (compiled in parallel, each only
-    when it or any header under csrc/ is newer than its object)."""
+    when it or any header under csrc/ is newer than its object), and fuseforge/_build_info.py."""
 
     def build_extensions(self):
+        write_build_info({os.path.join(ROOT, "python", "fuseforge"), os.path.join(self.build_lib, "fuseforge")},
+                         want_cuda())
         from torch.utils.cpp_extension import include_paths
         import torch
         for ext in self.extensions:
@@ -176,10 +199,11 @@ def extension():
 if __name__ == "__main__":
     setup(
         name="fuseforge",
-        version="0.1.0",
+        version=version(),
         description="Fused CUDA kernels for training PyTorch models",
         package_dir={"": "python"},
         packages=find_packages("python"),
+        package_data={"fuseforge": ["VERSION"]},
         ext_modules=[extension()],
         cmdclass={"build_ext": BuildWithIsaKernels},
         options={"bdist_wheel": {"py_limited_api": "cp39"}},

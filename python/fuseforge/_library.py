@@ -4,14 +4,29 @@ import os
 import torch  # noqa: F401  (libtorch must be loaded before the extension)
 
 
+def check_build(build_torch, running_torch: str = torch.__version__) -> None:
+    """Raises ImportError when the extension was compiled against another torch than the running one
+    (its C++ symbols would not match: an 'undefined symbol' at best)."""
+    if build_torch is not None and build_torch != running_torch:
+        raise ImportError(
+            f"fuseforge's extension was built against torch {build_torch}, but torch {running_torch} is "
+            "running. Rebuild it for this torch: `pip install --no-build-isolation -e .` (or `make build`) "
+            "in the source tree, or install the fuseforge wheel built for this torch.")
+
+
 def load() -> None:
     # FUSEFORGE_EXTENSION points at a _C library built elsewhere (development builds in a private
     # folder); otherwise the one installed beside this package.
     path = os.environ.get("FUSEFORGE_EXTENSION")
     if path:
         torch.ops.load_library(path)
-    else:
-        from fuseforge import _C  # noqa: F401
+        return
+    try:
+        from fuseforge._build_info import TORCH_VERSION
+    except ImportError:  # a tree whose extension predates the build record
+        TORCH_VERSION = None
+    check_build(TORCH_VERSION)
+    from fuseforge import _C  # noqa: F401
 
 
 def cuda_built() -> bool:
