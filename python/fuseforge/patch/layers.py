@@ -32,14 +32,13 @@ from fuseforge.ops.rotary import rotary
 
 # RMSNorm classes and their weight offset: 0 for w * x, 1 for Gemma's (1 + w) * x.
 NORMS = {"LlamaRMSNorm": 0.0, "MistralRMSNorm": 0.0, "Qwen2RMSNorm": 0.0, "Qwen3RMSNorm": 0.0,
-         "Phi3RMSNorm": 0.0, "Olmo2RMSNorm": 0.0, "GraniteRMSNorm": 0.0, "GlmRMSNorm": 0.0,
-         "Gemma2RMSNorm": 1.0, "Gemma3RMSNorm": 1.0}
+         "Phi3RMSNorm": 0.0, "Gemma2RMSNorm": 1.0, "Gemma3RMSNorm": 1.0}
 # Hugging Face activation names and glu's.
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
                "gelu_fast": None, "gelu": "gelu"}
 # Decoder layers whose norms sit before each block (Llama) or around it (Gemma 2 / 3's four norms).
 PRE_NORM_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
-                   "Phi3DecoderLayer", "GraniteDecoderLayer")
+                   "Phi3DecoderLayer")
 SANDWICH_LAYERS = ("Gemma2DecoderLayer", "Gemma3DecoderLayer")
 FEATURES = ("rms_norm", "rotary", "glu", "fuse_residual")
 
