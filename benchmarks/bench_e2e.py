@@ -37,6 +37,7 @@ Bars: mean |loss - eager loss| <= 1% of eager's mean loss; fuseforge >= 1.10x Li
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import math
 import os
@@ -137,17 +138,22 @@ class LigerPatch:
 
 
 def make_impl(impl: str, cfg: dict, seq: int, device):
-    """(model, optimizer, autocast on?, cleanup or None) for one impl, built from the same seed."""
+    """(model, optimizer, autocast on?, a context the steps run in) for one impl, built from the same
+    seed."""
     model = build_model(cfg, seq, device)
     fused = device.type == "cuda"
     if impl == "eager":
-        return model, torch.optim.AdamW(model.parameters(), **HYPER, fused=fused), True, None
+        return model, torch.optim.AdamW(model.parameters(), **HYPER, fused=fused), True, contextlib.nullcontext()
     if impl == "compile":
         opt = torch.optim.AdamW(model.parameters(), **HYPER, fused=fused)
-        return torch.compile(model), opt, True, None
+        return torch.compile(model), opt, True, contextlib.nullcontext()
     if impl == "liger":
         liger = LigerPatch(cfg["family"])
-        liger.apply(model=model)
+        try:
+            liger.apply(model=model)
+        except BaseException:
+            liger.__exit__(None, None, None)
+            raise
         return model, torch.optim.AdamW(model.parameters(), **HYPER, fused=fused), True, liger
     if impl in FUSEFORGE_IMPLS:
         import fuseforge  # noqa: F401
@@ -159,7 +165,7 @@ def make_impl(impl: str, cfg: dict, seq: int, device):
         model = patch(model, **features)
         opt = AdamW(model.parameters(), **HYPER, master_weights=recipe == "bf16")
         model = torch.compile(model) if impl.endswith("_compile") else model
-        return model, opt, recipe == "autocast", None
+        return model, opt, recipe == "autocast", contextlib.nullcontext()
     raise ValueError(impl)
 
 
@@ -242,24 +248,23 @@ def run_impl(impl: str, cfg: dict, seq: int, stream: torch.Tensor, device) -> di
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     t_build = time.perf_counter()
-    model, opt, ac, cleanup = make_impl(impl, cfg, seq, device)
+    model, opt, ac, scope = make_impl(impl, cfg, seq, device)
     harness.log(f"  {impl}: built in {time.perf_counter() - t_build:.1f} s")
     timer, losses = harness.StepTimer(device.type == "cuda"), []
     t0 = time.perf_counter()
-    for step in range(stream.shape[0]):
-        with timer:
-            losses.append(train_step(model, opt, ac, stream[step], device))
-        if step == 0:
-            harness.log(f"  {impl}: first step (incl. compilation/autotuning) done after {time.perf_counter() - t0:.1f} s, "
-                        f"loss {losses[0].item():.4f}")
-    step_ms = timer.ms()
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if device.type == "cuda" else None
-    curve = [float(x) for x in torch.stack(losses).float().cpu()]
+    with scope:  # Liger's module-level replacements end with its row, also when the row fails
+        for step in range(stream.shape[0]):
+            with timer:
+                losses.append(train_step(model, opt, ac, stream[step], device))
+            if step == 0:
+                harness.log(f"  {impl}: first step (incl. compilation/autotuning) done after "
+                            f"{time.perf_counter() - t0:.1f} s, loss {losses[0].item():.4f}")
+        step_ms = timer.ms()
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if device.type == "cuda" else None
+        curve = [float(x) for x in torch.stack(losses).float().cpu()]
+        del model, opt, losses
     timed = step_ms[WARMUP_STEPS:] or step_ms  # the first steps allocate and autotune
     ms = harness.median(timed)
-    del model, opt, losses
-    if cleanup is not None:
-        cleanup.__exit__(None, None, None)
     free()
     harness.log(f"  {impl}: step {ms:.1f} ms (median of {len(timed)}), peak {peak and round(peak)} MiB, "
                 f"loss {curve[0]:.4f} -> {curve[-1]:.4f}, wall {time.perf_counter() - t0:.1f} s")
