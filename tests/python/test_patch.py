@@ -70,6 +70,13 @@ def tiny_config(family: str, head_dim: int = 16, **extra):
     if family == "gemma3":
         return transformers.Gemma3TextConfig(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
                                              query_pre_attn_scalar=head_dim, pad_token_id=0, **common)
+    if family == "olmo2":  # norms after each block; q / k norms over the whole projections
+        return transformers.Olmo2Config(**common)
+    if family == "granite":  # multipliers on the embedding, the attention, the residual and the logits
+        return transformers.GraniteConfig(embedding_multiplier=1.5, attention_multiplier=0.3, residual_multiplier=0.6,
+                                          logits_scaling=2.5, **common)
+    if family == "glm":  # interleaved rotary on half of each head, one gate_up projection
+        return transformers.GlmConfig(partial_rotary_factor=0.5, pad_token_id=0, eos_token_id=1, **common)
     if family == "gemma2":
         # transformers' Gemma 2 has no SDPA support (no softcapping there): eager is its reference.
         common.update(attn_implementation="exact_eager", initializer_range=0.3)
@@ -81,7 +88,8 @@ def tiny_config(family: str, head_dim: int = 16, **extra):
 
 MODEL_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mistral-swa": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen2-swa": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                 "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                 "olmo2": "Olmo2ForCausalLM", "granite": "GraniteForCausalLM", "glm": "GlmForCausalLM"}
 
 
 def exact_norm_forward(self, x):
@@ -155,7 +163,7 @@ SLIDING = ("mistral-swa", "qwen2-swa", "phi3", "gemma2", "gemma3")  # families w
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "mistral-swa", "qwen2-swa", "phi3", "gemma2",
-                                    "gemma3"])
+                                    "gemma3", "olmo2", "granite", "glm"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 def test_patched_loss_and_gradients_match_unpatched(family, dtype):
     """An unpacked batch (sliding windows and softcapping by the kernel, no fallback)."""
@@ -669,7 +677,10 @@ def test_packed_bf16_cuda_matches_unpatched(family, head_dim):
 # ----------------------------------------------------------------------------------------------
 # The decoder layers: RMSNorm, rotary, the gated MLP and the residual add (fuseforge.patch.layers)
 
-LAYER_FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"]
+LAYER_FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "olmo2", "granite", "glm"]
+# Families whose residual add goes into a norm (OLMo 2 normalises before the add, Granite scales the block's
+# output there).
+FUSED_RESIDUAL = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "glm")
 LAYER_FEATURES = ("rms_norm", "rotary", "glu", "fuse_residual")
 
 
@@ -698,8 +709,8 @@ def norms_per_layer(model) -> int:
 @pytest.mark.parametrize("family", LAYER_FAMILIES)
 def test_decoder_layers_run_the_fused_ops_and_match(family, monkeypatch):
     """Every norm, attention rotation and gated activation of every layer runs a fuseforge op; one
-    residual add a layer goes into the next norm; the loss and every gradient match the unpatched
-    model in float64."""
+    residual add a layer goes into the next norm (where the family's layer allows); the loss and every
+    gradient match the unpatched model in float64."""
     model = make_model(family, torch.float64)
     ids = tokens(2, 21)
     ref_loss, ref_grads = reference_loss_and_grads(model, ids, ids)
@@ -708,7 +719,8 @@ def test_decoder_layers_run_the_fused_ops_and_match(family, monkeypatch):
     out, got_grads = loss_and_grads(model, input_ids=ids, labels=ids)
     layers = model.config.num_hidden_layers
     assert calls["rms_norm"] == layers * norms_per_layer(model) + 1, calls  # + the final norm
-    assert calls["rotary"] == layers and calls["glu"] == layers and calls["residual"] == layers, calls
+    assert calls["rotary"] == layers and calls["glu"] == layers, calls
+    assert calls["residual"] == (layers if family in FUSED_RESIDUAL else 0), calls
     assert abs(out.loss.item() - ref_loss.item()) <= 1e-10 * ref_loss.item()
     assert set(got_grads) == set(ref_grads)
     for name, g in ref_grads.items():

@@ -1,5 +1,5 @@
 """`fuseforge.patch(model)` / `fuseforge.unpatch(model)` for Hugging Face Llama-family models (Llama,
-Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3: SUPPORTED_MODELS).
+Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3, OLMo 2, Granite, GLM: SUPPORTED_MODELS).
 
 patch() does three things to one model instance and nothing else (each can be turned off):
 
@@ -67,7 +67,9 @@ from fuseforge.ops.linear_cross_entropy import linear_cross_entropy
 ATTN_IMPLEMENTATION = "fuseforge"
 SUPPORTED_MODELS = ("LlamaForCausalLM", "LlamaModel", "MistralForCausalLM", "MistralModel",
                     "Qwen2ForCausalLM", "Qwen2Model", "Qwen3ForCausalLM", "Qwen3Model", "Phi3ForCausalLM",
-                    "Phi3Model", "Gemma2ForCausalLM", "Gemma2Model", "Gemma3ForCausalLM", "Gemma3TextModel")
+                    "Phi3Model", "Gemma2ForCausalLM", "Gemma2Model", "Gemma3ForCausalLM", "Gemma3TextModel",
+                    "Olmo2ForCausalLM", "Olmo2Model", "GraniteForCausalLM", "GraniteModel", "GlmForCausalLM",
+                    "GlmModel")
 
 
 def _cuda_head_dim_supported(d: int) -> bool:
@@ -458,11 +460,15 @@ def _register() -> None:
 
 def causal_lm_loss(hidden_states: Tensor, lm_head: nn.Linear, labels: Optional[Tensor] = None,
                    shift_labels: Optional[Tensor] = None, num_items_in_batch=None,
-                   ignore_index: int = -100, softcap: Optional[float] = None) -> Tensor:
-    """transformers' ForCausalLMLoss on ``lm_head(hidden_states)`` (capped to ``softcap * tanh(logits /
-    softcap)`` with a softcap: Gemma 2's final_logit_softcapping), without the logits."""
+                   ignore_index: int = -100, softcap: Optional[float] = None,
+                   logits_scaling: Optional[float] = None) -> Tensor:
+    """transformers' ForCausalLMLoss on ``lm_head(hidden_states)`` (divided by ``logits_scaling``:
+    Granite's; capped to ``softcap * tanh(logits / softcap)`` with a softcap: Gemma 2's
+    final_logit_softcapping), without the logits."""
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    if logits_scaling is not None and logits_scaling != 1.0:
+        hidden_states = hidden_states / logits_scaling  # (x / s) W^T = (x W^T) / s, on the narrow side
     x = hidden_states.reshape(-1, hidden_states.shape[-1])
     target = shift_labels.reshape(-1).to(x.device)
     dtype = _autocast_dtype(x.device) or x.dtype
@@ -479,13 +485,14 @@ def causal_lm_loss(hidden_states: Tensor, lm_head: nn.Linear, labels: Optional[T
 
 def _lm_head_forward(self, hidden_states: Tensor, loss_labels: Optional[Tensor] = None,
                      shift_labels: Optional[Tensor] = None, num_items_in_batch=None,
-                     softcap: Optional[float] = None) -> Tensor:
+                     softcap: Optional[float] = None, logits_scaling: Optional[float] = None) -> Tensor:
     """The patched lm_head's forward: its class's (logits) without labels, else the causal-LM loss
     from its weight. A module call rather than a read of lm_head.weight, so FSDP2's hooks on the head
     (a separately sharded one) gather the weight before and reduce-scatter its gradient after."""
     if loss_labels is None and shift_labels is None:
         return type(self).forward(self, hidden_states)
-    return causal_lm_loss(hidden_states, self, loss_labels, shift_labels, num_items_in_batch, softcap=softcap)
+    return causal_lm_loss(hidden_states, self, loss_labels, shift_labels, num_items_in_batch, softcap=softcap,
+                          logits_scaling=logits_scaling)
 
 
 def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
@@ -506,7 +513,8 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
                       **kwargs)
     loss = self.lm_head(outputs.last_hidden_state, loss_labels=labels, shift_labels=kwargs.get("shift_labels"),
                         num_items_in_batch=kwargs.get("num_items_in_batch"),
-                        softcap=getattr(self.config, "final_logit_softcapping", None))
+                        softcap=getattr(self.config, "final_logit_softcapping", None),
+                        logits_scaling=getattr(self.config, "logits_scaling", None))
     # the cache field is `cache` since transformers renamed `past_key_values` (the old name warns)
     cache_field = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
     out = CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=outputs.hidden_states,
@@ -522,7 +530,8 @@ def is_patched(model: nn.Module) -> bool:
 
 def patch(model: nn.Module, *, attention: bool = True, loss: bool = True, rms_norm: bool = True,
           rotary: bool = True, glu: bool = True, fuse_residual: bool = True) -> nn.Module:
-    """Routes a Llama / Mistral / Qwen2 / Qwen3 / Phi-3 / Gemma 2 / Gemma 3 model through fuseforge: the
+    """Routes a Llama / Mistral / Qwen2 / Qwen3 / Phi-3 / Gemma 2 / Gemma 3 / OLMo 2 / Granite / GLM model
+    (SUPPORTED_MODELS) through fuseforge: the
     attention, for the ForCausalLM classes the training loss (linear_cross_entropy), and in the decoder
     layers RMSNorm, rotary embeddings, the gated MLP's activation and the residual add fused into the
     next norm (fuseforge.patch.layers). Each keyword turns one of them off. In place; returns the model.

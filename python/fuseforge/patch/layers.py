@@ -32,14 +32,19 @@ from fuseforge.ops.rotary import rotary
 
 # RMSNorm classes and their weight offset: 0 for w * x, 1 for Gemma's (1 + w) * x.
 NORMS = {"LlamaRMSNorm": 0.0, "MistralRMSNorm": 0.0, "Qwen2RMSNorm": 0.0, "Qwen3RMSNorm": 0.0,
-         "Phi3RMSNorm": 0.0, "Gemma2RMSNorm": 1.0, "Gemma3RMSNorm": 1.0}
+         "Phi3RMSNorm": 0.0, "Olmo2RMSNorm": 0.0, "GraniteRMSNorm": 0.0, "GlmRMSNorm": 0.0,
+         "Gemma2RMSNorm": 1.0, "Gemma3RMSNorm": 1.0}
 # Hugging Face activation names and glu's.
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
                "gelu_fast": None, "gelu": "gelu"}
 # Decoder layers whose norms sit before each block (Llama) or around it (Gemma 2 / 3's four norms).
+# OLMo 2 normalises after each block, before the add, and Granite scales the block's output before
+# the add: their residual adds stay as they are.
 PRE_NORM_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
-                   "Phi3DecoderLayer")
+                   "Phi3DecoderLayer", "GlmDecoderLayer")
 SANDWICH_LAYERS = ("Gemma2DecoderLayer", "Gemma3DecoderLayer")
+# Attention classes whose rotation pairs dims 2i and 2i + 1 (GLM's) instead of i and i + R / 2.
+INTERLEAVED_ROTARY = ("GlmAttention",)
 FEATURES = ("rms_norm", "rotary", "glu", "fuse_residual")
 
 _PATCHED = "_fuseforge_layer_patch"
@@ -143,13 +148,19 @@ def _attention_forward(self, hidden_states: Tensor, position_embeddings=None, at
         query = self.q_proj(hidden_states).view(hidden_shape)
         key = self.k_proj(hidden_states).view(hidden_shape)
         value = self.v_proj(hidden_states).view(hidden_shape)
-    if hasattr(self, "q_norm"):  # Qwen3, Gemma 3: per-head norms before the rotation
-        query, key = self.q_norm(query), self.k_norm(key)
+    if hasattr(self, "q_norm"):  # norms before the rotation: per head (Qwen3, Gemma 3) or of the
+        # whole projection (OLMo 2)
+        if self.q_norm.weight.numel() == self.head_dim:
+            query, key = self.q_norm(query), self.k_norm(key)
+        else:
+            query = self.q_norm(query.flatten(-2)).view(hidden_shape)
+            key = self.k_norm(key.flatten(-2)).view(hidden_shape)
     query, key, value = (t.transpose(1, 2) for t in (query, key, value))
     inv_freq = getattr(rotary_emb, freq_name)
     scaling = float(getattr(rotary_emb, scaling_name, 1.0))
     query, key = rotary(query, key, inv_freq.to(device=query.device, dtype=torch.float32),
-                        position_ids.to(query.device), scaling)
+                        position_ids.to(query.device), scaling,
+                        interleaved=type(self).__name__ in INTERLEAVED_ROTARY)
     if cache is not None:
         key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
     elif legacy_cache is not None:
