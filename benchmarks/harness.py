@@ -601,6 +601,31 @@ def markdown_table(result: dict) -> str:
     return "\n".join(lines) + "\n" + meta + "\n"
 
 
+def gpu_tag(result: dict) -> str:
+    """The short name of the device a result ran on, for file names and tables: "h100", "h200", "a100",
+    ... from the GPU's name ("cpu" for CPU runs)."""
+    gpu = str(result.get("gpu", "unknown"))
+    if gpu == "cpu":
+        return "cpu"
+    for word in gpu.replace("-", " ").split():
+        if len(word) >= 3 and word[0].isalpha() and word[1:].isdigit():
+            return word.lower()
+    return "".join(c for c in gpu.lower() if c.isalnum())[:16] or "gpu"
+
+
+def result_name(result: dict) -> str:
+    """<op>_<gpu> (shared/BENCHMARKS.md's file name, without the extension): CPU runs' op already ends
+    in _cpu."""
+    op, tag = result["op"], gpu_tag(result)
+    return op if op.endswith("_" + tag) else f"{op}_{tag}"
+
+
+def load_result(path: str) -> dict:
+    """One stored result (benchmarks/results/<op>_<gpu>.json)."""
+    with open(path) as f:
+        return json.load(f)
+
+
 def plot(result: dict, path: str) -> None:
     """Speed-up of every impl over a baseline per case, one panel per pass. The baseline is eager
     where the case has one, else the first peer the benchmark lists for it (e.g. sdpa_flash, torch_fused)."""
