@@ -19,13 +19,13 @@ machine's other load shows up in CPU timings: `--rounds 5` interleaves the impls
 
 Default 3 rounds (harness.time_interleaved: every impl of a pass timed in turn, three times) rather
 than one impl after another with fuseforge first and cuDNN last: the same code timed first and last
-in one call differed by up to 7% (H100, 2026-11-25, docs/notes_attention.md). Three, not two: a
-run's rounds differ by up to 12% for every impl (the JSON's `ms_rounds`), and the median of two is
-the slower one (2026-11-27). Two rounds took 64-76 s on the H100.
+in one run differs by up to 7% (H100). Three, not two: a run's rounds differ by up to 12% for every
+impl (the JSON's `ms_rounds`), and the median of two is the slower one. Two rounds take 64-76 s on
+the H100.
 `--settle-ms 600 --rounds 2` times each impl after 0.6 s of itself instead (harness._settle), at the
 clock its own power allows under the H100's cap rather than the one the impls before it left: rows
-move by up to ~10% either way (benchmarks/results/attention_settled.md, notes' thirty-seventh
-session), so the README's table names its regime.
+move by up to ~10% either way (benchmarks/results/attention_settled_h100.md), so the README's table
+names its regime.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Benchmark (issue #18): fuseforge's packed variable-length, sliding-window and softcapped attention
+"""Benchmark: fuseforge's packed variable-length, sliding-window and softcapped attention
 against FlexAttention and SDPA-cuDNN. CUDA only; bf16; every impl of a case in one run.
 
 Cases:

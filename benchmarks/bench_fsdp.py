@@ -1,4 +1,4 @@
-"""FSDP2 on several GPUs (issue 19): bench_e2e's 1.2B Llama trained under `fully_shard`, fuseforge-patched
+"""FSDP2 on several GPUs: bench_e2e's 1.2B Llama trained under `fully_shard`, fuseforge-patched
 against unpatched, step time and peak memory per rank; and the AdamW step alone on the same shards,
 fuseforge.optim.AdamW against torch.optim.AdamW(fused=True).
 
@@ -22,7 +22,7 @@ Case ``fsdp2x<ranks>/adamw-shards/...``: the unpatched model's sharded parameter
 torch's fused AdamW and fuseforge's AdamW step them in turn (each with its own states), median of
 device-event times, the slowest rank.
 
-Bars (issue 19): step >= 1.15x eager's speed, peak memory per rank <= 0.75x eager's, AdamW on the shards
+Bars: step >= 1.15x eager's speed, peak memory per rank <= 0.75x eager's, AdamW on the shards
 >= 1.1x torch fused; losses within 1% of eager's (mean |diff| over the steps, as bench_e2e).
 
     python benchmarks/bench_fsdp.py                  # 2 GPUs: writes benchmarks/results/fsdp.json/.md/.png

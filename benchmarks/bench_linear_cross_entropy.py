@@ -128,7 +128,7 @@ def impls_for(case):
     low = case.endswith("/lowmem")
     sweep = case in SWEEP
     impls = {"fuseforge": lambda x, w, t: linear_cross_entropy(x, w, t, ignore_index=IGNORE, low_memory=low)}
-    if sweep:  # both strategies over the sweep (issue 20: the low-memory one against CCE)
+    if sweep:  # both strategies over the sweep (the low-memory one is the one to set against CCE)
         impls["fuseforge_lowmem"] = lambda x, w, t: linear_cross_entropy(x, w, t, ignore_index=IGNORE, low_memory=True)
     if low:
         if cce_linear_cross_entropy is not None:

@@ -6,7 +6,7 @@ table (<op>.md) and a plot (<op>.png) generated from that JSON. On CUDA each row
 clock and the board power nvidia-smi saw while it was timed (`sm_mhz`, `watts`, ClockSampler): under
 sustained load the H100 sits at its power cap and clocks each kernel by the power it draws, so a row's
 energy a call is about watts x ms. The samples show that; they are too coarse to turn times into
-cycles (scripts/ncu_pass_cycles.py compares impls at one locked clock).
+cycles (`benchmarks/profiler.py ncu-cycles` compares impls at one locked clock).
 
 `--device cpu` runs the script's CPU cases on the CPU instead (`cpu_cases`; the setup function asks
 `bench_device()`): wall-clock medians (time.perf_counter) after warm-up, peak extra memory as the
@@ -341,8 +341,7 @@ _timing_spans: dict[int, list[tuple[float, float]]] = {}
 def _settle(fn: Callable[[], Any], settle_ms: float) -> None:
     """Runs fn back to back for settle_ms (GPU only), so that what is timed next runs at fn's own
     steady clock and power rather than at the state the previous bench left: the H100's power limiter
-    acts over about a second, so after a cooler impl the next one's first ~100 ms run at a higher clock
-    (docs/notes_attention.md, thirty-seventh session)."""
+    acts over about a second, so after a cooler impl the next one's first ~100 ms run at a higher clock."""
     if settle_ms <= 0 or _device != "cuda":
         return
     _back_to_back(fn, settle_ms)

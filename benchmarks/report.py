@@ -9,7 +9,7 @@ from a JSON file, and each table ends with that file's provenance (device, torch
 A results file is named <bench>_<gpu>.json (shared/BENCHMARKS.md); where several files hold the same
 bench and device (a run written as <op>.json before it was renamed), the newest by its `date` is used.
 The tables are rendered by the code that wrote them: harness.markdown_table, bench_attention_varlen's
-notes_md, scripts/ncu_pass_cycles.ratio_table, scripts/e2e_attention_ab.markdown. The output depends
+notes_md, profiler.py's ratio_table (ncu-cycles) and ab_markdown (e2e-attention-ab). The output depends
 only on the JSON files, so running this twice gives the same bytes.
 """
 from __future__ import annotations
@@ -23,7 +23,6 @@ from typing import Callable, Optional
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-sys.path.insert(1, os.path.join(ROOT, "scripts"))
 import harness  # noqa: E402
 
 RESULTS = os.path.join(HERE, "results")
@@ -48,10 +47,10 @@ SECTIONS = [
      "rather than at the state the impl before it left. Rows move against the interleaved table "
      "above, some either way: neither regime is a training step."),
     ("attention_ncu_cycles", "attention: the grid at ncu's locked clock",
-     "`scripts/ncu_pass_cycles.py`: every kernel of one warmed-up call summed under Nsight Compute, "
+     "`benchmarks/profiler.py ncu-cycles`: every kernel of one warmed-up call summed under Nsight Compute, "
      "which locks the SM clock, so the ratio is one of cycles, free of the power cap."),
     ("attention_ncu_model", "attention: the end-to-end model's shape at ncu's locked clock",
-     "`scripts/ncu_pass_cycles.py` on the B6/Hq16/Hk4/S2048/D128/causal case."),
+     "`benchmarks/profiler.py ncu-cycles` on the B6/Hq16/Hk4/S2048/D128/causal case."),
     ("attention_varlen", "attention_varlen: windows, softcap and packed documents",
      "`benchmarks/bench_attention_varlen.py`: FlexAttention compiled (document or sliding-window "
      "`BlockMask` built outside the timed region, the softcap as `score_mod`), SDPA-cuDNN per document "
@@ -63,7 +62,7 @@ SECTIONS = [
     ("attention_varlen_settled", "attention_varlen: each impl timed at its own steady clock",
      "`bench_attention_varlen.py --settle-ms 600 --rounds 2`."),
     ("attention_varlen_ncu_cycles", "attention_varlen at ncu's locked clock",
-     "`scripts/ncu_pass_cycles.py`; FlexAttention's forward is its one kernel, its backward its two."),
+     "`benchmarks/profiler.py ncu-cycles`; FlexAttention's forward is its one kernel, its backward its two."),
     ("linear_cross_entropy", "linear_cross_entropy: the Llama-3 head",
      "`benchmarks/bench_linear_cross_entropy.py`: N = 8192 tokens, H = 4096, V = 128256, bf16; each "
      "pass's impls timed round-robin over 5 rounds. `lowmem` is `low_memory=True` (against Cut "
@@ -94,7 +93,7 @@ SECTIONS = [
      "`torch.compile` of each. The script now also runs Liger-Kernel's patch (`liger`); the stored runs "
      "below predate that row, and predate the patch's RMSNorm, rotary and gated-MLP routing."),
     ("e2e_attention_ab", "End to end: what fuseforge attention saves inside the training step",
-     "`scripts/e2e_attention_ab.py`: one patched model alternates its attention between fuseforge's and "
+     "`benchmarks/profiler.py e2e-attention-ab`: one patched model alternates its attention between fuseforge's and "
      "transformers' SDPA (cuDNN's kernels) step by step in A B B A order, beside the two attention calls "
      "alone at the model's shape and, where NVML reads, the energy of both. S = 2048 at batch 16."),
     ("e2e_attention_ab_s8192", "End to end: the attention A/B at S = 8192",
@@ -158,11 +157,11 @@ def load_all(results_dir: str = RESULTS) -> dict:
 def render(bench: str, result: dict) -> str:
     """The table the benchmark itself writes for this JSON, with its provenance line."""
     if "attention_alone" in result:
-        import e2e_attention_ab
-        return e2e_attention_ab.markdown(result)
+        import profiler
+        return profiler.ab_markdown(result)
     if any("mcycles" in r for r in result.get("rows", [])):
-        import ncu_pass_cycles
-        return ncu_pass_cycles.ratio_table(result)
+        import profiler
+        return profiler.ratio_table(result)
     table = harness.markdown_table(result)
     if result["op"] == "attention_varlen":
         import bench_attention_varlen

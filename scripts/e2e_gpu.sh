@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call for the end-to-end step: build every op, the e2e benchmark (bench_e2e.py), the
+# One GPU-machine run for the end-to-end step: build every op, the e2e benchmark (bench_e2e.py), the
 # patch/model/demo tests (CPU and CUDA), and a short GPU run of the demo, inside a time budget.
 #
 #   bash scripts/e2e_gpu.sh [--budget SECONDS] [--impls eager,liger,fuseforge,...] [--bench-args "..."]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: build, tests, compute-sanitizer, benchmarks. Logs and results go to
-# $OUT (the device tool brings back at most 8 files, so they are packed into two archives).
+# One run on the GPU machine: build, tests, compute-sanitizer, benchmarks. Logs and results go to
+# $OUT, packed into two archives and a summary.
 #
 #   bash scripts/gpu_check.sh [--ops a,b] [--files "f g"] [--tests EXPR] [--no-tests] [--no-sanitizer]
 #                             [--bench a,b] [--bench-args "..."] [--no-cpp]
@@ -30,8 +30,8 @@ done
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python FUSEFORGE_OPS=$OPS
 source scripts/device_env.sh  # system g++ instead of the image's static-libstdc++ wrapper
 LOG=logs_tmp
-# pack() runs after every step, not only at exit: a call cut short by the device's time limit keeps
-# what finished (on 2026-11-25 one that ran past it returned nothing of its tests and benchmarks).
+# pack() runs after every step, not only at exit: a run cut short by a time limit keeps what
+# finished.
 summary() { echo "$*" | tee -a "$LOG/summary.txt"; }
 pack() {
   tar czf "$OUT/logs.tgz" -C logs_tmp . 2>/dev/null

@@ -8,8 +8,9 @@ and BRA counts); given two objects, which kernels' SASS differs (register number
 
 The objects come from any build of the extension: `BUILD_ONLY=1 bash scripts/tune_variants.sh
 attention default: "old:-DKNOB=1"` leaves each variant's under /tmp/tune/attention/<build>/tmp,
-`pip install -e .` under build/temp.*. Why: the window mask's `a && b && c` had become 62 branches a
-dk/dv tile that the source did not show (docs/notes_attention.md, thirteenth session).
+`pip install -e .` under build/temp.*. Why: a short condition in the source can become many branches
+in SASS (the window mask's `a && b && c` compiled to 62 branches a dk/dv tile), which the source does
+not show.
 """
 from __future__ import annotations
 

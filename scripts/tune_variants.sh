@@ -1,24 +1,39 @@
 #!/usr/bin/env bash
-# GPU machine: times variants of one op's kernels side by side in one call (docs/DEVELOPING.md).
+# GPU machine: times variants of one op's kernels side by side in one run, with the op's benchmark
+# (CONTRIBUTING.md, "The GPU-machine workflow").
 #   bash scripts/tune_variants.sh OP "name:spec" ...
 #   spec words "-DKNOB=value" compile-time knobs: a private build of OP with these nvcc flags (one
 #                             per distinct set of flags)
 #   spec words "VAR=value"    run-time knobs: environment for the run (of the shared build of OP,
-#                             built once with $BASE_FLAGS, when
-#                             the spec has no nvcc flags)
-#   spec word "@DIR"          build from the source tree DIR instead of this one: a previous commit
-#                             unpacked by scripts/prepare_baseline.sh (e.g. "before:@baseline"; the
-#                             device call carries it), timed beside this tree's build in one call
+#                             built once with $BASE_FLAGS, when the spec has no nvcc flags)
+#   spec word "@DIR"          build from the source tree DIR instead of this one (e.g. "before:@baseline"),
+#                             timed beside this tree's build in the same run
 #   spec "" (name:)           the shared build as it is
 # Env: CASES (the benchmark's --cases), IMPLS (its --impls; default fuseforge), BENCH (the benchmark
-# benchmarks/bench_$BENCH.py; default OP, e.g. BENCH=attention_varlen with OP attention), BASE_FLAGS, BENCH_TIMEOUT, ROUNDS,
-# BUILD_ONLY=1 (build every variant's library, in parallel, and time nothing; a later call reuses
-# the builds under /tmp/tune/OP), PRINT_LIBS=1 (print each variant's built library, build nothing).
-# Prints each variant's rows of the benchmark's table.
+# benchmarks/bench_$BENCH.py; default OP, e.g. BENCH=attention_varlen with OP attention), BASE_FLAGS,
+# BENCH_TIMEOUT, ROUNDS, BUILD_ONLY=1 (build every variant's library, in parallel, and time nothing; a
+# later run reuses the builds under /tmp/tune/OP), PRINT_LIBS=1 (print each variant's built library,
+# build nothing). Prints each variant's rows of the benchmark's table.
+#
+#   bash scripts/tune_variants.sh --baseline COMMIT [DIR]
+# (on the development machine) unpacks COMMIT's sources (csrc, python, setup.py, pyproject.toml) into
+# DIR (default baseline/, git-ignored), for a variant "before:@baseline" that times the previous code
+# beside this tree. A run-time knob's A/B (default vs knob) compares two paths of the new build only,
+# and the knob's own code can slow the default path, so a change to a kernel's default path is timed
+# against the commit before it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-# Logs stay in /tmp/tune/logs: the device returns at most 8 files from $OUT (tuning_probe.sh packs
-# these into one archive).
+if [ "${1:-}" = --baseline ]; then
+  set -e
+  commit=$(git rev-parse --short=12 "${2:?usage: tune_variants.sh --baseline COMMIT [DIR]}")
+  dir=${3:-baseline}
+  rm -rf "$dir" && mkdir -p "$dir"
+  git archive "$commit" csrc python setup.py pyproject.toml | tar x -C "$dir"
+  echo "$commit" > "$dir/COMMIT"
+  echo "$dir: $commit ($(du -sh "$dir" | cut -f1))"
+  exit 0
+fi
+# Logs stay in /tmp/tune/logs, so $OUT holds only what the caller packs.
 LOGS=/tmp/tune/logs; mkdir -p "$LOGS"
 source scripts/device_env.sh
 OP=$1; shift
@@ -62,8 +77,8 @@ if [ "${BUILD_ONLY:-0}" = 1 ]; then
   exit 0
 fi
 # ROUNDS=2 runs the variants again in reverse order (A B B A): the same code timed first and last in
-# one call differed by up to 7% (D128/S16384 forward+backward, 2026-11-25), so one order can favour
-# whichever variant runs first.
+# one run differs by up to 7% (D128/S16384 forward+backward), so one order can favour whichever
+# variant runs first.
 variants=("$@")
 for ((round = 1; round <= ${ROUNDS:-1}; ++round)); do
 order=("${variants[@]}")
@@ -79,7 +94,7 @@ for variant in "${order[@]}"; do
   tag=$name; [ "${ROUNDS:-1}" -gt 1 ] && tag=${name}_r$round
   echo "== $OP $tag (${spec:-as built})"
   cases=(); [ -n "${CASES:-}" ] && cases=(--cases "$CASES")
-  # A hung variant (a new kernel's barriers) costs BENCH_TIMEOUT seconds, not the device call.
+  # A hung variant (a new kernel's barriers) costs BENCH_TIMEOUT seconds, not the whole run.
   env $envs FUSEFORGE_EXTENSION="$lib" timeout -s INT -k 20 "${BENCH_TIMEOUT:-240}" python3 benchmarks/bench_$BENCH.py "${cases[@]}" --impls "$IMPLS" \
     --no-memory --out /tmp/tune/$OP/res_$tag > "$LOGS/bench_${BENCH}_$tag.log" 2>&1 \
     || { tail -5 "$LOGS/bench_${BENCH}_$tag.log"; continue; }

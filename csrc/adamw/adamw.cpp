@@ -18,7 +18,7 @@
 namespace fuseforge::adamw {
 
 // Elements a CUDA block updates (one chunk of a tensor). Development knob FUSEFORGE_ADAMW_CHUNK_ELEMS
-// (docs/notes_adamw.md): overrides kDefaultChunkElems. Read once per process.
+// (docs/design/adamw.md): overrides kDefaultChunkElems. Read once per process.
 static int64_t chunk_elems_setting() {
   static const int64_t chunk = [] {
     const int64_t c = env_positive_int("FUSEFORGE_ADAMW_CHUNK_ELEMS", kDefaultChunkElems);

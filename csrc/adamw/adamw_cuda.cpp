@@ -1,6 +1,6 @@
 // fused AdamW CUDA backend, host side: keeps the packed metadata in device memory (uploaded only when
 // it changes), launches the update kernel over the block map, and registers the CUDA ops. No host
-// synchronization. Compiled by the C++ compiler, not nvcc (see docs/DEVELOPING.md); the launchers
+// synchronization. Compiled by the C++ compiler, not nvcc (CONTRIBUTING.md, Layout); the launchers
 // are in adamw_launch.cu.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
@@ -83,7 +83,7 @@ void cuda_step(std::shared_ptr<BackendCache>& cache_ptr, const StepWork& work) {
   args.grad_scale = work.grad_scale;
   args.found_inf = work.found_inf;
   args.chunk_elems = work.plan->chunk_elems;
-  // Development knob (docs/notes_adamw.md): FUSEFORGE_ADAMW_BLOCKS_PER_SM=N caps the update kernel at
+  // Development knob (docs/design/adamw.md): FUSEFORGE_ADAMW_BLOCKS_PER_SM=N caps the update kernel at
   // N resident blocks an SM (registers allow 2).
   static const int64_t blocks_cap = env_positive_int("FUSEFORGE_ADAMW_BLOCKS_PER_SM", 0);
   const size_t smem_bytes = smem_capping_blocks_per_sm(blocks_cap, 0);

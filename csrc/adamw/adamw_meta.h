@@ -59,7 +59,7 @@ static_assert(sizeof(GroupHyper) == 56, "GroupHyper layout is shared by host and
 
 // Elements a CUDA block updates. 16-byte vectors of 8 float16 / 4 float32 elements: chunks must
 // keep 16-byte alignment. 16K was the fastest of 16K-512K on the H100 (llama1b fp32: 16K 9.17 ms,
-// 64K 9.35, 512K 9.61; docs/notes_adamw.md): smaller blocks even out the last wave.
+// 64K 9.35, 512K 9.61): smaller blocks even out the last wave.
 constexpr int64_t kDefaultChunkElems = int64_t{1} << 14;
 constexpr int64_t kMaxBlocksPerLaunch = (int64_t{1} << 31) - 1;  // CUDA gridDim.x limit
 

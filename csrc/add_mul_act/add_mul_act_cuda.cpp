@@ -1,6 +1,6 @@
 // add_mul_act CUDA implementation, host side: checks, device guard, allocation, launches. No host
 // sync. Compiled by the C++ compiler, not nvcc (errors thrown from here unwind through C++ frames
-// only; see docs/DEVELOPING.md).
+// only; CONTRIBUTING.md, Layout).
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
@@ -20,7 +20,7 @@ bool aligned16(const void* p) { return p == nullptr || is_aligned(p, 16); }
 // SM: at 3 blocks the backward (two tensors written for each one read) stalled at 2.2 TB/s, warps
 // waiting on the load/store queue (ncu). On the H100 the cap took fp32 fwdbwd relu 1.297 -> 1.151 ms,
 // gelu 1.81 -> 1.671, silu 1.74 -> 1.665 (the forward's cap adds gelu's 1.742 -> 1.671 when it saves z);
-// for bf16 it cost 3-18%, so 16-bit types run uncapped (docs/notes_add_mul_act.md). Development knobs
+// for bf16 it cost 3-18%, so 16-bit types run uncapped (docs/design/add_mul_act.md). Development knobs
 // FUSEFORGE_AMA_{FWD,BWD}_BLOCKS_PER_SM override it (a large value: no cap).
 int64_t blocks_per_sm_cap(bool backward, size_t type_bytes) {
   static const int64_t fwd_knob = env_positive_int("FUSEFORGE_AMA_FWD_BLOCKS_PER_SM", 0);

@@ -16,7 +16,7 @@ namespace fuseforge::add_mul_act {
 // Rows a thread loads before it computes (loads in flight), for 16-bit and 32-bit types, and the
 // blocks an SM the register allocation must allow (__launch_bounds__'s second argument; 0: no
 // cap). Compile-time knobs so scripts/tune_variants.sh can build and time variants side by
-// side on the GPU (docs/notes_add_mul_act.md); the defaults are the measured best.
+// side on the GPU; the defaults are the measured best (docs/design/add_mul_act.md).
 #ifndef FUSEFORGE_AMA_ROWS_16BIT
 #define FUSEFORGE_AMA_ROWS_16BIT 4
 #endif
@@ -27,8 +27,7 @@ namespace fuseforge::add_mul_act {
 #define FUSEFORGE_AMA_MIN_BLOCKS 0
 #endif
 // The backward's own knobs. 2 rows a trip: with the interleaved one-wave grid, 2 beat 4 on the
-// H100 (bf16 relu fwd+bwd 0.5851 -> 0.5846 ms, fp32 relu 1.153 -> 1.128; 1 and 8 rows lost;
-// docs/notes_add_mul_act.md), and it halves the registers (bf16 relu 80 -> 64: 4 blocks an SM).
+// H100 (bf16 relu fwd+bwd 0.5851 -> 0.5846 ms, fp32 relu 1.153 -> 1.128; 1 and 8 rows lost), and it halves the registers (bf16 relu 80 -> 64: 4 blocks an SM).
 #ifndef FUSEFORGE_AMA_BWD_ROWS_16BIT
 #define FUSEFORGE_AMA_BWD_ROWS_16BIT 2
 #endif
@@ -189,7 +188,7 @@ __device__ __forceinline__ void finish_trip(const BackwardParams<T>& p, int64_t 
 // The grid's blocks take the rows in interleaved trips (block y takes trips y, y + gridDim.y, ...),
 // so at any moment the resident blocks work on one contiguous band of rows, as a flat elementwise
 // kernel does: on the H100 this beat each block walking its own contiguous range of rows
-// (docs/notes_add_mul_act.md). The assignment is fixed, so grad_bias stays deterministic.
+// (docs/design/add_mul_act.md). The assignment is fixed, so grad_bias stays deterministic.
 template <typename T, Activation A, bool kVec>
 __global__ void __launch_bounds__(kThreads, FUSEFORGE_AMA_BWD_MIN_BLOCKS) backward_kernel(const BackwardParams<T> p) {
   constexpr int kUnroll = backward_rows_unroll<T>();

@@ -9,7 +9,7 @@
 //   3b. deterministic path: a dq kernel owns kBlockM queries and loops over key tiles (no atomics).
 // The dk/dv kernel has two bodies with the same work split: on sm_90a its five products are
 // warpgroup wgmma's (attention_wgmma.cuh; each warpgroup owns 64 keys); elsewhere mma.sync (each
-// warp owns 16 keys). Measured on the H100 in docs/notes_attention.md.
+// warp owns 16 keys). docs/design/attention.md has the H100 timings of both.
 #pragma once
 #include <type_traits>
 
@@ -84,8 +84,8 @@ __device__ __forceinline__ float* dq_accum_tile(const BwdParams& p, int b, int h
 // The two 8-byte halves (row r's pair, row r + 8's) of the 16 bytes a lane owns in a dq_accum tile
 // are swapped for lanes 8-15 and 24-31 at head dims 64 and 128. Then the warp-specialized kernel's
 // 8-byte stores of dQ into shared memory (DqBulkAdd) hit each bank once a half-warp instead of twice:
-// ncu at D128/S1024/full (H100, 2026-11-26) counted 16.8M excess shared wavefronts in its dk/dv kernel
-// (8% of all) before, and D128 forward+backward timed 0.8-1.7% faster with the swap. Every writer and
+// without the swap ncu counts 16.8M excess shared wavefronts in its dk/dv kernel at D128/S1024/full
+// (H100; 8% of all), and D128 forward+backward times 0.8-1.7% faster with it. Every writer and
 // the convert kernel follow dq_swap_halves.
 template <int kD>
 constexpr bool dq_swap_halves() {
@@ -188,7 +188,7 @@ __device__ __forceinline__ float* dq_accum_panel_unit(const BwdParams& p, int b,
 // dq_accum zeroed by the dk/dv kernel (BwdParams::dq_zero_ahead) instead of by the row_dot kernel: the
 // 268 MB of zeros at 32768 tokens x 16 heads x 128 stored under the dk/dv kernel's compute rather
 // than in a kernel of their own (a wave ahead they still go out to memory and come back for the
-// first reduction, ncu's DRAM bytes in docs/notes_attention.md). The grid in its default order (key block x, kv head,
+// first reduction, by ncu's DRAM bytes). The grid in its default order (key block x, kv head,
 // batch or sequence slot z); its real blocks (at fixed length all, varlen those within their
 // sequence) numbered in grid order: row (hk, z) holds `blocks` of them from `first`. Real block u
 // zeroes the unit of real block u + dq_zero_ahead: slice x of its row's dq_accum, i.e. of each head
@@ -348,8 +348,8 @@ struct KeyBlock {
     if constexpr (kMask == kWindow) last_row = min(seqlen_q - 1, n0 + rows_k - 1 - offset + p.window_left);
     // The query tiles start at multiples of kBlockM, except 80-row tiles (no divisor of the 128-key
     // block; dq_accum_panel_unit): from first_row rounded down to 16 rows (p.bwd_row_align; 80 for A/B timings), so a
-    // block's first tile holds at most 15 rows that see none of its keys instead of 79 (H100 counts
-    // in docs/notes_attention.md: a 4096 window's tiles -1.0%, its masked tiles -17%).
+    // block's first tile holds at most 15 rows that see none of its keys instead of 79 (H100: a 4096
+    // window's tiles -1.0%, its masked tiles -17%).
     const int align = kBlockN % kBlockM != 0 ? p.bwd_row_align : kBlockM;
     row_first = first_row / align * align;
     m_count = last_row < first_row ? 0 : (last_row - row_first) / kBlockM + 1;
@@ -648,9 +648,9 @@ __device__ __forceinline__ void dkdv_wgmma_tile(const BwdParams& p, const Blk& b
   // and ptxas serializes both groups (injected warpgroup.arrive / wait, C7519 / C7517; at head dim 128
   // on the atomic path, every product of the tile; on the warp-specialized kernel at head dim 64,
   // C7512 and spills). The warp-specialized kernel always pins; the cp.async one from head dim 128
-  // up: at 64 (its calls there: TMA off, or operands a tensor map cannot describe) it keeps the old
-  // schedule, with the pin its causal forward+backward measured 10-15% slower on the H100 (full 1-2%
-  // faster; 2026-11-25, before head dim 64 moved to the warp-specialized kernel).
+  // up: at 64 (its calls there: TMA off, or operands a tensor map cannot describe) it does not pin,
+  // since with the pin its causal forward+backward measures 10-15% slower on the H100 (full 1-2%
+  // faster).
   if constexpr (kPinZeros) {
     wgmma_fence_operands(st);
     wgmma_fence_operands(dpt);
@@ -660,10 +660,10 @@ __device__ __forceinline__ void dkdv_wgmma_tile(const BwdParams& p, const Blk& b
   wgmma_ss_k_major<T, kBlockM, kD / 16>(dpt, sV + wg_rows, KVTile::kPanelBytes, sdO, QTile::kPanelBytes);
   // lse and row_dot of this thread's query columns (element i: 2 (i / 4) + i % 2), read while the
   // products run: read after a wgmma wait (its memory clobber pins them there), P^T's and dS^T's
-  // arithmetic stalled on the loads (~5% of the dk/dv kernel's stall samples, ncu at D128/S4096).
-  // With the deferred dQ hand-off (DqBulkAdd) 2-4% off head dim 128's forward+backward (H100,
-  // 2026-11-25, docs/notes_attention.md). Head dim 128 only: 64's and 256's register budgets were
-  // not checked for the 32 more live registers.
+  // arithmetic stalls on the loads (~5% of the dk/dv kernel's stall samples, ncu at D128/S4096).
+  // With the deferred dQ hand-off (DqBulkAdd) 2-4% off head dim 128's forward+backward (H100).
+  // Head dim 128 only: 64's and 256's register budgets are not checked for the 32 more live
+  // registers.
   constexpr bool kEarlyLds = kD == 128 && !kSplit && !Tr::kTransposedDq;  // 80-query tiles: no registers left
   float lse_r[kEarlyLds ? kSN / 2 : 1] = {}, row_dot_r[kEarlyLds ? kSN / 2 : 1] = {};
   auto load_pairs = [&](float* dst, const float* src) {
@@ -699,8 +699,8 @@ __device__ __forceinline__ void dkdv_wgmma_tile(const BwdParams& p, const Blk& b
   // P^T = exp2(S^T * scale_log2 - lse_log2[query]); element i: query column 8 (i / 4) + 2 t + i % 2,
   // key row warp_row0 + g + 8 ((i % 4) / 2).
   // Two copies of the loop behind one uniform branch: with the mask test inside the loop, ptxas
-  // predicated it and every tile paid for it (~100 instructions a thread at kBlockM = 64). With
-  // the mask test's bitwise & (now VisibleRange::contains; H100, 20eb938, A B B A): causal fwd+bwd 1-3% faster at head dim 128
+  // predicates it and every tile pays for it (~100 instructions a thread at kBlockM = 64). With
+  // the two copies and the mask test as a bitwise & (VisibleRange::contains; H100, A B B A): causal fwd+bwd 1-3% faster at head dim 128
   // (S16384 14.23 -> 13.75 ms), the sliding window 7.5% (7.04 -> 6.55), D256 softcap 3%.
   auto scores_to_p = [&](auto masked) {
     // The query rows that see this thread's two keys (element i: key row + 8 ((i / 2) % 2)).

@@ -16,7 +16,8 @@ namespace fuseforge::attention {
 
 // Head dim 128 (64-query tiles, or 80 with dQ transposed: BwdConfig::FullTraits, bwd_query_rows_d128)
 // and 64 (128-query tiles) run this kernel, 256 the cp.async one
-// (head dim 64 since 2026-11-26: forward+backward 7-12% faster on the H100, see use_bwd_warpspec).
+// (head dim 64 here: forward+backward 7-12% faster on the H100 than the cp.async kernel, see
+// use_bwd_warpspec).
 template <int kD>
 constexpr bool bwd_warpspec_head_dim() {
   return kD == 128 || kD == 64;
@@ -247,7 +248,7 @@ __device__ __forceinline__ void finish_dq(const BwdParams& p, const Blk& blk, in
 // row; dq_zero_ahead >= a row's blocks, so a block waits only on blocks of lower index, which have
 // started (blocks start in index order) and whose zeroing waits on lower ones still: no cycle. The
 // units of the first dq_zero_ahead real blocks are the zero-first kernel's (counted as done).
-// Measured in docs/notes_attention.md.
+// docs/design/attention.md has its timings.
 template <class Tr, bool kVarlen>
 __device__ __forceinline__ void dq_zero_ahead(const BwdParams& p, int lane) {
   const DqZeroRow row = dq_zero_row<kVarlen>(p, blockIdx.y, blockIdx.z, gridDim.x);
@@ -363,12 +364,11 @@ __global__ void __launch_bounds__(WarpSpecBwdLayout<Tr>::kThreads, 1)
 }
 
 // Whether the warp-specialized dk/dv kernel serves this call (tma filled in then).
-// Head dim 64: e71f88c's A/B (H100, 2026-11-25, one call,
-// A B B A): forward+backward D64/S1024 full 2.82 -> 2.58 ms, causal 1.93 -> 1.80, S16384 full
-// 38.97 -> 34.89, causal 18.36 -> 16.15. What it took: the accumulators' zeros pinned before the
-// fence (dkdv_wgmma_tile's kPinZeros); without them ptxas serialized the atomic kernels' wgmmas
-// (C7512) and they spilled, as at c34715c (384 bytes) and 24b6252 (3.5% slower than the cp.async
-// kernel at S16384/full).
+// Head dim 64, against the cp.async kernel (H100, A B B A): forward+backward D64/S1024 full 2.82 ->
+// 2.58 ms, causal 1.93 -> 1.80, S16384 full 38.97 -> 34.89, causal 18.36 -> 16.15. It needs the
+// accumulators' zeros pinned before the fence (dkdv_wgmma_tile's kPinZeros): without them ptxas
+// serializes the atomic kernels' wgmmas (C7512) and they spill (384 bytes; 3.5% slower than the
+// cp.async kernel at S16384/full).
 // Q's and dO's maps, boxes of Tr::kBlockM rows (the 80-query kernel takes the K / V maps of the
 // 64-query one: the same 128-row boxes).
 template <class Tr>
@@ -410,10 +410,10 @@ void launch_attention_bwd(const BwdParams& params, const BwdParams& row_dot_para
   // Causal: key block 0 of a head sees every query, the last one few. When the grid is a few waves
   // (GQA: each block loops over the group's heads, so the grid is small and its blocks long), the
   // launch order decides the tail: key blocks slowest (grid z) starts every head's heaviest block
-  // first and leaves the short ones for the last wave. Measured on the H100 (docs/notes_attention.md):
+  // first and leaves the short ones for the last wave. Measured on the H100:
   // the 1.2B Llama's step (2.9 waves) 29.5 -> 24.0 ms in this kernel; on the benchmark's 31-wave
   // grids the default order (a head's key blocks side by side, sharing its Q/dO tiles in L2) is 3-5%
-  // faster; at 7.75 waves (GQA softcap, S4096, 2026-11-26) the default order was 8% faster on the
+  // faster; at 7.75 waves (GQA softcap, S4096) the default order is 8% faster on the
   // warp-specialized kernel (3.31 -> 3.06 ms fwd+bwd) and 5.5% slower on head dim 256's cp.async one
   // (3.67 -> 3.89). So key blocks slowest up to 4 waves on the warp-specialized kernel (between the
   // measured 2.9 and 7.75), up to 8 on the others. Packed documents (varlen, ~90 waves of blocks,

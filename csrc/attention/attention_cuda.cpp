@@ -1,6 +1,6 @@
 // attention CUDA implementation, host side: checks, device guard, allocation, params, the dtype and
 // head-dim dispatch to the launchers (instantiations/*.cu). No host sync. Compiled by the C++
-// compiler, not nvcc (see docs/DEVELOPING.md).
+// compiler, not nvcc (CONTRIBUTING.md, Layout).
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 

@@ -8,11 +8,11 @@
 // A consumer warpgroup over key tiles 0..n-1: S(0), softmax(0); for each i >= 1 the products S(i)
 // and O += P(i-1) V(i-1) issued together, then softmax(i); last, O += P(n-1) V(n-1). K and V of a
 // stage are freed separately: K(i) once S(i) has run, so the producer loads K(i + 2) a whole
-// iteration before it is needed (with one barrier a stage, K(i + 1) waited for P(i-1) V(i-1) and
-// the consumers waited for it: ~9% of their stall samples in ncu at D128/S4096).
+// iteration before it is needed (with one barrier a stage, K(i + 1) waits for P(i-1) V(i-1) and
+// the consumers wait for it: ~9% of their stall samples in ncu at D128/S4096).
 // The epilogue stages each warp's 16 rows of O in the panels' 128-byte-swizzle layout and lane 0
 // stores them as TMA boxes, so the warp goes on to the next tile instead of issuing the stores
-// itself (H100, 2026-11-25: forward D128/S1024 -2.4%, D64/S1024 -1.5%, level at S16384). Varlen
+// itself (H100: forward D128/S1024 -2.4%, D64/S1024 -1.5%, level at S16384). Varlen
 // calls, and outs whose strides a tensor map cannot describe, keep the stores (a box would write rows
 // of the next sequence).
 // The mma.sync/cp.async forward (attention_fwd_kernel.cuh) remains for shapes TMA cannot describe
@@ -44,7 +44,7 @@ struct FwdTmaParams {
 // The traits of the warp-specialized forward for a launch shape Tr (the cp.async kernel's). Head
 // dim 64 runs three consumer warpgroups on 192-row query tiles (FlashAttention-3's shape there): two
 // warpgroups' products cover one's softmax, which at head dim 64 is as long as its products (H100,
-// 2026-11-25: forward 9.97 -> 8.38 ms at S16384, 2.60 -> 2.29 at S4096; docs/notes_attention.md).
+// against two warpgroups: forward 9.97 -> 8.38 ms at S16384, 2.60 -> 2.29 at S4096).
 // The cp.async kernel keeps 128 rows, and so does this one where fwd_query_rows_d64 (attention_launch.h)
 // says 192-row tiles would waste more than they gain.
 template <class Tr>
@@ -72,7 +72,7 @@ struct WarpSpecFwdLayout {
   // Head dim 128 (and the dims padded to it): each consumer warp holds its 16 rows of Q in registers
   // (32 a thread, loaded once a tile), S = Q K^T reads only K from shared memory, and Q's tile is
   // free for the next tile's Q as soon as it is loaded, not after the tile's last S (H100,
-  // 2026-11-27: forward at ncu's locked clock -3.6% at S1024/causal, -0.4% at S4096/full, -0.25% at
+  // forward at ncu's locked clock -3.6% at S1024/causal, -0.4% at S4096/full, -0.25% at
   // S16384/full). Head dim 64's three warpgroups have no registers to spare (160 a thread). Only
   // with kOwnOutputTile: otherwise O is staged in Q's tile, which must stay until the epilogue.
   static constexpr bool kQInRegisters = Tr::kHeadDim == 128 && kConsumers == 2 && Tr::kBlockN == 128 && kOwnOutputTile;
@@ -99,7 +99,7 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
   using T = typename Tr::T;
   using L = WarpSpecFwdLayout<Tr>;
   // Query tiles end at the sequence's last row: a partial tile is the first, under a causal mask the
-  // lightest (H100, 2026-11-27: D64/S1024/causal's forward -7% cycles; docs/notes_attention.md).
+  // lightest (H100: D64/S1024/causal's forward -7% cycles).
   using Block = QueryBlock<T, Tr::kBlockM, Tr::kBlockN, kMask, kVarlen, /*kBottom=*/true>;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kD = Tr::kHeadDim, kStages = L::kStages;
   static_assert(kBlockM == 128 || kBlockM == 192, "two or three consumer warpgroups of 64 rows");
@@ -148,8 +148,7 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
       int tile = blockIdx.x, kv = 0;  // kv: K/V tiles issued so far (the ring position)
       for (int j = 0;; ++j) {
         // varlen: tiles past their sequence have no rows; skip them here, the consumers never see them
-        // (an atomicMax past a sequence's run of empty tiles instead of an atomicAdd each timed level:
-        // docs/notes_attention.md, sixteenth session)
+        // (an atomicMax past a sequence's run of empty tiles instead of an atomicAdd each times level)
         if constexpr (kVarlen)
           while (tile < tma.num_tiles && block_of(tile).rows_q <= 0) tile = next_tile();
         mbarrier_wait(empty_q, (j & 1) ^ 1);  // the consumers are done with the previous tile's Q
@@ -269,8 +268,8 @@ __device__ __forceinline__ void attention_fwd_warpspec_body(const FwdParams& p, 
     // warp redo the tile from S, which is kept for that, with the exact max. Otherwise P stands.
     // Without the row max (64 FMNMX, two shuffles) the step is 344 SASS instructions instead of 429
     // (bf16, no mask), and the softmax is the path the other warpgroup's products wait on (H100,
-    // 2026-11-27, forward at ncu's locked clock: D128 -8.8% at S1024/full, -11.4% at S16384/full,
-    // -8.5% at S4096/causal; D64's three warpgroups -8.8% to -14.9%; docs/notes_attention.md). Every
+    // forward at ncu's locked clock: D128 -8.8% at S1024/full, -11.4% at S16384/full, -8.5% at
+    // S4096/causal; D64's three warpgroups -8.8% to -14.9%). Every
     // warp-specialized forward takes it: without the max, S's copy fits in the three-warpgroup and
     // varlen kernels' registers too (no spills).
     auto softmax_tile_spec = [&](int i, float (&sacc)[kBlockN / 2]) {

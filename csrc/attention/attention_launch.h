@@ -39,12 +39,12 @@ inline int64_t typical_tile_area(const FwdParams& p, bool local, int block_m, in
 }
 
 // Head dim 64's forward tiles: 192 rows (WarpSpecFwdTraits) computes ~15% more a second than 128
-// (H100, 2026-11-25: S16384 causal 5.13 -> 4.55 ms for 2.3% more tile area, S4096 1.41 -> 1.33 for
+// (H100: S16384 causal 5.13 -> 4.55 ms for 2.3% more tile area, S4096 1.41 -> 1.33 for
 // 9% more), but where a sequence is a few tiles long its partial tile and the causal diagonal waste
-// more of a 192-row tile. So 128 rows where the 192-row tiles' area is over 1.15x theirs (measured
-// on 2026-11-26: the faster of the two in each of five rows, docs/notes_attention.md), counted with
+// more of a 192-row tile. So 128 rows where the 192-row tiles' area is over 1.15x theirs (measured:
+// the faster of the two in each of five rows), counted with
 // the kernel's tiles ending at the last row: S1024 causal is then 1.125x and takes 192 rows (7% fewer
-// cycles than 128 on 2026-11-27; aligned to the start it was 1.33x and level). Varlen: the mean
+// cycles than 128; with tiles aligned to the start it would be 1.33x and level). Varlen: the mean
 // sequence (the lengths are on the device). FUSEFORGE_ATTENTION_FWD_ROWS=128 or 192 forces one.
 inline int fwd_query_rows_d64(const FwdParams& p, bool local) {
   const std::string knob = env_string("FUSEFORGE_ATTENTION_FWD_ROWS");
@@ -60,8 +60,8 @@ inline int fwd_query_rows_d64(const FwdParams& p, bool local) {
 // and deterministic calls keep 64): 80, FlashAttention-3's choice without a mask
 // (hopper/flash_bwd_launch_template.h: 25% more work a tile for the same barriers, waits and softmax
 // bookkeeping), where the tiles' area (the forward's count of query tile x key tile pairs, the same
-// pairs the backward visits) is at most 1.05x the 64-row tiles' area. Measured on the H100 (2026-11-26,
-// forward+backward, A B B A): without a mask 1-3% faster at S = 1024-16384 (locked clock: 2.2-6.5%
+// pairs the backward visits) is at most 1.05x the 64-row tiles' area. Measured on the H100
+// (forward+backward, A B B A): without a mask 1-3% faster at S = 1024-16384 (locked clock: 2.2-6.5%
 // fewer cycles); causal S16384 -4.8% (1.006x the area), S4096 -1.4% (1.045x), the 4096 window on
 // S16384 -2.9% (1.016x), S1024 +2.3% (1.076x: the diagonal starts inside a tile). FA3 keeps 64 with a
 // mask. Varlen: the area of the mean sequence, with or without a mask (a sequence's partial last tile
@@ -90,12 +90,12 @@ inline int bwd_row_align() {
 // How far ahead (in real blocks: varlen counts only those within their sequence) the dk/dv kernel
 // zeroes dq_accum (BwdParams::dq_zero_ahead): a wave of resident blocks, so a unit is zeroed about a
 // block's time before its first reduction; at least a grid row (kv_blocks: a block waits only on lower
-// ones). Measured on the H100 (docs/notes_attention.md): forward+backward at S1024 2.4-4.0% faster
-// than with the row_dot kernel's zeroing (two waves ahead: 1.9-3.0%), packed documents 1.2-1.3%
-// (counted in grid slots, most of them blocks past their sequence, they had been 1.5% slower). ncu
-// reads the zeros going out to memory and back all the same (the gain is the row_dot kernel's 268 MB
-// of stores moved under the dk/dv kernel's compute); 33 blocks ahead kept most in L2 (dk/dv DRAM
-// bytes -29%) and timed level. 0 where the row_dot kernel zeroes dq_accum:
+// ones). Measured on the H100: forward+backward at S1024 2.4-4.0% faster than with the row_dot
+// kernel's zeroing (two waves ahead: 1.9-3.0%), packed documents 1.2-1.3% (the distance in real blocks;
+// in grid slots, most of them blocks past their sequence, 1.5% slower). ncu reads the zeros
+// going out to memory and back all the same (the gain is the row_dot kernel's 268 MB of stores
+// moved under the dk/dv kernel's compute); 33 blocks ahead keeps most in L2 (dk/dv DRAM bytes -29%)
+// and times level. 0 where the row_dot kernel zeroes dq_accum:
 // FUSEFORGE_ATTENTION_BWD_ZERO_AHEAD=0, or a grid the zero-first kernel would cover whole. The
 // knob's positive values set the distance (A/B timings, tests).
 inline int64_t bwd_dq_zero_ahead(int64_t blocks, int64_t resident, int64_t kv_blocks) {
@@ -105,8 +105,8 @@ inline int64_t bwd_dq_zero_ahead(int64_t blocks, int64_t resident, int64_t kv_bl
 }
 
 // The backward's programmatic dependent launches (launch_attention_bwd); FUSEFORGE_ATTENTION_BWD_OVERLAP=0
-// launches serially (A/B timings, tests). Measured on the H100 (docs/notes_attention.md, 2026-11-28):
-// the 1.2-1.6 us between the backward's kernels go; forward+backward level at fixed length, the
+// launches serially (A/B timings, tests). Measured on the H100: the 1.2-1.6 us between the backward's
+// kernels go; forward+backward level at fixed length, the
 // window 1.0% and the packed documents 0.8% faster.
 inline bool bwd_overlap_launches() { return env_flag("FUSEFORGE_ATTENTION_BWD_OVERLAP", true); }
 
@@ -133,14 +133,13 @@ constexpr int bwd_key_block_rows(int64_t head_dim) { return head_dim > 128 ? 64 
 // Grouped-query heads in the backward (attention_bwd_cuda): a dk/dv block loops over the `group`
 // query heads of its KV head, so a small batch of short sequences makes fewer, longer blocks than the
 // GPU has SMs. B1 Hk8 S2048 gives 128 blocks of 4 heads on 132 SMs. Its causal blocks' tail, modelled
-// in docs/notes_attention.md (thirty-eighth session), puts the dk/dv kernel at ~1.9x its work spread
-// over the SMs. Splitting each group over `split` blocks gives split x the blocks: the blocks of a
+// block by block, puts the dk/dv kernel at ~1.9x its work spread over the SMs. Splitting each group over `split` blocks gives split x the blocks: the blocks of a
 // split read their KV head's K and V in place (FwdParams::kv_head_split), and their dK / dV partials
 // are summed after. The returned split divides the group.
 // FUSEFORGE_ATTENTION_BWD_HEAD_SPLIT:
 // - unset or "auto" (the default): the smallest power-of-two divisor of the group that brings the
-//   grid to min_waves waves of `resident` blocks. On the H200 (e22bdce) it took B1 Hq32 Hk8 S2048's
-//   forward+backward from 0.401 to 0.374 ms (split 4); split 2 there, 256 blocks, gained nothing.
+//   grid to min_waves waves of `resident` blocks. On the H200 it takes B1 Hq32 Hk8 S2048's
+//   forward+backward from 0.401 to 0.374 ms (split 4); split 2 there, 256 blocks, gains nothing.
 // - "1": no split; another divisor of the group: that split.
 inline int64_t bwd_gqa_head_split(int64_t blocks, int64_t group, int64_t resident, int64_t min_waves = 2) {
   const std::string knob = env_string("FUSEFORGE_ATTENTION_BWD_HEAD_SPLIT");

@@ -26,8 +26,8 @@ struct CudaElement<at::BFloat16> {
 };
 
 // Forward: 128 query rows a block, 8 warps of 16 rows (two warpgroups of 64 on sm_90a), key tiles of
-// 128. (The mma.sync-only kernel measured best at 4 warps of 32 rows and 64-key tiles on the H100,
-// docs/notes_attention.md; the wgmma body needs 64-row warpgroups and both share one launch shape.)
+// 128. (The mma.sync-only kernel measures best at 4 warps of 32 rows and 64-key tiles on the H100;
+// the wgmma body needs 64-row warpgroups and both share one launch shape.)
 // Head dim 256: 64-key tiles (Q 64 KB + 2 stages of K and V 128 KB of shared memory; O is 128 floats a
 // consumer thread).
 template <typename T, int kHeadDim, bool kPadHeadDim>

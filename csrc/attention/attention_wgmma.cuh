@@ -57,7 +57,7 @@ __device__ __forceinline__ int uniform_warp_index() {
 // so the 14-bit start field (address >> 4, bits 0-13) takes the offset without a carry and the
 // other fields stay. A product's k-steps add constants to one descriptor instead of rebuilding it
 // from the address: ~10 instructions a wgmma in the SASS (mask, shift, or, moves between register
-// files), about a fifth of the backward's instructions (ncu, docs/notes_attention.md).
+// files), about a fifth of the backward's instructions (ncu).
 __host__ __device__ __forceinline__ constexpr uint64_t wgmma_desc_add(uint64_t desc, uint32_t byte_offset) {
   const uint32_t start = static_cast<uint32_t>(desc) + (byte_offset >> 4);
   return (desc & 0xFFFFFFFF00000000ull) | start;

@@ -32,7 +32,7 @@ int cached_per_device(std::atomic<int> (&cache)[kMaxCachedDevices], Compute&& co
 // Dynamic shared memory (never used) that leaves room for exactly `blocks_per_sm` resident blocks
 // of a kernel with `static_smem` bytes of static shared memory a block; 0 when blocks_per_sm <= 0.
 // For streaming kernels whose DRAM efficiency falls with the number of blocks in flight (measured
-// for add_mul_act's backward, docs/notes_add_mul_act.md): registers alone would allow more.
+// for add_mul_act's backward, docs/design/add_mul_act.md): registers alone would allow more.
 inline size_t smem_capping_blocks_per_sm(int64_t blocks_per_sm, size_t static_smem) {
   if (blocks_per_sm <= 0) return 0;
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();

@@ -1,5 +1,5 @@
-// Development knobs read from the environment (the op notes list each one; none changes results
-// unless documented there). One reader so every knob parses and fails the same way.
+// Development knobs read from the environment (each op's docs/design/<op>.md lists its knobs; none
+// changes results unless documented there). One reader so every knob parses and fails the same way.
 #pragma once
 #include <c10/util/Exception.h>
 

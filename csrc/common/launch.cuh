@@ -1,6 +1,6 @@
 // The one way fuseforge launches a kernel (include only from .cu files; host logic that can throw,
 // like input checks and allocation, lives in g++-compiled <op>_cuda.cpp files, see
-// docs/DEVELOPING.md): on the current stream of the current device (callers
+// CONTRIBUTING.md): on the current stream of the current device (callers
 // hold a c10::cuda::CUDAGuard for their tensors' device), raising the dynamic shared-memory limit
 // when a kernel needs more than the default 48 KB, checking the launch, never synchronizing.
 #pragma once

@@ -1,5 +1,5 @@
 // glu CUDA implementation, host side: device guard, the vector-path decision, the grid, launches.
-// No host sync. Compiled by the C++ compiler, not nvcc (docs/DEVELOPING.md).
+// No host sync. Compiled by the C++ compiler, not nvcc (CONTRIBUTING.md, Layout).
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 

@@ -1,5 +1,5 @@
 // rms_norm CUDA implementation, host side: device guard, kernel parameters, the weight gradient's
-// partials, launches. No host sync. Compiled by the C++ compiler, not nvcc (see docs/DEVELOPING.md).
+// partials, launches. No host sync. Compiled by the C++ compiler, not nvcc (CONTRIBUTING.md, Layout).
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 

@@ -1,5 +1,5 @@
 // rotary CUDA implementation, host side: device guard, the vector-path decision, the launch plan.
-// No host sync. Compiled by the C++ compiler, not nvcc (see docs/DEVELOPING.md).
+// No host sync. Compiled by the C++ compiler, not nvcc (CONTRIBUTING.md, Layout).
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 

@@ -139,7 +139,7 @@ TEST(AttentionTiling, AreaCountsTheKeyTilesEachQueryTileVisits) {
 }
 
 TEST(AttentionTiling, HeadDim64TakesTheRowsThatWasteLess) {
-  // The H100's measurements (docs/notes_attention.md): 192 rows as fast as 128 at S1024 causal with
+  // The H100's measurements (fwd_query_rows_d64): 192 rows as fast as 128 at S1024 causal with
   // tiles aligned to the start (1.33x the area), 7% faster aligned to the end (1.125x).
   EXPECT_EQ(at_::fwd_query_rows_d64(causal(fixed_length(1024, 1024)), true), 192);
   EXPECT_EQ(at_::fwd_query_rows_d64(fixed_length(1024, 1024), false), 192);
@@ -166,8 +166,8 @@ TEST(AttentionTiling, RowsKnobForcesOneAndNamesABadValue) {
 }
 
 TEST(AttentionTiling, HeadDim128BackwardTakes80RowsWhereTheAreaAllows) {
-  // 80-query tiles cover at most 1.05x the 64-query tiles' area (docs/notes_attention.md, twentieth
-  // session): without a mask always; causal S1024 1.076x -> 64, S4096 1.045x and S16384 1.006x -> 80;
+  // 80-query tiles where they cover at most 1.05x the 64-query tiles' area (bwd_query_rows_d128):
+  // without a mask always; causal S1024 1.076x -> 64, S4096 1.045x and S16384 1.006x -> 80;
   // the 4096 window on S16384 1.016x -> 80.
   EXPECT_EQ(at_::bwd_query_rows_d128(fixed_length(1024, 1024), false), 80);
   EXPECT_EQ(at_::bwd_query_rows_d128(fixed_length(50, 70), false), 80);

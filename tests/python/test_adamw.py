@@ -126,7 +126,7 @@ def test_100_steps_match_torch_fused(device, amsgrad, maximize):
 @requires_cuda
 @pytest.mark.parametrize("amsgrad", [False, True])
 def test_elementwise_parity_with_torch_fused(amsgrad):
-    """Issue 19's case, element by element: 2800 small float32 tensors, lr 1e-2, 5 steps of fresh
+    """torch's fused AdamW, element by element: 2800 small float32 tensors, lr 1e-2, 5 steps of fresh
     grads. The bias corrections, step size and moment updates are rounded as torch's fused CUDA
     kernel rounds them, so every element agrees to rtol 1e-6 / atol 1e-8 (params and states)."""
     shapes = [(0,), (1,), (3, 5), (7,)] * 700
@@ -581,7 +581,7 @@ def test_handle_step_opcheck(device):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[requires_cuda, pytest.mark.xfail(
-    strict=True, reason="known bug (H100, torch 2.11, 2026-11-23): the inductor-compiled step on CUDA ends 7e-3 "
+    strict=True, reason="known bug (H100, torch 2.11): the inductor-compiled step on CUDA ends 7e-3 "
                         "away from torch's AdamW; eager CUDA steps and the CPU compiled step match")])])
 def test_compile_fullgraph(device):
     ours = make_params(device, shapes=[(37,), (16, 8), (5, 3)], misalign=False)

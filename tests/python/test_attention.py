@@ -802,9 +802,9 @@ WINDOW_DKDV_KERNEL = re.compile(r"attention_bwd_dkdv_warpspec_kernel.*EEELi2ELb[
 
 def test_sass_window_mask_tile_loop_has_no_branch_an_element():
     """The warp-specialized dk/dv kernels with the sliding-window mask: their tile loop branches a few
-    times a tile, not around every element. With `&&` in key_visible ptxas kept the short circuit
-    and the loop held 62-69 branches a tile at head dim 128 (the window's backward ran 7.5% slower;
-    docs/notes_attention.md, thirteenth session); 5-8 in the build of 711c36a."""
+    times a tile, not around every element. With `&&` in key_visible ptxas keeps the short circuit
+    and the loop holds 62-69 branches a tile at head dim 128 (the window's backward 7.5% slower);
+    with the bitwise test, 5-8."""
     spec = importlib.util.spec_from_file_location(
         "sass_report", Path(__file__).resolve().parents[2] / "scripts" / "sass_report.py")
     sass_report = importlib.util.module_from_spec(spec)

@@ -16,6 +16,18 @@ harness = sys.modules["bench_harness"] = importlib.util.module_from_spec(_spec) 
 _spec.loader.exec_module(harness)
 
 
+def _profiler(monkeypatch):
+    """benchmarks/profiler.py by path, on the benchmarks' harness rather than the tests'; monkeypatch
+    undoes the sys.path and sys.modules changes."""
+    monkeypatch.setitem(sys.modules, "harness", harness)
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "python"))
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    spec = importlib.util.spec_from_file_location("bench_profiler", os.path.join(ROOT, "benchmarks", "profiler.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _stamp(t: float) -> str:
     return dt.datetime.fromtimestamp(t).strftime("%Y/%m/%d %H:%M:%S.%f")[:-3]
 
@@ -51,15 +63,14 @@ def test_markdown_table_shows_clock_and_power():
     assert "| c | fwd | 1700* / 698 | 1900 |" in table
 
 
-def test_ncu_ratio_table():
-    """scripts/ncu_pass_cycles.py's README table: peers' sums over fuseforge's, the clock from cycles / ms."""
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    import ncu_pass_cycles
+def test_ncu_ratio_table(monkeypatch):
+    """`profiler.py ncu-cycles`'s table: peers' sums over fuseforge's, the clock from cycles / ms."""
+    ncu = _profiler(monkeypatch)
     rows = [{"case": "D128/S1024/full", "pass": "fwd", "impl": "fuseforge", "ms": 2.0, "mcycles": 2.9},
             {"case": "D128/S1024/full", "pass": "fwd", "impl": "sdpa_cudnn", "ms": 3.0, "mcycles": 4.35}]
     result = {"rows": rows, "gpu": "GPU", "torch": "t", "cuda": "c", "commit": "0123456789abcdef", "date": "d1",
               "dates": ["d0", "d1"]}
-    table = ncu_pass_cycles.ratio_table(result)
+    table = ncu.ratio_table(result)
     assert "| D128/S1024/full | fwd | 2 | 3 | 1.500x |" in table
     assert "(1.45 GHz)" in table and "`0123456789ab`" in table and "d0 and d1 (one run of the script each)" in table
 
@@ -128,11 +139,10 @@ def test_markdown_table_names_the_settling():
     assert "after 600 ms of itself (--settle-ms), 2 rounds." in harness.markdown_table({**result, "settle_ms": 600.0})
 
 
-def test_ncu_csv_traffic_columns():
-    """ncu_pass_cycles.py --traffic: each kernel's metrics in the columns' units, ncu's auto-scaled
+def test_ncu_csv_traffic_columns(monkeypatch):
+    """`profiler.py ncu-cycles --traffic`: each kernel's metrics in the columns' units, ncu's auto-scaled
     units undone, the workload's own prints before ncu's header skipped."""
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    import ncu_pass_cycles
+    ncu = _profiler(monkeypatch)
     head = '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"'
     text = "\n".join(["lengths: 1,2,3", head,
                       '"0","k0","gpu__time_duration.sum","usecond","1,500.00"',
@@ -141,22 +151,22 @@ def test_ncu_csv_traffic_columns():
                       '"0","k0","lts__t_sectors_op_red.sum","sector","1,000,000"',
                       '"1","k1","gpu__time_duration.sum","msecond","2.0"',
                       '"1","k1","lts__t_bytes.sum","Gbyte","1.5"'])
-    kernels = ncu_pass_cycles.parse_ncu_csv(text, ncu_pass_cycles.TRAFFIC)
+    kernels = ncu.parse_ncu_csv(text, ncu.TRAFFIC)
     assert kernels["0"]["ms"] == 1.5 and kernels["0"]["cycles"] == 2175000
     assert abs(kernels["0"]["l2_MB"] - 40.96) < 1e-9 and abs(kernels["0"]["l2_red_MB"] - 32.0) < 1e-9
     assert kernels["1"]["ms"] == 2.0 and abs(kernels["1"]["l2_MB"] - 1500.0) < 1e-9 and "l2_red_MB" not in kernels["1"]
     rows = [{"case": "c", "pass": "fwdbwd", "impl": "fuseforge", "ms": 3.5, "l2_MB": 1540.96, "l2_red_MB": 32.0}]
-    table = ncu_pass_cycles.traffic_table({"rows": rows, "gpu": "GPU", "commit": "0123456789abcdef"})
+    table = ncu.traffic_table({"rows": rows, "gpu": "GPU", "commit": "0123456789abcdef"})
     assert "| c | fwdbwd | fuseforge | 3.5 | 1541 | 32 |" in table and "| l2_MB | l2_red_MB |" in table
 
 
 def test_e2e_attention_ab_runs_both_attentions_on_the_cpu(tmp_path):
-    """scripts/e2e_attention_ab.py (issue 17's step A/B) on a tiny Llama on the CPU: every fuseforge
-    step ran fuseforge's attention in every layer (the script checks the patch's call counts), both
-    modes were timed in A B B A order, and the table names the saving."""
+    """`profiler.py e2e-attention-ab` (the training step's attention A/B) on a tiny Llama on the CPU:
+    every fuseforge step ran fuseforge's attention in every layer (the subcommand checks the patch's
+    call counts), both modes were timed in A B B A order, and the table names the saving."""
     pytest.importorskip("transformers")
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
-    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "e2e_attention_ab.py"), "--device", "cpu",
+    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "profiler.py"), "e2e-attention-ab", "--device", "cpu",
                     "--config", "tiny", "--seq", "32", "--batch", "2", "--pairs", "2", "--rounds", "1",
                     "--out", str(tmp_path)], check=True, env=env, capture_output=True, timeout=600)
     result = json.loads((tmp_path / "e2e_attention_ab.json").read_text())
@@ -173,11 +183,7 @@ def test_e2e_attention_ab_table_predicts_the_step_saving_from_energy(monkeypatch
     """The energy rows of e2e_attention_ab's table: the layers' saved energy a call over the step's mean
     power is the step saving a power-capped step should show (16 x 5 mJ / 500 W = 0.16 ms)."""
     pytest.importorskip("transformers")
-    monkeypatch.setitem(sys.modules, "harness", harness)  # the benchmarks' harness, not the tests'
-    monkeypatch.syspath_prepend(os.path.join(ROOT, "python"))
-    spec = importlib.util.spec_from_file_location("e2e_attention_ab", os.path.join(ROOT, "scripts", "e2e_attention_ab.py"))
-    ab = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ab)
+    ab = _profiler(monkeypatch)
     steps = {"fuseforge": [100.0, 101.0], "sdpa": [102.0, 103.0]}
     energy = {m: {"j_step": j, "ms_step": t, "watts": w, "blocks": [[j, t]] * 4}
               for m, j, t, w in (("fuseforge", 50.0, 100.0, 500.0), ("sdpa", 51.0, 102.0, 500.0))}
@@ -188,7 +194,7 @@ def test_e2e_attention_ab_table_predicts_the_step_saving_from_energy(monkeypatch
     result = {"step": ab.step_summary(steps), "attention_alone": alone, "layers": 16, "energy_step": energy,
               "energy_steps_per_block": 3, "gpu": "GPU", "torch": "2", "cuda": "13", "commit": "abc", "date": "d",
               "case": "c"}
-    table = ab.markdown(result)
+    table = ab.ab_markdown(result)
     assert "| energy a step, J (mean W; ms a step), 4 blocks of 3 steps each | 50.0 (500 W; 100.0) |" in table
     assert "| 605.0 (550 W; 1.100) | +5.0 mJ (1.008x) |" in table
     assert "**+0.16** (+0.080 J / 500 W)" in table

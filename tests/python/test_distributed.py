@@ -111,7 +111,7 @@ def test_adamw_fsdp2_matches_plain_bitwise(device):
 
 
 @pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.xfail(strict=False, reason=(
-    "known limitation (torch 2.14, CPU, 2026-11-24): dynamo fails building guards for opt.step over FSDP2 "
+    "known limitation (torch 2.14, CPU): dynamo fails building guards for opt.step over FSDP2 "
     "DTensors at world size 2 (IndexError in ShapeEnv.produce_guards_verbose after tracing the step); "
     "world size 1 compiles and matches")))])
 def test_adamw_fsdp2_compiled_step(world):

@@ -24,8 +24,7 @@ LOSS_TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 1e-5, torc
 # in eager PyTorch and torch.compile, with the target logit (and, for label smoothing, the sum of the
 # logits) formed exactly; the rest of their rounding reaches the loss. 1e-4, or 3x the error that
 # rounding this draw's logits to bf16 gives the float64 loss, whichever is larger: with logits of
-# std ~2 over 87 tokens that rounding alone passes 1e-4 in ~5% of draws (1.9e-4 at most in 3000;
-# one failed on the H200 at 05d7351).
+# std ~2 over 87 tokens that rounding alone passes 1e-4 in ~5% of draws (1.9e-4 at most in 3000).
 BF16_LOGITS_LOSS_TOL = 1e-4
 # Gradients go through one rounding of the logit gradients to the input dtype and bf16/fp16 outputs.
 GRAD_TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 8e-3}

@@ -197,7 +197,7 @@ def test_patched_loss_and_gradients_match_unpatched(family, dtype):
 def test_logits_and_generation_match_unpatched(family):
     model = make_model(family)
     # No pad_token_id (0) in the prompt: generate would infer a padding mask from it, and a real
-    # mask goes to SDPA (the inputs are fresh random tokens each session).
+    # mask goes to SDPA (the inputs are fresh random tokens on every run).
     ids = tokens(2, 11).clamp_min(1)
     with torch.no_grad():
         ref_logits = model(input_ids=ids).logits
@@ -661,9 +661,9 @@ def test_packed_bf16_cuda_matches_unpatched(family, head_dim):
             assert_rel_close(got_grads[name], g, 5e-2, f"grad {name}")
     if family == "gemma2":
         # Per parameter, the ratio of two errors of 10-40% is itself noisy: measured on the H100 over six
-        # token draws (scripts of 2026-11-25, both kernel sets bitwise equal), 0.86-1.38 per parameter and
-        # once 2.5 (24.8% vs 9.8%). The geometric mean at head dim 256, three draws on 2026-11-26 (the
-        # tokens depend on the tests run before this one: harness.generator's seeds are a counter):
+        # token draws, 0.86-1.38 per parameter and once 2.5 (24.8% vs 9.8%). The geometric mean at head
+        # dim 256 over three draws (the tokens depend on the tests run before this one:
+        # harness.generator's seeds are a counter):
         # 0.905, 1.181 and 1.306, each the same with the varlen sequences in either order. So: every
         # parameter within 3x, and the geometric mean within 1.5x; a wrong mask or softcap derivative
         # puts the patched model's errors near 100% (ratios of 4-10x).
