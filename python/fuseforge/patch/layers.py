@@ -114,7 +114,7 @@ def _rope_source(rotary_emb: nn.Module, config, layer_idx: int):
 
 def _attention_function(module: nn.Module):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    from fuseforge.patch import ATTN_IMPLEMENTATION, fuseforge_attention_forward
+    from fuseforge.patch.attention import ATTN_IMPLEMENTATION, fuseforge_attention_forward
     impl = module.config._attn_implementation
     if impl == ATTN_IMPLEMENTATION:
         return fuseforge_attention_forward
