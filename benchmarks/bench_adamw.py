@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 
 import harness  # noqa: E402
 from harness import Bench  # noqa: E402
@@ -55,7 +56,7 @@ def llama1b_shapes():
 
 
 def gptdemo_shapes():
-    from fuseforge.models.gpt import GPTConfig, TorchGPT
+    from demo_model import GPTConfig, TorchGPT  # examples/
     config = GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=2, n_kv_head=1, d_model=128)
     return [tuple(p.shape) for p in TorchGPT(config).parameters()]
 

@@ -24,7 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "python"))  # run from a checkout without installing
 
 import fuseforge  # noqa: E402  (loads the extension)
-from fuseforge.models.gpt import GPTConfig, make_pair  # noqa: E402
+from demo_model import GPTConfig, make_pair  # noqa: E402
 from fuseforge.optim import AdamW as FuseforgeAdamW  # noqa: E402
 
 # Presets: the CPU one finishes in a few minutes on two cores; the GPU one fills an H100 better.

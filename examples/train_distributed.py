@@ -1,4 +1,4 @@
-"""The demo's small GPT (fuseforge.models.gpt) trained data-parallel under torchrun: FSDP2
+"""The demo's small GPT (examples/demo_model.py) trained data-parallel under torchrun: FSDP2
 (fully_shard each block, then the root) or DDP; gloo on the CPU, nccl on GPUs (one per rank).
 
     torchrun --nproc_per_node=2 examples/train_distributed.py                   # FSDP2, fuseforge
@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "python"))  # run from a 
 sys.path.insert(0, HERE)
 
 import fuseforge  # noqa: E402  (loads the extension)
-from fuseforge.models.gpt import FuseforgeGPT, GPTConfig, TorchGPT  # noqa: E402
+from demo_model import FuseforgeGPT, GPTConfig, TorchGPT  # noqa: E402
 from fuseforge.optim import AdamW as FuseforgeAdamW  # noqa: E402
 from demo import Batches, load_bytes, lr_at, param_groups  # noqa: E402
 

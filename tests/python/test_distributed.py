@@ -12,7 +12,7 @@ What is compared, step by step:
   kernel is elementwise), with amsgrad/maximize, tensor lr, grad_scale/found_inf, bf16 master
   weights and param groups; and against torch.optim.AdamW on the same DTensors (float32 rounding).
 - a GPT trained under FSDP2 with clip_grad_norm_ on DTensor grads: fuseforge AdamW vs torch AdamW.
-- fuseforge.models.gpt's fuseforge GPT vs its torch GPT, and fuseforge.patch-ed vs unpatched
+- the demo model's fuseforge GPT vs its torch GPT, and fuseforge.patch-ed vs unpatched
   Hugging Face Llama (tied embeddings), under FSDP2 and DDP: losses and gradients.
 - DCP: save mid-training, load into a new process group / model / optimizer, resume bitwise; and
   the optimizer checkpoint moves between fuseforge.optim.AdamW and torch.optim.AdamW both ways.
@@ -233,7 +233,7 @@ def assert_equal(a, b, what: str) -> None:
 
 
 def gpt_config(ctx: Ctx):
-    from fuseforge.models.gpt import GPTConfig
+    from demo_model import GPTConfig
     # CUDA attention runs fp16/bf16 with head dims 64/128 (the GPT runs under bf16 autocast there).
     if ctx.cuda:
         return GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=2, n_kv_head=1, d_model=128)
@@ -414,7 +414,7 @@ def scenario_adamw_compile(ctx: Ctx) -> None:
 
 def scenario_adamw_train(ctx: Ctx) -> None:
     """A GPT under FSDP2 with clip_grad_norm_ on DTensor grads: fuseforge AdamW vs torch AdamW."""
-    from fuseforge.models.gpt import TorchGPT
+    from demo_model import TorchGPT
     from fuseforge.optim import AdamW
     c = gpt_config(ctx)
     models = []
@@ -445,7 +445,7 @@ def scenario_adamw_train(ctx: Ctx) -> None:
 
 
 def _gpt_pair(ctx: Ctx, wrapper: str):
-    from fuseforge.models.gpt import make_pair
+    from demo_model import make_pair
     c = gpt_config(ctx)
     ff, ref = make_pair(c, seed=0, device=ctx.device)
     plain_ff, _ = make_pair(c, seed=0, device=ctx.device)
@@ -571,7 +571,7 @@ def scenario_dcp(ctx: Ctx) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    from fuseforge.models.gpt import FuseforgeGPT
+    from demo_model import FuseforgeGPT
     from fuseforge.optim import AdamW
     c = gpt_config(ctx)
     kw = dict(lr=3e-3, weight_decay=0.1, amsgrad=True)

@@ -1,9 +1,9 @@
-"""fuseforge.models.gpt: the fuseforge GPT against the same GPT in plain PyTorch."""
+"""The demo model (examples/demo_model.py): the fuseforge GPT against the same GPT in plain PyTorch."""
 import pytest
 import torch
 
 import fuseforge  # noqa: F401  (loads the extension)
-from fuseforge.models.gpt import FuseforgeGPT, GPTConfig, make_pair
+from demo_model import FuseforgeGPT, GPTConfig, make_pair
 from fuseforge.optim import AdamW as FuseforgeAdamW
 from harness import assert_rel_close, generator, requires_cuda
 
