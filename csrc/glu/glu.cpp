@@ -1,16 +1,16 @@
 // glu: input checks and the CPU implementation (the reference the CUDA kernels must match; float64
 // serves gradcheck). Each element is one act(gate) * up in the math type (float; double for
-// float64), rounded once, the same formula and order as the CUDA kernels.
+// float64), rounded once, the same formula and order as the CUDA kernels; the CPU kernels are
+// vectorized per ISA in glu_cpu_kernel.h.
 #include "glu/glu.h"
+#include "glu/glu_cpu.h"
 
-#include <ATen/OpMathType.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <string>
 
 #include "common/checks.h"
-#include "common/dispatch.h"
+#include "common/cpu_isa.h"
 
 namespace fuseforge::glu {
 
@@ -133,60 +133,38 @@ Gradients allocate_gradients(const BackwardArgs& a, const at::Tensor& gate, cons
 
 namespace {
 
-// Rows a CPU task takes at least: ~32K elements (below that, threads cost more than they save).
-int64_t cpu_grain(int64_t cols) { return std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, cols)); }
-
-template <typename T, Activation A>
-void forward_cpu_typed(const ForwardArgs& a, T* out) {
-  using M = at::opmath_type<T>;
-  const T* gate = static_cast<const T*>(a.gate.data);
-  const T* up = static_cast<const T*>(a.up.data);
-  at::parallel_for(0, a.rows, cpu_grain(a.cols), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const T* g = gate + r * a.gate.row_stride;
-      const T* u = up + r * a.up.row_stride;
-      T* o = out + r * a.cols;
-      for (int64_t c = 0; c < a.cols; ++c)
-        o[c] = static_cast<T>(Act<A>::forward(static_cast<M>(g[c])) * static_cast<M>(u[c]));
-    }
-  });
-}
-
-template <typename T, Activation A>
-void backward_cpu_typed(const BackwardArgs& a, const Gradients& grads) {
-  using M = at::opmath_type<T>;
-  const T* grad_out = static_cast<const T*>(a.grad_out.data);
-  const T* gate = static_cast<const T*>(a.gate.data);
-  const T* up = static_cast<const T*>(a.up.data);
-  T* grad_gate = static_cast<T*>(grads.gate_data);
-  T* grad_up = static_cast<T*>(grads.up_data);
-  at::parallel_for(0, a.rows, cpu_grain(a.cols), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const T* go = grad_out + r * a.grad_out.row_stride;
-      const T* g = gate + r * a.gate.row_stride;
-      const T* u = up + r * a.up.row_stride;
-      T* gg = grad_gate + r * grads.gate_row_stride;
-      T* gu = grad_up + r * grads.up_row_stride;
-      for (int64_t c = 0; c < a.cols; ++c) {
-        const M z = static_cast<M>(g[c]), grad = static_cast<M>(go[c]);
-        gg[c] = static_cast<T>(grad * static_cast<M>(u[c]) * Act<A>::derivative(z));
-        gu[c] = static_cast<T>(grad * Act<A>::forward(z));
-      }
-    }
-  });
-}
-
+// The kernels are vectorized and built per CPU ISA (glu_cpu_kernel.h, common/cpu_isa.h).
 void forward_cpu(const ForwardArgs& a, at::Tensor& out) {
-  FUSEFORGE_DISPATCH_FLOATING(out.scalar_type(), "glu_fwd_cpu", [&] {
-    FUSEFORGE_GLU_ACTIVATION_SWITCH(a.act, kAct,
-                                    [&] { forward_cpu_typed<scalar_t, kAct>(a, out.mutable_data_ptr<scalar_t>()); });
-  });
+  CpuForwardArgs k{};
+  k.gate = a.gate.data;
+  k.up = a.up.data;
+  k.gate_row_stride = a.gate.row_stride;
+  k.up_row_stride = a.up.row_stride;
+  k.out = out.mutable_data_ptr();
+  k.rows = a.rows;
+  k.cols = a.cols;
+  k.act = a.act;
+  k.dtype = out.scalar_type();
+  FUSEFORGE_CPU_ISA_CALL(forward, k);
 }
 
 void backward_cpu(const BackwardArgs& a, Gradients& g) {
-  FUSEFORGE_DISPATCH_FLOATING(g.grad_gate.scalar_type(), "glu_bwd_cpu", [&] {
-    FUSEFORGE_GLU_ACTIVATION_SWITCH(a.act, kAct, [&] { backward_cpu_typed<scalar_t, kAct>(a, g); });
-  });
+  CpuBackwardArgs k{};
+  k.grad_out = a.grad_out.data;
+  k.gate = a.gate.data;
+  k.up = a.up.data;
+  k.grad_out_row_stride = a.grad_out.row_stride;
+  k.gate_row_stride = a.gate.row_stride;
+  k.up_row_stride = a.up.row_stride;
+  k.grad_gate = g.gate_data;
+  k.grad_up = g.up_data;
+  k.grad_gate_row_stride = g.gate_row_stride;
+  k.grad_up_row_stride = g.up_row_stride;
+  k.rows = a.rows;
+  k.cols = a.cols;
+  k.act = a.act;
+  k.dtype = g.grad_gate.scalar_type();
+  FUSEFORGE_CPU_ISA_CALL(backward, k);
 }
 
 }  // namespace

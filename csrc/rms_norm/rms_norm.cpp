@@ -1,17 +1,15 @@
 // rms_norm: input checks and the CPU implementation (the reference the CUDA kernels must match;
 // float64 serves gradcheck). Elementwise arithmetic in float (double for float64), as the CUDA kernels
-// do; the sums over a row and over rows in double (a sequential float sum of a 16384-wide row is
-// off by ~1e-6, the CUDA kernels' tree sums are not).
+// do; the CPU kernels (vectorized per ISA, rms_norm_cpu_kernel.h) sum a row in 64 float lanes added
+// in a tree (a sequential float sum of a 16384-wide row is off by ~1e-6, the CUDA kernels' tree
+// sums are not).
 #include "rms_norm/rms_norm.h"
+#include "rms_norm/rms_norm_cpu.h"
 
-#include <ATen/OpMathType.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <algorithm>
-#include <vector>
-
 #include "common/checks.h"
+#include "common/cpu_isa.h"
 
 namespace fuseforge::rms_norm {
 
@@ -123,126 +121,41 @@ Gradients allocate_gradients(const BackwardArgs& a) {
 
 namespace {
 
-// Elements of a tensor of any supported dtype, to and from the math type M.
-template <typename M>
-void read_as(const at::Tensor& t, int64_t offset, int64_t n, M* dst) {
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, t.scalar_type(), "rms_norm_read", [&] {
-    const scalar_t* src = t.const_data_ptr<scalar_t>() + offset;
-    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<M>(src[i]);
-  });
-}
-
-template <typename M>
-void write_as(at::Tensor& t, int64_t offset, int64_t n, const M* src) {
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, t.scalar_type(), "rms_norm_write", [&] {
-    scalar_t* dst = t.mutable_data_ptr<scalar_t>() + offset;
-    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<scalar_t>(src[i]);
-  });
-}
-
-// weight_offset + weight in M, or empty without a weight (no scale).
-template <typename M>
-std::vector<M> scale_of(const at::Tensor& weight, double weight_offset, int64_t cols) {
-  std::vector<M> w;
-  if (!weight.defined()) return w;
-  w.resize(cols);
-  read_as<M>(weight, 0, cols, w.data());
-  for (auto& v : w) v = static_cast<M>(weight_offset) + v;
-  return w;
-}
-
-// Elements a task at least: below this, threads cost more than they save.
-constexpr int64_t kGrainElems = 1 << 15;
-// Row blocks of the weight gradient's partial sums (a constant, so the sum's order is too).
-constexpr int64_t kWeightGradBlocks = 64;
-
-template <typename T>
-void forward_typed(const ForwardArgs& a, ForwardOutputs& o) {
-  using M = at::opmath_type<T>;
-  const int64_t cols = a.cols;
-  const std::vector<M> w = scale_of<M>(a.weight, a.weight_offset, cols);
-  const T* x = a.x.const_data_ptr<T>();
-  const T* res = a.residual.defined() ? a.residual.const_data_ptr<T>() : nullptr;
-  T* h_out = res ? o.residual_out.mutable_data_ptr<T>() : nullptr;
-  M* rstd = o.rstd.mutable_data_ptr<M>();
-  const M eps = static_cast<M>(a.eps);
-  const int64_t grain = std::max<int64_t>(1, kGrainElems / cols);
-  at::parallel_for(0, a.rows, grain, [&](int64_t r0, int64_t r1) {
-    std::vector<M> row_out(cols);
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t base = r * cols;
-      double sumsq = 0;
-      for (int64_t c = 0; c < cols; ++c) {
-        // h rounded to T, as the unfused `residual + x` is, before it is squared.
-        const T h = res ? static_cast<T>(static_cast<M>(x[base + c]) + static_cast<M>(res[base + c])) : x[base + c];
-        if (h_out) h_out[base + c] = h;
-        const M hv = static_cast<M>(h);
-        sumsq += static_cast<double>(hv) * hv;
-      }
-      const M rs = M(1) / std::sqrt(static_cast<M>(sumsq / static_cast<double>(cols)) + eps);
-      rstd[r] = rs;
-      const T* h = h_out ? h_out + base : x + base;
-      for (int64_t c = 0; c < cols; ++c) {
-        const M xhat = static_cast<M>(h[c]) * rs;
-        row_out[c] = w.empty() ? xhat : xhat * w[c];
-      }
-      write_as<M>(o.out, base, cols, row_out.data());
-    }
-  });
-}
-
-template <typename T>
-void backward_typed(const BackwardArgs& a, Gradients& g) {
-  using M = at::opmath_type<T>;
-  const int64_t cols = a.cols;
-  const std::vector<M> w = scale_of<M>(a.weight, a.weight_offset, cols);
-  const T* h = a.h.const_data_ptr<T>();
-  const T* grad_res = a.grad_residual_out.defined() ? a.grad_residual_out.const_data_ptr<T>() : nullptr;
-  const M* rstd = a.rstd.const_data_ptr<M>();
-  T* grad_input = g.grad_input.mutable_data_ptr<T>();
-  const int64_t blocks = std::min(a.rows, kWeightGradBlocks);
-  const int64_t rows_per_block = (a.rows + blocks - 1) / blocks;
-  std::vector<double> partial(a.need_grad_weight ? blocks * cols : 0, 0.0);
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<M> go(cols);
-    for (int64_t b = b0; b < b1; ++b) {
-      double* dw = a.need_grad_weight ? partial.data() + b * cols : nullptr;
-      for (int64_t r = b * rows_per_block; r < std::min(a.rows, (b + 1) * rows_per_block); ++r) {
-        const int64_t base = r * cols;
-        const M rs = rstd[r];
-        read_as<M>(a.grad_out, base, cols, go.data());
-        double dot = 0;
-        for (int64_t c = 0; c < cols; ++c) {
-          const M xhat = static_cast<M>(h[base + c]) * rs;
-          if (dw) dw[c] += static_cast<double>(go[c]) * xhat;
-          if (!w.empty()) go[c] *= w[c];
-          dot += static_cast<double>(go[c]) * xhat;
-        }
-        const M mean = static_cast<M>(dot / static_cast<double>(cols));
-        for (int64_t c = 0; c < cols; ++c) {
-          const M xhat = static_cast<M>(h[base + c]) * rs;
-          M gi = rs * (go[c] - xhat * mean);
-          if (grad_res) gi += static_cast<M>(grad_res[base + c]);
-          grad_input[base + c] = static_cast<T>(gi);
-        }
-      }
-    }
-  });
-  if (!a.need_grad_weight) return;
-  std::vector<double> total(cols, 0.0);
-  for (int64_t b = 0; b < blocks; ++b)  // in order: deterministic
-    for (int64_t c = 0; c < cols; ++c) total[c] += partial[b * cols + c];
-  write_as<double>(g.grad_weight, 0, cols, total.data());
-}
-
+// The kernels are vectorized and built per CPU ISA (rms_norm_cpu_kernel.h, common/cpu_isa.h).
 void forward_cpu(const ForwardArgs& a, ForwardOutputs& o) {
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.x.scalar_type(), "rms_norm_fwd_cpu",
-                                  [&] { forward_typed<scalar_t>(a, o); });
+  CpuForwardArgs k{};
+  k.x = a.x.const_data_ptr();
+  k.residual = a.residual.defined() ? a.residual.const_data_ptr() : nullptr;
+  k.weight = a.weight.defined() ? a.weight.const_data_ptr() : nullptr;
+  k.weight_dtype = a.weight.defined() ? a.weight.scalar_type() : a.x.scalar_type();
+  k.weight_offset = a.weight_offset;
+  k.eps = a.eps;
+  k.out = o.out.mutable_data_ptr();
+  k.residual_out = a.residual.defined() ? o.residual_out.mutable_data_ptr() : nullptr;
+  k.rstd = o.rstd.mutable_data_ptr();
+  k.rows = a.rows;
+  k.cols = a.cols;
+  k.dtype = a.x.scalar_type();
+  k.out_dtype = o.out.scalar_type();
+  FUSEFORGE_CPU_ISA_CALL(forward, k);
 }
 
 void backward_cpu(const BackwardArgs& a, Gradients& g) {
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.h.scalar_type(), "rms_norm_bwd_cpu",
-                                  [&] { backward_typed<scalar_t>(a, g); });
+  CpuBackwardArgs k{};
+  k.grad_out = a.grad_out.const_data_ptr();
+  k.grad_residual_out = a.grad_residual_out.defined() ? a.grad_residual_out.const_data_ptr() : nullptr;
+  k.h = a.h.const_data_ptr();
+  k.weight = a.weight.defined() ? a.weight.const_data_ptr() : nullptr;
+  k.weight_dtype = a.weight.defined() ? a.weight.scalar_type() : a.h.scalar_type();
+  k.weight_offset = a.weight_offset;
+  k.rstd = a.rstd.const_data_ptr();
+  k.grad_input = g.grad_input.mutable_data_ptr();
+  k.grad_weight = a.need_grad_weight ? g.grad_weight.mutable_data_ptr() : nullptr;
+  k.rows = a.rows;
+  k.cols = a.cols;
+  k.dtype = a.h.scalar_type();
+  k.grad_out_dtype = a.grad_out.scalar_type();
+  FUSEFORGE_CPU_ISA_CALL(backward, k);
 }
 
 }  // namespace

@@ -1,16 +1,12 @@
 // rotary: input checks and the CPU implementation (the reference the CUDA kernel must match;
 // float64 serves gradcheck).
 #include "rotary/rotary.h"
+#include "rotary/rotary_cpu.h"
 
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <cmath>
-#include <type_traits>
-#include <vector>
-
 #include "common/checks.h"
-#include "common/dispatch.h"
+#include "common/cpu_isa.h"
 
 namespace fuseforge::rotary {
 
@@ -67,71 +63,35 @@ Problem prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& inv_
 
 namespace {
 
-int64_t position_at(const at::Tensor& position_ids, const void* data, int64_t offset) {
-  return position_ids.scalar_type() == at::kLong ? static_cast<const int64_t*>(data)[offset]
-                                                 : static_cast<const int32_t*>(data)[offset];
-}
-
-// One head: the R rotary dims from the token's cos/sin (M: the math type), then dims R..D-1 copied.
-template <typename Tin, typename Tout, typename M>
-void rotate_head(const Tin* x, Tout* y, const M* cos_tab, const M* sin_tab, int64_t rot_half, int64_t head_dim,
-                 bool interleaved) {
-  const int64_t first = interleaved ? 1 : rot_half;  // x[i1] pairs with x[i1 + first]
-  for (int64_t i = 0; i < rot_half; ++i) {
-    const int64_t i1 = interleaved ? 2 * i : i;
-    const M x1 = static_cast<M>(x[i1]), x2 = static_cast<M>(x[i1 + first]);
-    y[i1] = static_cast<Tout>(x1 * cos_tab[i] - x2 * sin_tab[i]);
-    y[i1 + first] = static_cast<Tout>(x2 * cos_tab[i] + x1 * sin_tab[i]);
-  }
-  for (int64_t d = 2 * rot_half; d < head_dim; ++d) y[d] = static_cast<Tout>(static_cast<M>(x[d]));
-}
-
-template <typename Tin, typename Tout>
-void rotary_cpu_typed(const Problem& p, double scaling, bool interleaved, bool inverse, at::Tensor& q_out,
-                      at::Tensor& k_out) {
-  // float64 inputs (gradcheck) compute in float64, the others in float32.
-  using M = std::conditional_t<std::is_same_v<Tin, double>, double, float>;
-  const Tin* q = p.q.const_data_ptr<Tin>();
-  const Tin* k = p.k.const_data_ptr<Tin>();
-  Tout* qo = q_out.mutable_data_ptr<Tout>();
-  Tout* ko = k_out.mutable_data_ptr<Tout>();
-  const float* inv_freq = p.inv_freq.const_data_ptr<float>();
-  const void* positions = p.position_ids.const_data_ptr();
-  const int64_t pos_sb = p.position_stride_b(), pos_ss = p.position_ids.stride(1);
-  const double sin_scaling = inverse ? -scaling : scaling;
-  const int64_t per_token = std::max<int64_t>(1, (p.heads_q + p.heads_k) * p.head_dim);
-  at::parallel_for(0, p.batch * p.seq, std::max<int64_t>(1, 32768 / per_token), [&](int64_t begin, int64_t end) {
-    std::vector<M> cos_tab(p.rot_half), sin_tab(p.rot_half);
-    for (int64_t token = begin; token < end; ++token) {
-      const int64_t b = token / p.seq, s = token % p.seq;
-      const float pos = static_cast<float>(position_at(p.position_ids, positions, b * pos_sb + s * pos_ss));
-      for (int64_t f = 0; f < p.rot_half; ++f) {
-        // One float32 multiply, as Hugging Face's position_ids.float() * inv_freq (no fma: the CPU
-        // build has -ffp-contract=off); cos and sin of that angle in float64.
-        const double angle = static_cast<double>(pos * inv_freq[f]);
-        cos_tab[f] = static_cast<M>(std::cos(angle) * scaling);
-        sin_tab[f] = static_cast<M>(std::sin(angle) * sin_scaling);
-      }
-      for (int64_t h = 0; h < p.heads_q; ++h)
-        rotate_head(q + b * p.q.stride(0) + h * p.q.stride(1) + s * p.q.stride(2),
-                    qo + (token * p.heads_q + h) * p.head_dim, cos_tab.data(), sin_tab.data(), p.rot_half,
-                    p.head_dim, interleaved);
-      for (int64_t h = 0; h < p.heads_k; ++h)
-        rotate_head(k + b * p.k.stride(0) + h * p.k.stride(1) + s * p.k.stride(2),
-                    ko + (token * p.heads_k + h) * p.head_dim, cos_tab.data(), sin_tab.data(), p.rot_half,
-                    p.head_dim, interleaved);
-    }
-  });
-}
-
+// The kernel is vectorized and built per CPU ISA (rotary_cpu_kernel.h, common/cpu_isa.h).
 void rotary_cpu(const Problem& p, double scaling, bool interleaved, bool inverse, at::Tensor& q_out,
                 at::Tensor& k_out) {
-  FUSEFORGE_DISPATCH_FLOATING(p.q.scalar_type(), "rotary_cpu", [&] {
-    using in_t = scalar_t;
-    FUSEFORGE_DISPATCH_FLOATING(p.out_dtype, "rotary_cpu_out", [&] {
-      rotary_cpu_typed<in_t, scalar_t>(p, scaling, interleaved, inverse, q_out, k_out);
-    });
-  });
+  CpuArgs a{};
+  a.q = p.q.const_data_ptr();
+  a.k = p.k.const_data_ptr();
+  for (int d = 0; d < 3; ++d) {
+    a.q_stride[d] = p.q.stride(d);
+    a.k_stride[d] = p.k.stride(d);
+  }
+  a.inv_freq = p.inv_freq.const_data_ptr<float>();
+  a.positions = p.position_ids.const_data_ptr();
+  a.positions_int64 = p.position_ids.scalar_type() == at::kLong;
+  a.pos_stride_b = p.position_stride_b();
+  a.pos_stride_s = p.position_ids.stride(1);
+  a.q_out = q_out.mutable_data_ptr();
+  a.k_out = k_out.mutable_data_ptr();
+  a.batch = p.batch;
+  a.seq = p.seq;
+  a.heads_q = p.heads_q;
+  a.heads_k = p.heads_k;
+  a.head_dim = p.head_dim;
+  a.rot_half = p.rot_half;
+  a.scaling = scaling;
+  a.interleaved = interleaved;
+  a.inverse = inverse;
+  a.dtype = p.q.scalar_type();
+  a.out_dtype = p.out_dtype;
+  FUSEFORGE_CPU_ISA_CALL(rotate, a);
 }
 
 }  // namespace

@@ -1,0 +1,214 @@
+// glu's vectorized CPU kernels, compiled once per CPU build (common/cpu_isa.h): one pass over memory
+// per call, each element act(gate) * up in the math type M (float; double for float64) with
+// at::vec::Vectorized<M>, the functions of common/activation.h (float64: the same formulas; float:
+// gelu_tanh as z * sigmoid(2y) and, for 16-bit outputs, silu's exp to 20 ulp, see VecAct), 16-bit
+// types converted a 256-column tile at a time. Rows are split across threads.
+#pragma once
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <type_traits>
+
+#include "common/cpu_vec.h"
+#include "common/cpu_vec_tile.h"
+#include "glu/glu_cpu.h"
+
+namespace fuseforge::glu::FUSEFORGE_CPU_NS {
+namespace {
+
+template <typename M>
+using Vec = CpuVec<M>;
+
+// erf to ~1 ulp (as add_mul_act's kernel): at::vec's float erf on AVX2/AVX-512 is a 5-term polynomial
+// (relative error up to ~2e-6 in gelu), so the float builds call SLEEF's erf (exported by
+// libtorch_cpu); double and the baseline build use at::vec's (SLEEF u10 / libm).
+template <typename M>
+Vec<M> accurate_erf(Vec<M> v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<M, float>) return Vec<M>(Sleef_erff16_u10(static_cast<__m512>(v)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<M, float>) return Vec<M>(Sleef_erff8_u10(static_cast<__m256>(v)));
+#endif
+  return v.erf();
+}
+
+// The activations of common/activation.h on vectors: forward<T>(z), and both<T>(z, f, d) giving the
+// value and the derivative from one set of transcendental calls (the backward needs both); T is
+// the storage type the results are rounded to.
+template <Activation A>
+struct VecAct;
+
+// exp for outputs of type T: at::vec's 20-ulp polynomial (exp_u20, what torch.compile's CPU code
+// calls) when T is 16-bit, whose rounding is 2^13 times coarser; SLEEF's 1-ulp exp otherwise.
+template <typename T, typename M>
+Vec<M> exp_for(Vec<M> v) {
+  if constexpr (kIsReducedFloat<T>) return v.exp_u20();
+  else return v.exp();
+}
+
+template <>
+struct VecAct<Activation::kSilu> {
+  template <typename T, typename M> static Vec<M> forward(Vec<M> z) {
+    return z / (Vec<M>(M(1)) + exp_for<T>(z.neg()));
+  }
+  template <typename T, typename M> static void both(Vec<M> z, Vec<M>& f, Vec<M>& d) {
+    const Vec<M> one(M(1));
+    const Vec<M> s = one / (one + exp_for<T>(z.neg()));
+    f = z * s;  // one divide a vector (the forward's z / (1 + exp(-z)) differs by an ulp at most)
+    d = s * (one + z * (one - s));
+  }
+};
+
+// float: 0.5 z (1 + tanh(y)) = z / (1 + exp(-2y)), the same function with one exp a vector instead of
+// a tanh (SLEEF's float tanh cost more than the rest of the op; the exp form has no cancellation in
+// 1 + tanh(y) for z << 0). double keeps the tanh form of common/activation.h.
+template <>
+struct VecAct<Activation::kGeluTanh> {
+  template <typename M> static Vec<M> inner(Vec<M> z) {
+    return Vec<M>(M(0.79788456080286535588)) * (z + Vec<M>(M(0.044715)) * z * z * z);
+  }
+  template <typename M> static Vec<M> dinner(Vec<M> z) {
+    return Vec<M>(M(0.79788456080286535588)) * (Vec<M>(M(1)) + Vec<M>(M(3 * 0.044715)) * z * z);
+  }
+  template <typename T, typename M> static Vec<M> forward(Vec<M> z) {
+    const Vec<M> one(M(1));
+    if constexpr (std::is_same_v<M, float>) {
+      return z / (one + (Vec<M>(M(-2)) * inner(z)).exp());
+    } else {
+      return Vec<M>(M(0.5)) * z * (one + inner(z).tanh());
+    }
+  }
+  template <typename T, typename M> static void both(Vec<M> z, Vec<M>& f, Vec<M>& d) {
+    const Vec<M> one(M(1)), half(M(0.5));
+    if constexpr (std::is_same_v<M, float>) {
+      // s = sigmoid(2y) = (1 + tanh y) / 2; d = s + z * 0.5 (1 - tanh^2 y) y' = s + 2 z s (1 - s) y'.
+      const Vec<M> s = one / (one + (Vec<M>(M(-2)) * inner(z)).exp());
+      f = z * s;
+      d = s + Vec<M>(M(2)) * z * s * (one - s) * dinner(z);
+    } else {
+      const Vec<M> t = inner(z).tanh();
+      f = half * z * (one + t);
+      d = half * (one + t) + half * z * (one - t * t) * dinner(z);
+    }
+  }
+};
+
+template <>
+struct VecAct<Activation::kGelu> {
+  template <typename T, typename M> static Vec<M> forward(Vec<M> z) {
+    return Vec<M>(M(0.5)) * z * (Vec<M>(M(1)) + accurate_erf(z * Vec<M>(M(0.70710678118654752440))));
+  }
+  template <typename T, typename M> static void both(Vec<M> z, Vec<M>& f, Vec<M>& d) {
+    const Vec<M> one(M(1)), half(M(0.5));
+    const Vec<M> erf = accurate_erf(z * Vec<M>(M(0.70710678118654752440)));
+    f = half * z * (one + erf);
+    const Vec<M> cdf = half * (one + erf);
+    const Vec<M> pdf = (Vec<M>(M(-0.5)) * z * z).exp() * Vec<M>(M(0.39894228040143267794));
+    d = cdf + z * pdf;
+  }
+};
+
+constexpr int64_t kTile = kCpuTile;
+// Elements a task at least: below this, threads cost more than they save.
+constexpr int64_t kGrainElems = 1 << 15;
+
+int64_t grain_rows(int64_t cols) { return std::max<int64_t>(1, kGrainElems / std::max<int64_t>(1, cols)); }
+
+template <typename T, Activation A>
+void forward_typed(const CpuForwardArgs& a) {
+  using M = at::opmath_type<T>;
+  using V = Vec<M>;
+  constexpr int64_t W = V::size();
+  const T* gate = static_cast<const T*>(a.gate);
+  const T* up = static_cast<const T*>(a.up);
+  T* out = static_cast<T*>(a.out);
+  const int64_t cols = a.cols;
+  at::parallel_for(0, a.rows, grain_rows(cols), [&](int64_t r0, int64_t r1) {
+    alignas(64) M gb[kTile], ub[kTile], ob[kTile];
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t c0 = 0; c0 < cols; c0 += kTile) {
+        const int64_t n = std::min(kTile, cols - c0);
+        const M* g = tile_to_math(gate + r * a.gate_row_stride + c0, gb, n);
+        const M* u = tile_to_math(up + r * a.up_row_stride + c0, ub, n);
+        T* o_dst = out + r * cols + c0;
+        M* o = tile_dst(o_dst, ob);
+        int64_t i = 0;
+        for (; i + W <= n; i += W) (VecAct<A>::template forward<T, M>(V::loadu(g + i)) * V::loadu(u + i)).store(o + i);
+        if (i < n) {
+          const int64_t k = n - i;
+          (VecAct<A>::template forward<T, M>(V::loadu(g + i, k)) * V::loadu(u + i, k)).store(o + i, k);
+        }
+        tile_from_math(o, o_dst, n);
+      }
+    }
+  });
+}
+
+template <typename T, Activation A>
+void backward_typed(const CpuBackwardArgs& a) {
+  using M = at::opmath_type<T>;
+  using V = Vec<M>;
+  constexpr int64_t W = V::size();
+  const T* grad_out = static_cast<const T*>(a.grad_out);
+  const T* gate = static_cast<const T*>(a.gate);
+  const T* up = static_cast<const T*>(a.up);
+  T* grad_gate = static_cast<T*>(a.grad_gate);
+  T* grad_up = static_cast<T*>(a.grad_up);
+  const int64_t cols = a.cols;
+  at::parallel_for(0, a.rows, grain_rows(cols), [&](int64_t r0, int64_t r1) {
+    alignas(64) M gob[kTile], gb[kTile], ub[kTile], ggb[kTile], gub[kTile];
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t c0 = 0; c0 < cols; c0 += kTile) {
+        const int64_t n = std::min(kTile, cols - c0);
+        const M* go = tile_to_math(grad_out + r * a.grad_out_row_stride + c0, gob, n);
+        const M* g = tile_to_math(gate + r * a.gate_row_stride + c0, gb, n);
+        const M* u = tile_to_math(up + r * a.up_row_stride + c0, ub, n);
+        T* gg_dst = grad_gate + r * a.grad_gate_row_stride + c0;
+        T* gu_dst = grad_up + r * a.grad_up_row_stride + c0;
+        M* gg = tile_dst(gg_dst, ggb);
+        M* gu = tile_dst(gu_dst, gub);
+        for (int64_t i = 0; i < n; i += W) {
+          const int64_t k = std::min<int64_t>(V::size(), n - i);
+          const V grad = V::loadu(go + i, k);
+          V f, d;
+          VecAct<A>::template both<T, M>(V::loadu(g + i, k), f, d);
+          (grad * V::loadu(u + i, k) * d).store(gg + i, k);
+          (grad * f).store(gu + i, k);
+        }
+        tile_from_math(gg, gg_dst, n);
+        tile_from_math(gu, gu_dst, n);
+      }
+    }
+  });
+}
+
+// glu's activations only (glu.h's FUSEFORGE_GLU_ACTIVATION_SWITCH; glu.h itself brings all of ATen,
+// which the per-ISA builds keep out).
+template <typename F>
+void activation_switch(Activation act, F&& f) {
+  switch (act) {
+    case Activation::kGelu: return f(std::integral_constant<Activation, Activation::kGelu>{});
+    case Activation::kGeluTanh: return f(std::integral_constant<Activation, Activation::kGeluTanh>{});
+    default: return f(std::integral_constant<Activation, Activation::kSilu>{});
+  }
+}
+
+}  // namespace
+
+void forward(const CpuForwardArgs& a) {
+  if (a.rows == 0 || a.cols == 0) return;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.dtype, "glu_fwd_cpu", [&] {
+    activation_switch(a.act, [&](auto act) { forward_typed<scalar_t, decltype(act)::value>(a); });
+  });
+}
+
+void backward(const CpuBackwardArgs& a) {
+  if (a.rows == 0 || a.cols == 0) return;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.dtype, "glu_bwd_cpu", [&] {
+    activation_switch(a.act, [&](auto act) { backward_typed<scalar_t, decltype(act)::value>(a); });
+  });
+}
+
+}  // namespace fuseforge::glu::FUSEFORGE_CPU_NS
