@@ -4,16 +4,22 @@ JOBS ?= $(shell nproc)
 export PYTHONPATH := $(CURDIR)/python$(if $(PYTHONPATH),:$(PYTHONPATH))
 TORCH_CMAKE = $(shell $(PYTHON) -c "import torch.utils; print(torch.utils.cmake_prefix_path)")
 
-.PHONY: all setup build test test-python test-cpp demo bench gpu-check clean
+.PHONY: all setup build wheel test test-python test-cpp demo bench gpu-check clean
 
 all: build
 
 setup:
 	$(PYTHON) scripts/ensure_deps.py
 
-# Incremental (ninja) in-place build of fuseforge._C; `pip install --no-build-isolation -e .` also works.
+# Incremental (ninja) in-place build of fuseforge._C: CPU-only unless a GPU is visible (FUSEFORGE_CUDA=1
+# forces the CUDA kernels; docs/install.md). Objects live in build/temp-<cpu|cuda>, which
+# `pip install --no-build-isolation [-e] .` and `make wheel` reuse.
 build: setup
 	MAX_JOBS=$(JOBS) $(PYTHON) setup.py -q build_ext --inplace
+
+# dist/fuseforge-<version>-cp39-abi3-<platform>.whl, for this torch (and CUDA, in a CUDA build).
+wheel: setup
+	MAX_JOBS=$(JOBS) $(PYTHON) -m pip wheel . --no-build-isolation --no-deps -q -w dist
 
 test: build
 	$(PYTHON) -m pytest -q tests/python; status=$$?; [ $$status -eq 0 ] || exit $$status
@@ -40,4 +46,4 @@ gpu-check:
 	bash scripts/gpu_check.sh
 
 clean:
-	rm -rf build python/fuseforge/_C*.so
+	rm -rf build dist python/fuseforge/_C*.so python/fuseforge/_build_info.py

@@ -1,21 +1,29 @@
 """Builds fuseforge._C, the extension that registers torch.ops.fuseforge.*.
 
-Environment:
-  FUSEFORGE_CPU_ONLY=1      build without CUDA sources (also automatic when no nvcc is found)
-  TORCH_CUDA_ARCH_LIST      GPU targets (default: "9.0a", the H100's sm_90a; a list with plain 9.0
-                            builds no sm_90a-only kernels: see sm90a_only_sm90_target)
+Environment (docs/install.md):
+  FUSEFORGE_CUDA=1          build the CUDA kernels (needs nvcc and a CUDA torch); the default when a GPU
+                            is visible and nvcc is found, else the build is CPU-only
+  FUSEFORGE_CPU_ONLY=1      build without CUDA sources, GPU or not (FUSEFORGE_CUDA=0 says the same)
+  TORCH_CUDA_ARCH_LIST      GPU targets. Default: the visible GPUs' (9.0 becomes 9.0a, the H100's sm_90a);
+                            with no GPU visible, PORTABLE_ARCH_LIST. A list with plain 9.0 builds no
+                            sm_90a-only kernels: see sm90a_only_sm90_target
   FUSEFORGE_OPS=a,b         build only these op folders of csrc/ (development; default: all)
   MAX_JOBS                  parallel compile jobs (ninja)
   FUSEFORGE_DEBUG=1         -O0 -g host code, -lineinfo device code
+  FUSEFORGE_VERBOSE=1       print the compiler command lines (default: one progress line a file)
   FUSEFORGE_NVCC_FLAGS      extra nvcc flags (tuning experiments, e.g. "-DFUSEFORGE_AMA_ROWS_16BIT=8")
+
+Every route (`make build`, `pip install --no-build-isolation [-e] .`, `pip wheel .`) compiles into
+build/temp-<cpu|cuda>[-debug]/ (ninja: a second route recompiles nothing); `build_ext -t DIR` overrides.
 """
 import glob
+import logging
 import os
 import platform
-import shlex
+import re
 import shutil
 import subprocess
-from concurrent.futures import ThreadPoolExecutor
+import sys
 
 from setuptools import find_packages, setup
 
@@ -24,15 +32,90 @@ from setuptools import find_packages, setup
 if "CUDA_HOME" not in os.environ and os.path.exists("/usr/local/cuda/bin/nvcc"):
     os.environ["CUDA_HOME"] = "/usr/local/cuda"
 
-from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+# torch warns "No CUDA runtime is found" on import wherever no GPU is visible: not news for a CPU build.
+logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+from torch.utils import cpp_extension  # noqa: E402
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension  # noqa: E402
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CSRC = os.path.join("csrc")
 
 
-def want_cuda() -> bool:
-    if os.environ.get("FUSEFORGE_CPU_ONLY", "0") == "1":
-        return False
+# The CUDA targets of a build with no GPU to build for (a wheel, CI): sm_90a (H100/H200: the wgmma and
+# TMA kernels, FUSEFORGE_SM90A_BUILD) and sm_100 with its PTX, which the driver compiles for later GPUs
+# (the mma.sync kernels there; the sm_90a-only kernels check the device at run time). Not 8.0 (A100)
+# yet: linear_cross_entropy's cluster kernel (__cluster_dims__, cooperative_groups::cluster_group)
+# does not compile for sm_80; the rest does (nvcc -ptx -arch=compute_80, docs/install.md).
+PORTABLE_ARCH_LIST = "9.0a;10.0+PTX"
+
+
+def decide_cuda(env, gpu_visible: bool, have_nvcc: bool, torch_cuda: bool):
+    """(build the CUDA kernels?, the reason, in words): FUSEFORGE_CPU_ONLY=1 / FUSEFORGE_CUDA=0 say no,
+    FUSEFORGE_CUDA=1 says yes (an error without nvcc or a CUDA torch); by default, yes when a GPU is
+    visible and nvcc and a CUDA torch are there."""
+    cpu_only = env.get("FUSEFORGE_CPU_ONLY", "").strip()
+    cuda = env.get("FUSEFORGE_CUDA", "").strip()
+    for name, value in (("FUSEFORGE_CPU_ONLY", cpu_only), ("FUSEFORGE_CUDA", cuda)):
+        if value not in ("", "0", "1"):
+            raise SystemExit(f"{name}={value!r}: use 1 or 0")
+    if cpu_only == "1" and cuda == "1":
+        raise SystemExit("FUSEFORGE_CPU_ONLY=1 and FUSEFORGE_CUDA=1 contradict each other: set one")
+    if cpu_only == "1":
+        return False, "FUSEFORGE_CPU_ONLY=1"
+    if cuda == "0":
+        return False, "FUSEFORGE_CUDA=0"
+    if cuda == "1":
+        if not have_nvcc:
+            raise SystemExit("FUSEFORGE_CUDA=1 but no nvcc: install the CUDA toolkit or set CUDA_HOME")
+        if not torch_cuda:
+            raise SystemExit("FUSEFORGE_CUDA=1 but this torch is a CPU-only build: install a CUDA torch")
+        return True, "FUSEFORGE_CUDA=1"
+    if not gpu_visible:
+        return False, "no GPU visible; FUSEFORGE_CUDA=1 builds the CUDA kernels"
+    if not have_nvcc:
+        return False, "a GPU is visible but no nvcc was found; install the CUDA toolkit or set CUDA_HOME"
+    if not torch_cuda:
+        return False, "a GPU is visible but this torch is a CPU-only build"
+    return True, "a GPU is visible"
+
+
+def visible_gpu_capabilities():
+    """Compute capabilities (major, minor) of the GPUs this process sees ([] for none; None for one
+    whose capability is unknown): from torch, else from
+    `nvidia-smi` (a driver older than torch's CUDA hides the GPU from torch, not from nvcc), unless
+    CUDA_VISIBLE_DEVICES hides every GPU."""
+    import torch
+    try:
+        if torch.cuda.is_available():
+            return sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
+    except Exception:  # a broken driver: ask nvidia-smi
+        pass
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1") or not shutil.which("nvidia-smi"):
+        return []
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    caps = sorted({(int(m[1]), int(m[2])) for m in re.finditer(r"^\s*(\d+)\.(\d+)\s*$", out, re.M)})
+    if caps:
+        return caps
+    try:  # a driver too old to report compute_cap: a GPU is there, its target unknown
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [None] if re.search(r"^GPU \d+:", listed, re.M) else []
+
+
+def default_arch_list(capabilities) -> str:
+    """TORCH_CUDA_ARCH_LIST when it is unset: the visible GPUs' targets (9.0 as 9.0a: the H100's wgmma
+    and TMA kernels), else PORTABLE_ARCH_LIST."""
+    if not capabilities or None in capabilities:  # None: a GPU whose capability nvidia-smi did not say
+        return PORTABLE_ARCH_LIST
+    return ";".join(f"{major}.{minor}" + ("a" if (major, minor) == (9, 0) else "") for major, minor in capabilities)
+
+
+def nvcc_found() -> bool:
     return CUDA_HOME is not None and shutil.which(os.path.join(CUDA_HOME, "bin", "nvcc")) is not None
 
 
@@ -77,8 +160,11 @@ def sources(with_cuda: bool):
 ISA_FLAGS = {
     "avx2": ["-mavx2", "-mfma", "-mf16c", "-mbmi", "-mbmi2", "-mlzcnt", "-mpopcnt",
              "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
+    # -Wno-maybe-uninitialized: GCC 12 flags its own AVX-512 intrinsics (`__m512i __Y = __Y;`, GCC bug
+    # 105593) wherever they are inlined; the same kernels' baseline and AVX2 builds keep the warning.
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c", "-mbmi",
-               "-mbmi2", "-mlzcnt", "-mpopcnt", "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"],
+               "-mbmi2", "-mlzcnt", "-mpopcnt", "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512",
+               "-Wno-maybe-uninitialized"],
 }
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 
@@ -118,38 +204,89 @@ def write_build_info(package_dirs, with_cuda: bool) -> None:
             f.write(text)
 
 
-class BuildWithIsaKernels(BuildExtension):
-    """torch's BuildExtension, plus the per-ISA CPU kernel objects (compiled in parallel, each only
-    when it or any header under csrc/ is newer than its object), and fuseforge/_build_info.py."""
+class Config:
+    """What this build is, decided once (extension()) and read by the build command."""
+    with_cuda = False
+    reason = ""
+    arch_list = None
+    debug = False
+    isa_edges = []  # (object, source, flags): added to torch's build.ninja by run_ninja
+
+
+def shown_path(path: str) -> str:
+    path = os.path.abspath(path)
+    return os.path.relpath(path, ROOT) if path.startswith(ROOT + os.sep) else path
+
+
+def build_temp_name() -> str:
+    return "temp-" + ("cuda" if Config.with_cuda else "cpu") + ("-debug" if Config.debug else "")
+
+
+def run_ninja(build_directory, verbose=False, error_prefix="Error compiling objects for extension", *args, **kwargs):
+    """Replaces torch's _run_ninja_build (which runs `ninja -v`: every full command line): adds the
+    per-ISA CPU kernels to torch's build.ninja (one graph, so they compile in parallel with the rest
+    and are tracked by their header dependencies), then prints one line a compiled file and
+    whatever the compilers say. FUSEFORGE_VERBOSE=1 prints the command lines."""
+    if Config.isa_edges:
+        lines = ["", "rule isa_compile",
+                 "  command = $cxx -MMD -MF $out.d $cflags -c $in -o $out $post_cflags $isa_flags",
+                 "  depfile = $out.d", "  deps = gcc", ""]
+        for obj, src, flags in Config.isa_edges:
+            lines += [f"build {obj}: isa_compile {src}", f"  isa_flags = {' '.join(flags)}"]
+        with open(os.path.join(build_directory, "build.ninja"), "a") as f:
+            f.write("\n".join(lines) + "\n")
+    verbose_build = os.environ.get("FUSEFORGE_VERBOSE", "0") == "1"
+    cmd = ["ninja"] + (["-v"] if verbose_build else [])
+    jobs = os.environ.get("MAX_JOBS", "")
+    if jobs.isdigit():
+        cmd += ["-j", jobs]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    proc = subprocess.Popen(cmd, cwd=build_directory, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            errors="replace")
+    for line in proc.stdout:
+        m = None if verbose_build else re.match(r"(\[\d+/\d+\]) (.*)", line)
+        if m:
+            src = re.search(r"\s-c\s+(?:-c\s+)?(\S+)", m[2])
+            what = os.path.relpath(src[1], ROOT) if src else m[2].split()[0]
+            line = f"{m[1]} {what}\n"
+        sys.stdout.write(line)
+        sys.stdout.flush()
+    if proc.wait() != 0:
+        raise RuntimeError(f"{error_prefix}: the compiler's messages are above")
+
+
+class Build(BuildExtension):
+    """torch's BuildExtension with fuseforge's build folder (build/temp-<cpu|cuda>[-debug], shared by
+    every route unless `-t` names another), the per-ISA CPU kernel objects (compiled by ninja
+    beside the rest: run_ninja), a quiet ninja, and fuseforge/_build_info.py."""
+
+    def initialize_options(self):
+        super().initialize_options()
+        self.temp_given = None
+
+    def finalize_options(self):
+        self.temp_given = self.build_temp is not None  # `build_ext -t DIR`
+        super().finalize_options()
+        if not self.temp_given:
+            self.build_temp = os.path.join(ROOT, "build", build_temp_name())
 
     def build_extensions(self):
+        if not self.use_ninja:
+            raise SystemExit("fuseforge builds with ninja: `pip install ninja`")
+        print(f"fuseforge {version()}: {'CUDA build for TORCH_CUDA_ARCH_LIST=' + Config.arch_list if Config.with_cuda else 'CPU-only build'} "
+              f"({Config.reason}), {os.environ.get('MAX_JOBS') or 'ninja default'} jobs, in "
+              f"{shown_path(self.build_temp)}", flush=True)
         write_build_info({os.path.join(ROOT, "python", "fuseforge"), os.path.join(self.build_lib, "fuseforge")},
-                         want_cuda())
-        from torch.utils.cpp_extension import include_paths
-        import torch
+                         Config.with_cuda)
+        Config.isa_edges = []
         for ext in self.extensions:
-            flags = [a for a in ext.extra_compile_args.get("cxx", []) if not a.startswith("-DPy_LIMITED_API")]
-            incs = [f"-I{p}" for p in ext.include_dirs + include_paths()]
-            abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
-            cxx = shlex.split(os.environ.get("CXX", "c++"))
-            headers = glob.glob(os.path.join(ROOT, CSRC, "**", "*.h"), recursive=True)
-            newest_header = max((os.path.getmtime(h) for h in headers), default=0)
-            jobs = []
             for src in isa_sources():
                 obj = os.path.join(os.path.abspath(self.build_temp), "isa", os.path.splitext(src)[0] + ".o")
-                ext.extra_objects.append(obj)
-                if os.path.exists(obj) and os.path.getmtime(obj) >= max(os.path.getmtime(src), newest_header):
-                    continue
                 os.makedirs(os.path.dirname(obj), exist_ok=True)
-                jobs.append(cxx + ["-c", os.path.join(ROOT, src), "-o", obj, "-fPIC", abi] + flags + incs
-                            + ISA_FLAGS[isa_of(src)])
-
-            def compile_one(cmd):
-                print(" ".join(cmd[:4]) + " ...", flush=True)
-                subprocess.run(cmd, check=True)
-
-            with ThreadPoolExecutor(max_workers=int(os.environ.get("MAX_JOBS", os.cpu_count() or 1))) as pool:
-                list(pool.map(compile_one, jobs))
+                ext.extra_objects.append(obj)
+                Config.isa_edges.append((obj, os.path.join(ROOT, src), ISA_FLAGS[isa_of(src)]))
+        cpp_extension._run_ninja_build = run_ninja
         super().build_extensions()
 
 
@@ -171,29 +308,53 @@ NVCC_FLAGS = [
 
 
 def extension():
-    with_cuda = want_cuda()
+    import torch
+    # The visible GPUs decide both whether to build CUDA (unless told) and, in a CUDA build, the
+    # default targets: FUSEFORGE_CUDA=1 on the GPU machine still builds for its GPU only.
+    cpu_only = os.environ.get("FUSEFORGE_CPU_ONLY") == "1" or os.environ.get("FUSEFORGE_CUDA") == "0"
+    capabilities = [] if cpu_only else visible_gpu_capabilities()
+    with_cuda, reason = decide_cuda(os.environ, bool(capabilities), nvcc_found(), torch.version.cuda is not None)
     debug = os.environ.get("FUSEFORGE_DEBUG", "0") == "1"
+    Config.with_cuda, Config.reason, Config.debug = with_cuda, reason, debug
     # -fopenmp: at::parallel_for is inline and runs in parallel only in code built with OpenMP (torch's
     # CPU backend); without it every CPU kernel here ran on one thread. -ffp-contract=off: the CPU
     # kernels' AVX2/AVX-512 builds would otherwise fuse a * b - c into an fma where the baseline build
     # cannot, and round differently (explicit fmas, at::vec::fmadd and std::fma, stay fused).
-    cxx = ["-O0" if debug else "-O3", "-std=c++20", "-fopenmp", "-ffp-contract=off"]  # torch adds -DPy_LIMITED_API for py_limited_api
-    if debug:
-        cxx.append("-g")
+    # -g0: Python's CFLAGS carry -g, which made the host code's compile 1.75x slower and a 9 MB object of
+    # a 350 KB one; FUSEFORGE_DEBUG=1 keeps it. -Wno-psabi: GCC's note that passing a 32-byte
+    # at::vec::Vectorized by value changed ABI in GCC 4.6 (our kernels' helpers, internal linkage).
+    cxx = ["-O0" if debug else "-O3", "-std=c++20", "-fopenmp", "-ffp-contract=off", "-g" if debug else "-g0",
+           "-Wno-psabi"]
+    depends = [f for pattern in ("*.h", "*.cuh", "*.cpp", "*.cu")
+               for f in glob.glob(os.path.join(CSRC, "**", pattern), recursive=True)]
+    ours = os.path.join(ROOT, CSRC)
+
+    def system_includes(ext):
+        # torch's and CUDA's headers (which torch's CppExtension puts on the -I path) are passed as
+        # -isystem: their warnings are not ours to fix, and they buried our own.
+        system = [d for d in ext.include_dirs if d != ours] + cuda_library_includes()
+        ext.include_dirs = [ours]
+        for key in ext.extra_compile_args:
+            ext.extra_compile_args[key] += [a for d in system for a in ("-isystem", d)]
+        return ext
+
     if not with_cuda:
-        return CppExtension("fuseforge._C", sources(False), extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"],
-                            include_dirs=[os.path.join(ROOT, CSRC)] + cuda_library_includes(), py_limited_api=True)
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0a")
-    arch_defines = ["-DFUSEFORGE_SM90A_BUILD"] if sm90a_only_sm90_target(os.environ["TORCH_CUDA_ARCH_LIST"]) else []
+        return system_includes(CppExtension(
+            "fuseforge._C", sources(False), extra_compile_args={"cxx": cxx}, extra_link_args=["-fopenmp"],
+            include_dirs=[ours], depends=depends, py_limited_api=True))
+    if not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        os.environ["TORCH_CUDA_ARCH_LIST"] = default_arch_list(capabilities)
+    Config.arch_list = os.environ["TORCH_CUDA_ARCH_LIST"]
+    arch_defines = ["-DFUSEFORGE_SM90A_BUILD"] if sm90a_only_sm90_target(Config.arch_list) else []
     nvcc = NVCC_FLAGS + ["--threads=2"]
     if debug:
         nvcc.append("-lineinfo")
     nvcc += os.environ.get("FUSEFORGE_NVCC_FLAGS", "").split()
-    return CUDAExtension("fuseforge._C", sources(True),
-                         extra_compile_args={"cxx": cxx + ["-DFUSEFORGE_WITH_CUDA"] + arch_defines,
-                                             "nvcc": nvcc + ["-DFUSEFORGE_WITH_CUDA"] + arch_defines},
-                         include_dirs=[os.path.join(ROOT, CSRC)] + cuda_library_includes(),
-                         extra_link_args=["-fopenmp"], py_limited_api=True)
+    return system_includes(CUDAExtension(
+        "fuseforge._C", sources(True),
+        extra_compile_args={"cxx": cxx + ["-DFUSEFORGE_WITH_CUDA"] + arch_defines,
+                            "nvcc": nvcc + ["-DFUSEFORGE_WITH_CUDA"] + arch_defines},
+        include_dirs=[ours], depends=depends, extra_link_args=["-fopenmp"], py_limited_api=True))
 
 
 if __name__ == "__main__":
@@ -205,7 +366,7 @@ if __name__ == "__main__":
         packages=find_packages("python"),
         package_data={"fuseforge": ["VERSION"]},
         ext_modules=[extension()],
-        cmdclass={"build_ext": BuildWithIsaKernels},
+        cmdclass={"build_ext": Build},
         options={"bdist_wheel": {"py_limited_api": "cp39"}},
         python_requires=">=3.10",
         install_requires=["torch>=2.11"],

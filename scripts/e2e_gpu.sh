@@ -42,7 +42,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
   | tee -a "$WORK/logs/summary.txt"
 
-MAX_JOBS=${MAX_JOBS:-16} python3 setup.py -q build_ext --inplace > "$WORK/logs/build.log" 2>&1
+FUSEFORGE_CUDA=1 MAX_JOBS=${MAX_JOBS:-16} python3 setup.py -q build_ext --inplace > "$WORK/logs/build.log" 2>&1
 rc=$?
 summary "build: rc=$rc in $(( $(date +%s) - T0 )) s"
 if [ $rc -ne 0 ]; then grep -E "error|Error" "$WORK/logs/build.log" | head -40; exit 1; fi

@@ -26,7 +26,15 @@ def load() -> None:
     except ImportError:  # a tree whose extension predates the build record
         TORCH_VERSION = None
     check_build(TORCH_VERSION)
-    from fuseforge import _C  # noqa: F401
+    try:
+        from fuseforge import _C  # noqa: F401
+    except ModuleNotFoundError as e:
+        if e.name != "fuseforge._C":
+            raise
+        raise ImportError(
+            "fuseforge's extension (fuseforge._C) is not built: run `make build` (or `pip install "
+            "--no-build-isolation -e .`) in the source tree, or install a fuseforge wheel "
+            "(docs/install.md)") from e
 
 
 def cuda_built() -> bool:

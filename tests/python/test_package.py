@@ -1,4 +1,7 @@
-"""The package around the ops: its version, and the check that the extension matches the running torch."""
+"""The package around the ops: its version, the check that the extension matches the running torch, and
+setup.py's build decisions."""
+import importlib.util
+import os
 import re
 import types
 
@@ -23,6 +26,74 @@ def test_extension_built_for_another_torch_names_both_and_how_to_rebuild(monkeyp
     assert torch.__version__ in str(e.value) and "Rebuild" in str(e.value)
 
 
+def test_missing_extension_says_how_to_build_it(monkeypatch):
+    monkeypatch.delenv("FUSEFORGE_EXTENSION", raising=False)
+    monkeypatch.delattr(fuseforge, "_C", raising=False)
+    monkeypatch.setitem(__import__("sys").modules, "fuseforge._C", None)  # as if never built
+    with pytest.raises(ImportError, match=r"fuseforge\._C\) is not built: run `make build`"):
+        _library.load()
+
+
 def test_matching_or_unrecorded_build_loads():
     _library.check_build(torch.__version__)
     _library.check_build(None)
+
+
+# setup.py's build decisions, as pure functions (in a source tree only: an installed wheel has no setup.py).
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def setup_py():
+    path = os.path.join(ROOT, "setup.py")
+    if not os.path.exists(path):
+        pytest.skip("no setup.py: the tests run against an installed package")
+    saved = dict(os.environ)  # setup.py sets CUDA_HOME when it finds /usr/local/cuda
+    try:
+        spec = importlib.util.spec_from_file_location("fuseforge_setup", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return module
+
+
+def test_build_without_a_visible_gpu_is_cpu_only_and_says_how_to_build_cuda(setup_py):
+    with_cuda, reason = setup_py.decide_cuda({}, gpu_visible=False, have_nvcc=True, torch_cuda=True)
+    assert not with_cuda and "no GPU visible" in reason and "FUSEFORGE_CUDA=1" in reason
+
+
+def test_build_with_a_visible_gpu_nvcc_and_cuda_torch_is_cuda(setup_py):
+    assert setup_py.decide_cuda({}, gpu_visible=True, have_nvcc=True, torch_cuda=True)[0]
+    # ... and CPU-only where it cannot be: no nvcc, or a CPU torch
+    assert not setup_py.decide_cuda({}, gpu_visible=True, have_nvcc=False, torch_cuda=True)[0]
+    assert not setup_py.decide_cuda({}, gpu_visible=True, have_nvcc=True, torch_cuda=False)[0]
+
+
+def test_build_switches_force_either_way(setup_py):
+    decide = setup_py.decide_cuda
+    assert decide({"FUSEFORGE_CUDA": "1"}, gpu_visible=False, have_nvcc=True, torch_cuda=True) == (True, "FUSEFORGE_CUDA=1")
+    assert not decide({"FUSEFORGE_CPU_ONLY": "1"}, gpu_visible=True, have_nvcc=True, torch_cuda=True)[0]
+    assert not decide({"FUSEFORGE_CUDA": "0"}, gpu_visible=True, have_nvcc=True, torch_cuda=True)[0]
+    with pytest.raises(SystemExit, match="no nvcc"):
+        decide({"FUSEFORGE_CUDA": "1"}, gpu_visible=True, have_nvcc=False, torch_cuda=True)
+    with pytest.raises(SystemExit, match="CPU-only build"):
+        decide({"FUSEFORGE_CUDA": "1"}, gpu_visible=False, have_nvcc=True, torch_cuda=False)
+    with pytest.raises(SystemExit, match="contradict"):
+        decide({"FUSEFORGE_CUDA": "1", "FUSEFORGE_CPU_ONLY": "1"}, gpu_visible=False, have_nvcc=True, torch_cuda=True)
+    with pytest.raises(SystemExit, match="FUSEFORGE_CUDA='yes'"):
+        decide({"FUSEFORGE_CUDA": "yes"}, gpu_visible=False, have_nvcc=True, torch_cuda=True)
+
+
+def test_default_cuda_targets_are_the_visible_gpus_else_the_portable_list(setup_py):
+    assert setup_py.default_arch_list([(9, 0)]) == "9.0a"  # the H100/H200: the sm_90a kernels
+    assert setup_py.sm90a_only_sm90_target("9.0a")
+    assert setup_py.default_arch_list([(8, 0), (9, 0)]) == "8.0;9.0a"
+    assert setup_py.default_arch_list([None]) == setup_py.PORTABLE_ARCH_LIST  # nvidia-smi -L only
+    portable = setup_py.default_arch_list([])
+    assert portable == setup_py.PORTABLE_ARCH_LIST
+    archs = portable.split(";")
+    assert "9.0a" in archs and any(a.endswith("+PTX") for a in archs)
+    assert setup_py.sm90a_only_sm90_target(portable)  # no plain 9.0: the sm_90a-only kernels are built
+    assert not setup_py.sm90a_only_sm90_target("8.0;9.0;9.0a")
