@@ -38,19 +38,6 @@ struct VecAct<Activation::kRelu> {
   }
 };
 
-// erf to ~1 ulp: at::vec's float erf on AVX2/AVX-512 is a 5-term polynomial whose relative error in
-// gelu reaches 5e-7 near z = -0.1 on one machine and 1.8e-6 on another (eager's gelu is ~1e-8 there),
-// so the forward calls SLEEF's erf (exported by libtorch_cpu); the baseline build's at::vec is libm.
-template <typename M>
-Vec<M> accurate_erf(Vec<M> v) {
-#if defined(CPU_CAPABILITY_AVX512)
-  if constexpr (std::is_same_v<M, float>) return Vec<M>(Sleef_erff16_u10(static_cast<__m512>(v)));
-#elif defined(CPU_CAPABILITY_AVX2)
-  if constexpr (std::is_same_v<M, float>) return Vec<M>(Sleef_erff8_u10(static_cast<__m256>(v)));
-#endif
-  return v.erf();
-}
-
 template <>
 struct VecAct<Activation::kGelu> {
   template <typename M> static Vec<M> forward(Vec<M> z) {

@@ -23,6 +23,20 @@ namespace {
 template <typename M>
 using CpuVec = at::vec::Vectorized<M>;
 
+// erf to ~1 ulp: at::vec's float erf on AVX2/AVX-512 is a 5-term polynomial whose relative error in
+// gelu reaches 5e-7 near z = -0.1 on one machine and 1.8e-6 on another (eager's gelu is ~1e-8 there),
+// so the float builds call SLEEF's erf (exported by libtorch_cpu); double and the baseline build use
+// at::vec's (SLEEF u10 / libm).
+template <typename M>
+CpuVec<M> accurate_erf(CpuVec<M> v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<M, float>) return CpuVec<M>(Sleef_erff16_u10(static_cast<__m512>(v)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<M, float>) return CpuVec<M>(Sleef_erff8_u10(static_cast<__m256>(v)));
+#endif
+  return v.erf();
+}
+
 // Elements a kernel converts at a time for low-precision inputs (a multiple of every vector width).
 constexpr int64_t kCpuTile = 256;
 

@@ -21,19 +21,6 @@ namespace {
 template <typename M>
 using Vec = CpuVec<M>;
 
-// erf to ~1 ulp (as add_mul_act's kernel): at::vec's float erf on AVX2/AVX-512 is a 5-term polynomial
-// (relative error up to ~2e-6 in gelu), so the float builds call SLEEF's erf (exported by
-// libtorch_cpu); double and the baseline build use at::vec's (SLEEF u10 / libm).
-template <typename M>
-Vec<M> accurate_erf(Vec<M> v) {
-#if defined(CPU_CAPABILITY_AVX512)
-  if constexpr (std::is_same_v<M, float>) return Vec<M>(Sleef_erff16_u10(static_cast<__m512>(v)));
-#elif defined(CPU_CAPABILITY_AVX2)
-  if constexpr (std::is_same_v<M, float>) return Vec<M>(Sleef_erff8_u10(static_cast<__m256>(v)));
-#endif
-  return v.erf();
-}
-
 // The activations of common/activation.h on vectors: forward<T>(z), and both<T>(z, f, d) giving the
 // value and the derivative from one set of transcendental calls (the backward needs both); T is
 // the storage type the results are rounded to.
