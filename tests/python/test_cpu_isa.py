@@ -83,18 +83,7 @@ for dt, tol in ((torch.float32, 2e-6), (torch.bfloat16, 8e-3), (torch.float64, 1
         refs = (gh, gw) + ((gh,) if with_res else ())
         e = max([rel_err(outs[0], ref)] + [rel_err(a, r) for a, r in zip(grads, refs)])
         assert e <= tol, ("rms_norm", dt, offset, e)
-def rotary_ref(x, inv_freq, pos, scaling, interleaved):
-    angle = pos[..., None].float() * inv_freq
-    cos, sin = (angle.double().cos() * scaling)[:, None], (angle.double().sin() * scaling)[:, None]
-    half = inv_freq.numel()
-    rot, passed = x[..., :2 * half], x[..., 2 * half:]
-    if interleaved:
-        x1, x2 = rot[..., 0::2], rot[..., 1::2]
-        rot = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
-    else:
-        x1, x2 = rot[..., :half], rot[..., half:]
-        rot = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return torch.cat((rot, passed), dim=-1)
+from test_rotary import reference as rotary_ref  # the float64 rope of test_rotary.py
 # 18 frequencies (whole vectors and a partial one), 36 of 40 dims rotated.
 inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 36, 2).float() / 36))
 pos = torch.randint(0, 3000, (2, 33))
