@@ -44,10 +44,6 @@ def fuseforge_fn(activation):
     return fn
 
 
-def rel_err(got, ref):
-    return ((got.double() - ref).norm() / ref.norm()).item()
-
-
 def setup(case):
     # A fresh compile per case: the eager function's code object is shared by every case, and
     # dynamo would otherwise hit its recompile limit and fall back to eager.
@@ -70,10 +66,10 @@ def setup(case):
     x64, y64, b64 = (t.double().requires_grad_() for t in (x, y, b))
     ref = eager_fn(activation)(x64, y64, b64)
     out = fuseforge_fn(activation)(xg, yg, bg)
-    fwd_err = rel_err(out, ref)
+    fwd_err = harness.rel_err(out, ref)
     grads = torch.autograd.grad(out, (xg, yg, bg), grad_out)
     ref_grads = torch.autograd.grad(ref, (x64, y64, b64), grad_out.double())
-    bwd_err = max([fwd_err] + [rel_err(g, r) for g, r in zip(grads, ref_grads)])
+    bwd_err = max([fwd_err] + [harness.rel_err(g, r) for g, r in zip(grads, ref_grads)])
     del x64, y64, b64, ref, out, grads, ref_grads
 
     benches = []

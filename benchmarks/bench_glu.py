@@ -53,10 +53,6 @@ def liger_fn(activation):
     return LigerGELUMulFunction.apply
 
 
-def rel_err(got, ref):
-    return ((got.double() - ref).norm() / ref.norm()).item()
-
-
 def setup(case):
     # A fresh compile per case: the eager function's code object is shared by every case, and
     # dynamo would otherwise hit its recompile limit and fall back to eager.
@@ -79,10 +75,10 @@ def setup(case):
     gate64, up64 = (t.double().requires_grad_() for t in (gate, up))
     ref = eager_fn(activation)(gate64, up64)
     out = fuseforge_fn(activation)(gate_g, up_g)
-    fwd_err = rel_err(out, ref)
+    fwd_err = harness.rel_err(out, ref)
     grads = torch.autograd.grad(out, (gate_g, up_g), grad_out)
     ref_grads = torch.autograd.grad(ref, (gate64, up64), grad_out.double())
-    bwd_err = max([fwd_err] + [rel_err(g, r) for g, r in zip(grads, ref_grads)])
+    bwd_err = max([fwd_err] + [harness.rel_err(g, r) for g, r in zip(grads, ref_grads)])
     del gate64, up64, ref, out, grads, ref_grads
 
     benches = []

@@ -70,10 +70,6 @@ def liger_fn(out_dtype):
     return fn
 
 
-def rel_err(got, ref):
-    return ((got.double() - ref).norm() / ref.norm()).item()
-
-
 def setup(case):
     torch._dynamo.reset()  # a fresh compile per case (the eager code object is shared by every case)
     shape, dtype_name, kind = case.split("/")
@@ -109,11 +105,11 @@ def setup(case):
     h64 = leaves64[0] + leaves64[2] if with_residual else leaves64[0]
     ref = h64 * torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + EPS) * leaves64[1]
     got = outputs(fuseforge_fn(out_dtype)(xg, wg, rg))
-    fwd_err = rel_err(got[0], ref)
+    fwd_err = harness.rel_err(got[0], ref)
     grads = torch.autograd.grad(got, leaves, grads_in)
     ref_grads = torch.autograd.grad((ref, h64) if with_residual else (ref,), leaves64,
                                     tuple(g.double() for g in grads_in))
-    bwd_err = max([fwd_err] + [rel_err(g, r) for g, r in zip(grads, ref_grads)])
+    bwd_err = max([fwd_err] + [harness.rel_err(g, r) for g, r in zip(grads, ref_grads)])
     del leaves64, h64, ref, got, grads, ref_grads
 
     benches = []

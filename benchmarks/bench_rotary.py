@@ -63,10 +63,6 @@ def fuseforge_fn(q, k, inv_freq, position_ids):
     return rotary(q, k, inv_freq, position_ids)
 
 
-def rel_err(got, ref):
-    return ((got.double() - ref).norm() / ref.norm()).item()
-
-
 def reference64(x, inv_freq, position_ids):
     angle = position_ids[..., None].float() * inv_freq
     cos, sin = angle.double().cos()[:, None], angle.double().sin()[:, None]
@@ -105,13 +101,13 @@ def setup(case):
 
     # Accuracy of fuseforge against float64 (forward, and the gradients of the fwdbwd pass).
     q_out, k_out = fuseforge_fn(qg, kg, inv_freq, position_ids)
-    fwd_err = max(rel_err(q_out, reference64(qg, inv_freq, position_ids)),
-                  rel_err(k_out, reference64(kg, inv_freq, position_ids)))
+    fwd_err = max(harness.rel_err(q_out, reference64(qg, inv_freq, position_ids)),
+                  harness.rel_err(k_out, reference64(kg, inv_freq, position_ids)))
     dq, dk = torch.autograd.grad((q_out, k_out), (qg_leaf, kg_leaf), grads)
     q64, k64 = (t.detach().double().requires_grad_() for t in (qg, kg))
     refs = (reference64(q64, inv_freq, position_ids), reference64(k64, inv_freq, position_ids))
     rq, rk = torch.autograd.grad(refs, (q64, k64), tuple(g.double() for g in grads))
-    bwd_err = max(fwd_err, rel_err(dq, rq.transpose(1, 2)), rel_err(dk, rk.transpose(1, 2)))
+    bwd_err = max(fwd_err, harness.rel_err(dq, rq.transpose(1, 2)), harness.rel_err(dk, rk.transpose(1, 2)))
     del q_out, k_out, dq, dk, q64, k64, refs, rq, rk
 
     benches = []

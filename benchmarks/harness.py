@@ -70,6 +70,11 @@ def git_commit() -> str:
         return os.environ.get("FUSEFORGE_COMMIT", "unknown")
 
 
+def rel_err(got, ref) -> float:
+    """||got - ref|| / ||ref||, got taken to float64 (ref: a float64 reference)."""
+    return ((got.double() - ref).norm() / ref.norm()).item()
+
+
 def median(xs: Iterable[float]) -> float:
     """The middle value (the upper one of an even count), as every timing here reports."""
     xs = sorted(xs)
