@@ -527,7 +527,7 @@ def run(op: str, cases: Iterable[str], setup: Callable[[str], list[Bench]], argv
 
 def write(result: dict, out_dir: str = RESULTS_DIR) -> None:
     os.makedirs(out_dir, exist_ok=True)
-    base = os.path.join(out_dir, result["op"])
+    base = os.path.join(out_dir, result_name(result))
     with open(base + ".json", "w") as f:
         json.dump(result, f, indent=1)
     with open(base + ".md", "w") as f:

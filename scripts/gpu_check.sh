@@ -98,7 +98,7 @@ if [ -n "$BENCH" ]; then
     python3 benchmarks/bench_$b.py --out results_tmp $BENCH_ARGS > "$LOG/bench_$b.log" 2>&1
     rc=$?
     summary "bench $b: rc=$rc in $(( $(date +%s) - t0 )) s"; pack
-    [ -f results_tmp/$b.md ] && cat results_tmp/$b.md | tee -a "$LOG/summary.txt"
+    cat results_tmp/${b}_*.md 2>/dev/null | tee -a "$LOG/summary.txt"
     [ $rc -ne 0 ] && tail -20 "$LOG/bench_$b.log"
   done
 fi

@@ -788,15 +788,18 @@ def test_packed_positions_rotate_per_document():
 @requires_cuda
 @pytest.mark.parametrize("family", ["llama", "qwen3", "phi3", "gemma2"])
 def test_fp32_weights_under_cuda_autocast(family):
-    """The benchmarks' recipe on the GPU: fp32 weights, bf16 autocast; loss and gradients within bf16
-    rounding of the unpatched model's."""
+    """The benchmarks' recipe on the GPU: fp32 weights, bf16 autocast. Against a float64 copy of the
+    model, every gradient of the patched model is within twice the unpatched model's own bf16 error
+    (which alone reaches 6% on a norm weight's gradient)."""
     model = make_model(family, torch.float32, "cuda", head_dim=64) if family != "phi3" else \
         make_model(family, torch.float32, "cuda", hidden_size=256)
     ids = tokens(2, 64, "cuda")
+    exact_loss, exact_grads = reference_loss_and_grads(copy.deepcopy(model).double(), ids, ids)
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        ref, ref_grads = loss_and_grads(model, input_ids=ids, labels=ids)
+        _, ref_grads = loss_and_grads(model, input_ids=ids, labels=ids)
         patch(model)
         out, got_grads = loss_and_grads(model, input_ids=ids, labels=ids)
-    assert abs(out.loss.item() - ref.loss.item()) <= 1e-2 * ref.loss.item()
-    for name, g in ref_grads.items():
-        assert_rel_close(got_grads[name], g, 6e-2, f"grad {name}")
+    assert abs(out.loss.item() - exact_loss.item()) <= 1e-2 * exact_loss.item()
+    for name, g in exact_grads.items():
+        eager_err = rel_err(ref_grads[name], g)
+        assert_rel_close(got_grads[name], g, max(2 * eager_err, 1e-2), f"grad {name} (eager's error {eager_err:.1e})")
