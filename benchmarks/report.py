@@ -81,17 +81,78 @@ SECTIONS = [
      "float32, or in bf16 with float32 master weights (`bf16-master`); `small5000`: 5000 tensors of "
      "4096 elements. torch's impls on the same parameters: `torch_fused` (`fused=True`), "
      "`torch_foreach`, `compile` (`torch.compile` of the step)."),
-    ("rms_norm", "rms_norm", "`benchmarks/bench_rms_norm.py`."),
-    ("rotary", "rotary", "`benchmarks/bench_rotary.py`."),
-    ("glu", "glu", "`benchmarks/bench_glu.py`."),
-    ("e2e", "End to end: a 1.2B Llama with `fuseforge.patch`",
-     "`benchmarks/bench_e2e.py`: a `transformers` LlamaForCausalLM (hidden 2048, 16 layers, 16 query "
-     "heads on 4 KV heads, vocabulary 128256, S = 2048), random init, 50 steps on a fixed token stream, "
-     "the batch the largest that keeps the eager recipe under 88% of the GPU. `eager`: fp32 weights, "
-     "bf16 autocast, SDPA, `torch.optim.AdamW(fused=True)`; `fuseforge`: the same model patched, bf16 "
-     "weights, `fuseforge.optim.AdamW(master_weights=True)`; `compile` / `fuseforge_compile`: "
-     "`torch.compile` of each. The script now also runs Liger-Kernel's patch (`liger`); the stored runs "
-     "below predate that row, and predate the patch's RMSNorm, rotary and gated-MLP routing."),
+    ("rms_norm", "rms_norm: RMSNorm and the residual add before it",
+     "`benchmarks/bench_rms_norm.py`: fuseforge's `rms_norm` against eager PyTorch (Hugging Face's "
+     "LlamaRMSNorm code), `torch.compile` of it and Liger-Kernel's RMSNorm. Cases "
+     "`ROWSxHIDDEN/DTYPE/KIND`: 16384 rows at hidden 2048, 4096 and 8192; `bf16` (x, weight and out "
+     "bf16) or `fp32_bf16out` (the autocast recipe: fp32 x and weight, bf16 out); `norm` (out = "
+     "norm(x)) or `add_norm` (h = x + residual, out = norm(h), both returned: a decoder layer's add and "
+     "norm; eager and compile add then norm, Liger runs its fused add + norm). `262144x128` is Qwen3's "
+     "q/k norm (16384 tokens x 16 heads of 128). Liger runs with `in_place=False`; with `fp32_bf16out` "
+     "it returns fp32, cast to bf16 as a caller would. GB/s counts the minimum a pass must move, the "
+     "weight left out: fwd reads x (and the residual) and writes out (and h); fwdbwd adds the "
+     "backward's reads of grad_out and h (and of h's own gradient, add_norm) and its write of "
+     "grad_input (one tensor: x's and the residual's gradients are equal)."),
+    ("rotary", "rotary: rope of q and k from position_ids",
+     "`benchmarks/bench_rotary.py`: fuseforge's `rotary` (cos/sin computed in the kernel) against "
+     "Hugging Face's eager code (LlamaRotaryEmbedding.forward, then apply_rotary_pos_emb), "
+     "`torch.compile` of it and Liger-Kernel's `LigerRopeFunction`, which is given cos/sin precomputed "
+     "(a model computes them once a forward for all layers, so their cost is left out of liger's "
+     "time) and rotates q and k in place. Cases: batch 8 x sequence 2048, heads Hq x Hk x D of Llama "
+     "3.2 1B (16x4x128), Llama 3 8B (32x8x128), Llama 3 70B (64x8x128), Gemma 2 (8x4x256) and Qwen2 "
+     "(16x2x128) in bf16, and 8B's in fp32; q and k are the projections' (B, S, H, D) -> (B, H, S, D) "
+     "views, as in the model. GB/s counts 2 x (q + k) bytes forward (read q and k, write both outputs) "
+     "and 4 x (q + k) forward+backward; position_ids, inv_freq and cos/sin are not counted."),
+    ("glu", "glu: SwiGLU and GeGLU",
+     "`benchmarks/bench_glu.py`: fuseforge's `glu`, `act(gate) * up`, against eager PyTorch (as Hugging "
+     "Face's LlamaMLP / GemmaMLP write it), `torch.compile` of it and Liger-Kernel's SiLU-mul and "
+     "GELU-mul. Cases `ROWSxI/DTYPE/ACT`: 16384 rows (8 x 2048 tokens); SiLU in bf16 at I = 2048, "
+     "4096, 5632, 8192, 11008 and 14336 (the hidden sizes and Llama 1B's, Qwen2's and Llama 8B's MLP "
+     "widths), tanh-GELU in bf16 at Gemma's 8192 and 9216, and SiLU in fp32 at 8192; gate and up are "
+     "separate tensors, as Hugging Face's MLPs make them. GB/s counts tensors of rows x I: fwd reads "
+     "gate and up and writes out (3); fwdbwd adds the backward's reads of grad_out, gate and up and "
+     "writes of grad_gate and grad_up (8 in all). Liger's backward writes its gradients over its saved "
+     "inputs, so it gets its own copies of them."),
+    ("e2e", "End to end: a 1.2B Llama with `fuseforge.patch` against Liger-Kernel",
+     "`benchmarks/bench_e2e.py --batch 8`: a `transformers` LlamaForCausalLM (hidden 2048, 16 layers, "
+     "16 query heads on 4 KV heads of 128, intermediate 5632, vocabulary 128256, untied head), S = "
+     "2048, batch 8, random init, 15 steps on a fixed token stream, every impl on the same model and "
+     "tokens in one process. ms is the median step after the first five (which allocate and "
+     "autotune); MiB the peak of the whole run (weights, gradients, optimizer state, activations). One "
+     "recipe for every impl: fp32 weights, bf16 autocast. `eager`: transformers' SDPA attention, "
+     "`torch.optim.AdamW(fused=True)`; `liger`: eager after Liger-Kernel 0.8.5's "
+     "`apply_liger_kernel_to_llama(model=...)` (RoPE, RMSNorm, SwiGLU, fused linear cross-entropy); "
+     "`fuseforge`: `fuseforge.patch` (attention, the loss, RMSNorm, rotary, the gated MLP and the "
+     "residual add fused into the next norm) with `fuseforge.optim.AdamW`. The ablation rows are "
+     "`fuseforge` with one fusion off: `fuseforge_no_rms_norm` (`patch(rms_norm=False)`: transformers' "
+     "RMSNorm, and with it the residual fusion, which runs inside the norm), `fuseforge_no_rotary` "
+     "(transformers' rotary embedding), `fuseforge_no_glu` (transformers' MLP activation and product), "
+     "`fuseforge_no_fuse_residual` (the residual adds left to PyTorch, the norms still fuseforge's). "
+     "The H100 table is an earlier run of the previous recipe (50 steps; `fuseforge` with bf16 weights "
+     "and fp32 master weights, the patch routing attention and the loss only; no `liger` row)."),
+    ("e2e_compile", "End to end: the 1.2B Llama under `torch.compile`",
+     "`bench_e2e.py --batch 8 --impls eager,compile,fuseforge_compile`: the model, batch, steps and "
+     "recipe of the section above, in a run of its own. `compile`: `torch.compile` of the eager model "
+     "(torch's fused AdamW); `fuseforge_compile`: `torch.compile` of the patched model, with "
+     "`fuseforge.optim.AdamW`. The first step, the compilation, is left out of the median as the "
+     "first five steps are. The table's `vs` columns compare against a plain `fuseforge` row, which "
+     "this run does not have; fuseforge_compile's ratio to compile is in the summary table."),
+    ("e2e_qwen2", "End to end: a Qwen2-shaped model",
+     "`bench_e2e.py --config qwen2 --impls eager,liger,fuseforge`: a Qwen2ForCausalLM with hidden "
+     "2048, 16 layers, 16 query heads on 2 KV heads of 128, intermediate 11008, vocabulary 151936 with "
+     "tied embeddings; S = 2048, batch 12; Liger's patch is `apply_liger_kernel_to_qwen2`. Recipe, "
+     "steps and impls as in the 1.2B Llama section."),
+    ("e2e_gemma2", "End to end: a Gemma-2-shaped model",
+     "`bench_e2e.py --config gemma2 --impls eager,liger,fuseforge`: a Gemma2ForCausalLM with hidden "
+     "2048, 12 layers, 8 query heads on 4 KV heads of 256, intermediate 8192 (GeGLU), vocabulary 256000, "
+     "attention and final-logit softcaps, a 4096-token window every other layer; S = 2048, batch 9; "
+     "Liger's patch is `apply_liger_kernel_to_gemma2`. Recipe, steps and impls as in the 1.2B Llama "
+     "section."),
+    ("e2e_8b_layers", "End to end: four Llama-3-8B layers",
+     "`bench_e2e.py --config 8b-layers --impls eager,liger,fuseforge`: 4 of Llama 3 8B's 32 layers "
+     "(hidden 4096, 32 query heads on 8 KV heads of 128, intermediate 14336) with its vocabulary "
+     "(128256, untied head); S = 2048, batch 16; Liger's patch is `apply_liger_kernel_to_llama`. Recipe, "
+     "steps and impls as in the 1.2B Llama section."),
     ("e2e_attention_ab", "End to end: what fuseforge attention saves inside the training step",
      "`benchmarks/profiler.py e2e-attention-ab`: one patched model alternates its attention between fuseforge's and "
      "transformers' SDPA (cuDNN's kernels) step by step in A B B A order, beside the two attention calls "
@@ -123,12 +184,24 @@ HEADLINE = [
     ("linear_cross_entropy", "fuseforge", "cce", "lowmem", "linear_cross_entropy, low_memory"),
     ("add_mul_act", "fuseforge", "compile", "16384x8192", "add_mul_act, 16384 x 8192"),
     ("add_mul_act", "fuseforge", "eager", "16384x8192", "add_mul_act, 16384 x 8192"),
+    ("rms_norm", "fuseforge", "liger", "", "rms_norm"),
+    ("rms_norm", "fuseforge", "compile", "", "rms_norm"),
+    ("rotary", "fuseforge", "liger", "", "rotary"),
+    ("rotary", "fuseforge", "compile", "", "rotary"),
+    ("glu", "fuseforge", "liger", "", "glu"),
+    ("glu", "fuseforge", "compile", "", "glu"),
     ("adamw", "fuseforge", "torch_fused", "llama1b", "AdamW, 1B Llama (fp32; bf16 + fp32 masters)"),
     ("adamw", "fuseforge", "compile", "llama1b", "AdamW, 1B Llama (fp32; bf16 + fp32 masters)"),
     ("adamw", "fuseforge", "torch_fused", "small5000", "AdamW, 5000 small tensors"),
+    ("e2e", "fuseforge", "liger", "", "1.2B Llama step, patched"),
     ("e2e", "fuseforge", "eager", "", "1.2B Llama step, patched"),
-    ("e2e", "fuseforge", "compile", "", "1.2B Llama step, patched"),
-    ("e2e", "fuseforge_compile", "compile", "", "1.2B Llama step, patched + compiled"),
+    ("e2e_compile", "fuseforge_compile", "compile", "", "1.2B Llama step, patched + compiled"),
+    ("e2e_qwen2", "fuseforge", "liger", "", "Qwen2-shaped step, patched"),
+    ("e2e_qwen2", "fuseforge", "eager", "", "Qwen2-shaped step, patched"),
+    ("e2e_gemma2", "fuseforge", "liger", "", "Gemma-2-shaped step, patched"),
+    ("e2e_gemma2", "fuseforge", "eager", "", "Gemma-2-shaped step, patched"),
+    ("e2e_8b_layers", "fuseforge", "liger", "", "4 Llama-3-8B layers step, patched"),
+    ("e2e_8b_layers", "fuseforge", "eager", "", "4 Llama-3-8B layers step, patched"),
     ("fsdp", "fuseforge", "eager", "llama", "1.2B Llama step, FSDP2 x 2"),
     ("fsdp", "fuseforge", "torch_fused", "adamw", "AdamW step on FSDP2 shards"),
 ]
@@ -219,7 +292,8 @@ def headline_table(results: dict, link_prefix: str) -> str:
                      f"{_span(mem) if mem else '-'} |")
     lines.append("")
     lines.append("Speed-up = the peer's median time / fuseforge's over the rows of the newest GPU run of each "
-                 "benchmark (above 1: fuseforge is faster); `rows slower` counts the rows where it is not. "
+                 "benchmark (above 1: fuseforge is faster); `rows slower` counts the rows where it is not; peak memory "
+                 "is fuseforge's peak MiB / the peer's (end to end: the whole training run's). "
                  f"Every row's table, device, commit and date: [docs/benchmarks.md]({link_prefix}docs/benchmarks.md).")
     return "\n".join(lines) + "\n"
 
@@ -227,7 +301,8 @@ def headline_table(results: dict, link_prefix: str) -> str:
 def plots(results: dict, link_prefix: str) -> str:
     """One plot per op, the newest GPU run's."""
     out = []
-    for bench in ("attention", "attention_varlen", "linear_cross_entropy", "add_mul_act", "adamw", "e2e"):
+    for bench in ("attention", "attention_varlen", "linear_cross_entropy", "add_mul_act", "rms_norm", "rotary", "glu",
+                  "adamw", "e2e"):
         runs = {t: v for t, v in results.get(bench, {}).items() if t != "cpu"}
         if not runs:
             continue
@@ -263,8 +338,9 @@ def benchmarks_md(results: dict) -> str:
         runs = results.get(bench, {})
         parts += [f"## {title}", "", what, ""]
         if not runs:
-            parts += [f"GPU tables pending: no stored run of this benchmark yet "
-                      f"(`python3 benchmarks/bench_{bench}.py` writes one).", ""]
+            script = f"benchmarks/bench_{bench}.py"
+            how = f" (`python3 {script}` writes one)" if os.path.exists(os.path.join(ROOT, script)) else ""
+            parts += [f"GPU tables pending: no stored run of this benchmark yet{how}.", ""]
             continue
         for tag in sorted(runs, key=_device_key):
             stem, result = runs[tag]
