@@ -44,33 +44,5 @@ def _rotary_fake(q, k, inv_freq, position_ids, attention_scaling, interleaved, i
     return q_out, k_out
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, inv_freq, position_ids, attention_scaling, interleaved, inverse, _out_dtype = inputs
-    ctx.save_for_backward(inv_freq, position_ids)
-    # A gradient that reaches only one of q_out and k_out is not filled with zeros for the other.
-    ctx.set_materialize_grads(False)
-    ctx.attention_scaling = attention_scaling
-    ctx.interleaved = interleaved
-    ctx.inverse = inverse
-    ctx.input_dtype = q.dtype
-    ctx.q_shape = q.shape
-    ctx.k_shape = k.shape
-
-
-def _backward(ctx, grad_q, grad_k):
-    """The rotation is orthogonal up to attention_scaling: its transpose (the gradient) is the same
-    op with the angle negated."""
-    if grad_q is None and grad_k is None:
-        return None, None, None, None, None, None, None, None
-    inv_freq, position_ids = ctx.saved_tensors
-    if grad_q is None:
-        grad_q = grad_k.new_zeros(ctx.q_shape)
-    if grad_k is None:
-        grad_k = grad_q.new_zeros(ctx.k_shape)
-    need_q, need_k = ctx.needs_input_grad[:2]
-    dq, dk = _ops.rotary(grad_q, grad_k, inv_freq, position_ids, ctx.attention_scaling, ctx.interleaved,
-                         not ctx.inverse, ctx.input_dtype)
-    return dq if need_q else None, dk if need_k else None, None, None, None, None, None, None
-
-
-torch.library.register_autograd("fuseforge::rotary", _backward, setup_context=_setup_context)
+# The autograd is registered in C++ (csrc/rotary/rotary_autograd.cpp): the Python path would cost
+# more host time than the kernels take.
