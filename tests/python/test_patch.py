@@ -326,11 +326,13 @@ def test_bf16_weights_cpu():
         assert_rel_close(got_grads[name].float(), g.float(), 8e-2, f"grad {name}")
 
 
-def test_torch_compile_traces_the_kernels_once():
+@pytest.mark.parametrize("family,use_cache", [("llama", None), ("llama", False), ("mistral-swa", False)])
+def test_torch_compile_traces_the_kernels_once(family, use_cache):
     """Under torch.compile the patched model runs fuseforge attention (transformers builds a full
-    causal mask while tracing on torch < 2.14; the patch's mask function must skip it), the loss runs
+    causal mask while tracing on torch < 2.14, and without a cache it hands the mask a traced
+    packed-document index; the patch's mask function must skip both), the loss runs
     linear_cross_entropy, and repeated steps reuse the first graphs (no recompilation on a counter)."""
-    model = make_model("llama")
+    model = make_model(family) if use_cache is None else make_model(family, use_cache=use_cache)
     ref = copy.deepcopy(model)
     patch(model)
     graphs = []

@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from fuseforge.ops.linear_cross_entropy import linear_cross_entropy
 from fuseforge.patch.attention import _autocast_dtype
+from fuseforge.patch.masks import set_whole_rows
 
 
 def causal_lm_loss(hidden_states: Tensor, lm_head: nn.Linear, labels: Optional[Tensor] = None,
@@ -55,16 +56,22 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     in kwargs under the caller's name (`cache`, or `past_key_values` before transformers renamed it)."""
     original = type(self).forward
     keep_all = isinstance(logits_to_keep, int) and logits_to_keep == 0
-    if labels is None or not keep_all:
-        return original(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                        inputs_embeds=inputs_embeds, labels=labels,
-                        use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
+    # Without position_ids, a mask or varlen arguments, every row is one sequence (masks._whole_rows).
+    whole_rows = position_ids is None and attention_mask is None and kwargs.get("cu_seq_lens_q") is None
+    previous = set_whole_rows(whole_rows)
+    try:
+        if labels is None or not keep_all:
+            return original(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            inputs_embeds=inputs_embeds, labels=labels,
+                            use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
+        return_dict = kwargs.pop("return_dict", None)
+        decoder = getattr(self, self.base_model_prefix)
+        outputs = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          inputs_embeds=inputs_embeds, use_cache=use_cache,
+                          **kwargs)
+    finally:
+        set_whole_rows(previous)
     from transformers.modeling_outputs import CausalLMOutputWithPast
-    return_dict = kwargs.pop("return_dict", None)
-    decoder = getattr(self, self.base_model_prefix)
-    outputs = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                      inputs_embeds=inputs_embeds, use_cache=use_cache,
-                      **kwargs)
     loss = self.lm_head(outputs.last_hidden_state, loss_labels=labels, shift_labels=kwargs.get("shift_labels"),
                         num_items_in_batch=kwargs.get("num_items_in_batch"),
                         softcap=getattr(self.config, "final_logit_softcapping", None),

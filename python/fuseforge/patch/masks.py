@@ -26,10 +26,29 @@ def _closure(fn, name: str):
 
 
 def _made_by(fn, factory: str, inner: str = "inner_mask") -> bool:
-    """Whether `fn` is the closure `inner` that transformers.masking_utils.<factory> returns."""
+    """Whether `fn` is the closure `inner` that transformers.masking_utils.<factory> returns. The name
+    is read from the code object: while tracing, dynamo answers getattr(closure, "__qualname__") with
+    None."""
+    code = getattr(fn, "__code__", None)
+    qualname = getattr(code, "co_qualname", None) or getattr(fn, "__qualname__", None)
     return (getattr(fn, "__module__", None) == _MASKING_UTILS
-            and getattr(fn, "__qualname__", None) == f"{factory}.<locals>.{inner}"
+            and qualname == f"{factory}.<locals>.{inner}"
             and getattr(fn, "__closure__", None) is not None)
+
+
+# Whether the forward in flight runs rows that are each one sequence: set by the patched
+# ForCausalLM forward when it was given neither position_ids nor an attention mask (transformers
+# then numbers every row 0..S-1). Eager transformers finds that out from the positions itself;
+# while tracing it cannot, and hands the mask function a per-token document index, which would send
+# every layer to SDPA with a materialised mask. With this set, the index is dropped.
+_whole_rows = {"on": False}
+
+
+def set_whole_rows(on: bool) -> bool:
+    """Sets the flag above; returns its previous value (to restore)."""
+    previous = _whole_rows["on"]
+    _whole_rows["on"] = on
+    return previous
 
 
 def _describe_unpacked(mask_function):
@@ -194,6 +213,8 @@ def fuseforge_mask(*args, **kwargs):
     sizes_known = isinstance(q_length, int) and isinstance(kv_length, int)
     if described is not None and sizes_known:
         sliding_window, doc_ids = described
+        if doc_ids is not None and _whole_rows["on"]:
+            doc_ids = None  # one document a row (see _whole_rows)
         # A forward over whole sequences (training, a prefill): no offsets, queries == keys.
         whole = (isinstance(q_offset, int) and isinstance(kv_offset, int) and q_offset == 0 and kv_offset == 0
                  and q_length == kv_length)
