@@ -41,12 +41,12 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 CSRC = os.path.join("csrc")
 
 
-# The CUDA targets of a build with no GPU to build for (a wheel, CI): sm_90a (H100/H200: the wgmma and
-# TMA kernels, FUSEFORGE_SM90A_BUILD) and sm_100 with its PTX, which the driver compiles for later GPUs
-# (the mma.sync kernels there; the sm_90a-only kernels check the device at run time). Not 8.0 (A100)
-# yet: linear_cross_entropy's cluster kernel (__cluster_dims__, cooperative_groups::cluster_group)
-# does not compile for sm_80; the rest does (nvcc -ptx -arch=compute_80, docs/install.md).
-PORTABLE_ARCH_LIST = "9.0a;10.0+PTX"
+# The CUDA targets of a build with no GPU to build for (a wheel, CI): sm_80 (A100: the mma.sync
+# kernels; linear_cross_entropy's cluster kernel is a trap there, and the host takes its stream kernel
+# below compute capability 9.0), sm_90a (H100/H200: the wgmma and TMA kernels, FUSEFORGE_SM90A_BUILD)
+# and sm_100 with its PTX, which the driver compiles for later GPUs (the mma.sync kernels there; the
+# sm_90a-only kernels check the device at run time). docs/install.md, "GPU targets".
+PORTABLE_ARCH_LIST = "8.0;9.0a;10.0+PTX"
 
 
 def decide_cuda(env, gpu_visible: bool, have_nvcc: bool, torch_cuda: bool):

@@ -36,6 +36,21 @@ struct ClusterKernel {
   static constexpr size_t smem_bytes = cluster_prefetch_bytes<L, kVec4>();
 };
 
+// Thread block clusters need compute capability 9.0, and this file's kernels have cluster code only
+// where compiled for sm_90 and up (a trap below, linear_cross_entropy_kernel.cuh): the device must be
+// 9.0 or later and the code loaded for it too (a build of 8.0+PTX alone would JIT the trap for an
+// H100). The kernels' virtual architecture, cudaFuncAttributes::ptxVersion, is the same for all of
+// them (one file, one list of targets). Asked once a device.
+bool cluster_kernel_runnable() {
+  static std::atomic<int> cache[kMaxCachedDevices];
+  return cached_per_device(cache, [] {
+    if (at::cuda::getCurrentDeviceProperties()->major < 9) return 1;
+    cudaFuncAttributes attributes;
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, row_softmax_cluster_kernel<float, float, 2, true>));
+    return attributes.ptxVersion >= 90 ? 2 : 1;
+  }) == 2;
+}
+
 template <typename T>
 void launch_row_softmax_cluster(const RowParams<T>& p, bool persistent) {
   TORCH_CHECK(p.rows <= 65535, "linear_cross_entropy: the cluster kernel takes at most 65535 rows a launch");

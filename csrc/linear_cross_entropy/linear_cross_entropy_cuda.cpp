@@ -174,7 +174,10 @@ void allocate_grads(const Problem& p, const GradSpec& g, Outputs& o) {
 template <typename T>
 void run_default(const Problem& p, const GradSpec& g, Outputs& o) {
   allocate_grads(p, g, o);
-  const bool cluster = p.vocab % 4 == 0 && p.vocab <= kClusterMaxVocab && !g.stats_in.has_value();
+  // The cluster kernel needs compute capability 9.0 (thread block clusters); below, e.g. on an A100,
+  // the stream kernel takes every row.
+  const bool cluster =
+      p.vocab % 4 == 0 && p.vocab <= kClusterMaxVocab && !g.stats_in.has_value() && cluster_kernel_runnable();
   // Development knob FUSEFORGE_LCE_PERSISTENT: 1, as many clusters as the GPU holds, each looping over
   // rows; 0, one cluster a row.
   const bool persistent = env_flag("FUSEFORGE_LCE_PERSISTENT", true);

@@ -7,7 +7,9 @@
 //    8 * 512 * 64 = 262144 logits), so the logits are read once: statistics, cluster exchange of
 //    (max, sum, sum of logits) through distributed shared memory, then dz. Persistent clusters
 //    copy the next row into shared memory while this one is reduced. bf16: 4 bytes per logit, dz
-//    written over the bf16 logits in place; float32 logits: 4 read + sizeof(T) written.
+//    written over the bf16 logits in place; float32 logits: 4 read + sizeof(T) written. Thread
+//    block clusters need compute capability 9.0: below sm_90 the kernel compiles to a trap, and the
+//    host launches it only where cluster_kernel_runnable() says so.
 //  - row_softmax_stream_kernel: one CTA streams a row (or a tile of one): statistics (optionally
 //    merged with running per-row statistics of earlier vocabulary tiles), and/or dz given a known
 //    lse (in place over 16-bit logits on the low-memory strategy's gradient pass). Serves the
@@ -25,6 +27,15 @@
 #include "common/launch.cuh"
 #include "common/vec.cuh"
 #include "linear_cross_entropy/linear_cross_entropy_launch.h"
+
+// Whether this compilation pass has the cluster kernel's code: sm_90 and up, and the host pass (which
+// sees the kernel's __cluster_dims__ and launches it). Below sm_90 (sm_80: the A100) thread block
+// clusters do not exist; the kernel there is a trap without cluster dimensions.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define FUSEFORGE_LCE_CLUSTER_CODE 0
+#else
+#define FUSEFORGE_LCE_CLUSTER_CODE 1
+#endif
 
 namespace fuseforge::linear_cross_entropy {
 
@@ -182,6 +193,7 @@ constexpr size_t cluster_prefetch_bytes() {
 // it, not by a test on every logit. kPlain: no bias, softcap, z-loss or label smoothing (the usual
 // training loss): per logit only its max, one exp and p * scale. Per-logit tests and option math
 // make this kernel instruction-bound (measured on the H100).
+#if FUSEFORGE_LCE_CLUSTER_CODE
 template <typename T, typename L, int kVec4, bool kPlain>
 __device__ void row_softmax_cluster_body(const RowParams<T>& p, int64_t span) {
   namespace cg = cooperative_groups;
@@ -359,6 +371,13 @@ __global__ void __cluster_dims__(kClusterSize, 1, 1) __launch_bounds__(kClusterT
     row_softmax_cluster_kernel(RowParams<T> p, int64_t span) {
   row_softmax_cluster_body<T, L, kVec4, kPlain>(p, span);
 }
+#else
+template <typename T, typename L, int kVec4, bool kPlain>
+__global__ void __launch_bounds__(kClusterThreads, kVec4 >= 16 ? 1 : 2)
+    row_softmax_cluster_kernel(RowParams<T> p, int64_t span) {
+  __trap();  // no cluster code below sm_90: the host does not launch it (cluster_kernel_runnable)
+}
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // Stream kernel: grid (rows); one CTA a row of the tile. kVec: ld_logits, cols and ld_dz are

@@ -52,6 +52,9 @@ constexpr int kClusterThreads = 512;
 constexpr int kStreamThreads = 256;
 
 // Launchers (linear_cross_entropy_cluster.cu, linear_cross_entropy_stream.cu).
+// Whether the cluster kernel runs on the current device: compute capability 9.0 or later, with the
+// kernel's sm_90+ code (below sm_90 it is a trap, never launched).
+bool cluster_kernel_runnable();
 // persistent: as many clusters as the GPU holds at once, each looping over rows (else one a row).
 template <typename T>
 void launch_row_softmax_cluster(const RowParams<T>& p, bool persistent);
