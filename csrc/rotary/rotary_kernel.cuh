@@ -144,12 +144,16 @@ __global__ void __launch_bounds__(kThreads) rotary_kernel(const RotaryParams<Tin
       place_chunk(c);
       load_batch(threadIdx.y);
     }
-    // The chunk's cos and sin are read from shared memory at each use rather than held across the
-    // heads: 2 x kPairs registers fewer, which keeps 4 blocks an SM without spills.
-    const int freq0 = !place.rotary ? 0 : kInterleaved ? place.first / 2 : place.first;
-    const int pairs = !place.rotary ? 0 : kInterleaved ? place.n / 2 : place.n;
-    const float* chunk_cos = cos_tab + freq0;
-    const float* chunk_sin = sin_tab + freq0;
+    float cos_v[kPairs], sin_v[kPairs];
+    if (place.rotary) {
+      const int freq0 = kInterleaved ? place.first / 2 : place.first;
+      const int pairs = kInterleaved ? place.n / 2 : place.n;
+#pragma unroll
+      for (int i = 0; i < kPairs; ++i) {
+        cos_v[i] = kVec || i < pairs ? cos_tab[freq0 + i] : 0.f;
+        sin_v[i] = kVec || i < pairs ? sin_tab[freq0 + i] : 0.f;
+      }
+    }
 
     for (int h0 = threadIdx.y;;) {
 #pragma unroll
@@ -157,30 +161,25 @@ __global__ void __launch_bounds__(kThreads) rotary_kernel(const RotaryParams<Tin
         const int h = h0 + u * static_cast<int>(blockDim.y);
         if (h >= heads) break;
         Tout* dst = head_rows(p, q_row, k_row, q_out, k_out, h).dst + place.first;
-        float out[kChunk];
+        float out[kChunk], out_partner[kChunk];
         if (!place.rotary) {
 #pragma unroll
           for (int j = 0; j < kChunk; ++j) out[j] = x[u].value(j);
         } else if constexpr (kInterleaved) {
 #pragma unroll
           for (int i = 0; i < kPairs; ++i) {
-            const float c = kVec || i < pairs ? chunk_cos[i] : 0.f, sn = kVec || i < pairs ? chunk_sin[i] : 0.f;
             const float x1 = x[u].value(2 * i), x2 = x[u].value(2 * i + 1);
-            out[2 * i] = x1 * c - x2 * sn;
-            out[2 * i + 1] = x2 * c + x1 * sn;
+            out[2 * i] = x1 * cos_v[i] - x2 * sin_v[i];
+            out[2 * i + 1] = x2 * cos_v[i] + x1 * sin_v[i];
           }
-        } else {  // the partner half first, stored before the first half is computed (fewer live registers)
+        } else {
 #pragma unroll
           for (int j = 0; j < kChunk; ++j) {
-            const float c = kVec || j < pairs ? chunk_cos[j] : 0.f, sn = kVec || j < pairs ? chunk_sin[j] : 0.f;
-            out[j] = y[u].value(j) * c + x[u].value(j) * sn;
+            const float x1 = x[u].value(j), x2 = y[u].value(j);
+            out[j] = x1 * cos_v[j] - x2 * sin_v[j];
+            out_partner[j] = x2 * cos_v[j] + x1 * sin_v[j];
           }
-          store_chunk<Tout, kChunk, kVec>(dst + partner, place.n, out);
-#pragma unroll
-          for (int j = 0; j < kChunk; ++j) {
-            const float c = kVec || j < pairs ? chunk_cos[j] : 0.f, sn = kVec || j < pairs ? chunk_sin[j] : 0.f;
-            out[j] = x[u].value(j) * c - y[u].value(j) * sn;
-          }
+          store_chunk<Tout, kChunk, kVec>(dst + partner, place.n, out_partner);
         }
         store_chunk<Tout, kChunk, kVec>(dst, place.n, out);
       }

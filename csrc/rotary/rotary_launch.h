@@ -9,11 +9,8 @@
 namespace fuseforge::rotary {
 
 constexpr int kThreads = 256;        // the most threads a block
-constexpr int kBatch = 2;            // heads a thread loads before it computes (its loads in flight)
-// Heads (q's and k's together) a thread aims to take: 2, so that a thread's loads are one batch,
-// all in flight before the token's cos/sin are computed, and blocks hold few tokens. A grid of few
-// large blocks (8 heads a thread: ~1.5 waves at 16K tokens) left a half-empty last wave.
-constexpr int kHeadsPerThread = 2;
+constexpr int kBatch = 4;            // heads a thread loads before it computes (its loads in flight)
+constexpr int kHeadsPerThread = 8;   // heads (q's and k's together) a thread aims to take, in batches
 constexpr int kMaxChunkThreads = 64; // threads across one head (more chunks: each thread takes several)
 constexpr int64_t kMaxRotaryDims = 8192;       // one token's cos/sin tables must fit in shared memory
 constexpr int64_t kMaxTableBytes = 32 * 1024;
