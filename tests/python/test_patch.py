@@ -326,12 +326,20 @@ def test_bf16_weights_cpu():
         assert_rel_close(got_grads[name].float(), g.float(), 8e-2, f"grad {name}")
 
 
-@pytest.mark.parametrize("family,use_cache", [("llama", None), ("llama", False), ("mistral-swa", False)])
-def test_torch_compile_traces_the_kernels_once(family, use_cache):
+@pytest.mark.parametrize("family,use_cache,inspectable", [("llama", None, True), ("llama", False, True),
+                                                           ("mistral-swa", False, True), ("llama", False, False),
+                                                           ("mistral-swa", False, False)])
+def test_torch_compile_traces_the_kernels_once(family, use_cache, inspectable, monkeypatch):
     """Under torch.compile the patched model runs fuseforge attention (transformers builds a full
     causal mask while tracing on torch < 2.14, and without a cache it hands the mask a traced
     packed-document index; the patch's mask function must skip both), the loss runs
-    linear_cross_entropy, and repeated steps reuse the first graphs (no recompilation on a counter)."""
+    linear_cross_entropy, and repeated steps reuse the first graphs (no recompilation on a counter).
+    inspectable=False: as with a dynamo that cannot inspect the mask closures while tracing."""
+    if not inspectable:
+        masks = importlib.import_module("fuseforge.patch.masks")
+        describe = masks._describe_mask
+        monkeypatch.setattr(masks, "_describe_mask",
+                            lambda fn: None if torch.compiler.is_compiling() else describe(fn))
     model = make_model(family) if use_cache is None else make_model(family, use_cache=use_cache)
     ref = copy.deepcopy(model)
     patch(model)

@@ -210,6 +210,11 @@ def fuseforge_mask(*args, **kwargs):
     kv_length, local_size = kwargs.get("kv_length"), kwargs.get("local_size")
     q_offset, kv_offset = kwargs.get("q_offset", 0), kwargs.get("kv_offset", 0)
     described = _describe_mask(kwargs.get("mask_function"))
+    if described is None and _whole_rows["on"] and torch.compiler.is_compiling():
+        # Some torch releases' dynamo cannot inspect a mask closure made inside the traced region.
+        # Rows that are whole sequences leave transformers' causal mask or, with local_size, its
+        # sliding-window mask (the only masks the patched families build without a 2D mask).
+        described = (local_size, None)
     sizes_known = isinstance(q_length, int) and isinstance(kv_length, int)
     if described is not None and sizes_known:
         sliding_window, doc_ids = described
