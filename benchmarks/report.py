@@ -131,12 +131,11 @@ SECTIONS = [
      "The H100 table is an earlier run of the previous recipe (50 steps; `fuseforge` with bf16 weights "
      "and fp32 master weights, the patch routing attention and the loss only; no `liger` row)."),
     ("e2e_compile", "End to end: the 1.2B Llama under `torch.compile`",
-     "`bench_e2e.py --batch 8 --impls eager,compile,fuseforge_compile`: the model, batch, steps and "
-     "recipe of the section above, in a run of its own. `compile`: `torch.compile` of the eager model "
-     "(torch's fused AdamW); `fuseforge_compile`: `torch.compile` of the patched model, with "
-     "`fuseforge.optim.AdamW`. The first step, the compilation, is left out of the median as the "
-     "first five steps are. The table's `vs` columns compare against a plain `fuseforge` row, which "
-     "this run does not have; fuseforge_compile's ratio to compile is in the summary table."),
+     "`bench_e2e.py --batch 8 --impls eager,compile,fuseforge,fuseforge_compile`: the model, batch, "
+     "steps and recipe of the section above, in a run of its own. `compile`: `torch.compile` of the "
+     "eager model (torch's fused AdamW); `fuseforge_compile`: `torch.compile` of the patched model, "
+     "with `fuseforge.optim.AdamW`. The first step, the compilation, is left out of the median as the "
+     "first five steps are."),
     ("e2e_qwen2", "End to end: a Qwen2-shaped model",
      "`bench_e2e.py --config qwen2 --impls eager,liger,fuseforge`: a Qwen2ForCausalLM with hidden "
      "2048, 16 layers, 16 query heads on 2 KV heads of 128, intermediate 11008, vocabulary 151936 with "
@@ -195,6 +194,7 @@ HEADLINE = [
     ("adamw", "fuseforge", "torch_fused", "small5000", "AdamW, 5000 small tensors"),
     ("e2e", "fuseforge", "liger", "", "1.2B Llama step, patched"),
     ("e2e", "fuseforge", "eager", "", "1.2B Llama step, patched"),
+    ("e2e_compile", "fuseforge", "compile", "", "1.2B Llama step, patched"),
     ("e2e_compile", "fuseforge_compile", "compile", "", "1.2B Llama step, patched + compiled"),
     ("e2e_qwen2", "fuseforge", "liger", "", "Qwen2-shaped step, patched"),
     ("e2e_qwen2", "fuseforge", "eager", "", "Qwen2-shaped step, patched"),
