@@ -7,6 +7,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from fuseforge.ops._eager import plain_eager
+
 ACTIVATIONS = ("identity", "relu", "gelu", "gelu_tanh", "silu", "sigmoid")
 
 _ops = torch.ops.fuseforge
@@ -27,7 +29,7 @@ def add_mul_act(x: Tensor, y: Tensor, bias: Optional[Tensor] = None, alpha: floa
     needs_grad = torch.is_grad_enabled() and (
         x.requires_grad or y.requires_grad or (bias is not None and bias.requires_grad))
     if needs_grad:
-        if _plain_eager(x, y, bias):
+        if plain_eager(x, y, bias):
             return _EagerFunction.apply(x, y, bias, float(alpha), activation)[0]
         return _ops.add_mul_act_fwd(x, y, bias, float(alpha), activation)[0]
     return _ops.add_mul_act(x, y, bias, float(alpha), activation)
@@ -101,15 +103,6 @@ def _fwd_backward(ctx, grad_out, _grad_saved):
 
 
 torch.library.register_autograd("fuseforge::add_mul_act_fwd", _fwd_backward, setup_context=_fwd_setup_context)
-
-
-def _plain_eager(x, y, bias) -> bool:
-    """Plain tensors, outside torch.compile, functorch transforms and Python modes: the case where
-    add_mul_act may skip the generic autograd wrapper of the custom op (below)."""
-    return (not torch.compiler.is_compiling() and type(x) is torch.Tensor and type(y) is torch.Tensor
-            and (bias is None or type(bias) is torch.Tensor)
-            and torch._C._functorch.maybe_current_level() is None
-            and not torch._C._is_torch_function_mode_enabled() and torch._C._len_torch_dispatch_stack() == 0)
 
 
 class _EagerFunction(torch.autograd.Function):

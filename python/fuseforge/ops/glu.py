@@ -6,6 +6,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from fuseforge.ops._eager import plain_eager
+
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 
 _ops = torch.ops.fuseforge
@@ -26,9 +28,11 @@ def glu(gate: Tensor, up: Optional[Tensor] = None, activation: str = "silu") -> 
 
     Differentiable in gate and up; only the inputs are saved, and the backward recomputes act(gate).
     """
-    if (torch.is_grad_enabled() and (gate.requires_grad or (up is not None and up.requires_grad))
-            and _plain_eager(gate, up)):
-        return _EagerFunction.apply(gate, up, activation)
+    if plain_eager(gate, up):
+        if torch.is_grad_enabled() and (gate.requires_grad or (up is not None and up.requires_grad)):
+            return _EagerFunction.apply(gate, up, activation)
+        with torch._C._AutoDispatchBelowAutograd():
+            return _ops.glu_fwd(gate, up, activation)
     return _ops.glu_fwd(gate, up, activation)
 
 
@@ -62,14 +66,6 @@ def _fwd_backward(ctx, grad_out):
 
 
 torch.library.register_autograd("fuseforge::glu_fwd", _fwd_backward, setup_context=_fwd_setup_context)
-
-
-def _plain_eager(*tensors) -> bool:
-    """Plain tensors (or None), outside torch.compile, functorch transforms and Python modes: where
-    glu may skip the custom op's generic autograd wrapper (_EagerFunction)."""
-    return (not torch.compiler.is_compiling() and all(t is None or type(t) is torch.Tensor for t in tensors)
-            and torch._C._functorch.maybe_current_level() is None
-            and not torch._C._is_torch_function_mode_enabled() and torch._C._len_torch_dispatch_stack() == 0)
 
 
 class _EagerFunction(torch.autograd.Function):

@@ -6,6 +6,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from fuseforge.ops._eager import plain_eager
+
 _ops = torch.ops.fuseforge
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -71,7 +73,7 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Option
             float(softcap) if softcap is not None else 0.0, bool(low_memory),
             needs_grad and x.requires_grad, needs_grad and weight.requires_grad,
             needs_grad and bias is not None and bias.requires_grad)
-    if _plain_eager(x, weight, target, bias):
+    if plain_eager(x, weight, target, bias):
         if needs_grad:
             return _EagerFunction.apply(*args)[0]
         with torch._C._AutoDispatchBelowAutograd():
@@ -169,15 +171,6 @@ def _backward(ctx, grad_loss, *_unused):
 
 
 torch.library.register_autograd("fuseforge::linear_cross_entropy_fwd", _backward, setup_context=_setup_context)
-
-
-def _plain_eager(x, weight, target, bias) -> bool:
-    """Plain tensors, outside torch.compile, functorch transforms and Python modes: the case where
-    linear_cross_entropy may skip the generic autograd wrapper of the custom op (below)."""
-    return (not torch.compiler.is_compiling() and _is_eager(x, weight, target)
-            and (bias is None or type(bias) is torch.Tensor)
-            and torch._C._functorch.maybe_current_level() is None
-            and not torch._C._is_torch_function_mode_enabled() and torch._C._len_torch_dispatch_stack() == 0)
 
 
 class _EagerFunction(torch.autograd.Function):

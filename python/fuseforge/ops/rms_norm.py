@@ -7,6 +7,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from fuseforge.ops._eager import plain_eager
+
 _ops = torch.ops.fuseforge
 
 
@@ -28,7 +30,7 @@ def rms_norm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6, resi
     Differentiable in x, residual and weight; grad_weight is reduced in float32, deterministically.
     """
     args = (x, weight, residual, float(eps), float(weight_offset), out_dtype)
-    if _plain_eager(x, weight, residual):
+    if plain_eager(x, weight, residual):
         needs_grad = torch.is_grad_enabled() and (
             x.requires_grad or (weight is not None and weight.requires_grad)
             or (residual is not None and residual.requires_grad))
@@ -92,16 +94,6 @@ def _fwd_backward(ctx, grad_out, grad_residual_out, _grad_rstd):
 
 
 torch.library.register_autograd("fuseforge::rms_norm_fwd", _fwd_backward, setup_context=_fwd_setup_context)
-
-
-def _plain_eager(x, weight, residual) -> bool:
-    """Plain tensors, outside torch.compile, functorch transforms and Python modes: the case where
-    rms_norm may skip the generic autograd wrapper of the custom op (below)."""
-    return (not torch.compiler.is_compiling() and type(x) is torch.Tensor
-            and (weight is None or type(weight) is torch.Tensor)
-            and (residual is None or type(residual) is torch.Tensor)
-            and torch._C._functorch.maybe_current_level() is None
-            and not torch._C._is_torch_function_mode_enabled() and torch._C._len_torch_dispatch_stack() == 0)
 
 
 class _EagerFunction(torch.autograd.Function):

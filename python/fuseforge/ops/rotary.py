@@ -6,6 +6,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from fuseforge.ops._eager import plain_eager
+
 _ops = torch.ops.fuseforge
 
 
@@ -31,7 +33,13 @@ def rotary(q: Tensor, k: Tensor, inv_freq: Tensor, position_ids: Tensor, attenti
     q and k; the backward is the same op rotating the other way, and nothing but inv_freq and
     position_ids is saved.
     """
-    return _ops.rotary(q, k, inv_freq, position_ids, float(attention_scaling), bool(interleaved), False, out_dtype)
+    args = (q, k, inv_freq, position_ids, float(attention_scaling), bool(interleaved), False, out_dtype)
+    if plain_eager(q, k, inv_freq, position_ids):
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+            return _EagerFunction.apply(*args)
+        with torch._C._AutoDispatchBelowAutograd():
+            return _ops.rotary(*args)
+    return _ops.rotary(*args)
 
 
 @torch.library.register_fake("fuseforge::rotary")
@@ -44,5 +52,54 @@ def _rotary_fake(q, k, inv_freq, position_ids, attention_scaling, interleaved, i
     return q_out, k_out
 
 
-# The autograd is registered in C++ (csrc/rotary/rotary_autograd.cpp): the Python path would cost
-# more host time than the kernels take.
+def _setup_context(ctx, inputs, output):
+    q, k, inv_freq, position_ids, attention_scaling, interleaved, inverse, _out_dtype = inputs
+    ctx.save_for_backward(inv_freq, position_ids)
+    # A gradient that reaches only one of q_out and k_out is not filled with zeros for the other.
+    ctx.set_materialize_grads(False)
+    ctx.attention_scaling = attention_scaling
+    ctx.interleaved = interleaved
+    ctx.inverse = inverse
+    ctx.input_dtype = q.dtype
+    ctx.q_shape = q.shape
+    ctx.k_shape = k.shape
+
+
+def _backward(ctx, grad_q, grad_k):
+    """The rotation is orthogonal up to attention_scaling: its transpose (the gradient) is the same
+    op with the angle negated."""
+    if grad_q is None and grad_k is None:
+        return None, None, None, None, None, None, None, None
+    inv_freq, position_ids = ctx.saved_tensors
+    if grad_q is None:
+        grad_q = grad_k.new_zeros(ctx.q_shape)
+    if grad_k is None:
+        grad_k = grad_q.new_zeros(ctx.k_shape)
+    need_q, need_k = ctx.needs_input_grad[:2]
+    args = (grad_q, grad_k, inv_freq, position_ids, ctx.attention_scaling, ctx.interleaved, not ctx.inverse,
+            ctx.input_dtype)
+    if not torch.is_grad_enabled() and plain_eager(grad_q, grad_k):  # no double backward: no autograd wrapper
+        with torch._C._AutoDispatchBelowAutograd():
+            dq, dk = _ops.rotary(*args)
+    else:
+        dq, dk = _ops.rotary(*args)
+    return dq if need_q else None, dk if need_k else None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("fuseforge::rotary", _backward, setup_context=_setup_context)
+
+
+class _EagerFunction(torch.autograd.Function):
+    """rotary's autograd in plain eager mode (ops/_eager.py): the same setup_context and backward as
+    the registered autograd."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        with torch._C._AutoDispatchBelowAutograd():
+            output = _ops.rotary(*inputs)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return _backward(ctx, *grads)
