@@ -226,7 +226,7 @@ def worker(args) -> None:
     g = torch.Generator().manual_seed(1234 + rank)  # every rank its own data
     stream = torch.randint(0, cfg["vocab_size"], (args.steps, args.batch, args.seq), generator=g).to(device)
     flops = bench_e2e.model_flops(cfg, args.seq, tokens)  # per rank
-    op = "fsdp" if args.wrap == "root" else "fsdp_per_module"  # results/<op>.json: runs of both wraps side by side
+    op = "fsdp" if args.wrap == "root" else "fsdp_per_module"  # results/<op>_<gpu>.json: runs of both wraps side by side
     result = {"op": op, "wrap": args.wrap, **harness.env_info(), "ranks": world, "backend": dist.get_backend(), "rows": []}
     if rank == 0:
         harness.log(f"fsdp: {case}, {world} ranks ({dist.get_backend()}), {args.steps} steps, impls {impls}, "

@@ -1,7 +1,7 @@
 """The one benchmark harness: every bench_<op>.py describes its cases with `Bench` entries and calls
 `run()`, which times them (median of device-event timings after warm-up, every impl of a case in
 the same process), measures peak extra memory, measures the copy and GEMM ceilings in the same run,
-and writes benchmarks/results/<op>.json in the format of shared/BENCHMARKS.md, plus a markdown
+and writes benchmarks/results/<op>_<gpu>.json in the format of shared/BENCHMARKS.md, plus a markdown
 table (<op>.md) and a plot (<op>.png) generated from that JSON. On CUDA each row also records the SM
 clock and the board power nvidia-smi saw while it was timed (`sm_mhz`, `watts`, ClockSampler): under
 sustained load the H100 sits at its power cap and clocks each kernel by the power it draws, so a row's
@@ -451,7 +451,7 @@ def run(op: str, cases: Iterable[str], setup: Callable[[str], list[Bench]], argv
     parser.add_argument("--device", choices=["cuda", "cpu"], default=_device,
                         help=f"what to benchmark (default here: {_device}); cpu runs the CPU cases")
     parser.add_argument("--cases", default="", help="comma-separated substrings: run only matching cases")
-    parser.add_argument("--out", default=RESULTS_DIR, help="folder for <op>.json/.md/.png")
+    parser.add_argument("--out", default=RESULTS_DIR, help="folder for <op>_<gpu>.json/.md/.png")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     parser.add_argument("--impls", default="", help="comma-separated impl names: time only these")
     parser.add_argument("--rounds", type=int, default=rounds,

@@ -170,7 +170,7 @@ def test_bench_fsdp_smoke(wrap, tmp_path):
            "--out", str(tmp_path)]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=200, cwd=ROOT)
     assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
-    result = json.load(open(tmp_path / ("fsdp.json" if wrap == "root" else "fsdp_per_module.json")))
+    result = json.load(open(tmp_path / ("fsdp_cpu.json" if wrap == "root" else "fsdp_per_module_cpu.json")))
     assert result["ranks"] == WORLD and result["backend"] == "gloo" and result["wrap"] == wrap
     impls = [(row["case"].split("/")[1], row["impl"]) for row in result["rows"]]
     assert impls == [("llama-hf", "eager"), ("llama-hf", "fuseforge"), ("adamw-shards", "torch_fused"),
