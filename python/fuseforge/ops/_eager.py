@@ -17,3 +17,22 @@ def plain_eager(*tensors) -> bool:
     return (not torch.compiler.is_compiling() and all(t is None or type(t) is torch.Tensor for t in tensors)
             and torch._C._functorch.maybe_current_level() is None
             and not torch._C._is_torch_function_mode_enabled() and torch._C._len_torch_dispatch_stack() == 0)
+
+
+def eager_autograd(op, setup_context, backward) -> type:
+    """The autograd.Function an op calls in plain eager mode: `op` below autograd, then the op's
+    registered setup_context and backward."""
+
+    class EagerFunction(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *inputs):
+            with torch._C._AutoDispatchBelowAutograd():
+                output = op(*inputs)
+            setup_context(ctx, inputs, output)
+            return output
+
+        @staticmethod
+        def backward(ctx, *grads):
+            return backward(ctx, *grads)
+
+    return EagerFunction

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from fuseforge.ops._eager import plain_eager
+from fuseforge.ops._eager import eager_autograd, plain_eager
 
 ACTIVATIONS = ("identity", "relu", "gelu", "gelu_tanh", "silu", "sigmoid")
 
@@ -105,20 +105,6 @@ def _fwd_backward(ctx, grad_out, _grad_saved):
 torch.library.register_autograd("fuseforge::add_mul_act_fwd", _fwd_backward, setup_context=_fwd_setup_context)
 
 
-class _EagerFunction(torch.autograd.Function):
-    """add_mul_act_fwd's autograd in plain eager mode: the same setup_context and backward as the
-    registered autograd, without that wrapper's per-call Python work (argument defaults, metadata, a
-    second trip through the dispatcher): ~25 us a forward+backward on the CPU, 6% of the demo's
-    1024 x 512 epilogue. Traced calls (torch.compile, fake tensors, functorch) use the registered
-    autograd."""
-
-    @staticmethod
-    def forward(ctx, *inputs):
-        with torch._C._AutoDispatchBelowAutograd():
-            output = _ops.add_mul_act_fwd(*inputs)
-        _fwd_setup_context(ctx, inputs, output)
-        return output
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return _fwd_backward(ctx, *grads)
+# The generic wrapper's per-call Python work: ~25 us a forward+backward on the CPU, 6% of the demo's
+# 1024 x 512 epilogue.
+_EagerFunction = eager_autograd(_ops.add_mul_act_fwd, _fwd_setup_context, _fwd_backward)

@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from fuseforge.ops._eager import plain_eager
+from fuseforge.ops._eager import eager_autograd, plain_eager
 
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 
@@ -68,20 +68,6 @@ def _fwd_backward(ctx, grad_out):
 torch.library.register_autograd("fuseforge::glu_fwd", _fwd_backward, setup_context=_fwd_setup_context)
 
 
-class _EagerFunction(torch.autograd.Function):
-    """glu_fwd's autograd in plain eager mode: the registered setup_context and backward, without
-    the generic wrapper's per-call Python work (~20 us of a small CPU fwd+bwd's ~73). Through the
-    wrapper, small GPU calls were bound by the host: bf16 16384 x 2048 fwd+bwd took 0.31 ms on the
-    H200 where its kernels need ~0.15. Traced calls (torch.compile, fake tensors, functorch) use
-    the registered autograd."""
-
-    @staticmethod
-    def forward(ctx, gate, up, activation):
-        with torch._C._AutoDispatchBelowAutograd():
-            out = _ops.glu_fwd(gate, up, activation)
-        _fwd_setup_context(ctx, (gate, up, activation), out)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        return _fwd_backward(ctx, grad_out)
+# Through the generic wrapper small GPU calls were bound by the host: bf16 16384 x 2048 fwd+bwd took
+# 0.31 ms on the H200 where its kernels need ~0.15.
+_EagerFunction = eager_autograd(_ops.glu_fwd, _fwd_setup_context, _fwd_backward)

@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from fuseforge.ops._eager import plain_eager
+from fuseforge.ops._eager import eager_autograd, plain_eager
 
 _ops = torch.ops.fuseforge
 
@@ -173,20 +173,6 @@ def _backward(ctx, grad_loss, *_unused):
 torch.library.register_autograd("fuseforge::linear_cross_entropy_fwd", _backward, setup_context=_setup_context)
 
 
-class _EagerFunction(torch.autograd.Function):
-    """The autograd of linear_cross_entropy_fwd in plain eager mode: the same setup_context and
-    backward as the registered autograd, without that wrapper's per-call Python work (argument
-    defaults, metadata, a second trip through the dispatcher): ~30 us a forward+backward on the
-    CPU, 3% of the demo's 1024 x 128 x 256 loss. Traced calls (torch.compile, fake tensors,
-    functorch) use the registered autograd."""
-
-    @staticmethod
-    def forward(ctx, *inputs):
-        with torch._C._AutoDispatchBelowAutograd():
-            output = _ops.linear_cross_entropy_fwd(*inputs)
-        _setup_context(ctx, inputs, output)
-        return output
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return _backward(ctx, *grads)
+# The generic wrapper's per-call Python work: ~30 us a forward+backward on the CPU, 3% of the demo's
+# 1024 x 128 x 256 loss.
+_EagerFunction = eager_autograd(_ops.linear_cross_entropy_fwd, _setup_context, _backward)

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from fuseforge.ops._eager import plain_eager
+from fuseforge.ops._eager import eager_autograd, plain_eager
 
 _ops = torch.ops.fuseforge
 
@@ -96,19 +96,5 @@ def _fwd_backward(ctx, grad_out, grad_residual_out, _grad_rstd):
 torch.library.register_autograd("fuseforge::rms_norm_fwd", _fwd_backward, setup_context=_fwd_setup_context)
 
 
-class _EagerFunction(torch.autograd.Function):
-    """rms_norm_fwd's autograd in plain eager mode: the same setup_context and backward as the
-    registered autograd, without that wrapper's per-call Python work, which is as long as the
-    kernel itself at a q/k-norm's size. Traced calls (torch.compile, fake tensors, functorch) use
-    the registered autograd."""
-
-    @staticmethod
-    def forward(ctx, *inputs):
-        with torch._C._AutoDispatchBelowAutograd():
-            output = _ops.rms_norm_fwd(*inputs)
-        _fwd_setup_context(ctx, inputs, output)
-        return output
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return _fwd_backward(ctx, *grads)
+# The generic wrapper's per-call Python work is as long as the kernel at a q/k-norm's size.
+_EagerFunction = eager_autograd(_ops.rms_norm_fwd, _fwd_setup_context, _fwd_backward)

@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from fuseforge.ops._eager import plain_eager
+from fuseforge.ops._eager import eager_autograd, plain_eager
 
 _ops = torch.ops.fuseforge
 
@@ -89,17 +89,4 @@ def _backward(ctx, grad_q, grad_k):
 torch.library.register_autograd("fuseforge::rotary", _backward, setup_context=_setup_context)
 
 
-class _EagerFunction(torch.autograd.Function):
-    """rotary's autograd in plain eager mode (ops/_eager.py): the same setup_context and backward as
-    the registered autograd."""
-
-    @staticmethod
-    def forward(ctx, *inputs):
-        with torch._C._AutoDispatchBelowAutograd():
-            output = _ops.rotary(*inputs)
-        _setup_context(ctx, inputs, output)
-        return output
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return _backward(ctx, *grads)
+_EagerFunction = eager_autograd(_ops.rotary, _setup_context, _backward)
