@@ -42,14 +42,7 @@ const M* tile_to_math(const T* src, M* buf, int64_t n) {
   }
 }
 
-// Where to compute n outputs of type T in M: dst itself when T is M, else buf (tile_from_math stores).
-template <typename T, typename M>
-M* tile_dst(T* dst, M* buf) {
-  if constexpr (std::is_same_v<T, M>) return dst;
-  else return buf;
-}
-
-// The n Ms at src (computed where tile_dst said) stored to dst as T.
+// The n Ms at src (computed where cpu_vec.h's math_dst said) stored to dst as T.
 template <typename T, typename M>
 void tile_from_math(const M* src, T* dst, int64_t n) {
   if constexpr (std::is_same_v<T, M>) {

@@ -120,7 +120,7 @@ void forward_typed(const CpuForwardArgs& a) {
         const M* g = tile_to_math(gate + r * a.gate_row_stride + c0, gb, n);
         const M* u = tile_to_math(up + r * a.up_row_stride + c0, ub, n);
         T* o_dst = out + r * cols + c0;
-        M* o = tile_dst(o_dst, ob);
+        M* o = math_dst(o_dst, ob);
         int64_t i = 0;
         for (; i + W <= n; i += W) (VecAct<A>::template forward<T, M>(V::loadu(g + i)) * V::loadu(u + i)).store(o + i);
         if (i < n) {
@@ -154,8 +154,8 @@ void backward_typed(const CpuBackwardArgs& a) {
         const M* u = tile_to_math(up + r * a.up_row_stride + c0, ub, n);
         T* gg_dst = grad_gate + r * a.grad_gate_row_stride + c0;
         T* gu_dst = grad_up + r * a.grad_up_row_stride + c0;
-        M* gg = tile_dst(gg_dst, ggb);
-        M* gu = tile_dst(gu_dst, gub);
+        M* gg = math_dst(gg_dst, ggb);
+        M* gu = math_dst(gu_dst, gub);
         for (int64_t i = 0; i < n; i += W) {
           const int64_t k = std::min<int64_t>(V::size(), n - i);
           const V grad = V::loadu(go + i, k);

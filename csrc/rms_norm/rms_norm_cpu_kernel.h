@@ -84,7 +84,7 @@ void forward_typed(const CpuForwardArgs& a) {
           // h rounded to T, as the unfused `residual + x` is, before it is squared.
           const M* xv = tile_to_math(x + base + c0, xb, n);
           const M* rv = tile_to_math(res + base + c0, rb, n);
-          M* hv = tile_dst(h_out + base + c0, hrow_math + c0);
+          M* hv = math_dst(h_out + base + c0, hrow_math + c0);
           for (int64_t i = 0; i < n; i += W) {
             const int64_t k = std::min<int64_t>(V::size(), n - i);
             (V::loadu(xv + i, k) + V::loadu(rv + i, k)).store(hv + i, k);
@@ -107,7 +107,7 @@ void forward_typed(const CpuForwardArgs& a) {
         const int64_t n = std::min(kTile, cols - c0);
         const M* h = hrow_math ? hrow_math + c0 : tile_to_math(hrow + c0, xb, n);
         To* o_dst = out + base + c0;
-        M* o = tile_dst(o_dst, ob);
+        M* o = math_dst(o_dst, ob);
         for (int64_t i = 0; i < n; i += W) {
           const int64_t k = std::min<int64_t>(V::size(), n - i);
           const V xhat = V::loadu(h + i, k) * rsv;
@@ -157,7 +157,7 @@ void backward_rows(const CpuBackwardArgs& a, const at::opmath_type<T>* scale, in
       const M* h = tile_to_math(hp + base + c0, hb, n);
       const M* gr = grad_res ? tile_to_math(grad_res + base + c0, grb, n) : nullptr;
       T* gi_dst = grad_input + base + c0;
-      M* gi = tile_dst(gi_dst, gib);
+      M* gi = math_dst(gi_dst, gib);
       for (int64_t i = 0; i < n; i += W) {
         const int64_t k = std::min<int64_t>(V::size(), n - i);
         const V g = V::loadu(go + i, k);

@@ -109,7 +109,7 @@ void rotate_typed(const CpuArgs& a) {
         for (int64_t h = 0; h < n_heads; ++h) {
           const M* x = tile_to_math(src + b * stride[0] + h * stride[1] + s * stride[2], xbuf.data(), a.head_dim);
           Tout* y_dst = dst + (token * n_heads + h) * a.head_dim;
-          M* y = tile_dst(y_dst, ybuf.data());
+          M* y = math_dst(y_dst, ybuf.data());
           rotate_head(x, y, cos_tab.data(), sin_tab.data(), a.rot_half, a.head_dim, a.interleaved);
           tile_from_math(y, y_dst, a.head_dim);
         }
