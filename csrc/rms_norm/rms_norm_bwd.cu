@@ -9,7 +9,7 @@ namespace fuseforge::rms_norm {
 template <typename T>
 LaunchPlan plan_backward(int64_t rows, int64_t cols, bool aligned) {
   return make_plan<T, BackwardRow>(
-      rows, cols, aligned, [](auto shape) { return backward_rows_kernel<T, decltype(shape)::value>; },
+      rows, cols, aligned, /*one_wave=*/true, [](auto shape) { return backward_rows_kernel<T, decltype(shape)::value>; },
       [](bool vectorized) {
         return vectorized ? backward_two_pass_kernel<T, kVecElems<T>> : backward_two_pass_kernel<T, 1>;
       });

@@ -8,7 +8,7 @@ namespace fuseforge::rms_norm {
 template <typename T>
 LaunchPlan plan_forward(int64_t rows, int64_t cols, bool aligned) {
   return make_plan<T, ForwardRow>(
-      rows, cols, aligned, [](auto shape) { return forward_rows_kernel<T, decltype(shape)::value>; },
+      rows, cols, aligned, /*one_wave=*/false, [](auto shape) { return forward_rows_kernel<T, decltype(shape)::value>; },
       [](bool vectorized) {
         return vectorized ? forward_two_pass_kernel<T, kVecElems<T>> : forward_two_pass_kernel<T, 1>;
       });

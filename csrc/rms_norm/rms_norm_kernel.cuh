@@ -2,8 +2,8 @@
 // direction:
 // - rows kernels (vectorized, a row that fits in registers): threads_per_row threads hold a row
 //   as 16-byte vectors (k{Forward,Backward}RowShapes), so it is read once; a 256-thread block takes several narrow
-//   rows at once; blocks walk the rows in a grid-stride loop (one wave of resident blocks), and the
-//   backward sums its weight-gradient partials in registers over all the rows it takes.
+//   rows at once; blocks walk the rows in a grid-stride loop (the backward: one wave of resident
+//   blocks, each summing its weight-gradient partials in registers over all the rows it takes).
 // - two-pass kernels (rows too long for registers, or not vectorizable): a block a row, the row
 //   read twice (the second read mostly from L2); N = elements an access (a vector or 1).
 // All arithmetic is fp32; reductions have a fixed order (deterministic results).
@@ -476,11 +476,15 @@ int resident_blocks(std::atomic<int> (&cache)[kMaxCachedDevices], Kernel kernel,
   });
 }
 
-// One wave of resident blocks (no partly filled last wave; the backward's partials are as few as
-// the grid allows). RowOf<T, S> is the direction's RowTraits of shape S;
+// one_wave (the backward): one wave of resident blocks, so that the weight gradient's partials are
+// as few as the grid allows. Otherwise (the forward) a block for each kRowsPerIter rows (a two-pass
+// block for each row): the hardware hands a finished block's place to the next one at once, which
+// a grid-stride loop over a fixed wave does not. RowOf<T, S> is the direction's RowTraits of shape S;
 // row_kernel(std::integral_constant<int, S>) and two_pass_kernel(bool vectorized) name its kernels.
 template <typename T, template <typename, int> class RowOf, typename RowKernel, typename TwoPassKernel>
-LaunchPlan make_plan(int64_t rows, int64_t cols, bool aligned, RowKernel row_kernel, TwoPassKernel two_pass_kernel) {
+LaunchPlan make_plan(int64_t rows, int64_t cols, bool aligned, bool one_wave, RowKernel row_kernel,
+                     TwoPassKernel two_pass_kernel) {
+  constexpr int64_t kMaxGrid = 0x7fffffff;  // gridDim.x's limit; the kernels loop over any further rows
   static std::atomic<int> row_cache[kNumRowShapes][kMaxCachedDevices];
   static std::atomic<int> two_pass_cache[2][6][kMaxCachedDevices];  // by vectorized, log2(threads / 32)
   LaunchPlan plan;
@@ -494,7 +498,8 @@ LaunchPlan make_plan(int64_t rows, int64_t cols, bool aligned, RowKernel row_ker
       using R = RowOf<T, kShape>;
       const int64_t resident = resident_blocks(row_cache[kShape], row_kernel(shape), R::kThreads);
       plan.block = dim3(R::kThreads);
-      plan.grid = dim3(static_cast<unsigned>(std::min(ceil_div(rows, R::kRowsPerIter), resident * sms)));
+      const int64_t cap = one_wave ? resident * sms : kMaxGrid;
+      plan.grid = dim3(static_cast<unsigned>(std::min(ceil_div(rows, R::kRowsPerIter), cap)));
     });
   } else {
     const int64_t accesses = plan.vectorized ? vectors : cols;
@@ -506,7 +511,7 @@ LaunchPlan make_plan(int64_t rows, int64_t cols, bool aligned, RowKernel row_ker
     const int64_t resident =
         resident_blocks(two_pass_cache[plan.vectorized][level], two_pass_kernel(plan.vectorized), threads);
     plan.block = dim3(threads);
-    plan.grid = dim3(static_cast<unsigned>(std::min(rows, resident * sms)));
+    plan.grid = dim3(static_cast<unsigned>(std::min(rows, one_wave ? resident * sms : kMaxGrid)));
   }
   return plan;
 }

@@ -91,10 +91,11 @@ struct LaunchPlan {
   dim3 grid, block;         // grid.x blocks walk the rows in a grid-stride loop: the weight gradient's partials
 };
 
-// Defined in rms_norm_fwd.cu / rms_norm_bwd.cu for float, at::Half, at::BFloat16. The planners ask
-// the occupancy calculator (cached per device) for one wave of resident blocks; the launchers run
-// on the current stream and never synchronize. launch_backward also sums params.weight_partials
-// (plan.grid.x rows) into grad_weight when they are set.
+// Defined in rms_norm_fwd.cu / rms_norm_bwd.cu for float, at::Half, at::BFloat16. The backward's
+// planner asks the occupancy calculator (cached per device) for one wave of resident blocks, the
+// forward's plans a block for each row group; the launchers run on the current stream and never
+// synchronize. launch_backward also sums params.weight_partials (plan.grid.x rows) into grad_weight
+// when they are set.
 template <typename T>
 LaunchPlan plan_forward(int64_t rows, int64_t cols, bool aligned);
 template <typename T>

@@ -1,4 +1,5 @@
-// rotary CUDA implementation, host side: device guard, the vector-path decision, the launch plan.
+// rotary CUDA implementation, host side: device guard, the vector-path decision, the kernel and its
+// launch plan.
 // No host sync. Compiled by the C++ compiler, not nvcc (CONTRIBUTING.md, Layout).
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -53,12 +54,17 @@ void rotary_cuda_typed(const Problem& pr, double scaling, bool interleaved, bool
   p.chunks_per_head = p.rot_chunks + static_cast<int>(ceil_div(pr.head_dim - pr.rot_dims(), kChunk));
   p.cos_scaling = static_cast<float>(scaling);
   p.sin_scaling = inverse ? -p.cos_scaling : p.cos_scaling;
-  const LaunchPlan plan = plan_launch(p.tokens, pr.heads_q + pr.heads_k, p.chunks_per_head, pr.rot_half);
-  TORCH_CHECK(plan.grid.x > 0 && ceil_div(p.tokens, plan.block.z) <= INT_MAX, "q and k have too many tokens (",
-              p.tokens, ") for the rotary kernel's grid");
   const bool vectorized = pr.head_dim % kChunk == 0 && rot_span % kChunk == 0 && is_aligned(p.q, 16) &&
                           is_aligned(p.k, 16) && is_aligned(p.q_out, 16) && is_aligned(p.k_out, 16) &&
                           strides_multiple_of(pr.q, kChunk) && strides_multiple_of(pr.k, kChunk);
+  const int64_t heads = pr.heads_q + pr.heads_k;
+  LaunchPlan plan;
+  if (vectorized)
+    plan = plan_staged(p.tokens, heads, pr.head_dim, kChunk, p.chunks_per_head, pr.rot_half, sizeof(Tin));
+  const int64_t tokens_per_block = plan.tokens_per_block;
+  if (tokens_per_block == 0) plan = plan_launch(p.tokens, heads, p.chunks_per_head, pr.rot_half);
+  TORCH_CHECK(ceil_div(p.tokens, tokens_per_block > 0 ? tokens_per_block : plan.block.z) <= INT_MAX,
+              "q and k have too many tokens (", p.tokens, ") for the rotary kernel's grid");
   launch_rotary<Tin, Tout>(p, plan, interleaved, vectorized);
 }
 

@@ -11,6 +11,7 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include "common/async_copy.cuh"
 #include "common/launch.cuh"
 #include "common/vec.cuh"
 #include "rotary/rotary_launch.h"
@@ -187,6 +188,111 @@ __global__ void __launch_bounds__(kThreads) rotary_kernel(const RotaryParams<Tin
       if (h0 >= heads) break;
       load_batch(h0);
     }
+  }
+}
+
+// The staged kernel (the vector path whenever a token's q and k heads fit in shared memory): a block
+// takes tokens_per_block consecutive tokens. Its threads copy every 16-byte chunk of those tokens'
+// heads to shared memory with cp.async, so the loads in flight hold no registers and a block keeps
+// its whole stage (~20-32 KB) in flight, several blocks an SM; meanwhile they compute the tokens'
+// cos/sin tables; one wait and barrier; then each thread rotates chunks read from shared memory
+// into 16-byte stores. Threads are laid out chunk-fastest over (token, head) rows, so each warp's
+// copies and stores cover whole head rows; one division per row a thread takes, none per chunk.
+template <typename Tin, typename Tout, bool kInterleaved>
+__global__ void __launch_bounds__(kThreads) rotary_staged_kernel(const RotaryParams<Tin, Tout> p,
+                                                                 const int tokens_per_block) {
+  constexpr int kChunk = chunk_elems<Tin>();
+  constexpr int kPairs = kInterleaved ? kChunk / 2 : kChunk;  // pairs a rotary chunk holds
+  extern __shared__ __align__(16) unsigned char rotary_stage[];
+  const int heads = p.heads_q + p.heads_k;
+  const int head_chunks = p.head_dim / kChunk;
+  const int rows = tokens_per_block * heads;  // (token, head) rows of the block
+  Tin* stage = reinterpret_cast<Tin*>(rotary_stage);  // (tokens_per_block, heads, head_dim)
+  float* cos_tab = reinterpret_cast<float*>(stage + static_cast<int64_t>(rows) * p.head_dim);
+  float* sin_tab = cos_tab + tokens_per_block * p.rot_half;  // (tokens_per_block, rot_half) each
+  const int64_t token0 = static_cast<int64_t>(blockIdx.x) * tokens_per_block;
+  const int tid = threadIdx.x;
+
+  // Copies: chunk c of row r (token z = r / heads, head h = r % heads). The threads past the last
+  // whole set of head_chunks sit out (they would copy a chunk twice).
+  if (tid < kThreads / head_chunks * head_chunks) {
+    const int c = tid % head_chunks;
+    for (int r = tid / head_chunks; r < rows; r += kThreads / head_chunks) {
+      const int z = r / heads, h = r - z * heads;
+      const int64_t token = token0 + z;
+      if (token >= p.tokens) break;  // rows are token-major: every later row is past the end too
+      const int64_t b = token / p.seq, s = token - b * p.seq;
+      const Tin* src = h < p.heads_q ? p.q + b * p.q_stride_b + s * p.q_stride_s + h * p.q_stride_h
+                                     : p.k + b * p.k_stride_b + s * p.k_stride_s + (h - p.heads_q) * p.k_stride_h;
+      cp_async_16(smem_addr(stage + static_cast<int64_t>(r) * p.head_dim + c * kChunk), src + c * kChunk, true);
+    }
+  }
+  cp_async_commit();
+
+  // The tokens' cos and sin (times attention_scaling) under the copies' latency: angle =
+  // float(position) * inv_freq in one float32 multiply, as Hugging Face computes it.
+  for (int i = tid; i < tokens_per_block * p.rot_half; i += kThreads) {
+    const int z = i / p.rot_half, f = i - z * p.rot_half;
+    const int64_t token = token0 + z;
+    if (token >= p.tokens) break;
+    const int64_t b = token / p.seq, s = token - b * p.seq;
+    const int64_t at = b * p.pos_stride_b + s * p.pos_stride_s;
+    const float position = p.positions_int64 ? static_cast<float>(static_cast<const int64_t*>(p.position_ids)[at])
+                                             : static_cast<float>(static_cast<const int32_t*>(p.position_ids)[at]);
+    float sv, cv;
+    sincosf(__fmul_rn(position, p.inv_freq[f]), &sv, &cv);
+    cos_tab[i] = cv * p.cos_scaling;
+    sin_tab[i] = sv * p.sin_scaling;
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+  if (tid >= kThreads / p.chunks_per_head * p.chunks_per_head) return;
+
+  // Rotation: item c of row r is rotary chunk c (with its half-split partner) or, from rot_chunks
+  // on, a pass-through chunk.
+  const int c = tid % p.chunks_per_head;
+  const bool rotary = c < p.rot_chunks;
+  const int first = rotary ? c * kChunk : 2 * p.rot_half + (c - p.rot_chunks) * kChunk;
+  const int partner = kInterleaved ? 0 : p.rot_half;
+  const int freq0 = kInterleaved ? first / 2 : first;
+  for (int r = tid / p.chunks_per_head; r < rows; r += kThreads / p.chunks_per_head) {
+    const int z = r / heads, h = r - z * heads;
+    const int64_t token = token0 + z;
+    if (token >= p.tokens) break;
+    const Tin* x_row = stage + static_cast<int64_t>(r) * p.head_dim + first;
+    Tout* dst = (h < p.heads_q ? p.q_out + (token * p.heads_q + h) * p.head_dim
+                               : p.k_out + (token * p.heads_k + h - p.heads_q) * p.head_dim) + first;
+    const AlignedVector<Tin, kChunk> x = load_vector<Tin, kChunk>(x_row);
+    float out[kChunk], out_partner[kChunk];
+    if (!rotary) {
+#pragma unroll
+      for (int j = 0; j < kChunk; ++j) out[j] = static_cast<float>(x.val[j]);
+    } else {
+      float cos_v[kPairs], sin_v[kPairs];
+#pragma unroll
+      for (int i = 0; i < kPairs; ++i) {
+        cos_v[i] = cos_tab[z * p.rot_half + freq0 + i];
+        sin_v[i] = sin_tab[z * p.rot_half + freq0 + i];
+      }
+      if constexpr (kInterleaved) {
+#pragma unroll
+        for (int i = 0; i < kPairs; ++i) {
+          const float x1 = static_cast<float>(x.val[2 * i]), x2 = static_cast<float>(x.val[2 * i + 1]);
+          out[2 * i] = x1 * cos_v[i] - x2 * sin_v[i];
+          out[2 * i + 1] = x2 * cos_v[i] + x1 * sin_v[i];
+        }
+      } else {
+        const AlignedVector<Tin, kChunk> y = load_vector<Tin, kChunk>(x_row + partner);
+#pragma unroll
+        for (int j = 0; j < kChunk; ++j) {
+          const float x1 = static_cast<float>(x.val[j]), x2 = static_cast<float>(y.val[j]);
+          out[j] = x1 * cos_v[j] - x2 * sin_v[j];
+          out_partner[j] = x2 * cos_v[j] + x1 * sin_v[j];
+        }
+        store_chunk<Tout, kChunk, true>(dst + partner, kChunk, out_partner);
+      }
+    }
+    store_chunk<Tout, kChunk, true>(dst, kChunk, out);
   }
 }
 

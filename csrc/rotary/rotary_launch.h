@@ -38,12 +38,36 @@ struct RotaryParams {
   float cos_scaling, sin_scaling;  // attention_scaling; sin's is negated for the inverse rotation
 };
 
-// A block is (chunk threads) x (head threads) x (tokens): threadIdx.x walks a head's chunks,
-// threadIdx.y its token's heads (q's, then k's), threadIdx.z the block's tokens.
+// The staged kernel (vector path): kThreads threads a block, tokens_per_block tokens' heads staged
+// in shared memory, the stage about kStageBytes (several blocks an SM). A token whose heads and
+// tables exceed kMaxStagedTokenBytes, or a head of more than kThreads chunks, takes the register
+// kernel instead.
+constexpr int64_t kStageBytes = 32 * 1024;
+constexpr int64_t kMaxStagedTokenBytes = 64 * 1024;
+
+// The register kernel's block is (chunk threads) x (head threads) x (tokens): threadIdx.x walks a
+// head's chunks, threadIdx.y its token's heads (q's, then k's), threadIdx.z the block's tokens. The
+// staged kernel's is kThreads threads in x.
 struct LaunchPlan {
   dim3 grid, block;
-  size_t smem_bytes = 0;  // the block's tokens' cos and sin tables
+  size_t smem_bytes = 0;     // the tables (register kernel); the stage and the tables (staged)
+  int tokens_per_block = 0;  // > 0: the staged kernel
 };
+
+// The staged kernel's plan, or a plan with tokens_per_block 0 when the shape does not fit it.
+inline LaunchPlan plan_staged(int64_t tokens, int64_t heads, int64_t head_dim, int64_t chunk_elems,
+                              int64_t chunks_per_head, int64_t rot_half, int64_t elem_bytes) {
+  LaunchPlan plan;
+  const int64_t token_bytes = heads * head_dim * elem_bytes + 2 * rot_half * static_cast<int64_t>(sizeof(float));
+  if (token_bytes > kMaxStagedTokenBytes || head_dim / chunk_elems > kThreads || chunks_per_head > kThreads)
+    return plan;
+  const int64_t per_block = std::clamp<int64_t>(kStageBytes / token_bytes, 1, std::max<int64_t>(tokens, 1));
+  plan.tokens_per_block = static_cast<int>(per_block);
+  plan.block = dim3(kThreads);
+  plan.grid = dim3(static_cast<unsigned>(ceil_div(tokens, per_block)));
+  plan.smem_bytes = static_cast<size_t>(per_block * token_bytes);
+  return plan;
+}
 
 inline LaunchPlan plan_launch(int64_t tokens, int64_t heads, int64_t chunks_per_head, int64_t rot_half) {
   const int64_t tx = std::min<int64_t>(chunks_per_head, kMaxChunkThreads);

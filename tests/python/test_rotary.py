@@ -9,9 +9,12 @@ from harness import (TOL, assert_compiles, assert_rel_close, device_dtypes, devi
 
 ops = torch.ops.fuseforge
 
-# (B, Hq, Hk, S, D, R): full rotary, GQA, partial rotary (R < D), odd D, D = 80 and 256, one token.
+# (B, Hq, Hk, S, D, R): full rotary, GQA, partial rotary (R < D), odd D, D = 80 and 256, one token,
+# and a token of 70 heads of 256 (CUDA: 16-bit inputs stage one token a block; a float32 token is too
+# large to stage and takes the register kernel).
 SHAPES = [(2, 4, 2, 9, 16, 16), (1, 3, 1, 7, 6, 4), (2, 2, 2, 5, 80, 80), (2, 3, 1, 6, 80, 32),
-          (3, 4, 4, 1, 64, 64), (1, 2, 1, 11, 256, 256), (2, 5, 3, 33, 128, 128), (1, 1, 1, 3, 10, 6)]
+          (3, 4, 4, 1, 64, 64), (1, 2, 1, 11, 256, 256), (2, 5, 3, 33, 128, 128), (1, 1, 1, 3, 10, 6),
+          (1, 40, 30, 3, 256, 128)]
 
 
 def inv_freq_for(rot_dims, base=10000.0, device="cpu"):
@@ -386,11 +389,12 @@ def test_cuda_model_shapes_match_float64(shape, interleaved):
 
 @requires_cuda
 @pytest.mark.sanitize
-@pytest.mark.parametrize("shape", [(2, 4, 2, 9, 16, 16), (1, 3, 1, 7, 6, 4), (2, 3, 1, 6, 80, 32)], ids=str)
+@pytest.mark.parametrize("shape", [(2, 4, 2, 9, 16, 16), (1, 3, 1, 7, 6, 4), (2, 3, 1, 6, 80, 32),
+                                   (1, 40, 30, 2, 256, 128)], ids=str)
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
 def test_cuda_small_for_sanitizer(shape, interleaved):
-    """Every kernel path (vector and scalar, half-split and interleaved, rotary and pass-through
-    chunks, bf16 output from fp32) on small shapes, forward and backward."""
+    """Every kernel path (staged, register vector and scalar; half-split and interleaved; rotary and
+    pass-through chunks; bf16 output from fp32) on small shapes, forward and backward."""
     batch, heads_q, heads_k, seq, head_dim, rot_dims = shape
     inv_freq = inv_freq_for(rot_dims, device="cuda")
     positions = packed_positions(batch, seq, "cuda", torch.int32)
