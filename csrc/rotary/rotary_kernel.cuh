@@ -191,6 +191,28 @@ __global__ void __launch_bounds__(kThreads) rotary_kernel(const RotaryParams<Tin
   }
 }
 
+// kN consecutive floats of a cos/sin table in shared memory, 16-byte reads (8-byte for 2). The
+// staged kernel's offsets are multiples of kN (the vector path's R / 2 or R is a multiple of the
+// chunk) and the tables start 16-byte aligned.
+template <int kN>
+__device__ __forceinline__ void load_table(const float* src, float (&v)[kN]) {
+  static_assert(kN % 4 == 0 || kN == 2, "4k or 2 floats");
+  if constexpr (kN == 2) {
+    const float2 t = *reinterpret_cast<const float2*>(src);
+    v[0] = t.x;
+    v[1] = t.y;
+  } else {
+#pragma unroll
+    for (int i = 0; i < kN; i += 4) {
+      const float4 t = *reinterpret_cast<const float4*>(src + i);
+      v[i] = t.x;
+      v[i + 1] = t.y;
+      v[i + 2] = t.z;
+      v[i + 3] = t.w;
+    }
+  }
+}
+
 // The staged kernel (the vector path whenever a token's q and k heads fit in shared memory): a block
 // takes tokens_per_block consecutive tokens. Its threads copy every 16-byte chunk of those tokens'
 // heads to shared memory with cp.async, so the loads in flight hold no registers and a block keeps
@@ -199,7 +221,7 @@ __global__ void __launch_bounds__(kThreads) rotary_kernel(const RotaryParams<Tin
 // into 16-byte stores. Threads are laid out chunk-fastest over (token, head) rows, so each warp's
 // copies and stores cover whole head rows; one division per row a thread takes, none per chunk.
 template <typename Tin, typename Tout, bool kInterleaved>
-__global__ void __launch_bounds__(kThreads) rotary_staged_kernel(const RotaryParams<Tin, Tout> p,
+__global__ void __launch_bounds__(kThreads, 8) rotary_staged_kernel(const RotaryParams<Tin, Tout> p,
                                                                  const int tokens_per_block) {
   constexpr int kChunk = chunk_elems<Tin>();
   constexpr int kPairs = kInterleaved ? kChunk / 2 : kChunk;  // pairs a rotary chunk holds
@@ -269,11 +291,8 @@ __global__ void __launch_bounds__(kThreads) rotary_staged_kernel(const RotaryPar
       for (int j = 0; j < kChunk; ++j) out[j] = static_cast<float>(x.val[j]);
     } else {
       float cos_v[kPairs], sin_v[kPairs];
-#pragma unroll
-      for (int i = 0; i < kPairs; ++i) {
-        cos_v[i] = cos_tab[z * p.rot_half + freq0 + i];
-        sin_v[i] = sin_tab[z * p.rot_half + freq0 + i];
-      }
+      load_table<kPairs>(cos_tab + z * p.rot_half + freq0, cos_v);
+      load_table<kPairs>(sin_tab + z * p.rot_half + freq0, sin_v);
       if constexpr (kInterleaved) {
 #pragma unroll
         for (int i = 0; i < kPairs; ++i) {
