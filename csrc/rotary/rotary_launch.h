@@ -38,10 +38,11 @@ struct RotaryParams {
   float cos_scaling, sin_scaling;  // attention_scaling; sin's is negated for the inverse rotation
 };
 
-// The staged kernel (vector path): kThreads threads a block, tokens_per_block tokens' heads staged
-// in shared memory, the stage about kStageBytes (several blocks an SM). A token whose heads and
-// tables exceed kMaxStagedTokenBytes, or a head of more than kThreads chunks, takes the register
-// kernel instead.
+// The staged kernel (vector path, 16-bit inputs): kThreads threads a block, tokens_per_block
+// tokens' heads staged in shared memory, the stage about kStageBytes (several blocks an SM). A
+// token whose heads and tables exceed kMaxStagedTokenBytes, or a head of more than kThreads chunks,
+// takes the register kernel instead, and so do float32 inputs (4-element chunks: the register
+// kernel keeps as many bytes in flight and measured 6% faster on Llama 8B's shape).
 constexpr int64_t kStageBytes = 32 * 1024;
 constexpr int64_t kMaxStagedTokenBytes = 64 * 1024;
 
@@ -59,7 +60,8 @@ inline LaunchPlan plan_staged(int64_t tokens, int64_t heads, int64_t head_dim, i
                               int64_t chunks_per_head, int64_t rot_half, int64_t elem_bytes) {
   LaunchPlan plan;
   const int64_t token_bytes = heads * head_dim * elem_bytes + 2 * rot_half * static_cast<int64_t>(sizeof(float));
-  if (token_bytes > kMaxStagedTokenBytes || head_dim / chunk_elems > kThreads || chunks_per_head > kThreads)
+  if (elem_bytes != 2 || token_bytes > kMaxStagedTokenBytes || head_dim / chunk_elems > kThreads ||
+      chunks_per_head > kThreads)
     return plan;
   const int64_t per_block = std::clamp<int64_t>(kStageBytes / token_bytes, 1, std::max<int64_t>(tokens, 1));
   plan.tokens_per_block = static_cast<int>(per_block);
