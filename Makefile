@@ -4,7 +4,7 @@ JOBS ?= $(shell nproc)
 export PYTHONPATH := $(CURDIR)/python$(if $(PYTHONPATH),:$(PYTHONPATH))
 TORCH_CMAKE = $(shell $(PYTHON) -c "import torch.utils; print(torch.utils.cmake_prefix_path)")
 
-.PHONY: all setup build wheel test test-python test-cpp demo bench gpu-check clean
+.PHONY: all setup build build-dev wheel test test-python test-cpp demo bench gpu-check clean
 
 all: build
 
@@ -17,15 +17,20 @@ setup:
 build: setup
 	MAX_JOBS=$(JOBS) $(PYTHON) setup.py -q build_ext --inplace
 
+# The same with the development knobs compiled in (FUSEFORGE_DEV=1, csrc/common/env.h), in its own build
+# folder: the tests that force kernel paths through them run only against this build.
+build-dev: setup
+	FUSEFORGE_DEV=1 MAX_JOBS=$(JOBS) $(PYTHON) setup.py -q build_ext --inplace
+
 # dist/fuseforge-<version>-cp39-abi3-<platform>.whl, for this torch (and CUDA, in a CUDA build).
 wheel: setup
 	MAX_JOBS=$(JOBS) $(PYTHON) -m pip wheel . --no-build-isolation --no-deps -q -w dist
 
-test: build
+test: build-dev
 	$(PYTHON) -m pytest -q tests/python; status=$$?; [ $$status -eq 0 ] || exit $$status
 	$(MAKE) --no-print-directory test-cpp
 
-test-python: build
+test-python: build-dev
 	$(PYTHON) -m pytest -q tests/python
 
 test-cpp: setup

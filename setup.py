@@ -10,11 +10,14 @@ Environment (docs/install.md):
   FUSEFORGE_OPS=a,b         build only these op folders of csrc/ (development; default: all)
   MAX_JOBS                  parallel compile jobs (ninja)
   FUSEFORGE_DEBUG=1         -O0 -g host code, -lineinfo device code
+  FUSEFORGE_DEV=1           a developer build: the FUSEFORGE_* development knobs that force kernel paths
+                            and tile choices are read at run time (csrc/common/env.h; the tests that
+                            use them skip in other builds), in its own build folder
   FUSEFORGE_VERBOSE=1       print the compiler command lines (default: one progress line a file)
   FUSEFORGE_NVCC_FLAGS      extra nvcc flags (tuning experiments, e.g. "-DFUSEFORGE_AMA_ROWS_16BIT=8")
 
 Every route (`make build`, `pip install --no-build-isolation [-e] .`, `pip wheel .`) compiles into
-build/temp-<cpu|cuda>[-debug]/ (ninja: a second route recompiles nothing); `build_ext -t DIR` overrides.
+build/temp-<cpu|cuda>[-debug][-dev]/ (ninja: a second route recompiles nothing); `build_ext -t DIR` overrides.
 """
 import glob
 import logging
@@ -191,13 +194,15 @@ def version() -> str:
         return f.read().strip()
 
 
-def write_build_info(package_dirs, with_cuda: bool) -> None:
+def write_build_info(package_dirs, with_cuda: bool, dev_knobs: bool) -> None:
     """fuseforge/_build_info.py: the torch (and CUDA) the extension is compiled against, which
-    fuseforge checks at import instead of failing on an undefined symbol under another torch."""
+    fuseforge checks at import instead of failing on an undefined symbol under another torch, and
+    whether it is a developer build (DEV_KNOBS: the tests that set development knobs run)."""
     import torch
     text = ("# Written by setup.py when the extension is built.\n"
             f"TORCH_VERSION = {torch.__version__!r}\n"
-            f"CUDA_VERSION = {(torch.version.cuda if with_cuda else None)!r}\n")
+            f"CUDA_VERSION = {(torch.version.cuda if with_cuda else None)!r}\n"
+            f"DEV_KNOBS = {dev_knobs!r}\n")
     for d in package_dirs:
         os.makedirs(d, exist_ok=True)
         with open(os.path.join(d, "_build_info.py"), "w") as f:
@@ -210,6 +215,7 @@ class Config:
     reason = ""
     arch_list = None
     debug = False
+    dev_knobs = False
     isa_edges = []  # (object, source, flags): added to torch's build.ninja by run_ninja
 
 
@@ -219,7 +225,8 @@ def shown_path(path: str) -> str:
 
 
 def build_temp_name() -> str:
-    return "temp-" + ("cuda" if Config.with_cuda else "cpu") + ("-debug" if Config.debug else "")
+    return ("temp-" + ("cuda" if Config.with_cuda else "cpu") + ("-debug" if Config.debug else "")
+            + ("-dev" if Config.dev_knobs else ""))
 
 
 def run_ninja(build_directory, verbose=False, error_prefix="Error compiling objects for extension", *args, **kwargs):
@@ -274,11 +281,12 @@ class Build(BuildExtension):
     def build_extensions(self):
         if not self.use_ninja:
             raise SystemExit("fuseforge builds with ninja: `pip install ninja`")
-        print(f"fuseforge {version()}: {'CUDA build for TORCH_CUDA_ARCH_LIST=' + Config.arch_list if Config.with_cuda else 'CPU-only build'} "
+        print(f"fuseforge {version()}: {'CUDA build for TORCH_CUDA_ARCH_LIST=' + Config.arch_list if Config.with_cuda else 'CPU-only build'}"
+              f"{', developer knobs' if Config.dev_knobs else ''} "
               f"({Config.reason}), {os.environ.get('MAX_JOBS') or 'ninja default'} jobs, in "
               f"{shown_path(self.build_temp)}", flush=True)
         write_build_info({os.path.join(ROOT, "python", "fuseforge"), os.path.join(self.build_lib, "fuseforge")},
-                         Config.with_cuda)
+                         Config.with_cuda, Config.dev_knobs)
         Config.isa_edges = []
         for ext in self.extensions:
             for src in isa_sources():
@@ -315,7 +323,8 @@ def extension():
     capabilities = [] if cpu_only else visible_gpu_capabilities()
     with_cuda, reason = decide_cuda(os.environ, bool(capabilities), nvcc_found(), torch.version.cuda is not None)
     debug = os.environ.get("FUSEFORGE_DEBUG", "0") == "1"
-    Config.with_cuda, Config.reason, Config.debug = with_cuda, reason, debug
+    dev_knobs = os.environ.get("FUSEFORGE_DEV", "0") == "1"
+    Config.with_cuda, Config.reason, Config.debug, Config.dev_knobs = with_cuda, reason, debug, dev_knobs
     # -fopenmp: at::parallel_for is inline and runs in parallel only in code built with OpenMP (torch's
     # CPU backend); without it every CPU kernel here ran on one thread. -ffp-contract=off: the CPU
     # kernels' AVX2/AVX-512 builds would otherwise fuse a * b - c into an fma where the baseline build
@@ -324,7 +333,7 @@ def extension():
     # a 350 KB one; FUSEFORGE_DEBUG=1 keeps it. -Wno-psabi: GCC's note that passing a 32-byte
     # at::vec::Vectorized by value changed ABI in GCC 4.6 (our kernels' helpers, internal linkage).
     cxx = ["-O0" if debug else "-O3", "-std=c++20", "-fopenmp", "-ffp-contract=off", "-g" if debug else "-g0",
-           "-Wno-psabi"]
+           "-Wno-psabi"] + (["-DFUSEFORGE_DEV_KNOBS"] if dev_knobs else [])
     depends = [f for pattern in ("*.h", "*.cuh", "*.cpp", "*.cu")
                for f in glob.glob(os.path.join(CSRC, "**", pattern), recursive=True)]
     ours = os.path.join(ROOT, CSRC)
@@ -346,7 +355,7 @@ def extension():
         os.environ["TORCH_CUDA_ARCH_LIST"] = default_arch_list(capabilities)
     Config.arch_list = os.environ["TORCH_CUDA_ARCH_LIST"]
     arch_defines = ["-DFUSEFORGE_SM90A_BUILD"] if sm90a_only_sm90_target(Config.arch_list) else []
-    nvcc = NVCC_FLAGS + ["--threads=2"]
+    nvcc = NVCC_FLAGS + ["--threads=2"] + (["-DFUSEFORGE_DEV_KNOBS"] if dev_knobs else [])
     if debug:
         nvcc.append("-lineinfo")
     nvcc += os.environ.get("FUSEFORGE_NVCC_FLAGS", "").split()

@@ -47,7 +47,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$LOG/summary.txt"
 
 t0=$(date +%s)
-FUSEFORGE_CUDA=1 MAX_JOBS=${MAX_JOBS:-16} python3 setup.py -q build_ext --inplace > "$LOG/build.log" 2>&1
+FUSEFORGE_CUDA=1 FUSEFORGE_DEV=1 MAX_JOBS=${MAX_JOBS:-16} python3 setup.py -q build_ext --inplace > "$LOG/build.log" 2>&1
 rc=$?
 summary "build: rc=$rc in $(( $(date +%s) - t0 )) s"; pack
 if [ $rc -ne 0 ]; then grep -E "error|Error" "$LOG/build.log" | head -40; exit 1; fi

@@ -44,7 +44,7 @@ lib_of() { ls /tmp/tune/$OP/$1/lib/fuseforge/_C*.so 2>/dev/null; }
 build() {  # build NAME FLAGS [SOURCE_DIR]
   [ -n "$(lib_of "$1")" ] && return 0
   local t0; t0=$(date +%s)
-  (cd "${3:-.}" && FUSEFORGE_NVCC_FLAGS="$2" MAX_JOBS=${MAX_JOBS:-16} python3 setup.py -q build_ext -b /tmp/tune/$OP/$1/lib \
+  (cd "${3:-.}" && FUSEFORGE_DEV=1 FUSEFORGE_NVCC_FLAGS="$2" MAX_JOBS=${MAX_JOBS:-16} python3 setup.py -q build_ext -b /tmp/tune/$OP/$1/lib \
     -t /tmp/tune/$OP/$1/tmp) > "$LOGS/build_${OP}_$1.log" 2>&1 \
     || { echo "$OP/$1: build failed"; tail -5 "$LOGS/build_${OP}_$1.log"; return 1; }
   echo "== $OP/$1 built in $(( $(date +%s) - t0 )) s"

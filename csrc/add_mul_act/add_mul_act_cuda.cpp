@@ -23,8 +23,8 @@ bool aligned16(const void* p) { return p == nullptr || is_aligned(p, 16); }
 // for bf16 it cost 3-18%, so 16-bit types run uncapped (docs/design/add_mul_act.md). Development knobs
 // FUSEFORGE_AMA_{FWD,BWD}_BLOCKS_PER_SM override it (a large value: no cap).
 int64_t blocks_per_sm_cap(bool backward, size_t type_bytes) {
-  static const int64_t fwd_knob = env_positive_int("FUSEFORGE_AMA_FWD_BLOCKS_PER_SM", 0);
-  static const int64_t bwd_knob = env_positive_int("FUSEFORGE_AMA_BWD_BLOCKS_PER_SM", 0);
+  static const int64_t fwd_knob = dev_positive_int("FUSEFORGE_AMA_FWD_BLOCKS_PER_SM", 0);
+  static const int64_t bwd_knob = dev_positive_int("FUSEFORGE_AMA_BWD_BLOCKS_PER_SM", 0);
   const int64_t knob = backward ? bwd_knob : fwd_knob;
   if (knob > 0) return knob;
   return type_bytes >= 4 ? 1 : 0;

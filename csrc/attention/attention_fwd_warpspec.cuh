@@ -503,13 +503,13 @@ inline bool sm90a_kernels_runnable() {
 // =1 makes them a requirement: require_tma raises where they cannot run (so a benchmark knows which
 // kernel it timed); unset takes them where they can.
 inline bool tma_kernels_allowed() {
-  const std::string mode = env_string("FUSEFORGE_ATTENTION_TMA");
+  const std::string mode = dev_string("FUSEFORGE_ATTENTION_TMA");
   TORCH_CHECK(mode.empty() || mode == "0" || mode == "1", "FUSEFORGE_ATTENTION_TMA: expected 0 or 1, got '", mode,
               "'");
   return mode != "0" && sm90a_kernels_runnable();
 }
 inline bool require_tma(bool maps_ok) {
-  if (env_string("FUSEFORGE_ATTENTION_TMA") == "1") {
+  if (dev_string("FUSEFORGE_ATTENTION_TMA") == "1") {
     TORCH_CHECK(sm90a_kernels_runnable(),
                 "FUSEFORGE_ATTENTION_TMA=1: the TMA kernels cannot run here (they need a compute capability 9.0 "
                 "GPU and a build for TORCH_CUDA_ARCH_LIST=9.0a)");
@@ -524,9 +524,9 @@ template <class Tr>
 bool use_fwd_warpspec(const FwdParams& p, FwdTmaParams* tma) {
   using T = typename Tr::T;
   if (!tma_kernels_allowed()) return require_tma(false);
-  tma->pingpong = env_flag("FUSEFORGE_ATTENTION_PINGPONG", true) ? 1 : 0;
-  tma->early_k_release = env_flag("FUSEFORGE_ATTENTION_EARLY_K_RELEASE", true) ? 1 : 0;
-  tma->max_blocks = env_positive_int("FUSEFORGE_ATTENTION_FWD_BLOCKS", 0);
+  tma->pingpong = dev_flag("FUSEFORGE_ATTENTION_PINGPONG", true) ? 1 : 0;
+  tma->early_k_release = dev_flag("FUSEFORGE_ATTENTION_EARLY_K_RELEASE", true) ? 1 : 0;
+  tma->max_blocks = dev_positive_int("FUSEFORGE_ATTENTION_FWD_BLOCKS", 0);
   // Not a requirement: where out's strides do not fit a tensor map, the kernel stores O itself.
   tma->store_o_tma = p.cu_seqlens_q == nullptr &&
                      encode_rows_map<T>(&tma->o, p, p.out, p.rows_q, p.heads_q, p.out_row_stride, p.out_head_stride,

@@ -47,7 +47,7 @@ inline int64_t typical_tile_area(const FwdParams& p, bool local, int block_m, in
 // cycles than 128; with tiles aligned to the start it would be 1.33x and level). Varlen: the mean
 // sequence (the lengths are on the device). FUSEFORGE_ATTENTION_FWD_ROWS=128 or 192 forces one.
 inline int fwd_query_rows_d64(const FwdParams& p, bool local) {
-  const std::string knob = env_string("FUSEFORGE_ATTENTION_FWD_ROWS");
+  const std::string knob = dev_string("FUSEFORGE_ATTENTION_FWD_ROWS");
   TORCH_CHECK(knob.empty() || knob == "128" || knob == "192",
               "FUSEFORGE_ATTENTION_FWD_ROWS: expected 128 or 192, got '", knob, "'");
   if (!knob.empty()) return knob == "128" ? 128 : 192;
@@ -68,7 +68,7 @@ inline int fwd_query_rows_d64(const FwdParams& p, bool local) {
 // wastes more of 80 rows; the lengths are on the device). FUSEFORGE_ATTENTION_BWD_ROWS=64 or 80 forces
 // one (A/B timings, tests).
 inline int bwd_query_rows_d128(const FwdParams& p, bool local) {
-  const std::string knob = env_string("FUSEFORGE_ATTENTION_BWD_ROWS");
+  const std::string knob = dev_string("FUSEFORGE_ATTENTION_BWD_ROWS");
   TORCH_CHECK(knob.empty() || knob == "64" || knob == "80", "FUSEFORGE_ATTENTION_BWD_ROWS: expected 64 or 80, got '",
               knob, "'");
   if (!knob.empty()) return knob == "64" ? 64 : 80;
@@ -81,7 +81,7 @@ inline int bwd_query_rows_d128(const FwdParams& p, bool local) {
 // The 80-query dk/dv tiles start at a key block's first visible row rounded down to 16 rows (KeyBlock).
 // FUSEFORGE_ATTENTION_BWD_ROW_ALIGN=80 rounds down to 80 instead, the tiling before (A/B timings, tests).
 inline int bwd_row_align() {
-  const std::string knob = env_string("FUSEFORGE_ATTENTION_BWD_ROW_ALIGN");
+  const std::string knob = dev_string("FUSEFORGE_ATTENTION_BWD_ROW_ALIGN");
   TORCH_CHECK(knob.empty() || knob == "16" || knob == "80",
               "FUSEFORGE_ATTENTION_BWD_ROW_ALIGN: expected 16 or 80, got '", knob, "'");
   return knob == "80" ? 80 : 16;
@@ -99,8 +99,8 @@ inline int bwd_row_align() {
 // FUSEFORGE_ATTENTION_BWD_ZERO_AHEAD=0, or a grid the zero-first kernel would cover whole. The
 // knob's positive values set the distance (A/B timings, tests).
 inline int64_t bwd_dq_zero_ahead(int64_t blocks, int64_t resident, int64_t kv_blocks) {
-  if (env_string("FUSEFORGE_ATTENTION_BWD_ZERO_AHEAD") == "0") return 0;
-  const int64_t ahead = std::max(env_positive_int("FUSEFORGE_ATTENTION_BWD_ZERO_AHEAD", resident), kv_blocks);
+  if (dev_string("FUSEFORGE_ATTENTION_BWD_ZERO_AHEAD") == "0") return 0;
+  const int64_t ahead = std::max(dev_positive_int("FUSEFORGE_ATTENTION_BWD_ZERO_AHEAD", resident), kv_blocks);
   return ahead < blocks && blocks <= INT32_MAX ? ahead : 0;
 }
 
@@ -108,11 +108,11 @@ inline int64_t bwd_dq_zero_ahead(int64_t blocks, int64_t resident, int64_t kv_bl
 // launches serially (A/B timings, tests). Measured on the H100: the 1.2-1.6 us between the backward's
 // kernels go; forward+backward level at fixed length, the
 // window 1.0% and the packed documents 0.8% faster.
-inline bool bwd_overlap_launches() { return env_flag("FUSEFORGE_ATTENTION_BWD_OVERLAP", true); }
+inline bool bwd_overlap_launches() { return dev_flag("FUSEFORGE_ATTENTION_BWD_OVERLAP", true); }
 
 // Varlen: the kernels take the sequences longest first (check_and_order_sequences_async, FwdParams::
 // seq_order). FUSEFORGE_ATTENTION_VARLEN_LONGEST_FIRST=0 keeps the given order (A/B timings, tests).
-inline bool varlen_longest_first() { return env_flag("FUSEFORGE_ATTENTION_VARLEN_LONGEST_FIRST", true); }
+inline bool varlen_longest_first() { return dev_flag("FUSEFORGE_ATTENTION_VARLEN_LONGEST_FIRST", true); }
 
 // The dk/dv kernel's block order for a local mask (see launch_attention_bwd): key blocks slowest (every
 // head's heaviest causal block in the first wave) when the grid is at most `max_waves` waves of
@@ -120,7 +120,7 @@ inline bool varlen_longest_first() { return env_flag("FUSEFORGE_ATTENTION_VARLEN
 // FUSEFORGE_ATTENTION_BWD_KV_SLOWEST=0 or 1 forces the order (A/B timings); without a local mask
 // the kernel has one order only.
 inline bool bwd_kv_block_slowest(bool local, int64_t blocks, int64_t resident, int64_t kv_blocks, int max_waves) {
-  const std::string knob = env_string("FUSEFORGE_ATTENTION_BWD_KV_SLOWEST");
+  const std::string knob = dev_string("FUSEFORGE_ATTENTION_BWD_KV_SLOWEST");
   TORCH_CHECK(knob.empty() || knob == "0" || knob == "1",
               "FUSEFORGE_ATTENTION_BWD_KV_SLOWEST: expected 0 or 1, got '", knob, "'");
   if (!local || kv_blocks > 65535) return false;  // grid z holds the key blocks
@@ -142,13 +142,13 @@ constexpr int bwd_key_block_rows(int64_t head_dim) { return head_dim > 128 ? 64 
 //   forward+backward from 0.401 to 0.374 ms (split 4); split 2 there, 256 blocks, gains nothing.
 // - "1": no split; another divisor of the group: that split.
 inline int64_t bwd_gqa_head_split(int64_t blocks, int64_t group, int64_t resident, int64_t min_waves = 2) {
-  const std::string knob = env_string("FUSEFORGE_ATTENTION_BWD_HEAD_SPLIT");
+  const std::string knob = dev_string("FUSEFORGE_ATTENTION_BWD_HEAD_SPLIT");
   if (knob.empty() || knob == "auto") {
     int64_t split = 1;
     while (blocks * split < min_waves * resident && group % (2 * split) == 0) split *= 2;
     return split;
   }
-  const int64_t split = env_positive_int("FUSEFORGE_ATTENTION_BWD_HEAD_SPLIT", 1);
+  const int64_t split = dev_positive_int("FUSEFORGE_ATTENTION_BWD_HEAD_SPLIT", 1);
   TORCH_CHECK(group % split == 0, "FUSEFORGE_ATTENTION_BWD_HEAD_SPLIT: expected auto or a divisor of the ",
               group, " query heads a KV head has, got '", knob, "'");
   return split;

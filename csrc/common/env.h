@@ -1,5 +1,9 @@
-// Development knobs read from the environment (each op's docs/design/<op>.md lists its knobs; none
-// changes results unless documented there). One reader so every knob parses and fails the same way.
+// Environment variables read at run time, one reader so every variable parses and fails the same way.
+// - env_*: what a user may set (README, "Environment variables"): FUSEFORGE_LCE_WORKSPACE_MIB.
+// - dev_*: development knobs that force a kernel path or a tile choice, for tests and A/B timings
+//   (each op's docs/design/<op>.md lists its own). They are compiled only into a developer build
+//   (FUSEFORGE_DEV=1 at build time, which defines FUSEFORGE_DEV_KNOBS); in any other build they
+//   return the fallback without looking at the environment. None changes results unless documented.
 #pragma once
 #include <c10/util/Exception.h>
 
@@ -15,7 +19,7 @@ inline std::string env_string(const char* name) {
   return v ? std::string(v) : std::string();
 }
 
-// A positive integer knob: fallback when unset or empty; a clear error for anything else.
+// A positive integer: fallback when unset or empty; a clear error for anything else.
 inline int64_t env_positive_int(const char* name, int64_t fallback) {
   const std::string v = env_string(name);
   if (v.empty()) return fallback;
@@ -26,12 +30,25 @@ inline int64_t env_positive_int(const char* name, int64_t fallback) {
   return static_cast<int64_t>(parsed);
 }
 
-// A 0/1 knob: fallback when unset or empty; a clear error for anything else.
+// A 0/1 flag: fallback when unset or empty; a clear error for anything else.
 inline bool env_flag(const char* name, bool fallback) {
   const std::string v = env_string(name);
   if (v.empty()) return fallback;
   TORCH_CHECK(v == "0" || v == "1", name, ": expected 0 or 1, got '", v, "'");
   return v == "1";
 }
+
+#ifdef FUSEFORGE_DEV_KNOBS
+inline constexpr bool kDevKnobs = true;
+#else
+inline constexpr bool kDevKnobs = false;
+#endif
+
+// Development knobs: as env_* in a developer build; "" / the fallback otherwise.
+inline std::string dev_string(const char* name) { return kDevKnobs ? env_string(name) : std::string(); }
+inline int64_t dev_positive_int(const char* name, int64_t fallback) {
+  return kDevKnobs ? env_positive_int(name, fallback) : fallback;
+}
+inline bool dev_flag(const char* name, bool fallback) { return kDevKnobs ? env_flag(name, fallback) : fallback; }
 
 }  // namespace fuseforge

@@ -21,7 +21,7 @@ bool vector_ready(const void* data, int64_t row_stride) {
 
 // Row trips a block makes (development knob FUSEFORGE_GLU_TRIPS_PER_BLOCK).
 int64_t trips_per_block() {
-  static const int64_t trips = env_positive_int("FUSEFORGE_GLU_TRIPS_PER_BLOCK", 2);
+  static const int64_t trips = dev_positive_int("FUSEFORGE_GLU_TRIPS_PER_BLOCK", 2);
   return trips;
 }
 

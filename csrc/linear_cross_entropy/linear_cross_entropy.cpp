@@ -108,7 +108,7 @@ int64_t cpu_chunk_rows(int64_t vocab, int64_t hidden, int64_t elem_bytes) {
   const int64_t fit = kCpuChunkBytes / std::max<int64_t>(1, vocab * elem_bytes);
   const int64_t rows = std::clamp(std::max(fit, std::min(kCpuChunkWeightRows, hidden)), kCpuChunkMinRows,
                                   kCpuChunkMaxRows);
-  return env_positive_int("FUSEFORGE_LCE_CPU_CHUNK_ROWS", rows);
+  return dev_positive_int("FUSEFORGE_LCE_CPU_CHUNK_ROWS", rows);
 }
 
 struct CpuOutputs {

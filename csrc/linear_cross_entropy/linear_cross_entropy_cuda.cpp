@@ -86,13 +86,13 @@ Plan plan_rows(const Problem& p, bool want_weight_grad, bool bf16_logits, bool i
     // default one GEMM1 a super-chunk (larger products run faster).
     int64_t s = std::clamp<int64_t>(budget / (esize * p.vocab) / 256 * 256, 256, kMaxSuperRows);
     s = std::min(s, rows);
-    plan.sub_rows = std::min(env_positive_int("FUSEFORGE_LCE_SUB_ROWS", s), s);
+    plan.sub_rows = std::min(dev_positive_int("FUSEFORGE_LCE_SUB_ROWS", s), s);
     plan.super_rows = s / plan.sub_rows * plan.sub_rows;
   } else {
     // A staging chunk of logits: 512 float32 rows (256 for V > 196608), or twice the rows in bf16.
     const int64_t logit_bytes = bf16_logits ? 2 : 4;
     const int64_t default_rows = (p.vocab > 196608 ? 256 : 512) * (4 / logit_bytes);
-    plan.sub_rows = std::min<int64_t>(env_positive_int("FUSEFORGE_LCE_SUB_ROWS", default_rows), rows);
+    plan.sub_rows = std::min<int64_t>(dev_positive_int("FUSEFORGE_LCE_SUB_ROWS", default_rows), rows);
     const int64_t staging = logit_bytes * plan.sub_rows * p.vocab;
     int64_t s = (budget - staging) / (esize * p.vocab);
     s = std::clamp<int64_t>(s / plan.sub_rows * plan.sub_rows, plan.sub_rows, kMaxSuperRows);
@@ -180,7 +180,7 @@ void run_default(const Problem& p, const GradSpec& g, Outputs& o) {
       p.vocab % 4 == 0 && p.vocab <= kClusterMaxVocab && !g.stats_in.has_value() && cluster_kernel_runnable();
   // Development knob FUSEFORGE_LCE_PERSISTENT: 1, as many clusters as the GPU holds, each looping over
   // rows; 0, one cluster a row.
-  const bool persistent = env_flag("FUSEFORGE_LCE_PERSISTENT", true);
+  const bool persistent = dev_flag("FUSEFORGE_LCE_PERSISTENT", true);
   // With bf16 inputs the cluster kernel reads cuBLAS's bf16 logits (float32 accumulation, one
   // rounding): 2 bytes a logit written and read instead of 4. The exact float32 target logit keeps
   // the loss and the target's gradient; the other logits' rounding moves neither the loss error nor
@@ -334,7 +334,7 @@ void run_low_memory(const Problem& p, const GradSpec& g, Outputs& o) {
   const int64_t rows = std::max<int64_t>(p.rows, 1);
   const int64_t block = std::min(rows, std::max(ceil_div(ceil_div(rows, kMaxRoundedPasses), 128) * 128, kLowMemMinRows));
   // Development knob FUSEFORGE_LCE_LOWMEM_COLS: the vocabulary chunk.
-  const int64_t cols = std::min<int64_t>(env_positive_int("FUSEFORGE_LCE_LOWMEM_COLS", kLowMemCols), p.vocab);
+  const int64_t cols = std::min<int64_t>(dev_positive_int("FUSEFORGE_LCE_LOWMEM_COLS", kLowMemCols), p.vocab);
   at::Tensor tile = at::empty({block * cols}, p.x2d.options());
   at::Tensor gx_acc, b_acc;
   if (g.want.x && !kFp32) gx_acc = at::empty({block, p.hidden}, f32);

@@ -26,6 +26,21 @@ CUDA_SKIP_REASON = ("no CUDA GPU on this machine" if not torch.cuda.is_available
                     else "fuseforge was built without CUDA")
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason=CUDA_SKIP_REASON)
 
+
+def _dev_knobs_built() -> bool:
+    try:
+        from fuseforge._build_info import DEV_KNOBS
+    except ImportError:  # built before the flag was recorded
+        return False
+    return bool(DEV_KNOBS)
+
+
+# Tests that force a kernel path or a tile choice through a development knob (csrc/common/env.h): the
+# knobs exist only in a developer build (FUSEFORGE_DEV=1 at build time; scripts/gpu_check.sh builds one).
+DEV_KNOBS = _dev_knobs_built()
+requires_dev_knobs = pytest.mark.skipif(
+    not DEV_KNOBS, reason="sets a development knob: needs a developer build (FUSEFORGE_DEV=1 at build time)")
+
 # Relative norm error a result may have against float64, by dtype.
 TOL = {torch.float64: 1e-12, torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 8e-3}
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import fuseforge
 from fuseforge.nn.attention import Attention
 from fuseforge.ops.attention import attention
-from harness import assert_compiles, poison_allocations, randn, rel_err, run_opcheck
+from harness import assert_compiles, poison_allocations, randn, rel_err, requires_dev_knobs, run_opcheck
 
 # The attention kernels' own check (a build of other ops only would make harness.HAS_CUDA differ).
 HAS_CUDA = torch.cuda.is_available() and torch._C._dispatch_has_kernel_for_dispatch_key("fuseforge::attention_fwd",
@@ -480,6 +480,7 @@ def requires_hopper_for(kernel):
                                    (2, 2, 2, 129, 129, 256, False), (2, 4, 2, 260, 400, 128, False),
                                    (1, 4, 2, 200, 260, 64, True), (2, 2, 2, 300, 300, 64, False),
                                    (1, 2, 2, 300, 40, 128, True)], ids=shape_id)
+@requires_dev_knobs
 def test_cuda_kernels(kernel, layout, shape, monkeypatch):
     if not requires_hopper_for(kernel):
         pytest.skip("the TMA kernels run on sm_90 GPUs only")
@@ -503,6 +504,7 @@ def test_cuda_kernels(kernel, layout, shape, monkeypatch):
 
 
 @requires_cuda
+@requires_dev_knobs
 def test_cuda_kernel_knob_errors(monkeypatch):
     q, k, v = make_qkv(1, 2, 2, 64, 64, 64, torch.bfloat16, "cuda")
     monkeypatch.setenv("FUSEFORGE_ATTENTION_TMA", "yes")
@@ -543,6 +545,7 @@ MASKS_80 = {"full": {}, "causal": {"causal": True}, "window": {"window": (37, 5)
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 @pytest.mark.parametrize("shape", [(1, 2, 2, 50, 70), (2, 4, 2, 80, 128), (1, 2, 2, 160, 160), (1, 6, 2, 161, 300),
                                    (2, 2, 1, 1000, 999)], ids=lambda s: shape_id((*s, 128, False)))
+@requires_dev_knobs
 def test_cuda_backward_tiles_80(shape, layout, dtype, mask, monkeypatch):
     if not sm90a_kernels_runnable():
         pytest.skip("the 80-query backward is a TMA kernel (sm_90 GPUs only)")
@@ -602,6 +605,7 @@ def check_backward_from_poisoned_dq_accum(shape, d, mask, env, calls, monkeypatc
                                          (64, "full", "64"), (64, "causal", "64")])
 @pytest.mark.parametrize("shape", [(3, 4, 2, 300, 260), (2, 2, 2, 1000, 999), (2, 6, 3, 40, 700)],
                          ids=lambda s: shape_id((*s, 0, False)))
+@requires_dev_knobs
 def test_cuda_backward_dq_zeroed_ahead(shape, d, mask, rows, ahead, monkeypatch):
     if not sm90a_kernels_runnable():
         pytest.skip("the zeroing ahead is the warp-specialized dk/dv kernel's (sm_90 GPUs only)")
@@ -613,6 +617,7 @@ def test_cuda_backward_dq_zeroed_ahead(shape, d, mask, rows, ahead, monkeypatch)
 @pytest.mark.parametrize("overlap", ["1", "0"], ids=["overlap", "serial"])
 @pytest.mark.parametrize("ahead", ["0", "11"])
 @pytest.mark.parametrize("d,mask,rows", [(128, "full", "80"), (128, "causal", "64"), (64, "causal", "64")])
+@requires_dev_knobs
 def test_cuda_backward_overlapped_launches(d, mask, rows, ahead, overlap, monkeypatch):
     """The backward's kernels launched overlapping the one before them (programmatic dependent launch,
     FUSEFORGE_ATTENTION_BWD_OVERLAP) and serially, with dq_accum zeroed by the row_dot kernel ("0") or
@@ -636,6 +641,7 @@ def test_cuda_backward_overlapped_launches(d, mask, rows, ahead, overlap, monkey
 @pytest.mark.parametrize("d,causal", [(128, True), (128, False), (64, True), (256, True)])
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@requires_dev_knobs
 def test_cuda_backward_gqa_head_split(split, d, causal, layout, dtype, monkeypatch):
     q, k, v = make_qkv(2, 8, 2, 300, 260, d, dtype, "cuda", layout=layout, requires_grad=True)
     grad = randn(*q.shape, dtype=dtype, device="cuda")
@@ -655,6 +661,7 @@ def test_cuda_backward_gqa_head_split(split, d, causal, layout, dtype, monkeypat
 
 
 @requires_cuda
+@requires_dev_knobs
 def test_cuda_backward_gqa_head_split_knob_names_a_bad_value(monkeypatch):
     q, k, v = make_qkv(1, 4, 1, 64, 64, 64, torch.bfloat16, "cuda", requires_grad=True)
     out = attention(q, k, v, causal=True)
@@ -669,6 +676,7 @@ def test_cuda_backward_gqa_head_split_knob_names_a_bad_value(monkeypatch):
 @pytest.mark.parametrize("d", [64, 128, 256])  # head dim 64: 192-row forward tiles (the varlen case: 128)
 @pytest.mark.parametrize("kernel", ["tma_no_pingpong", "tma_3_blocks", "tma_bwd_rows_80", "tma_bwd_zero_ahead",
                                     "cp_async"])
+@requires_dev_knobs
 def test_cuda_sanitize_kernels(kernel, d, causal, monkeypatch):
     if not requires_hopper_for(kernel):
         pytest.skip("the TMA kernels run on sm_90 GPUs only")

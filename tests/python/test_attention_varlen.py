@@ -12,7 +12,7 @@ import torch
 
 import fuseforge
 from fuseforge.ops.attention import attention, attention_varlen, cu_seqlens_from_lengths, cu_seqlens_from_position_ids
-from harness import assert_compiles, poison_allocations, randn, rel_err, run_opcheck
+from harness import assert_compiles, poison_allocations, randn, rel_err, requires_dev_knobs, run_opcheck
 from test_attention import CPU_DTYPES, CUDA_DTYPES, DEVICE_DTYPES, TOL, make_qkv, reference, reference_with_grads, \
     requires_cuda, sm90a_kernels_runnable
 
@@ -166,6 +166,7 @@ def check_varlen_matches_each_sequence(device, dtype, lengths, options, d):
 @pytest.mark.parametrize("order", ["0", "1"], ids=["key_blocks_fastest", "key_blocks_slowest"])
 @pytest.mark.parametrize("options", VARLEN_OPTIONS, ids=options_id)
 @pytest.mark.parametrize("d", [64, 128, 256])
+@requires_dev_knobs
 def test_cuda_varlen_backward_block_orders(d, options, order, monkeypatch):
     """Both dk/dv block orders with a mask: a sequence's key blocks side by side (the default past a
     few waves, which these small batches are not) and key blocks slowest. Without a mask the first
@@ -180,6 +181,7 @@ def test_cuda_varlen_backward_block_orders(d, options, order, monkeypatch):
 @pytest.mark.parametrize("options", [o for o in VARLEN_OPTIONS if o[2] is None] + [(False, (20, 9), None)],
                          ids=options_id)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@requires_dev_knobs
 def test_cuda_varlen_backward_tiles_80(dtype, options, rows, align, monkeypatch):
     """Head dim 128's dk/dv tiles of 80 queries (from each key block's first visible row rounded down to
     16 rows, or to 80 as before) and of 64 on packed sequences: shorter than a tile, empty, exactly one
@@ -223,6 +225,7 @@ def check_varlen_dq_zeroed_ahead(lengths_q, lengths_k, hq, hk, d, options, env, 
 @pytest.mark.parametrize("options", [(True, None, None), (False, None, None), (True, (31, 0), None)],
                          ids=options_id)
 @pytest.mark.parametrize("d,rows", [(128, "80"), (128, "64"), (64, "64")])
+@requires_dev_knobs
 def test_cuda_varlen_backward_dq_zeroed_ahead(d, rows, options, ahead, order, monkeypatch):
     """dq_accum zeroed by the dk/dv kernel on packed sequences, the distance counted in real key blocks
     (those within their sequence, BwdParams::key_block_prefix) in either sequence order: "1" is the
@@ -238,6 +241,7 @@ def test_cuda_varlen_backward_dq_zeroed_ahead(d, rows, options, ahead, order, mo
 
 @requires_cuda
 @pytest.mark.parametrize("order", ["1", "0"], ids=["longest_first", "given_order"])
+@requires_dev_knobs
 def test_cuda_varlen_backward_dq_zeroed_ahead_many_sequences(order, monkeypatch):
     """520 sequences: the key blocks' prefix sums (BwdParams::key_block_prefix) span three chunks of
     the check kernel's block scan, so a wrong carry between chunks puts units in the wrong place."""
@@ -254,6 +258,7 @@ def test_cuda_varlen_backward_dq_zeroed_ahead_many_sequences(order, monkeypatch)
 
 @requires_cuda
 @pytest.mark.parametrize("overlap", ["1", "0"], ids=["overlap", "serial"])
+@requires_dev_knobs
 def test_cuda_varlen_backward_no_keys_overlapped(overlap, monkeypatch):
     """12,000 queries without keys and 40 keys without queries: dQ and dK / dV are all 0, the zeroing of
     dq_accum converted, and the dk/dv kernel's blocks leave at once or run no tile. The convert kernel
@@ -423,6 +428,7 @@ def test_cuda_varlen_deterministic_is_bitwise_repeatable(d):
 
 @requires_cuda
 @pytest.mark.parametrize("d", [64, 128, 256])
+@requires_dev_knobs
 def test_cuda_varlen_schedules_give_the_same_bits(d, monkeypatch):
     """The sequence order (longest first, or as given) changes which SM runs a tile and when, never a
     result: the forward and the deterministic backward are bitwise the same under both (3 persistent
@@ -464,6 +470,7 @@ def check_small_varlen_case(lengths, d, causal, window=None, softcap=None, deter
 @requires_cuda
 @pytest.mark.sanitize
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@requires_dev_knobs
 def test_cuda_sanitize_varlen_tiles_80(causal, monkeypatch):
     """Head dim 128's 80-query dk/dv kernel and its dQ convert on packed sequences."""
     if not sm90a_kernels_runnable():
@@ -476,6 +483,7 @@ def test_cuda_sanitize_varlen_tiles_80(causal, monkeypatch):
 @requires_cuda
 @pytest.mark.sanitize
 @pytest.mark.parametrize("d", [64, 128])
+@requires_dev_knobs
 def test_cuda_sanitize_varlen_dq_zeroed_ahead(d, monkeypatch):
     """dq_accum zeroed by the dk/dv kernel a key block row ahead (real blocks: 16 of 36 grid slots)."""
     if not sm90a_kernels_runnable():
@@ -490,6 +498,7 @@ def test_cuda_sanitize_varlen_dq_zeroed_ahead(d, monkeypatch):
 @pytest.mark.sanitize
 @pytest.mark.parametrize("d", [64, 96, 128, 256])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@requires_dev_knobs
 def test_cuda_sanitize_varlen_window_softcap(d, deterministic, monkeypatch):
     # Two blocks for the persistent forward: each runs many tiles and skips those past their sequence.
     monkeypatch.setenv("FUSEFORGE_ATTENTION_FWD_BLOCKS", "2")

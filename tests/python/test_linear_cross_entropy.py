@@ -13,7 +13,7 @@ import fuseforge  # noqa: F401  (loads the extension)
 from fuseforge.nn.linear_cross_entropy import LinearCrossEntropyLoss
 from fuseforge.ops.linear_cross_entropy import linear_cross_entropy
 from harness import (assert_compiles, assert_rel_close, device_dtypes, devices, generator, poison_allocations, randn,
-                     rel_err, requires_cuda, run_opcheck)
+                     rel_err, requires_cuda, requires_dev_knobs, run_opcheck)
 
 
 ops = torch.ops.fuseforge
@@ -337,6 +337,7 @@ def test_cpu_odd_vocab(dtype, vocab, reduction, options):
 
 @pytest.mark.parametrize("rows", [63, 64, 65, 128, 129])
 @pytest.mark.parametrize("reduction", ["sum", "none"])
+@requires_dev_knobs
 def test_cpu_chunk_boundaries(rows, reduction, monkeypatch):
     """Rows just below, at and above multiples of the chunk (64 rows here): every chunk's logits,
     statistics, per-row gradient weights and grad_x rows land at the right offsets, and the weight
@@ -361,6 +362,7 @@ def test_cpu_default_chunk_boundaries(rows):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
+@requires_dev_knobs
 def test_cpu_half_dtypes_all_options(dtype, reduction, monkeypatch):
     """bf16/fp16 inputs: converted chunk by chunk to float32 (two chunks here), float32 math."""
     monkeypatch.setenv(CPU_CHUNK_ENV, "32")
@@ -396,6 +398,7 @@ def test_cpu_nan_logit_makes_row_nan(bias):
         assert torch.isnan(gx).all(), col
 
 
+@requires_dev_knobs
 def test_cpu_out_of_range_target_names_position(monkeypatch):
     x, w, t, _ = make_inputs((9,), 8, 10, torch.float32, "cpu", ignore_every=0)
     for bad_value in (-1, 10):
@@ -463,6 +466,7 @@ def test_loss_only_bf16_cuda(reduction, options):
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32-logits", "bf16-in-place"])
 @pytest.mark.parametrize("general", [False, True], ids=["plain", "bias-smoothing"])
+@requires_dev_knobs
 def test_persistent_cluster_kernel_matches_one_cluster_a_row(dtype, general, monkeypatch):
     """The persistent cluster kernel (clusters loop over rows, prefetching the next row, ignored rows
     skipped) gives bit-identical results to one cluster a row (FUSEFORGE_LCE_PERSISTENT=0), in its

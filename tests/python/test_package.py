@@ -97,3 +97,24 @@ def test_default_cuda_targets_are_the_visible_gpus_else_the_portable_list(setup_
     assert "9.0a" in archs and any(a.endswith("+PTX") for a in archs)
     assert setup_py.sm90a_only_sm90_target(portable)  # no plain 9.0: the sm_90a-only kernels are built
     assert not setup_py.sm90a_only_sm90_target("8.0;9.0;9.0a")
+
+
+def _cpu_loss(seed):
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(70, 16, generator=g), torch.randn(50, 16, generator=g)
+    target = torch.randint(0, 50, (70,), generator=g)
+    return fuseforge.linear_cross_entropy(x, w, target, reduction="none")
+
+
+def test_development_knobs_are_read_only_in_a_developer_build(monkeypatch):
+    """A development knob (here the CPU loss's row chunk) is parsed in a developer build, where a bad
+    value raises an error naming it, and never read in any other build: the same bad value changes
+    nothing there."""
+    from harness import DEV_KNOBS
+    expected = _cpu_loss(7)
+    monkeypatch.setenv("FUSEFORGE_LCE_CPU_CHUNK_ROWS", "0")
+    if DEV_KNOBS:
+        with pytest.raises(RuntimeError, match="FUSEFORGE_LCE_CPU_CHUNK_ROWS: expected a positive integer"):
+            _cpu_loss(7)
+    else:
+        assert torch.equal(_cpu_loss(7), expected)
