@@ -301,7 +301,7 @@ class Build(BuildExtension):
 def sm90a_only_sm90_target(arch_list: str) -> bool:
     """Whether an H100 runs this build's sm_90a code: the list has 9.0a and no plain 9.0 (whose code,
     or PTX, the driver could load instead). The host side then may launch the kernels written for
-    sm_90a only (FUSEFORGE_SM90A_BUILD, csrc/attention/attention_fwd_warpspec.cuh)."""
+    sm_90a only (FUSEFORGE_SM90A_BUILD, csrc/attention/sm90/attention_fwd_warpspec.cuh)."""
     archs = {a.split("+")[0] for a in arch_list.replace(";", " ").split()}
     return "9.0a" in archs and not archs & {"9.0", "Hopper"}
 

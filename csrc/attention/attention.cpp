@@ -9,7 +9,7 @@
 #include <limits>
 #include <vector>
 
-#include "attention/attention_cpu.h"
+#include "attention/cpu/attention_cpu.h"
 #include "common/checks.h"
 #include "common/cpu_isa.h"
 

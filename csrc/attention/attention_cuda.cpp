@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "attention/attention.h"
-#include "attention/attention_launch.h"
+#include "attention/attention_heuristics.h"
 #include "attention/attention_params.h"
 #include "common/cuda_utils.h"
 

@@ -5,7 +5,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include "attention/attention_mma.cuh"
+#include "attention/sm80/attention_mma.cuh"
 #include "attention/attention_params.h"
 #include "common/launch.cuh"
 

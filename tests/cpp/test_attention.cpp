@@ -1,4 +1,4 @@
-// attention on the C++ side: the host-side launch choices of attention_launch.h (the forward's tiles,
+// attention on the C++ side: the host-side launch choices of attention_heuristics.h (the forward's tiles,
 // which decide between two kernels, and the backward's block order) and the masks' visible ranges
 // the kernels test elements against (attention_params.h), checked here, where every machine can run
 // them.
@@ -9,7 +9,7 @@
 #include <string>
 #include <utility>
 
-#include "attention/attention_launch.h"
+#include "attention/attention_heuristics.h"
 
 namespace at_ = fuseforge::attention;
 

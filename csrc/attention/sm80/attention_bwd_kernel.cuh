@@ -13,7 +13,7 @@
 #pragma once
 #include <type_traits>
 
-#include "attention/attention_fwd_kernel.cuh"
+#include "attention/sm80/attention_fwd_kernel.cuh"
 
 namespace fuseforge::attention {
 

@@ -9,8 +9,8 @@
 // float32 reduction, instead of 8 vector atomics a thread. The row_dot, dq-convert and deterministic
 // dq kernels are the cp.async path's.
 #pragma once
-#include "attention/attention_bwd_kernel.cuh"
-#include "attention/attention_fwd_warpspec.cuh"
+#include "attention/sm80/attention_bwd_kernel.cuh"
+#include "attention/sm90/attention_fwd_warpspec.cuh"
 
 namespace fuseforge::attention {
 

@@ -36,7 +36,7 @@
 #include <cstring>
 #include <limits>
 
-#include "attention/attention_cpu.h"
+#include "attention/cpu/attention_cpu.h"
 #include "common/cpu_vec.h"
 
 

@@ -20,8 +20,8 @@
 #pragma once
 #include <type_traits>
 
-#include "attention/attention_fwd_kernel.cuh"
-#include "attention/attention_launch.h"
+#include "attention/sm80/attention_fwd_kernel.cuh"
+#include "attention/attention_heuristics.h"
 #include "common/env.h"
 #include "common/tma.cuh"
 
@@ -45,7 +45,7 @@ struct FwdTmaParams {
 // dim 64 runs three consumer warpgroups on 192-row query tiles (FlashAttention-3's shape there): two
 // warpgroups' products cover one's softmax, which at head dim 64 is as long as its products (H100,
 // against two warpgroups: forward 9.97 -> 8.38 ms at S16384, 2.60 -> 2.29 at S4096).
-// The cp.async kernel keeps 128 rows, and so does this one where fwd_query_rows_d64 (attention_launch.h)
+// The cp.async kernel keeps 128 rows, and so does this one where fwd_query_rows_d64 (attention_heuristics.h)
 // says 192-row tiles would waste more than they gain.
 template <class Tr>
 struct WarpSpecFwdTraits {

@@ -1,3 +1,3 @@
 // attention's CPU kernels, baseline build (common/cpu_isa.h).
 #define FUSEFORGE_CPU_NS cpu_default
-#include "attention/attention_cpu_kernel.h"
+#include "attention/cpu/attention_cpu_kernel.h"

@@ -12,7 +12,7 @@
 #pragma once
 #include <cstdint>
 
-#include "attention/attention_mma.cuh"
+#include "attention/sm80/attention_mma.cuh"
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define FUSEFORGE_ATTENTION_WGMMA 1
