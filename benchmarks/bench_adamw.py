@@ -1,4 +1,5 @@
-"""fused AdamW step vs torch.optim.AdamW (fused=True, foreach=True) and torch.compile of its step.
+"""fused AdamW step vs torch.optim.AdamW (fused=True, foreach=True), torch.compile of its step, and
+8-bit optimizers (bitsandbytes, torchao).
 
 Cases:
   llama1b/fp32         147 float32 tensors shaped like a 1B Llama (953M params; embedding and an
@@ -6,20 +7,29 @@ Cases:
                        (2048x5632), 2x(2048,), a final norm).
   small5000/fp32       5000 float32 tensors of 4096.
   llama1b/bf16-master  bfloat16 params and grads with float32 master weights. fuseforge keeps the
-                       masters inside the optimizer (master_weights=True); the torch impls run the
+                       masters inside the optimizer (master_weights=True); the other impls run the
                        usual recipe: bf16 grads copied into the fp32 masters' grads, the fp32 step,
                        the masters copied back into the bf16 params (foreach copies), all timed.
+Impls: fuseforge (float32 states), fuseforge_bf16 / fuseforge_int8 (state_dtype="bfloat16" /
+"int8"), torch_fused, torch_foreach, compile (llama cases), and where installed (GPU only; a missing
+one is left out with the reason printed) bnb_adamw8bit (bitsandbytes.optim.AdamW8bit),
+bnb_paged_adamw8bit (bitsandbytes.optim.PagedAdamW8bit) and torchao_adamw8bit
+(torchao.optim.AdamW8bit).
 Pass "step": opt.step() as the user calls it (Python and host work included), grads fixed between
-calls. GBps counts 28 bytes a parameter (read param, grad, exp_avg, exp_avg_sq; write param,
-exp_avg, exp_avg_sq; the bf16-master case reads/writes the fp32 master and writes the bf16 param:
-also 28 bytes for fuseforge).
+calls. GBps counts the bytes a parameter's update must move: param and grad read, param written
+(12 bytes for float32; with bf16 masters, master read and written, bf16 grad read and param
+written: also 12), plus both moments read and written: 16 bytes in float32, 8 in bfloat16, 4 in
+8-bit codes (block scales not counted): 28, 20 or 16 bytes a parameter.
 Extra fields: host_us = median host time of one opt.step() call (perf_counter, no synchronize:
-the per-step CPU cost); on small5000, list_op_host_us = host time of torch.ops.fuseforge.adamw_fused_
+the per-step CPU cost); state_bytes = bytes of the optimizer's state tensors after a step (shared
+tensors such as code tables once; the recipes' float32 masters included, as fuseforge's
+master_param is); on small5000, list_op_host_us = host time of torch.ops.fuseforge.adamw_fused_
 given the 5000-tensor lists (what the dispatcher costs without the cached handle).
 Optimizers are built lazily and one at a time (the previous impl's state is freed first), so the
 llama cases fit in 80 GB. "compile" runs only for the llama cases (5000 tensors compile too slowly).
 """
 import gc
+import importlib
 import os
 import statistics
 import sys
@@ -79,7 +89,8 @@ def make_params(shapes, dtype):
 
 
 class OneAtATime:
-    """Builds each impl's optimizer at its first call and frees the previous impl's first."""
+    """Builds each impl's optimizer at its first call and frees the previous impl's first. A build
+    returns (step, state_tensors): state_tensors() lists what the optimizer keeps (state_bytes)."""
 
     def __init__(self):
         self.live = {}
@@ -93,12 +104,62 @@ class OneAtATime:
                 gc.collect()
                 if harness.bench_device() == "cuda":
                     torch.cuda.empty_cache()
-                step = self.live[name] = build()
+                step, state_tensors = build()
+                self.live[name] = step
                 extra["host_us"] = host_us(step)
+                extra["state_bytes"] = tensor_bytes(state_tensors())
                 if extra_probe:
                     extra_probe(extra)
             return step()
         return fn
+
+
+def tensor_bytes(tensors):
+    """Bytes of the storages behind `tensors`, each storage once; tensor subclasses (torchao's
+    quantized states) by their inner tensors."""
+    seen, total = set(), 0
+
+    def visit(t):
+        nonlocal total
+        if type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
+            for inner in t.__tensor_flatten__()[0]:
+                visit(getattr(t, inner))
+            return
+        st = t.untyped_storage()
+        key = (st.data_ptr(), str(t.device))
+        if key not in seen:
+            seen.add(key)
+            total += st.nbytes()
+
+    for t in tensors:
+        visit(t)
+    return total
+
+
+def optimizer_states(opt):
+    return lambda: [v for st in opt.state.values() for v in st.values()
+                    if isinstance(v, torch.Tensor) and v.dim() > 0]
+
+
+def peer_optimizers():
+    """(impl, constructor) of the 8-bit peers that are installed; each missing one is reported."""
+    peers = [("bnb_adamw8bit", "bitsandbytes.optim", "AdamW8bit"),
+             ("bnb_paged_adamw8bit", "bitsandbytes.optim", "PagedAdamW8bit"),
+             ("torchao_adamw8bit", "torchao.optim", "AdamW8bit")]
+    if harness.bench_device() != "cuda":
+        harness.log("    8-bit peers (bitsandbytes, torchao): skipped on the CPU (GPU optimizers)")
+        return []
+    found = []
+    for impl, module, cls in peers:
+        try:
+            found.append((impl, getattr(importlib.import_module(module), cls)))
+        except (ImportError, AttributeError) as e:
+            harness.log(f"    {impl}: skipped ({module}.{cls} not available: {e})")
+    return found
+
+
+# Bytes a parameter's step moves, by how the moments are stored (see the docstring).
+STEP_BYTES = {"float32": 28, "bfloat16": 20, "int8": 16}
 
 
 def host_us(fn, reps=50):
@@ -118,21 +179,23 @@ def setup(case):
     shapes = {"llama1b": llama1b_shapes, "gptdemo": gptdemo_shapes, "mats16x2048x2048": lambda: [(2048, 2048)] * 16,
               "small5000": lambda: [(4096,)] * 5000}[name]()
     numel = sum(torch.Size(s).numel() for s in shapes)
-    nbytes = 28 * numel
     torch._dynamo.reset()
     pool = OneAtATime()
-    benches = []
+    peers = peer_optimizers()
+    impls = []  # (impl, build, how the moments are stored)
     if kind == "fp32":
         params = make_params(shapes, torch.float32)
 
-        def ours():
-            opt = AdamW(params, **KW)
-            return opt.step
-
-        def torch_opt(**flags):
+        def ours(state_dtype):
             def build():
-                opt = torch.optim.AdamW(params, **KW, **flags)
-                return opt.step
+                opt = AdamW(params, **KW, state_dtype=state_dtype)
+                return opt.step, optimizer_states(opt)
+            return build
+
+        def other(cls, **flags):
+            def build():
+                opt = cls(params, **KW, **flags)
+                return opt.step, optimizer_states(opt)
             return build
 
         def compiled():
@@ -141,27 +204,32 @@ def setup(case):
             t0 = time.perf_counter()
             step()
             harness.log(f"    compile: first call {time.perf_counter() - t0:.1f} s")
-            return step
+            return step, optimizer_states(opt)
 
-        impls = [("fuseforge", ours), ("torch_fused", torch_opt(fused=True)),
-                 ("torch_foreach", torch_opt(foreach=True))]
+        impls = [("fuseforge", ours("float32"), "float32"), ("fuseforge_bf16", ours("bfloat16"), "bfloat16"),
+                 ("fuseforge_int8", ours("int8"), "int8"),
+                 ("torch_fused", other(torch.optim.AdamW, fused=True), "float32"),
+                 ("torch_foreach", other(torch.optim.AdamW, foreach=True), "float32")]
         if harness.bench_device() == "cpu":
-            impls.append(("torch_forloop", torch_opt(foreach=False, fused=False)))
+            impls.append(("torch_forloop", other(torch.optim.AdamW, foreach=False, fused=False), "float32"))
+        impls += [(impl, other(cls), "int8") for impl, cls in peers]
         if name == "llama1b" and WITH_COMPILE:
-            impls.append(("compile", compiled))
+            impls.append(("compile", compiled, "float32"))
     else:  # bf16 params, fp32 master weights
         params = make_params(shapes, torch.bfloat16)
 
-        def ours():
-            opt = AdamW(params, **KW, master_weights=True)
-            return opt.step
+        def ours(state_dtype):
+            def build():
+                opt = AdamW(params, **KW, master_weights=True, state_dtype=state_dtype)
+                return opt.step, optimizer_states(opt)
+            return build
 
-        def torch_recipe(compile_it=False, **flags):
+        def recipe(cls, compile_it=False, **flags):
             def build():
                 masters = [torch.nn.Parameter(p.detach().float()) for p in params]
                 for m in masters:
                     m.grad = torch.empty_like(m)
-                opt = torch.optim.AdamW(masters, **KW, **flags)
+                opt = cls(masters, **KW, **flags)
                 grads = [p.grad for p in params]
                 mgrads = [m.grad for m in masters]
 
@@ -169,32 +237,39 @@ def setup(case):
                     torch._foreach_copy_(mgrads, grads)
                     opt.step()
                     torch._foreach_copy_([p.data for p in params], masters)
+                states = optimizer_states(opt)
                 if compile_it:
                     compiled = torch.compile(step)
                     t0 = time.perf_counter()
                     compiled()
                     harness.log(f"    compile: first call {time.perf_counter() - t0:.1f} s")
-                    return compiled
-                return step
+                    return compiled, lambda: states() + masters
+                return step, lambda: states() + masters
             return build
 
-        impls = [("fuseforge", ours), ("torch_fused", torch_recipe(fused=True)),
-                 ("torch_foreach", torch_recipe(foreach=True))]
+        impls = [("fuseforge", ours("float32"), "float32"), ("fuseforge_bf16", ours("bfloat16"), "bfloat16"),
+                 ("fuseforge_int8", ours("int8"), "int8"),
+                 ("torch_fused", recipe(torch.optim.AdamW, fused=True), "float32"),
+                 ("torch_foreach", recipe(torch.optim.AdamW, foreach=True), "float32")]
+        impls += [(impl, recipe(cls), "int8") for impl, cls in peers]
         if WITH_COMPILE:
-            impls.append(("compile", torch_recipe(compile_it=True, foreach=True)))
+            impls.append(("compile", recipe(torch.optim.AdamW, compile_it=True, foreach=True), "float32"))
+
     def list_op_probe(extra):
         ea, eas = [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params]
         st = [torch.zeros((), device=params[0].device) for _ in params]
 
         def list_op():
-            torch.ops.fuseforge.adamw_fused_(params, [p.grad for p in params], ea, eas, [], [], st, lr=1e-3,
+            torch.ops.fuseforge.adamw_fused_(params, [p.grad for p in params], ea, eas, [], [], st, [], [], lr=1e-3,
                                              beta1=0.9, beta2=0.999, weight_decay=1e-2, eps=1e-8, maximize=False)
         extra["list_op_host_us"] = host_us(list_op, reps=20)
 
-    for impl, build in impls:
+    benches = []
+    for impl, build, moments in impls:
         extra = {}
         probe = list_op_probe if (impl == "fuseforge" and name == "small5000") else None
-        benches.append(Bench(case, "step", impl, pool.wrap(impl, build, extra, probe), bytes=nbytes, extra=extra))
+        benches.append(Bench(case, "step", impl, pool.wrap(impl, build, extra, probe),
+                             bytes=STEP_BYTES[moments] * numel, extra=extra))
     return benches
 
 

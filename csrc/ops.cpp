@@ -32,6 +32,7 @@ TORCH_LIBRARY(fuseforge, m) {
   // The optimizer's fast path: a per-device C++ handle (an integer id) that holds the parameters, reads
   // their .grad itself, creates states lazily and keeps the packed metadata between steps. `steps` (the
   // handle's float32 step counts, one per parameter) picks the backend.
+  // param_flags: amsgrad 1, master weights 2, bfloat16 states 4, int8 states 8 (csrc/adamw/adamw.h).
   m.def("adamw_handle_create(Tensor[] params, int[] param_groups, int[] param_flags, Tensor steps,"
         " int num_groups) -> int");
   // hypers: (lr, beta1, beta2, eps, weight_decay, maximize) per group; lr_tensors: [] or one per group.
@@ -39,15 +40,18 @@ TORCH_LIBRARY(fuseforge, m) {
   m.def("adamw_handle_step(int handle, Tensor(a!) steps, float[] hypers, Tensor?[] lr_tensors,"
         " Tensor? grad_scale, Tensor? found_inf) -> int");
   m.def("adamw_handle_new_slots(int handle, Tensor steps) -> int[]");
-  // [exp_avg, exp_avg_sq, max_exp_avg_sq, master_param] (absent ones as empty tensors), or [] (no state).
+  // [exp_avg, exp_avg_sq, max_exp_avg_sq, master_param, exp_avg_absmax, exp_avg_sq_absmax] (absent ones as
+  // empty bool tensors), or [] (no state). set_state converts what it is given to the parameter's format.
   m.def("adamw_handle_state(int handle, Tensor steps, int slot) -> Tensor[]");
   m.def("adamw_handle_set_state(int handle, Tensor steps, int slot, Tensor[] states) -> Tensor[]");
   m.def("adamw_handle_zero_grad(int handle, Tensor steps, bool set_to_none) -> ()");
   m.def("adamw_handle_destroy(int handle, Tensor steps) -> ()");
   // One group's step over tensor lists (torch._fused_adamw_-like; it also advances state_steps):
-  // the path under torch.compile and for functional use.
+  // the path under torch.compile and for functional use. A tensor's state format follows its exp_avg's
+  // dtype; uint8 (int8 codes) takes its block scales from the absmax lists (empty when no tensor has them).
   m.def("adamw_fused_(Tensor(a!)[] params, Tensor(b!)[] grads, Tensor(c!)[] exp_avgs, Tensor(d!)[] exp_avg_sqs,"
-        " Tensor(e!)[] max_exp_avg_sqs, Tensor(f!)[] master_params, Tensor(g!)[] state_steps, *, float lr,"
+        " Tensor(e!)[] max_exp_avg_sqs, Tensor(f!)[] master_params, Tensor(g!)[] state_steps,"
+        " Tensor(h!)[] exp_avg_absmaxs, Tensor(i!)[] exp_avg_sq_absmaxs, *, float lr,"
         " float beta1, float beta2, float weight_decay, float eps, bool maximize, Tensor? lr_tensor=None,"
         " Tensor? grad_scale=None, Tensor? found_inf=None) -> ()");
   // ---- end adamw ------------------------------------------------------------------------------

@@ -6,9 +6,11 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
-#include <type_traits>
 #include <mutex>
+#include <tuple>
+#include <type_traits>
 #include <unordered_map>
 
 #include "adamw/adamw_cpu.h"
@@ -20,10 +22,11 @@ namespace fuseforge::adamw {
 // Elements a CUDA block updates (one chunk of a tensor). Development knob FUSEFORGE_ADAMW_CHUNK_ELEMS
 // (docs/design/adamw.md): overrides kDefaultChunkElems. Read once per process.
 static int64_t chunk_elems_setting() {
+  static_assert(kDefaultChunkElems % kQuantBlock == 0, "chunks hold whole quantization blocks");
   static const int64_t chunk = [] {
     const int64_t c = env_positive_int("FUSEFORGE_ADAMW_CHUNK_ELEMS", kDefaultChunkElems);
-    TORCH_CHECK(c % 8 == 0, "FUSEFORGE_ADAMW_CHUNK_ELEMS: expected a multiple of 8 (chunk starts stay 16-byte "
-                "aligned), got ", c);
+    TORCH_CHECK(c % kQuantBlock == 0, "FUSEFORGE_ADAMW_CHUNK_ELEMS: expected a multiple of ", kQuantBlock,
+                " (chunks hold whole quantization blocks of int8 states), got ", c);
     return c;
   }();
   return chunk;
@@ -42,6 +45,15 @@ ParamDtype param_dtype_of(at::ScalarType t) {
 }
 
 static at::ScalarType state_dtype_of(at::ScalarType param) { return param == at::kDouble ? at::kDouble : at::kFloat; }
+
+// The dtype of a moment stored in `format` for a parameter of dtype `param` (int8 codes are uint8).
+static at::ScalarType moment_dtype(StateFormat format, at::ScalarType param) {
+  switch (format) {
+    case StateFormat::kBFloat16: return at::kBFloat16;
+    case StateFormat::kInt8: return at::kByte;
+    default: return state_dtype_of(param);
+  }
+}
 
 void check_param(const at::Tensor& p, const char* what, int64_t index) {
   TORCH_CHECK(p.defined(), "AdamW: ", what, " ", index, " is undefined");
@@ -151,6 +163,10 @@ Handle::Handle(std::vector<at::Tensor> params, const std::vector<int64_t>& group
                 " is on ", p.device(), ", the others on ", device_);
     TORCH_CHECK(groups[i] >= 0 && groups[i] < num_groups, "adamw_handle_create: group index ", groups[i],
                 " of parameter ", i, " is outside [0, ", num_groups, ")");
+    TORCH_CHECK(!((flags[i] & kFlagStateInt8) && (flags[i] & kFlagStateBFloat16)), "adamw_handle_create: parameter ",
+                i, " has both the bfloat16 and the int8 state flag");
+    TORCH_CHECK(!((flags[i] & kFlagStateInt8) && (flags[i] & kFlagAmsgrad)),
+                "AdamW: amsgrad is not supported with int8 states (parameter ", i, ")");
     group_of_[i] = static_cast<int32_t>(groups[i]);
   }
   slots_.resize(n);
@@ -165,17 +181,115 @@ Handle::Handle(std::vector<at::Tensor> params, const std::vector<int64_t>& group
   }
 }
 
+StateFormat Handle::format_of(int64_t slot) const {
+  if (params_[slot].scalar_type() == at::kDouble) return StateFormat::kFull;  // float64 keeps float64 states
+  if (flags_[slot] & kFlagStateInt8) return StateFormat::kInt8;
+  if (flags_[slot] & kFlagStateBFloat16) return StateFormat::kBFloat16;
+  return StateFormat::kFull;
+}
+
 void Handle::init_slot(int64_t slot) {
   const at::Tensor& p = params_[slot];
   SlotState& s = slots_[slot];
+  s.format = format_of(slot);
   const auto opts = p.options().dtype(state_dtype_of(p.scalar_type()));
-  auto zeros = [&] { return at::empty_strided(p.sizes(), p.strides(), opts).zero_(); };
-  s.exp_avg = zeros();
-  s.exp_avg_sq = zeros();
-  if (flags_[slot] & kFlagAmsgrad) s.max_exp_avg_sq = zeros();
+  const auto moment_opts = p.options().dtype(moment_dtype(s.format, p.scalar_type()));
+  // Zero codes are zeros whatever the block's absmax.
+  auto zeros = [&](const at::TensorOptions& o) { return at::empty_strided(p.sizes(), p.strides(), o).zero_(); };
+  s.exp_avg = zeros(moment_opts);
+  s.exp_avg_sq = zeros(moment_opts);
+  if (s.format == StateFormat::kInt8) {
+    s.exp_avg_absmax = at::zeros({quant_blocks(p.numel())}, p.options().dtype(at::kFloat));
+    s.exp_avg_sq_absmax = at::zeros({quant_blocks(p.numel())}, p.options().dtype(at::kFloat));
+  }
+  if (flags_[slot] & kFlagAmsgrad) s.max_exp_avg_sq = zeros(moment_opts);  // (never int8: rejected at creation)
   if ((flags_[slot] & kFlagMaster) && p.scalar_type() != at::kFloat && p.scalar_type() != at::kDouble)
     s.master = at::empty_strided(p.sizes(), p.strides(), opts).copy_(p);
   s.initialized = true;
+}
+
+// ---- conversions of loaded states ---------------------------------------------------------------
+
+namespace {
+
+// The elements of a non-overlapping and dense tensor in memory order (the order of int8 blocks).
+at::Tensor memory_order(const at::Tensor& t) { return t.as_strided({t.numel()}, {1}, t.storage_offset()); }
+
+// int8 codes (any device) and their block scales -> float32 values on the CPU, laid out as the codes.
+at::Tensor dequantize_codes(const at::Tensor& codes, const at::Tensor& absmax, bool squared) {
+  const at::Tensor c = codes.cpu();
+  const at::Tensor a = absmax.to(at::kCPU, at::kFloat).contiguous();
+  at::Tensor out = at::empty_strided(c.sizes(), c.strides(), c.options().dtype(at::kFloat));
+  const uint8_t* cp = memory_order(c).const_data_ptr<uint8_t>();
+  float* op = memory_order(out).mutable_data_ptr<float>();
+  const float* ap = a.const_data_ptr<float>();
+  const int64_t n = c.numel();
+  for (int64_t b = 0; b < quant_blocks(n); ++b) {
+    const int64_t end = std::min(n, (b + 1) * kQuantBlock);
+    if (squared) {
+      const float scale = decode_scale<ExpAvgSqCode>(ap[b]);
+      for (int64_t i = b * kQuantBlock; i < end; ++i) op[i] = decode_exp_avg_sq(cp[i], scale);
+    } else {
+      const float scale = decode_scale<ExpAvgCode>(ap[b]);
+      for (int64_t i = b * kQuantBlock; i < end; ++i) op[i] = decode_exp_avg(cp[i], scale);
+    }
+  }
+  return out;
+}
+
+// values (any float dtype and device, p's number of elements) -> int8 codes in p's layout and their
+// block scales, on p's device: the kernel's quantizer (adamw_lowbit.h) run on the CPU.
+std::pair<at::Tensor, at::Tensor> quantize_values(const at::Tensor& values, const at::Tensor& p, bool squared) {
+  const auto cpu = at::TensorOptions().device(at::kCPU);
+  const at::Tensor x =
+      at::empty_strided(p.sizes(), p.strides(), cpu.dtype(at::kFloat)).copy_(values.reshape(p.sizes()));
+  at::Tensor codes = at::empty_strided(p.sizes(), p.strides(), cpu.dtype(at::kByte));
+  at::Tensor absmax = at::empty({quant_blocks(p.numel())}, cpu.dtype(at::kFloat));
+  const float* xp = memory_order(x).const_data_ptr<float>();
+  uint8_t* cp = memory_order(codes).mutable_data_ptr<uint8_t>();
+  float* ap = absmax.mutable_data_ptr<float>();
+  const int64_t n = p.numel();
+  for (int64_t b = 0; b < quant_blocks(n); ++b) {
+    const int64_t begin = b * kQuantBlock, end = std::min(n, begin + kQuantBlock);
+    uint32_t key = 0;
+    for (int64_t i = begin; i < end; ++i) key = std::max(key, magnitude_key(xp[i]));
+    const float amax = bits_float(key);
+    ap[b] = amax;
+    if (squared) {
+      const float scale = encode_scale<ExpAvgSqCode>(amax);
+      for (int64_t i = begin; i < end; ++i) cp[i] = encode_exp_avg_sq(xp[i], scale);
+    } else {
+      const float scale = encode_scale<ExpAvgCode>(amax);
+      for (int64_t i = begin; i < end; ++i) cp[i] = encode_exp_avg(xp[i], scale);
+    }
+  }
+  return {codes.to(p.device()), absmax.to(p.device())};
+}
+
+}  // namespace
+
+std::pair<at::Tensor, at::Tensor> Handle::adopt_moment(int64_t slot, StateFormat format, const at::Tensor& value,
+                                                       const at::Tensor& absmax, bool squared, const char* what) const {
+  const at::Tensor& p = params_[slot];
+  TORCH_CHECK(value.defined() && value.layout() == at::kStrided && value.numel() == p.numel(), "AdamW: state '", what,
+              "' of parameter ", slot, " must be a dense tensor of ", p.numel(), " elements, got ",
+              value.defined() ? value.sizes() : at::IntArrayRef{});
+  at::Tensor values = value;
+  if (value.scalar_type() == at::kByte) {  // int8 codes: they need their block scales
+    const int64_t blocks = quant_blocks(p.numel());
+    TORCH_CHECK(absmax.defined() && absmax.scalar_type() == at::kFloat && absmax.numel() == blocks, "AdamW: state '",
+                what, "' of parameter ", slot, " holds int8 codes, so '", what, "_absmax' must hold its ", blocks,
+                " float32 block scales (one per ", kQuantBlock, " elements), got ",
+                absmax.defined() ? c10::str(absmax.scalar_type(), " of shape ", absmax.sizes()) : std::string("none"));
+    TORCH_CHECK(value.is_non_overlapping_and_dense(), "AdamW: int8 state '", what, "' of parameter ", slot,
+                " must be non-overlapping and dense (its blocks follow memory order)");
+    if (format == StateFormat::kInt8 && same_layout(value, p)) {
+      return {value.to(p.device()), absmax.to(p.device(), at::kFloat).contiguous()};
+    }
+    values = dequantize_codes(value, absmax, squared);
+  }
+  if (format == StateFormat::kInt8) return quantize_values(values, p, squared);
+  return {adopt_state(slot, values, moment_dtype(format, p.scalar_type()), what), at::Tensor()};
 }
 
 at::Tensor Handle::adopt_state(int64_t slot, const at::Tensor& value, at::ScalarType dtype, const char* what) const {
@@ -198,22 +312,29 @@ std::vector<at::Tensor> Handle::set_slot_state(int64_t slot, const std::vector<a
   const at::Tensor& p = params_[slot];
   const bool amsgrad = flags_[slot] & kFlagAmsgrad;
   const bool master = (flags_[slot] & kFlagMaster) && p.scalar_type() != at::kFloat && p.scalar_type() != at::kDouble;
-  TORCH_CHECK(states.size() == 4, "adamw_handle_set_state: expects [exp_avg, exp_avg_sq, max_exp_avg_sq, master], got ",
-              states.size(), " tensors");
+  TORCH_CHECK(states.size() == kNumStates, "adamw_handle_set_state: expects [exp_avg, exp_avg_sq, max_exp_avg_sq, "
+              "master, exp_avg_absmax, exp_avg_sq_absmax], got ", states.size(), " tensors");
   const auto dt = state_dtype_of(p.scalar_type());
-  s.exp_avg = adopt_state(slot, states[0], dt, "exp_avg");
-  s.exp_avg_sq = adopt_state(slot, states[1], dt, "exp_avg_sq");
+  // Loaded moments are converted to this parameter's format: float ones cast or quantized, int8 codes
+  // adopted as they are when the format and layout match, else dequantized first.
+  s.format = format_of(slot);
+  std::tie(s.exp_avg, s.exp_avg_absmax) =
+      adopt_moment(slot, s.format, states[kExpAvg], states[kExpAvgAbsmax], /*squared=*/false, "exp_avg");
+  std::tie(s.exp_avg_sq, s.exp_avg_sq_absmax) =
+      adopt_moment(slot, s.format, states[kExpAvgSq], states[kExpAvgSqAbsmax], /*squared=*/true, "exp_avg_sq");
   s.max_exp_avg_sq = at::Tensor();
   if (amsgrad) {
-    s.max_exp_avg_sq = states[2].defined() && states[2].numel() == p.numel()
-                           ? adopt_state(slot, states[2], dt, "max_exp_avg_sq")
-                           : at::empty_strided(p.sizes(), p.strides(), p.options().dtype(dt)).zero_();
+    const at::Tensor& given = states[kMaxExpAvgSq];
+    const auto moment = p.options().dtype(moment_dtype(s.format, p.scalar_type()));
+    s.max_exp_avg_sq = given.defined() && given.numel() == p.numel()
+                           ? adopt_moment(slot, s.format, given, at::Tensor(), true, "max_exp_avg_sq").first
+                           : at::empty_strided(p.sizes(), p.strides(), moment).zero_();
   }
   s.master = at::Tensor();
   if (master) {
     // A state saved without master weights (e.g. by torch.optim.AdamW) starts the master from the param.
-    s.master = states[3].defined() && states[3].numel() == p.numel()
-                   ? adopt_state(slot, states[3], dt, "master_param")
+    s.master = states[kMaster].defined() && states[kMaster].numel() == p.numel()
+                   ? adopt_state(slot, states[kMaster], dt, "master_param")
                    : at::empty_strided(p.sizes(), p.strides(), p.options().dtype(dt)).copy_(p);
   }
   s.initialized = true;
@@ -224,7 +345,7 @@ std::vector<at::Tensor> Handle::slot_state(int64_t slot) const {
   TORCH_CHECK(slot >= 0 && slot < static_cast<int64_t>(slots_.size()), "AdamW: slot ", slot, " out of range");
   const SlotState& s = slots_[slot];
   if (!s.initialized) return {};
-  return {s.exp_avg, s.exp_avg_sq, s.max_exp_avg_sq, s.master};
+  return {s.exp_avg, s.exp_avg_sq, s.max_exp_avg_sq, s.master, s.exp_avg_absmax, s.exp_avg_sq_absmax};
 }
 
 std::vector<int64_t> Handle::take_new_slots() {
@@ -251,10 +372,13 @@ void Handle::rebuild_table() {
     m.exp_avg_sq = s.exp_avg_sq.data_ptr();
     m.max_exp_avg_sq = s.max_exp_avg_sq.defined() ? s.max_exp_avg_sq.data_ptr() : nullptr;
     m.master = s.master.defined() ? s.master.data_ptr() : nullptr;
+    m.exp_avg_absmax = s.exp_avg_absmax.defined() ? s.exp_avg_absmax.mutable_data_ptr<float>() : nullptr;
+    m.exp_avg_sq_absmax = s.exp_avg_sq_absmax.defined() ? s.exp_avg_sq_absmax.mutable_data_ptr<float>() : nullptr;
     m.step = steps + slot;
     m.numel = p.numel();
     m.group = group_of_[slot];
     m.dtype = static_cast<int32_t>(param_dtype_of(p.scalar_type()));
+    m.state_format = static_cast<int32_t>(s.format);
     table_index_[slot] = static_cast<int32_t>(table_.size());
     table_slot_.push_back(static_cast<int32_t>(slot));
     table_.push_back(m);
@@ -414,7 +538,8 @@ void destroy_handle(int64_t id) {
 // ---- the tensor-list step -----------------------------------------------------------------------
 
 void list_step(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-               at::TensorList max_exp_avg_sqs, at::TensorList master_params, at::TensorList state_steps, double lr,
+               at::TensorList max_exp_avg_sqs, at::TensorList master_params, at::TensorList state_steps,
+               at::TensorList exp_avg_absmaxs, at::TensorList exp_avg_sq_absmaxs, double lr,
                double beta1, double beta2, double weight_decay, double eps, bool maximize,
                const std::optional<at::Tensor>& lr_tensor, const std::optional<at::Tensor>& grad_scale,
                const std::optional<at::Tensor>& found_inf, BackendStepFn backend) {
@@ -428,6 +553,10 @@ void list_step(at::TensorList params, at::TensorList grads, at::TensorList exp_a
   TORCH_CHECK(master_params.empty() || master_params.size() == n,
               "adamw_fused_: master_params must be empty or hold one tensor per parameter (", n, "), got ",
               master_params.size());
+  TORCH_CHECK((exp_avg_absmaxs.empty() && exp_avg_sq_absmaxs.empty()) ||
+                  (exp_avg_absmaxs.size() == n && exp_avg_sq_absmaxs.size() == n),
+              "adamw_fused_: exp_avg_absmaxs and exp_avg_sq_absmaxs must both be empty (no int8 states) or hold one "
+              "tensor per parameter (", n, "), got ", exp_avg_absmaxs.size(), " and ", exp_avg_sq_absmaxs.size());
   if (n == 0) return;
   const at::Device device = params[0].device();
   check_scale_tensor(grad_scale, "grad_scale", device);
@@ -438,11 +567,18 @@ void list_step(at::TensorList params, at::TensorList grads, at::TensorList exp_a
   std::vector<int64_t> numels(n);
   std::vector<at::Tensor> relaid;
   relaid.reserve(n);
-  auto check_state = [&](const at::Tensor& s, const at::Tensor& p, size_t i, const char* name) {
-    const auto dt = state_dtype_of(p.scalar_type());
+  auto check_state = [&](const at::Tensor& s, const at::Tensor& p, size_t i, const char* name,
+                         at::ScalarType dt) {
     TORCH_CHECK(s.scalar_type() == dt && s.device() == device && same_layout(s, p), "adamw_fused_: ", name, "[", i,
                 "] must be a ", dt, " tensor on ", device, " with the sizes and strides of params[", i, "] ", p.sizes(),
-                ", got ", s.scalar_type(), " on ", s.device(), " with sizes ", s.sizes());
+                ", got ", s.scalar_type(), " on ", s.device(), " with sizes ", s.sizes(), " and strides ", s.strides());
+  };
+  auto check_absmax = [&](const at::Tensor& a, const at::Tensor& p, size_t i, const char* name) {
+    const int64_t blocks = quant_blocks(p.numel());
+    TORCH_CHECK(a.scalar_type() == at::kFloat && a.device() == device && a.numel() == blocks && a.is_contiguous(),
+                "adamw_fused_: ", name, "[", i, "] must be a contiguous float32 tensor on ", device, " of ", blocks,
+                " block scales (one per ", kQuantBlock, " elements of params[", i, "]), got ", a.scalar_type(), " on ",
+                a.device(), " with sizes ", a.sizes());
   };
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& p = params[i];
@@ -451,11 +587,23 @@ void list_step(at::TensorList params, at::TensorList grads, at::TensorList exp_a
                 p.device(), ", params[0] on ", device);
     check_grad(grads[i], p, static_cast<int64_t>(i));
     const at::Tensor& grad = relaid.emplace_back(grad_in_param_layout(grads[i], p));
-    check_state(exp_avgs[i], p, i, "exp_avgs");
-    check_state(exp_avg_sqs[i], p, i, "exp_avg_sqs");
-    if (!max_exp_avg_sqs.empty()) check_state(max_exp_avg_sqs[i], p, i, "max_exp_avg_sqs");
+    const auto full = state_dtype_of(p.scalar_type());
+    // The format follows exp_avgs[i]'s dtype.
+    const auto given = exp_avgs[i].scalar_type();
+    const StateFormat format = p.scalar_type() == at::kDouble ? StateFormat::kFull
+                               : given == at::kByte           ? StateFormat::kInt8
+                               : given == at::kBFloat16       ? StateFormat::kBFloat16
+                                                              : StateFormat::kFull;
+    const auto moment = moment_dtype(format, p.scalar_type());
+    check_state(exp_avgs[i], p, i, "exp_avgs", moment);
+    check_state(exp_avg_sqs[i], p, i, "exp_avg_sqs", moment);
+    if (!max_exp_avg_sqs.empty()) {
+      TORCH_CHECK(format != StateFormat::kInt8, "adamw_fused_: amsgrad (max_exp_avg_sqs) is not supported with int8 "
+                  "states (exp_avgs[", i, "] is uint8)");
+      check_state(max_exp_avg_sqs[i], p, i, "max_exp_avg_sqs", moment);
+    }
     const bool low = p.scalar_type() == at::kHalf || p.scalar_type() == at::kBFloat16;
-    if (!master_params.empty() && low) check_state(master_params[i], p, i, "master_params");
+    if (!master_params.empty() && low) check_state(master_params[i], p, i, "master_params", full);
     const at::Tensor& st = state_steps[i];
     TORCH_CHECK(st.scalar_type() == at::kFloat && st.numel() == 1 && st.device() == device, "adamw_fused_: state_steps[",
                 i, "] must be one float32 value on ", device, ", got ", st.scalar_type(), " of shape ", st.sizes(),
@@ -466,9 +614,18 @@ void list_step(at::TensorList params, at::TensorList grads, at::TensorList exp_a
     m.exp_avg_sq = exp_avg_sqs[i].data_ptr();
     m.max_exp_avg_sq = max_exp_avg_sqs.empty() ? nullptr : max_exp_avg_sqs[i].data_ptr();
     m.master = (!master_params.empty() && low) ? master_params[i].data_ptr() : nullptr;
+    if (format == StateFormat::kInt8) {
+      TORCH_CHECK(!exp_avg_absmaxs.empty(), "adamw_fused_: exp_avgs[", i, "] holds int8 codes (uint8), so "
+                  "exp_avg_absmaxs and exp_avg_sq_absmaxs must hold the block scales");
+      check_absmax(exp_avg_absmaxs[i], p, i, "exp_avg_absmaxs");
+      check_absmax(exp_avg_sq_absmaxs[i], p, i, "exp_avg_sq_absmaxs");
+      m.exp_avg_absmax = exp_avg_absmaxs[i].mutable_data_ptr<float>();
+      m.exp_avg_sq_absmax = exp_avg_sq_absmaxs[i].mutable_data_ptr<float>();
+    }
     m.step = st.mutable_data_ptr<float>();
     m.numel = p.numel();
     m.dtype = static_cast<int32_t>(param_dtype_of(p.scalar_type()));
+    m.state_format = static_cast<int32_t>(format);
     numels[i] = m.numel;
     // An empty grad has no storage address; any non-null marker says "has a grad".
     grad_ptrs[i] = grad.numel() ? grad.const_data_ptr() : static_cast<const void*>(&table[i]);
@@ -573,9 +730,9 @@ void cpu_step(std::shared_ptr<BackendCache>& /*cache*/, const StepWork& work) {
 
 namespace {
 
-// Tensor[] holds no None: an absent state travels as an empty uint8 CPU tensor (states are never uint8).
-at::Tensor absent_marker() { return at::empty({0}, at::TensorOptions().dtype(at::kByte)); }
-bool is_absent_marker(const at::Tensor& t) { return !t.defined() || t.scalar_type() == at::kByte; }
+// Tensor[] holds no None: an absent state travels as an empty bool CPU tensor (states are never bool).
+at::Tensor absent_marker() { return at::empty({0}, at::TensorOptions().dtype(at::kBool)); }
+bool is_absent_marker(const at::Tensor& t) { return !t.defined() || t.scalar_type() == at::kBool; }
 
 int64_t handle_create(at::TensorList params, at::IntArrayRef groups, at::IntArrayRef flags, const at::Tensor& steps,
                       int64_t num_groups) {

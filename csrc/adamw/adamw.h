@@ -10,14 +10,18 @@
 
 #include <memory>
 #include <optional>
+#include <utility>
 #include <vector>
 
+#include "adamw/adamw_lowbit.h"
 #include "adamw/adamw_meta.h"
 
 namespace fuseforge::adamw {
 
-// Per-parameter option bits (adamw_handle_create's param_flags).
-enum : int64_t { kFlagAmsgrad = 1, kFlagMaster = 2 };
+// Per-parameter option bits (adamw_handle_create's param_flags). The state bits pick the parameter's
+// state format (python/fuseforge/optim.py sets them only where the format applies: 4096 elements or
+// more, not float64); neither means float32.
+enum : int64_t { kFlagAmsgrad = 1, kFlagMaster = 2, kFlagStateBFloat16 = 4, kFlagStateInt8 = 8 };
 // Values per group in adamw_handle_step's `hypers`: lr, beta1, beta2, eps, weight_decay, maximize.
 constexpr int64_t kHypersPerGroup = 6;
 
@@ -45,8 +49,13 @@ void cpu_step(std::shared_ptr<BackendCache>& cache, const StepWork& work);
 
 struct SlotState {
   bool initialized = false;
+  StateFormat format = StateFormat::kFull;
   at::Tensor exp_avg, exp_avg_sq, max_exp_avg_sq, master;
+  at::Tensor exp_avg_absmax, exp_avg_sq_absmax;  // int8 only
 };
+
+// The order of a slot's states in adamw_handle_state / adamw_handle_set_state.
+enum StateIndex : int { kExpAvg = 0, kExpAvgSq, kMaxExpAvgSq, kMaster, kExpAvgAbsmax, kExpAvgSqAbsmax, kNumStates };
 
 class Handle {
  public:
@@ -69,7 +78,12 @@ class Handle {
  private:
   void init_slot(int64_t slot);
   void rebuild_table();
+  StateFormat format_of(int64_t slot) const;
   at::Tensor adopt_state(int64_t slot, const at::Tensor& value, at::ScalarType dtype, const char* what) const;
+  // A loaded moment (float of any precision, or int8 codes with their absmax) in the slot's format;
+  // returns (state, absmax), the absmax undefined unless the format is int8.
+  std::pair<at::Tensor, at::Tensor> adopt_moment(int64_t slot, StateFormat format, const at::Tensor& value,
+                                                 const at::Tensor& absmax, bool squared, const char* what) const;
 
   std::vector<at::Tensor> params_;
   std::vector<int32_t> group_of_;
@@ -110,9 +124,11 @@ GroupHyper make_group_hyper(double lr, double beta1, double beta2, double eps, d
 void check_scale_tensor(const std::optional<at::Tensor>& t, const char* name, at::Device device);
 
 // The tensor-list op (torch._fused_adamw_-like, one group): used under torch.compile and by
-// functional callers. Builds its metadata on every call.
+// functional callers. Builds its metadata on every call. Each tensor's state format follows its
+// exp_avg's dtype (float32/float64, bfloat16, or uint8 codes with their absmax entries).
 void list_step(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-               at::TensorList max_exp_avg_sqs, at::TensorList master_params, at::TensorList state_steps, double lr,
+               at::TensorList max_exp_avg_sqs, at::TensorList master_params, at::TensorList state_steps,
+               at::TensorList exp_avg_absmaxs, at::TensorList exp_avg_sq_absmaxs, double lr,
                double beta1, double beta2, double weight_decay, double eps, bool maximize,
                const std::optional<at::Tensor>& lr_tensor, const std::optional<at::Tensor>& grad_scale,
                const std::optional<at::Tensor>& found_inf, BackendStepFn backend);
@@ -130,12 +146,12 @@ int64_t handle_step_op(int64_t id, at::Tensor& steps, at::ArrayRef<double> hyper
 
 template <BackendStepFn kStep>
 void fused_op(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-              at::TensorList max_exp_avg_sqs, at::TensorList master_params, at::TensorList state_steps, double lr,
-              double beta1, double beta2, double weight_decay, double eps, bool maximize,
-              const std::optional<at::Tensor>& lr_tensor, const std::optional<at::Tensor>& grad_scale,
-              const std::optional<at::Tensor>& found_inf) {
-  list_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, state_steps, lr, beta1, beta2,
-            weight_decay, eps, maximize, lr_tensor, grad_scale, found_inf, kStep);
+              at::TensorList max_exp_avg_sqs, at::TensorList master_params, at::TensorList state_steps,
+              at::TensorList exp_avg_absmaxs, at::TensorList exp_avg_sq_absmaxs, double lr, double beta1,
+              double beta2, double weight_decay, double eps, bool maximize, const std::optional<at::Tensor>& lr_tensor,
+              const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
+  list_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, state_steps, exp_avg_absmaxs,
+            exp_avg_sq_absmaxs, lr, beta1, beta2, weight_decay, eps, maximize, lr_tensor, grad_scale, found_inf, kStep);
 }
 
 }  // namespace fuseforge::adamw

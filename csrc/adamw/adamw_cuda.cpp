@@ -22,6 +22,7 @@ struct CudaCache : BackendCache {
   at::Tensor table_buf;  // device: TensorMeta[T], then BlockWork[B]
   at::Tensor step_buf;   // device: GroupHyper[G], then grad addresses[T]
   at::Tensor done;       // device: int32 arrival counters, one per tensor
+  bool int8_states = false;  // some tensor of the table has int8 states
   std::vector<uint8_t> table_host, step_host, step_on_device;
   bool step_on_device_known = false;
 };
@@ -58,6 +59,9 @@ void cuda_step(std::shared_ptr<BackendCache>& cache_ptr, const StepWork& work) {
     c.table_buf.copy_(host, /*non_blocking=*/true);  // the caching host allocator keeps `host` until copied
     c.done = at::zeros({static_cast<int64_t>(table.size())}, at::TensorOptions().dtype(at::kInt).device(work.device));
     c.step_on_device_known = false;
+    c.int8_states = std::any_of(table.begin(), table.end(), [](const TensorMeta& t) {
+      return t.state_format == static_cast<int32_t>(StateFormat::kInt8);
+    });
   }
   const size_t step_bytes = pack_step_data(*work.groups, *work.grads, c.step_host);
   if (!c.step_buf.defined() || c.step_buf.numel() < static_cast<int64_t>(step_bytes)) {
@@ -89,7 +93,7 @@ void cuda_step(std::shared_ptr<BackendCache>& cache_ptr, const StepWork& work) {
   const size_t smem_bytes = smem_capping_blocks_per_sm(blocks_cap, 0);
   for (const LaunchRange& r : plan.launches) {
     args.first_block = r.first_block;
-    launch_update(args, r.num_blocks, smem_bytes);
+    launch_update(args, r.num_blocks, smem_bytes, c.int8_states);
   }
 }
 

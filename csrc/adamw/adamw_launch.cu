@@ -23,8 +23,9 @@ void patch_launch(uint64_t* dst, const uint64_t* words, int64_t count) {
 
 }  // namespace
 
-void launch_update(const KernelArgs& args, int64_t num_blocks, size_t smem_bytes) {
-  launch_kernel(adamw_multi_tensor_kernel, dim3(static_cast<unsigned>(num_blocks)), dim3(kThreads), smem_bytes, args);
+void launch_update(const KernelArgs& args, int64_t num_blocks, size_t smem_bytes, bool int8_states) {
+  const auto kernel = int8_states ? adamw_multi_tensor_kernel<true> : adamw_multi_tensor_kernel<false>;
+  launch_kernel(kernel, dim3(static_cast<unsigned>(num_blocks)), dim3(kThreads), smem_bytes, args);
 }
 
 // The smaller kernel when the words fit it: a launch copies its whole parameter block.

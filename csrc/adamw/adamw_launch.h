@@ -26,9 +26,10 @@ constexpr int64_t kMaxPatchWords = 4000;
 
 // Launchers (adamw_launch.cu), on the current stream of the current device; they never synchronize.
 // launch_update runs blocks [args.first_block, args.first_block + num_blocks) of the block map with
-// the update kernel (smem_bytes: dynamic shared memory, only to cap its resident blocks an SM).
+// the update kernel (smem_bytes: dynamic shared memory, only to cap its resident blocks an SM;
+// int8_states: the table holds int8 states, so the kernel with that path runs).
 // launch_patch_words writes count <= kMaxPatchWords words to dst.
-void launch_update(const KernelArgs& args, int64_t num_blocks, size_t smem_bytes);
+void launch_update(const KernelArgs& args, int64_t num_blocks, size_t smem_bytes, bool int8_states);
 void launch_patch_words(uint64_t* dst, const uint64_t* words, int64_t count);
 
 }  // namespace fuseforge::adamw

@@ -4,6 +4,7 @@
 // float for float32/float16/bfloat16 params, double for float64 params (CPU only).
 #pragma once
 #include <cmath>
+#include <cstdint>
 
 #if defined(__CUDACC__)
 #define FUSEFORGE_ADAMW_HD __host__ __device__ __forceinline__
@@ -22,6 +23,7 @@ struct StepScalars {
   M step_size;    // lr / (1 - beta1^t)
   M bc2_sqrt;     // sqrt(1 - beta2^t)
   M grad_scale;   // GradScaler's scale (1 when absent): grads are divided by it
+  uint32_t step_index;  // the step count t: seeds the stochastic rounding of bfloat16 states
   bool maximize;
   bool unscale;   // grad_scale given: divide, and write the unscaled grad back (as torch's fused AdamW)
 };
@@ -35,6 +37,7 @@ FUSEFORGE_ADAMW_HD StepScalars<M> make_step_scalars(double lr, double beta1, dou
   s.beta2 = static_cast<M>(beta2);
   s.eps = static_cast<M>(eps);
   s.grad_scale = grad_scale ? static_cast<M>(*grad_scale) : M(1);
+  s.step_index = static_cast<uint32_t>(step);
   s.maximize = maximize;
   s.unscale = grad_scale != nullptr;
 #if defined(__CUDA_ARCH__)

@@ -17,7 +17,8 @@
 
 namespace fuseforge::adamw {
 
-// Element type of a parameter (grads have the param's type; states are float32, float64 for float64).
+// Element type of a parameter (grads have the param's type; states are float32, float64 for float64,
+// or a compact format: adamw_lowbit.h).
 enum class ParamDtype : int32_t { kFloat = 0, kHalf = 1, kBFloat16 = 2, kDouble = 3 };
 
 inline int64_t param_dtype_bytes(ParamDtype d) {
@@ -27,18 +28,20 @@ inline int64_t param_dtype_bytes(ParamDtype d) {
 // One tensor of the table. Addresses are raw device (or host, for the CPU backend) pointers.
 struct TensorMeta {
   void* param = nullptr;           // ParamDtype elements
-  void* exp_avg = nullptr;         // float32 (float64 for float64 params)
+  void* exp_avg = nullptr;         // float32 (float64 for float64 params), bfloat16 or 8-bit codes: state_format
   void* exp_avg_sq = nullptr;      // same
-  void* max_exp_avg_sq = nullptr;  // amsgrad only, else nullptr
+  void* max_exp_avg_sq = nullptr;  // amsgrad only (float32, float64 or bfloat16), else nullptr
   void* master = nullptr;          // float32 master copy of a float16/bfloat16 param, else nullptr
+  float* exp_avg_absmax = nullptr;     // int8 states: one float32 scale per 256 elements, else nullptr
+  float* exp_avg_sq_absmax = nullptr;  // same
   float* step = nullptr;           // the tensor's step count (float32, like torch's state["step"])
   int64_t numel = 0;
   int32_t group = 0;               // index into the GroupHyper array
   int32_t num_chunks = 0;          // blocks this tensor owns (>= 1)
   int32_t dtype = 0;               // ParamDtype
-  int32_t pad_ = 0;
+  int32_t state_format = 0;        // StateFormat (adamw_lowbit.h)
 };
-static_assert(sizeof(TensorMeta) == 72, "TensorMeta layout is shared by host and device");
+static_assert(sizeof(TensorMeta) == 88, "TensorMeta layout is shared by host and device");
 
 // One CUDA block's work: elements [chunk * chunk_elems, min(numel, (chunk + 1) * chunk_elems)).
 struct BlockWork {
@@ -58,8 +61,9 @@ struct GroupHyper {
 static_assert(sizeof(GroupHyper) == 56, "GroupHyper layout is shared by host and device");
 
 // Elements a CUDA block updates. 16-byte vectors of 8 float16 / 4 float32 elements: chunks must
-// keep 16-byte alignment. 16K was the fastest of 16K-512K on the H100 (llama1b fp32: 16K 9.17 ms,
-// 64K 9.35, 512K 9.61): smaller blocks even out the last wave.
+// keep 16-byte alignment, and int8 states whole 256-element quantization blocks (the optimizer's
+// chunks are multiples of 256). 16K was the fastest of 16K-512K on the H100 (llama1b fp32: 16K
+// 9.17 ms, 64K 9.35, 512K 9.61): smaller blocks even out the last wave.
 constexpr int64_t kDefaultChunkElems = int64_t{1} << 14;
 constexpr int64_t kMaxBlocksPerLaunch = (int64_t{1} << 31) - 1;  // CUDA gridDim.x limit
 

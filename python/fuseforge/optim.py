@@ -5,7 +5,9 @@ one kernel launch per step and device for every parameter of every group, whatev
 sizes and dtypes (float32, float16, bfloat16; float64 on the CPU). The parameter list lives in a
 C++ handle that reads each ``param.grad`` itself, so a step costs no Python loop over parameters;
 the tensor table, block map and grad addresses live in device memory and are re-uploaded only when
-they change. No host synchronization in ``step()``.
+they change. No host synchronization in ``step()``. ``state_dtype="bfloat16"`` or ``"int8"`` keeps
+the two moments in 4 or about 2 bytes a parameter instead of 8, decoded and re-encoded inside the
+same kernel.
 
 DTensor parameters (FSDP2's ``fully_shard``, tensor parallel): the handle holds each parameter's
 local shard and the kernel updates the local shards of every parameter, sharded or not, in the same
@@ -34,8 +36,16 @@ __all__ = ["AdamW"]
 
 _ops = torch.ops.fuseforge
 _AMSGRAD, _MASTER = 1, 2
-_STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")
+_STATE_FLAGS = {"float32": 0, "bfloat16": 4, "int8": 8}  # csrc/adamw/adamw.h
+# The order of adamw_handle_state / adamw_handle_set_state.
+_STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param", "exp_avg_absmax", "exp_avg_sq_absmax")
 _SUPPORTED = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_STATE_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "int8": "int8",
+                 torch.float32: "float32", torch.bfloat16: "bfloat16", torch.int8: "int8"}
+# Parameters with fewer elements keep float32 states whatever state_dtype says: their states are
+# small, and a few 256-element blocks of int8 codes would quantize them coarsely.
+MIN_COMPACT_NUMEL = 4096
+QUANT_BLOCK = 256  # elements per absmax of int8 states (csrc/adamw/adamw_lowbit.h)
 
 
 def _as_float(x) -> float:
@@ -57,6 +67,31 @@ def _check_hypers(lr, betas, eps, weight_decay) -> None:
             raise ValueError(f"Invalid beta parameter at index {i}: {_as_float(b)} (must be in [0, 1))")
     if not weight_decay >= 0.0:
         raise ValueError(f"Invalid weight_decay value: {weight_decay} (must be >= 0)")
+
+
+def _check_state_dtype(state_dtype, amsgrad) -> str:
+    """The state_dtype setting as one of "float32", "bfloat16", "int8" (torch dtypes accepted)."""
+    try:
+        name = _STATE_DTYPES.get(state_dtype)
+    except TypeError:  # unhashable
+        name = None
+    if name is None:
+        raise ValueError(f"AdamW: state_dtype must be 'float32', 'bfloat16' or 'int8', got {state_dtype!r}")
+    if name == "int8" and amsgrad:
+        raise ValueError("AdamW: amsgrad=True is not supported with state_dtype='int8'; use 'bfloat16' or 'float32'")
+    return name
+
+
+def _state_format(group: dict, p: Tensor) -> str:
+    """How parameter p of `group` stores its moments: the group's state_dtype, except float32 for
+    parameters below MIN_COMPACT_NUMEL elements (float64 parameters keep float64 states)."""
+    fmt = group["state_dtype"]
+    if fmt == "float32" or p.dtype == torch.float64 or p.numel() < MIN_COMPACT_NUMEL:
+        return "float32"
+    if fmt == "int8" and _is_dtensor(p):
+        raise ValueError("AdamW: state_dtype='int8' does not support DTensor parameters (its block scales do not "
+                         "shard with the parameter); use state_dtype='bfloat16' or 'float32'")
+    return fmt
 
 
 def _is_dtensor(t) -> bool:
@@ -93,6 +128,8 @@ def _local_state(p: Tensor, value: Tensor, key: str) -> Tensor:
 
 
 _TORCH_GROUP_KEYS: Optional[dict[str, Any]] = None
+# Group keys that belong to the optimizer that loads a state dict, not to the one that saved it.
+_LOADER_SETTINGS = ("master_weights", "state_dtype")
 
 
 def _torch_group_keys() -> dict[str, Any]:
@@ -107,6 +144,23 @@ def _torch_group_keys() -> dict[str, Any]:
         _TORCH_GROUP_KEYS = {k: v for k, v in d.items()
                              if k not in ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "capturable")}
     return _TORCH_GROUP_KEYS
+
+
+def _init_state(st: dict, p: Tensor, fmt: str, amsgrad: bool, master_weights: bool) -> None:
+    """Fresh (zero) states of parameter p in format `fmt`, as the C++ handle creates them."""
+    full = torch.float64 if p.dtype == torch.float64 else torch.float32
+    moment = {"float32": full, "bfloat16": torch.bfloat16, "int8": torch.uint8}[fmt]
+    st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+    st["exp_avg"] = torch.zeros_like(p, dtype=moment, memory_format=torch.preserve_format)
+    st["exp_avg_sq"] = torch.zeros_like(p, dtype=moment, memory_format=torch.preserve_format)
+    if fmt == "int8":  # code 0 is 0 whatever the absmax
+        blocks = -(-p.numel() // QUANT_BLOCK)
+        st["exp_avg_absmax"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
+        st["exp_avg_sq_absmax"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
+    if amsgrad:
+        st["max_exp_avg_sq"] = torch.zeros_like(p, dtype=moment, memory_format=torch.preserve_format)
+    if master_weights and p.dtype in (torch.float16, torch.bfloat16):
+        st["master_param"] = p.detach().to(torch.float32, memory_format=torch.preserve_format)
 
 
 class _DeviceHandle:
@@ -165,18 +219,29 @@ class AdamW(Optimizer):
         capturable (bool): allow ``step()`` inside CUDA-graph capture. Every step is capture-safe
             (step counts, lr tensors, ``grad_scale`` and ``found_inf`` are read on the device);
             state is created at a parameter's first grad, so run one step before capturing.
+        state_dtype (str): how ``exp_avg`` and ``exp_avg_sq`` are stored. ``"float32"`` (the
+            default; float64 for float64 CPU params). ``"bfloat16"``: bfloat16, stochastically
+            rounded (``max_exp_avg_sq`` too). ``"int8"``: 8-bit codes (uint8 tensors shaped like the
+            parameter) and one float32 absmax per 256 elements (``exp_avg_absmax``,
+            ``exp_avg_sq_absmax``); no amsgrad. Parameters with fewer than ``MIN_COMPACT_NUMEL``
+            (4096) elements, float64 ones, keep full-precision states. A per-group setting; the
+            codes are described in docs/design/adamw.md.
 
-    Optimizer states are float32 whatever the parameter dtype (float64 for float64 CPU params).
-    ``state_dict()`` / ``load_state_dict()`` use torch.optim.AdamW's format (keys ``step``,
-    ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``; plus ``master_param`` with master weights), so
-    checkpoints move both ways. GradScaler: ``grad_scale``/``found_inf`` are handled in the kernel
+    Optimizer states are float32 whatever the parameter dtype (float64 for float64 CPU params)
+    unless ``state_dtype`` says otherwise. ``state_dict()`` / ``load_state_dict()`` use
+    torch.optim.AdamW's format (keys ``step``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``; plus
+    ``master_param`` with master weights, and the two absmax keys with int8 states), so float32
+    checkpoints move both ways. Loading converts states to this optimizer's ``state_dtype``
+    (float states are quantized, int8 ones dequantized), so an int8 checkpoint reaches
+    torch.optim.AdamW through a ``state_dtype="float32"`` fuseforge AdamW's ``state_dict()``.
+    GradScaler: ``grad_scale``/``found_inf`` are handled in the kernel
     (``_step_supports_amp_scaling``); a step with ``found_inf`` set changes nothing.
 
     DTensor parameters (FSDP2, tensor parallel) are updated through their local shards in the
     same launch as the others; their states are DTensors laid out like the parameter (``step`` a
     plain tensor), so ``torch.distributed.checkpoint`` and its ``get/set_optimizer_state_dict``
     work, with checkpoints interchangeable with torch.optim.AdamW's. Plain and DTensor parameters
-    may be mixed.
+    may be mixed. ``state_dtype="int8"`` does not take DTensor parameters.
 
     Replacing a state tensor object in ``optimizer.state`` by hand is not seen (in-place edits are);
     use ``load_state_dict``.
@@ -186,12 +251,14 @@ class AdamW(Optimizer):
 
     def __init__(self, params, lr: float | Tensor = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, amsgrad: bool = False, maximize: bool = False, *,
-                 master_weights: bool = False, capturable: bool = False):
+                 master_weights: bool = False, capturable: bool = False, state_dtype: str = "float32"):
         _check_hypers(lr, betas, eps, weight_decay)
+        state_dtype = _check_state_dtype(state_dtype, amsgrad)
         self._handles: Optional[list[_DeviceHandle]] = None
         self._state_count = 0  # len(self.state) as the handles know it
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                        maximize=maximize, master_weights=master_weights, capturable=capturable)
+                        maximize=maximize, master_weights=master_weights, capturable=capturable,
+                        state_dtype=state_dtype)
         super().__init__(params, defaults)
 
     # ---- groups and state ---------------------------------------------------------------------
@@ -217,6 +284,9 @@ class AdamW(Optimizer):
                 _check_hypers(param_group.get("lr", 0.0), param_group.get("betas", (0.0, 0.0)),
                               param_group.get("eps", 0.0), param_group.get("weight_decay", 0.0))
                 break
+        param_group["state_dtype"] = _check_state_dtype(
+            param_group.get("state_dtype", self.defaults["state_dtype"]),
+            param_group.get("amsgrad", self.defaults["amsgrad"]))
         super().add_param_group(param_group)
         self._invalidate()
 
@@ -227,6 +297,7 @@ class AdamW(Optimizer):
             group.setdefault("maximize", False)
             group.setdefault("master_weights", False)
             group.setdefault("capturable", False)
+            group.setdefault("state_dtype", "float32")
         self._invalidate()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -241,23 +312,25 @@ class AdamW(Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """torch.optim.AdamW's format. Each group also carries torch.optim.AdamW's own keys (foreach,
-        fused, ... at torch's defaults) and leaves out ``master_weights``, a setting of the optimizer
-        that loads the state dict: torch.distributed.checkpoint loads exactly the keys of the
-        target's state dict, so this is what lets a checkpoint move both ways."""
+        fused, ... at torch's defaults) and leaves out ``master_weights`` and ``state_dtype``,
+        settings of the optimizer that loads the state dict: torch.distributed.checkpoint loads
+        exactly the keys of the target's state dict, so this is what lets a checkpoint move both
+        ways (the states themselves say how they are stored)."""
         sd = super().state_dict()
         extra = _torch_group_keys()
-        sd["param_groups"] = [{**{k: v for k, v in g.items() if k != "master_weights"},
+        sd["param_groups"] = [{**{k: v for k, v in g.items() if k not in _LOADER_SETTINGS},
                                **{k: v for k, v in extra.items() if k not in g}} for g in sd["param_groups"]]
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # The base class casts every floating state to the parameter's dtype; keep the saved
-        # precision instead (float32 moments of bfloat16 params stay float32).
+        # precision instead (float32 moments of bfloat16 params stay float32); the handles then
+        # convert them to this optimizer's state_dtype.
         saved_state = state_dict["state"]
         saved_ids = list(chain.from_iterable(g["params"] for g in state_dict["param_groups"]))
         # Settings the saved groups lack (master_weights; anything a torch.optim.AdamW state dict
-        # lacks) keep this optimizer's values.
-        kept = [{k: v for k, v in g.items() if k != "params" and k not in saved}
+        # lacks) keep this optimizer's values, and so does state_dtype, even where a group has it.
+        kept = [{k: v for k, v in g.items() if k != "params" and (k not in saved or k == "state_dtype")}
                 for g, saved in zip(self.param_groups, state_dict["param_groups"])]
         super().load_state_dict(state_dict)
         for g, k in zip(self.param_groups, kept):
@@ -272,7 +345,12 @@ class AdamW(Optimizer):
                 v = saved.get(key)
                 if isinstance(v, Tensor):
                     st[key] = v.to(device=p.device)
+        # The handles adopt the states now, converting them to each parameter's state_dtype, so
+        # self.state holds that format (and a malformed state fails here, not at the next step);
+        # parameters not yet materialized (meta) wait for the first step.
         self._invalidate()
+        if all(_local(p).device.type in ("cpu", "cuda") for p in params):
+            self._build_handles()
 
     def _build_handles(self) -> None:
         by_device: dict[torch.device, list[int]] = {}
@@ -288,7 +366,7 @@ class AdamW(Optimizer):
                 for p in group["params"]:
                     params.append(p)
                     groups.append(local)
-                    flags.append(f)
+                    flags.append(f | _STATE_FLAGS[_state_format(group, p)])
             tensors = [_local(p) for p in params]
             steps = torch.zeros(len(params), dtype=torch.float32, device=device)
             handle = _ops.adamw_handle_create(tensors, groups, flags, steps, len(group_ids))
@@ -299,7 +377,7 @@ class AdamW(Optimizer):
                 st = self.state.get(p)
                 if not st:
                     continue
-                absent = torch.empty(0, dtype=torch.uint8)  # the ops' marker for a missing state
+                absent = torch.empty(0, dtype=torch.bool)  # the ops' marker for a missing state
                 given = [_local_state(p, st[k], k) if isinstance(st.get(k), Tensor) else absent
                          for k in _STATE_KEYS]
                 kept = _ops.adamw_handle_set_state(handle, steps, slot, given)
@@ -327,6 +405,11 @@ class AdamW(Optimizer):
             st["master_param"] = wrap(kept[3])
         else:
             st.pop("master_param", None)
+        for i, key in ((4, "exp_avg_absmax"), (5, "exp_avg_sq_absmax")):  # int8 states (never DTensors)
+            if kept[i].dtype == torch.float32:
+                st[key] = kept[i]
+            else:
+                st.pop(key, None)
 
     def _adopt_new_states(self, h: _DeviceHandle) -> None:
         for slot in _ops.adamw_handle_new_slots(h.handle, h.steps):
@@ -402,19 +485,15 @@ class AdamW(Optimizer):
         found_inf = getattr(self, "found_inf", None)
         for group in self.param_groups:
             params, grads, exp_avgs, exp_avg_sqs, maxs, masters, steps = [], [], [], [], [], [], []
+            m_absmaxs, v_absmaxs = [], []
+            unread = None  # the absmax entry of a tensor without int8 states (the op does not read it)
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 st = self.state[p]
+                fmt = _state_format(group, p)
                 if len(st) == 0:
-                    sdt = torch.float64 if p.dtype == torch.float64 else torch.float32
-                    st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                    st["exp_avg"] = torch.zeros_like(p, dtype=sdt, memory_format=torch.preserve_format)
-                    st["exp_avg_sq"] = torch.zeros_like(p, dtype=sdt, memory_format=torch.preserve_format)
-                    if group["amsgrad"]:
-                        st["max_exp_avg_sq"] = torch.zeros_like(p, dtype=sdt, memory_format=torch.preserve_format)
-                    if group["master_weights"] and p.dtype in (torch.float16, torch.bfloat16):
-                        st["master_param"] = p.detach().to(torch.float32, memory_format=torch.preserve_format)
+                    _init_state(st, p, fmt, group["amsgrad"], group["master_weights"])
                 # DTensor parameters: the op runs on the local shards (states are laid out like p).
                 loc = (lambda t: t.to_local()) if _is_dtensor(p) else (lambda t: t)
                 params.append(loc(p))
@@ -425,12 +504,21 @@ class AdamW(Optimizer):
                     maxs.append(loc(st["max_exp_avg_sq"]))
                 if group["master_weights"]:
                     masters.append(loc(st.get("master_param", st["exp_avg"])))
+                if "exp_avg_absmax" in st:
+                    m_absmaxs.append(st["exp_avg_absmax"])
+                    v_absmaxs.append(st["exp_avg_sq_absmax"])
+                else:
+                    unread = torch.empty(0, device=p.device) if unread is None else unread
+                    m_absmaxs.append(unread)
+                    v_absmaxs.append(unread)
                 steps.append(st["step"])
             if not params:
                 continue
+            if not any(e.dtype == torch.uint8 for e in exp_avgs):
+                m_absmaxs, v_absmaxs = [], []
             lr = group["lr"]
             beta1, beta2 = group["betas"]
-            _ops.adamw_fused_(params, grads, exp_avgs, exp_avg_sqs, maxs, masters, steps,
+            _ops.adamw_fused_(params, grads, exp_avgs, exp_avg_sqs, maxs, masters, steps, m_absmaxs, v_absmaxs,
                               lr=0.0 if isinstance(lr, Tensor) else lr, beta1=beta1, beta2=beta2,
                               weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
                               lr_tensor=lr if isinstance(lr, Tensor) else None, grad_scale=grad_scale,
