@@ -24,7 +24,7 @@ namespace fuseforge::adamw {
 static int64_t chunk_elems_setting() {
   static_assert(kDefaultChunkElems % kQuantBlock == 0, "chunks hold whole quantization blocks");
   static const int64_t chunk = [] {
-    const int64_t c = env_positive_int("FUSEFORGE_ADAMW_CHUNK_ELEMS", kDefaultChunkElems);
+    const int64_t c = dev_positive_int("FUSEFORGE_ADAMW_CHUNK_ELEMS", kDefaultChunkElems);
     TORCH_CHECK(c % kQuantBlock == 0, "FUSEFORGE_ADAMW_CHUNK_ELEMS: expected a multiple of ", kQuantBlock,
                 " (chunks hold whole quantization blocks of int8 states), got ", c);
     return c;

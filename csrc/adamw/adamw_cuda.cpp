@@ -89,7 +89,7 @@ void cuda_step(std::shared_ptr<BackendCache>& cache_ptr, const StepWork& work) {
   args.chunk_elems = work.plan->chunk_elems;
   // Development knob (docs/design/adamw.md): FUSEFORGE_ADAMW_BLOCKS_PER_SM=N caps the update kernel at
   // N resident blocks an SM (registers allow 2).
-  static const int64_t blocks_cap = env_positive_int("FUSEFORGE_ADAMW_BLOCKS_PER_SM", 0);
+  static const int64_t blocks_cap = dev_positive_int("FUSEFORGE_ADAMW_BLOCKS_PER_SM", 0);
   const size_t smem_bytes = smem_capping_blocks_per_sm(blocks_cap, 0);
   for (const LaunchRange& r : plan.launches) {
     args.first_block = r.first_block;

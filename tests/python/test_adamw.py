@@ -11,7 +11,7 @@ import torch
 import fuseforge  # noqa: F401  (loads the extension)
 from fuseforge.optim import AdamW
 import fuseforge.ops.adamw as adamw_ops
-from harness import devices, generator, rel_err, requires_cuda, run_opcheck
+from harness import devices, generator, rel_err, requires_cuda, requires_dev_knobs, run_opcheck
 
 # Odd, empty, non-contiguous (transposed) and 16-byte-misaligned shapes, 3 chunks and a partial one.
 SHAPES = [(37,), (128, 64), (0,), (5, 3), (1,), (3 * 65536 + 100,), (64, 96)]
@@ -510,6 +510,7 @@ def run_with_chunk_knob(value, device):
                           text=True, timeout=300)
 
 
+@requires_dev_knobs
 @pytest.mark.parametrize("device", devices())
 def test_chunk_elems_knob(device):
     # 256-element chunks (the smallest: int8 states need whole 256-element blocks): the 300- and

@@ -19,7 +19,7 @@ import torch
 import fuseforge  # noqa: F401  (loads the extension)
 from fuseforge.optim import AdamW, MIN_COMPACT_NUMEL, QUANT_BLOCK
 import fuseforge.ops.adamw as adamw_ops
-from harness import TOL, devices, generator, poison_allocations, rel_err, requires_cuda, run_opcheck
+from harness import TOL, devices, generator, poison_allocations, rel_err, requires_cuda, requires_dev_knobs, run_opcheck
 
 KW = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
 
@@ -691,6 +691,7 @@ print(out.double().sum().item(), out.double().abs().sum().item())
 """
 
 
+@requires_dev_knobs
 @pytest.mark.parametrize("device", devices())
 def test_chunk_knob_int8(device):
     outs = []
