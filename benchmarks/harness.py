@@ -517,6 +517,8 @@ def run(op: str, cases: Iterable[str], setup: Callable[[str], list[Bench]], argv
         gc.collect()
         if _device == "cuda":
             torch.cuda.empty_cache()
+        if i + 1 < len(cases):  # a run stopped by a time limit keeps the cases it finished
+            write_json({**result, "incomplete": f"{i + 1} of {len(cases)} cases"}, args.out)
     if sampler is not None:
         sampler.stop()
         for row, spans in row_spans:
@@ -525,11 +527,17 @@ def run(op: str, cases: Iterable[str], setup: Callable[[str], list[Bench]], argv
     return result
 
 
-def write(result: dict, out_dir: str = RESULTS_DIR) -> None:
+def write_json(result: dict, out_dir: str = RESULTS_DIR) -> str:
+    """<out_dir>/<op>_<gpu>.json; returns the path without the extension."""
     os.makedirs(out_dir, exist_ok=True)
     base = os.path.join(out_dir, result_name(result))
     with open(base + ".json", "w") as f:
         json.dump(result, f, indent=1)
+    return base
+
+
+def write(result: dict, out_dir: str = RESULTS_DIR) -> None:
+    base = write_json(result, out_dir)
     with open(base + ".md", "w") as f:
         f.write(markdown_table(result))
     try:
