@@ -1,0 +1,166 @@
+"""linear_logprobs and the GRPO loss on it, against float64 references that materialise the logits."""
+import pytest
+import torch
+
+import fuseforge
+from fuseforge import linear_logprobs
+from fuseforge.nn import GRPOLoss, grpo_loss
+from harness import TOL, assert_compiles, device_dtypes, devices, generator, randn, rel_err
+
+# (tokens shape, hidden, vocab): one token, a batch of completions, an odd vocabulary past a chunk.
+SHAPES = [((1,), 8, 5), ((3, 7), 16, 33), ((2, 5), 24, 1031)]
+
+
+def reference_logprobs(x, w, target, bias=None, temperature=1.0, ignore_index=-100):
+    logits = x.double() @ w.double().T
+    if bias is not None:
+        logits = logits + bias.double()
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    keep = target != ignore_index
+    picked = logp.gather(-1, torch.where(keep, target, 0).long().unsqueeze(-1)).squeeze(-1)
+    return torch.where(keep, picked, torch.zeros_like(picked))
+
+
+def make(shape, hidden, vocab, dtype, device, requires_grad=False):
+    x = randn(*shape, hidden, dtype=dtype, device=device, requires_grad=requires_grad)
+    w = randn(vocab, hidden, dtype=dtype, device=device, scale=0.5, requires_grad=requires_grad)
+    target = torch.randint(0, vocab, shape, generator=generator(device), device=device)
+    return x, w, target
+
+
+def grad_tol(dtype):
+    return {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}[dtype]
+
+
+@pytest.mark.parametrize("device,dtype", device_dtypes())
+@pytest.mark.parametrize("shape,hidden,vocab", SHAPES, ids=str)
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+def test_logprobs_and_gradients_match_float64(device, dtype, shape, hidden, vocab, temperature, with_bias):
+    x, w, target = make(shape, hidden, vocab, dtype, device, requires_grad=True)
+    bias = randn(vocab, dtype=dtype, device=device, requires_grad=True) if with_bias else None
+    if len(shape) == 2:
+        target[0, -1] = -100  # an ignored token: log-probability 0, no gradient
+    out = linear_logprobs(x, w, target, bias, temperature=temperature)
+    ref = reference_logprobs(x, w, target, bias, temperature)
+    assert out.shape == target.shape and out.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert rel_err(out, ref) <= max(TOL[dtype], 1e-6)
+    if len(shape) == 2:
+        assert out[0, -1].item() == 0.0
+    # A weighted sum: every token's gradient has its own weight (reduction "none" underneath).
+    weights = randn(*shape, dtype=torch.float64, device=device)
+    leaves = [t for t in (x, w, bias) if t is not None]
+    grads = torch.autograd.grad((out.double() * weights).sum(), leaves)
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    b64 = bias.detach().double().requires_grad_() if bias is not None else None
+    refs = torch.autograd.grad((reference_logprobs(x64, w64, target, b64, temperature) * weights).sum(),
+                               [t for t in (x64, w64, b64) if t is not None])
+    for g, r in zip(grads, refs):
+        assert rel_err(g, r) <= grad_tol(dtype)
+
+
+def test_gradcheck_float64_cpu():
+    x, w, target = make((2, 3), 6, 11, torch.float64, "cpu", requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, w: linear_logprobs(x, w, target, temperature=0.8), (x, w))
+
+
+@pytest.mark.parametrize("device", devices())
+def test_compiles_fullgraph(device):
+    x, w, target = make((2, 5), 16, 40, torch.float32, device)
+    assert_compiles(lambda x, w, t: linear_logprobs(x, w, t, temperature=0.5), x, w, target, device=device)
+
+
+def test_bad_arguments_raise_clear_errors():
+    x, w, target = make((2, 3), 8, 10, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="temperature must be a positive number, got 0.0"):
+        linear_logprobs(x, w, target, temperature=0.0)
+    with pytest.raises(ValueError, match="softcap and a temperature other than 1 cannot be combined"):
+        linear_logprobs(x, w, target, temperature=0.5, softcap=30.0)
+    logp = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="loss_type must be one of"):
+        grpo_loss(logp, torch.zeros(2), torch.ones(2, 3), loss_type="ppo")
+    with pytest.raises(ValueError, match=r"advantages must have shape \(B,\) = \(2,\)"):
+        grpo_loss(logp, torch.zeros(3), torch.ones(2, 3))
+    with pytest.raises(ValueError, match="beta != 0 needs ref_logprobs"):
+        grpo_loss(logp, torch.zeros(2), torch.ones(2, 3), beta=0.1)
+    with pytest.raises(ValueError, match=r"logprobs and mask must both have shape \(B, T\)"):
+        grpo_loss(logp, torch.zeros(2), torch.ones(2, 4))
+
+
+def reference_grpo(logp, adv, mask, old, ref, beta, eps_low, eps_high, loss_type, num_items=None, max_len=None):
+    """TRL's GRPOTrainer loss, written out in float64."""
+    ratio = torch.exp(logp - old)
+    per_token = -torch.minimum(ratio * adv[:, None], torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv[:, None])
+    if beta:
+        per_token = per_token + beta * (torch.exp(ref - logp) - (ref - logp) - 1)
+    if loss_type == "grpo":
+        return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+    if loss_type == "bnpo":
+        return (per_token * mask).sum() / (mask.sum().clamp(min=1) if num_items is None else num_items)
+    return (per_token * mask).sum() / (logp.shape[0] * (logp.shape[1] if max_len is None else max_len))
+
+
+def completions(batch, length, hidden, vocab, dtype, device):
+    hidden_states = randn(batch, length, hidden, dtype=dtype, device=device, requires_grad=True)
+    w = randn(vocab, hidden, dtype=dtype, device=device, scale=0.5, requires_grad=True)
+    ids = torch.randint(0, vocab, (batch, length), generator=generator(device), device=device)
+    lengths = torch.randint(1, length + 1, (batch,), generator=generator(device), device=device)
+    mask = (torch.arange(length, device=device)[None] < lengths[:, None]).to(torch.int64)
+    adv = randn(batch, dtype=torch.float32, device=device)
+    with torch.no_grad():
+        logp = reference_logprobs(hidden_states, w, ids).float()
+    old = logp + 0.3 * randn(batch, length, device=device)  # ratios on both sides of the clip range
+    ref = logp + 0.2 * randn(batch, length, device=device)
+    return hidden_states, w, ids, mask, adv, old, ref
+
+
+@pytest.mark.parametrize("device,dtype", device_dtypes(cpu_dtypes=(torch.float32, torch.float64)))
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo"])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_grpo_loss_and_gradients_match_float64(device, dtype, loss_type, beta):
+    h, w, ids, mask, adv, old, ref = completions(4, 9, 16, 37, dtype, device)
+    loss_fn = GRPOLoss(beta=beta, epsilon_low=0.2, epsilon_high=0.28, loss_type=loss_type, temperature=0.9,
+                       max_completion_length=12)
+    loss = loss_fn(h, w, ids, mask, adv, old_logprobs=old, ref_logprobs=ref)
+    gh, gw = torch.autograd.grad(loss, (h, w))
+    h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    logp64 = reference_logprobs(h64, w64, ids, temperature=0.9)
+    ref_loss = reference_grpo(logp64, adv.double(), mask.double(), old.double(), ref.double(), beta, 0.2, 0.28,
+                              loss_type, max_len=12)
+    rh, rw = torch.autograd.grad(ref_loss, (h64, w64))
+    tol = max(TOL[dtype], 1e-6)
+    assert abs(loss.item() - ref_loss.item()) <= tol * max(1.0, abs(ref_loss.item()))
+    assert rel_err(gh, rh) <= grad_tol(dtype) and rel_err(gw, rw) <= grad_tol(dtype)
+
+
+def test_grpo_without_old_logprobs_is_the_advantage_weighted_logprob_gradient():
+    """One update per generation (old = the current log-probabilities, detached): every ratio is 1, so
+    the loss is -mean(A) and its gradient -A * grad(logp) per token, normalised."""
+    h, w, ids, mask, adv, _, _ = completions(3, 6, 8, 19, torch.float64, "cpu")
+    loss = GRPOLoss(loss_type="bnpo")(h, w, ids, mask, adv)
+    logp = reference_logprobs(h, w, ids)
+    expected = -(adv.double()[:, None] * logp * mask).sum() / mask.sum()
+    g, r = torch.autograd.grad(loss, w)[0], torch.autograd.grad(expected, w)[0]
+    assert rel_err(g, r) <= 1e-10
+    assert abs(loss.item() + (adv.double()[:, None] * mask).sum().item() / mask.sum().item()) <= 1e-12
+
+
+def test_accumulated_micro_batches_give_the_full_batch_gradient():
+    """bnpo with num_items_in_batch = the whole batch's completion tokens: two micro-batches'
+    gradients add up to one step on the whole batch."""
+    h, w, ids, mask, adv, old, ref = completions(6, 7, 12, 29, torch.float64, "cpu")
+    loss_fn = GRPOLoss(beta=0.04, loss_type="bnpo")
+    full = loss_fn(h, w, ids, mask, adv, old_logprobs=old, ref_logprobs=ref)
+    g_full = torch.autograd.grad(full, w)[0]
+    total = mask.sum().item()
+    g_acc = torch.zeros_like(w)
+    for part in (slice(0, 2), slice(2, 6)):  # uneven micro-batches
+        loss = loss_fn(h[part], w, ids[part], mask[part], adv[part], old_logprobs=old[part], ref_logprobs=ref[part],
+                       num_items_in_batch=total)
+        g_acc += torch.autograd.grad(loss, w)[0]
+    assert rel_err(g_acc, g_full) <= 1e-12
+
+
+def test_exports():
+    assert fuseforge.linear_logprobs is linear_logprobs
+    assert "GRPOLoss" in fuseforge.nn.__all__ and "linear_logprobs" in fuseforge.__all__
