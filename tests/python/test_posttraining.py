@@ -1,10 +1,11 @@
-"""linear_logprobs and the GRPO loss on it, against float64 references that materialise the logits."""
+"""linear_logprobs and the post-training losses on it (GRPO, DPO-family), against float64 references that
+materialise the logits."""
 import pytest
 import torch
 
 import fuseforge
 from fuseforge import linear_logprobs
-from fuseforge.nn import GRPOLoss, grpo_loss
+from fuseforge.nn import GRPOLoss, PreferenceLoss, grpo_loss, preference_loss
 from harness import TOL, assert_compiles, device_dtypes, devices, generator, randn, rel_err
 
 # (tokens shape, hidden, vocab): one token, a batch of completions, an odd vocabulary past a chunk.
@@ -164,3 +165,82 @@ def test_accumulated_micro_batches_give_the_full_batch_gradient():
 def test_exports():
     assert fuseforge.linear_logprobs is linear_logprobs
     assert "GRPOLoss" in fuseforge.nn.__all__ and "linear_logprobs" in fuseforge.__all__
+    assert "PreferenceLoss" in fuseforge.nn.__all__
+
+
+def reference_preference(lp_c, m_c, lp_r, m_r, ref_c, ref_r, loss_type, beta, ls, gamma):
+    """TRL's DPO / CPO-SimPO losses per pair, written out in float64."""
+    mean = loss_type in ("ipo", "simpo")
+    c = (lp_c * m_c).sum(-1) / (m_c.sum(-1) if mean else 1)
+    r = (lp_r * m_r).sum(-1) / (m_r.sum(-1) if mean else 1)
+    z = c - r - gamma / beta if loss_type == "simpo" else (c - ref_c) - (r - ref_r)
+    if loss_type == "ipo":
+        return (z - 1 / (2 * beta)) ** 2
+    if loss_type == "hinge":
+        return torch.relu(1 - beta * z)
+    return -(1 - ls) * torch.log(torch.sigmoid(beta * z)) - ls * torch.log(torch.sigmoid(-beta * z))
+
+
+def preference_batch(pairs, len_c, len_r, hidden, vocab, dtype, device):
+    def answers(length):
+        h = randn(pairs, length, hidden, dtype=dtype, device=device, requires_grad=True)
+        ids = torch.randint(0, vocab, (pairs, length), generator=generator(device), device=device)
+        lengths = torch.randint(1, length + 1, (pairs,), generator=generator(device), device=device)
+        return h, ids, (torch.arange(length, device=device)[None] < lengths[:, None]).to(torch.int64)
+    w = randn(vocab, hidden, dtype=dtype, device=device, scale=0.5, requires_grad=True)
+    return answers(len_c), answers(len_r), w
+
+
+@pytest.mark.parametrize("device,dtype", device_dtypes(cpu_dtypes=(torch.float32, torch.float64)))
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge", "simpo"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_preference_losses_and_gradients_match_float64(device, dtype, loss_type, reduction):
+    (hc, ic, mc), (hr, ir, mr), w = preference_batch(5, 8, 6, 16, 41, dtype, device)
+    mean = loss_type in ("ipo", "simpo")
+    with torch.no_grad():  # a reference model near the policy
+        ref_c = (reference_logprobs(hc, w, ic) * mc).sum(-1) / (mc.sum(-1) if mean else 1)
+        ref_r = (reference_logprobs(hr, w, ir) * mr).sum(-1) / (mr.sum(-1) if mean else 1)
+        ref_c = (ref_c + 0.5 * randn(5, dtype=torch.float64, device=device)).to(torch.float32)
+        ref_r = (ref_r + 0.5 * randn(5, dtype=torch.float64, device=device)).to(torch.float32)
+    refs = {} if loss_type == "simpo" else {"ref_chosen_logps": ref_c, "ref_rejected_logps": ref_r}
+    loss_fn = PreferenceLoss(loss_type=loss_type, beta=0.5, label_smoothing=0.1, gamma=0.3, reduction=reduction)
+    loss = loss_fn(hc, hr, w, ic, ir, mc, mr, **refs)
+    weights = randn(max(loss.numel(), 1), dtype=torch.float64, device=device).reshape(loss.shape)
+    grads = torch.autograd.grad((loss.double() * weights).sum(), (hc, hr, w))
+    leaves64 = [t.detach().double().requires_grad_() for t in (hc, hr, w)]
+    hc64, hr64, w64 = leaves64
+    per_pair = reference_preference(reference_logprobs(hc64, w64, ic), mc.double(), reference_logprobs(hr64, w64, ir),
+                                    mr.double(), ref_c.double(), ref_r.double(), loss_type, 0.5, 0.1, 0.3)
+    ref_loss = per_pair if reduction == "none" else per_pair.mean()
+    ref_grads = torch.autograd.grad((ref_loss * weights).sum(), leaves64)
+    assert loss.shape == ref_loss.shape
+    assert rel_err(loss, ref_loss) <= max(TOL[dtype], 1e-6)
+    for g, r in zip(grads, ref_grads):
+        assert rel_err(g, r) <= grad_tol(dtype)
+
+
+def test_preference_micro_batches_give_the_full_batch_gradient():
+    (hc, ic, mc), (hr, ir, mr), w = preference_batch(6, 7, 5, 12, 23, torch.float64, "cpu")
+    ref_c, ref_r = randn(6, dtype=torch.float64) - 20, randn(6, dtype=torch.float64) - 20
+    loss_fn = PreferenceLoss(loss_type="sigmoid", beta=0.2)
+    g_full = torch.autograd.grad(loss_fn(hc, hr, w, ic, ir, mc, mr, ref_c, ref_r), w)[0]
+    g_acc = torch.zeros_like(w)
+    for part in (slice(0, 1), slice(1, 6)):
+        loss = loss_fn(hc[part], hr[part], w, ic[part], ir[part], mc[part], mr[part], ref_c[part], ref_r[part],
+                       num_items_in_batch=6)
+        g_acc += torch.autograd.grad(loss, w)[0]
+    assert rel_err(g_acc, g_full) <= 1e-12
+
+
+def test_preference_bad_arguments_raise_clear_errors():
+    lp, m = torch.zeros(2, 3), torch.ones(2, 3)
+    with pytest.raises(ValueError, match="loss_type must be one of"):
+        preference_loss(lp, m, lp, m, loss_type="kto")
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        preference_loss(lp, m, lp, m, loss_type="simpo", reduction="avg")
+    with pytest.raises(ValueError, match="'sigmoid' needs ref_chosen_logps and ref_rejected_logps"):
+        preference_loss(lp, m, lp, m)
+    with pytest.raises(ValueError, match="the same number of pairs, got 2 and 3"):
+        preference_loss(lp, m, torch.zeros(3, 3), torch.ones(3, 3), loss_type="simpo")
+    with pytest.raises(ValueError, match=r"rejected_logprobs and rejected_mask must both have shape \(B, T\)"):
+        preference_loss(lp, m, lp, torch.ones(2, 4), loss_type="simpo")

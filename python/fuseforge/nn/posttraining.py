@@ -1,4 +1,5 @@
-"""Policy-gradient losses on linear_logprobs: the logits of the policy never exist whole."""
+"""Post-training losses on linear_logprobs (GRPO; DPO, IPO, hinge, SimPO): the policy's logits never
+exist whole."""
 from __future__ import annotations
 
 from typing import Optional
@@ -90,3 +91,94 @@ class GRPOLoss(torch.nn.Module):
     def extra_repr(self) -> str:
         return (f"beta={self.beta}, epsilon_low={self.epsilon_low}, epsilon_high={self.epsilon_high}, "
                 f"loss_type={self.loss_type!r}, temperature={self.temperature}")
+
+
+PREFERENCE_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "simpo")
+REDUCTIONS = ("mean", "sum", "none")
+
+
+def preference_loss(chosen_logprobs: Tensor, chosen_mask: Tensor, rejected_logprobs: Tensor, rejected_mask: Tensor, *,
+                    ref_chosen_logps: Optional[Tensor] = None, ref_rejected_logps: Optional[Tensor] = None,
+                    loss_type: str = "sigmoid", beta: float = 0.1, label_smoothing: float = 0.0, gamma: float = 0.5,
+                    reduction: str = "mean", num_items_in_batch: Optional[float] = None) -> Tensor:
+    """Pairwise preference losses from per-token log-probabilities, as TRL's DPOTrainer / CPOTrainer
+    define them. chosen_logprobs, rejected_logprobs: (B, T) (linear_logprobs of each answer's tokens);
+    the masks (B, T) mark answer tokens. A sequence's log-probability is the sum over its tokens
+    (the mean, for "ipo" and "simpo").
+
+      "sigmoid" (DPO): -(1 - ls) logsigmoid(beta z) - ls logsigmoid(-beta z),
+                       z = (chosen - ref_chosen) - (rejected - ref_rejected);
+      "ipo":           (z - 1 / (2 beta))^2, on mean log-probabilities (ref_* means too);
+      "hinge":         relu(1 - beta z);
+      "simpo":         the sigmoid form on z = mean chosen - mean rejected - gamma / beta, no reference.
+    ref_chosen_logps, ref_rejected_logps: (B,) the reference model's, required by all but "simpo".
+    reduction: "mean" over the pairs (num_items_in_batch instead of B when given: the accumulated
+    batch's pair count, so micro-batches' gradients add up to the full batch's), "sum", or "none" (B,).
+    """
+    if loss_type not in PREFERENCE_LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {PREFERENCE_LOSS_TYPES}, got {loss_type!r}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    for name, t, m in (("chosen", chosen_logprobs, chosen_mask), ("rejected", rejected_logprobs, rejected_mask)):
+        if t.dim() != 2 or m.shape != t.shape:
+            raise ValueError(f"{name}_logprobs and {name}_mask must both have shape (B, T), got {tuple(t.shape)} and "
+                             f"{tuple(m.shape)}")
+    if chosen_logprobs.shape[0] != rejected_logprobs.shape[0]:
+        raise ValueError(f"chosen and rejected must have the same number of pairs, got {chosen_logprobs.shape[0]} "
+                         f"and {rejected_logprobs.shape[0]}")
+    needs_ref = loss_type != "simpo"
+    if needs_ref and (ref_chosen_logps is None or ref_rejected_logps is None):
+        raise ValueError(f"loss_type {loss_type!r} needs ref_chosen_logps and ref_rejected_logps")
+
+    def sequence(logprobs, mask):
+        mask = mask.to(logprobs.dtype)
+        total = (logprobs * mask).sum(-1)
+        return total / mask.sum(-1).clamp(min=1.0) if loss_type in ("ipo", "simpo") else total
+
+    chosen, rejected = sequence(chosen_logprobs, chosen_mask), sequence(rejected_logprobs, rejected_mask)
+    if needs_ref:
+        z = (chosen - ref_chosen_logps.to(chosen.dtype)) - (rejected - ref_rejected_logps.to(chosen.dtype))
+    else:
+        z = chosen - rejected - gamma / beta
+    if loss_type == "ipo":
+        losses = (z - 1.0 / (2.0 * beta)) ** 2
+    elif loss_type == "hinge":
+        losses = torch.relu(1.0 - beta * z)
+    else:
+        logsigmoid = torch.nn.functional.logsigmoid
+        losses = -(1.0 - label_smoothing) * logsigmoid(beta * z) - label_smoothing * logsigmoid(-beta * z)
+    if reduction == "none":
+        return losses
+    if reduction == "sum":
+        return losses.sum()
+    return losses.sum() / (losses.shape[0] if num_items_in_batch is None else float(num_items_in_batch))
+
+
+class PreferenceLoss(torch.nn.Module):
+    """DPO-family losses from the policy's last hidden states of chosen and rejected answers and its
+    output head, without the logits: ``linear_logprobs`` of each answer's tokens, then
+    ``preference_loss``. forward(chosen_hidden (B, T, H), rejected_hidden (B, T', H), weight (V, H),
+    chosen_ids, rejected_ids, chosen_mask, rejected_mask, ref_chosen_logps=None,
+    ref_rejected_logps=None, bias=None, num_items_in_batch=None) -> the loss."""
+
+    def __init__(self, loss_type: str = "sigmoid", beta: float = 0.1, label_smoothing: float = 0.0,
+                 gamma: float = 0.5, reduction: str = "mean"):
+        super().__init__()
+        if loss_type not in PREFERENCE_LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {PREFERENCE_LOSS_TYPES}, got {loss_type!r}")
+        self.loss_type, self.beta, self.label_smoothing = loss_type, float(beta), float(label_smoothing)
+        self.gamma, self.reduction = float(gamma), reduction
+
+    def forward(self, chosen_hidden: Tensor, rejected_hidden: Tensor, weight: Tensor, chosen_ids: Tensor,
+                rejected_ids: Tensor, chosen_mask: Tensor, rejected_mask: Tensor,
+                ref_chosen_logps: Optional[Tensor] = None, ref_rejected_logps: Optional[Tensor] = None,
+                bias: Optional[Tensor] = None, num_items_in_batch: Optional[float] = None) -> Tensor:
+        chosen = linear_logprobs(chosen_hidden, weight, chosen_ids, bias)
+        rejected = linear_logprobs(rejected_hidden, weight, rejected_ids, bias)
+        return preference_loss(chosen, chosen_mask, rejected, rejected_mask, ref_chosen_logps=ref_chosen_logps,
+                               ref_rejected_logps=ref_rejected_logps, loss_type=self.loss_type, beta=self.beta,
+                               label_smoothing=self.label_smoothing, gamma=self.gamma, reduction=self.reduction,
+                               num_items_in_batch=num_items_in_batch)
+
+    def extra_repr(self) -> str:
+        return f"loss_type={self.loss_type!r}, beta={self.beta}, label_smoothing={self.label_smoothing}"
