@@ -197,19 +197,12 @@ __global__ void __launch_bounds__(kThreads) rotary_kernel(const RotaryParams<Tin
 template <int kN>
 __device__ __forceinline__ void load_table(const float* src, float (&v)[kN]) {
   static_assert(kN % 4 == 0 || kN == 2, "4k or 2 floats");
-  if constexpr (kN == 2) {
-    const float2 t = *reinterpret_cast<const float2*>(src);
-    v[0] = t.x;
-    v[1] = t.y;
-  } else {
+  constexpr int kAccess = kN == 2 ? 2 : 4;
 #pragma unroll
-    for (int i = 0; i < kN; i += 4) {
-      const float4 t = *reinterpret_cast<const float4*>(src + i);
-      v[i] = t.x;
-      v[i + 1] = t.y;
-      v[i + 2] = t.z;
-      v[i + 3] = t.w;
-    }
+  for (int i = 0; i < kN; i += kAccess) {
+    const AlignedVector<float, kAccess> t = load_vector<float, kAccess>(src + i);
+#pragma unroll
+    for (int j = 0; j < kAccess; ++j) v[i + j] = t.val[j];
   }
 }
 
