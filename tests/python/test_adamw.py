@@ -436,11 +436,8 @@ def test_capture_needs_capturable():
             opt.step()
 
 
-@requires_cuda
-def test_one_launch_for_5000_tensors():
-    params = [torch.nn.Parameter(torch.randn(4096 if i % 7 else 33, device="cuda")) for i in range(5000)]
-    params += [torch.nn.Parameter(torch.randn(100, device="cuda", dtype=torch.bfloat16)) for _ in range(50)]
-    opt = AdamW(params)
+def cuda_kernels_of_a_step(opt, params):
+    """The CUDA kernels the second opt.step() runs (random grads; the first step creates the states)."""
     for p in params:
         p.grad = torch.randn_like(p)
     opt.step()
@@ -448,7 +445,14 @@ def test_one_launch_for_5000_tensors():
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         opt.step()
         torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@requires_cuda
+def test_one_launch_for_5000_tensors():
+    params = [torch.nn.Parameter(torch.randn(4096 if i % 7 else 33, device="cuda")) for i in range(5000)]
+    params += [torch.nn.Parameter(torch.randn(100, device="cuda", dtype=torch.bfloat16)) for _ in range(50)]
+    names = cuda_kernels_of_a_step(AdamW(params), params)
     launches = [n for n in names if "adamw_multi_tensor_kernel" in n]
     assert len(launches) == 1, names[:20]
     assert not any("patch_words" in n for n in names), "grads did not move: nothing to upload"

@@ -20,6 +20,7 @@ import fuseforge  # noqa: F401  (loads the extension)
 from fuseforge.optim import AdamW, MIN_COMPACT_NUMEL, QUANT_BLOCK
 import fuseforge.ops.adamw as adamw_ops
 from harness import TOL, devices, generator, poison_allocations, rel_err, requires_cuda, requires_dev_knobs, run_opcheck
+from test_adamw import cuda_kernels_of_a_step
 
 KW = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
 
@@ -832,14 +833,7 @@ def test_cuda_one_launch_mixed_formats():
     params += [torch.nn.Parameter(torch.randn(100, device="cuda")) for _ in range(10)]
     opt = AdamW([{"params": params[:20], "state_dtype": "int8"}, {"params": params[20:35], "state_dtype": "bfloat16"},
                  {"params": params[35:]}])
-    for p in params:
-        p.grad = torch.randn_like(p)
-    opt.step()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        opt.step()
-        torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    names = cuda_kernels_of_a_step(opt, params)
     assert len([n for n in names if "adamw_multi_tensor_kernel" in n]) == 1, names[:20]
 
 
