@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from fuseforge.ops.linear_cross_entropy import REDUCTIONS
 from fuseforge.ops.logprobs import linear_logprobs
 
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo")
@@ -94,7 +95,6 @@ class GRPOLoss(torch.nn.Module):
 
 
 PREFERENCE_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "simpo")
-REDUCTIONS = ("mean", "sum", "none")
 
 
 def preference_loss(chosen_logprobs: Tensor, chosen_mask: Tensor, rejected_logprobs: Tensor, rejected_mask: Tensor, *,
