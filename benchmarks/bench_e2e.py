@@ -19,6 +19,9 @@ impls (one recipe for all but fuseforge_bf16: fp32 weights, bf16 autocast)
 - fuseforge_attn_loss, fuseforge_no_rms_norm, fuseforge_no_rotary, fuseforge_no_glu,
   fuseforge_no_fuse_residual (not in the defaults): one fusion left out each, the ablation.
 - fuseforge_sdpa (not in the defaults): fuseforge with attention left to transformers' SDPA.
+- fuseforge_bf16_states, fuseforge_int8_states (not in the defaults): fuseforge with AdamW's moments
+  in bfloat16 / int8 (`state_dtype`); with --data text, the check that compact states converge like
+  float32 ones (bar: the last 10 steps' mean loss within 1% of fuseforge's).
 - compile / fuseforge_compile: torch.compile of the eager / fuseforge model.
 The compiled impls come last, because their first step (the compilation) takes minutes: results are
 written after every impl, so a caller's timeout keeps the rows before.
@@ -82,10 +85,13 @@ HYPER = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 # fuseforge rows: the keyword arguments of fuseforge.patch, and the recipe. "autocast" is the one recipe
 # every impl shares (fp32 weights, bf16 autocast; fuseforge's AdamW for fuseforge); "bf16" keeps bf16
 # weights with fp32 master weights in fuseforge's AdamW. The *_no_* rows leave one fusion out (the
-# ablation: what each one buys); fuseforge_attn_loss is attention and the loss alone.
+# ablation: what each one buys); fuseforge_attn_loss is attention and the loss alone. The
+# *_states rows keep AdamW's moments in bfloat16 or int8 (the convergence check of compact states).
 FUSEFORGE_IMPLS = {
     "fuseforge": ({}, "autocast"),
     "fuseforge_bf16": ({}, "bf16"),
+    "fuseforge_bf16_states": ({}, "autocast", dict(state_dtype="bfloat16")),
+    "fuseforge_int8_states": ({}, "autocast", dict(state_dtype="int8")),
     "fuseforge_attn_loss": (dict(rms_norm=False, rotary=False, glu=False, fuse_residual=False), "autocast"),
     "fuseforge_no_rms_norm": (dict(rms_norm=False), "autocast"),
     "fuseforge_no_rotary": (dict(rotary=False), "autocast"),
@@ -159,11 +165,11 @@ def make_impl(impl: str, cfg: dict, seq: int, device):
         import fuseforge  # noqa: F401
         from fuseforge.optim import AdamW
         from fuseforge.patch import patch
-        features, recipe = FUSEFORGE_IMPLS[impl]
+        features, recipe, *opt_kwargs = FUSEFORGE_IMPLS[impl]
         if recipe == "bf16":
             model = cast_parameters(model, torch.bfloat16)
         model = patch(model, **features)
-        opt = AdamW(model.parameters(), **HYPER, master_weights=recipe == "bf16")
+        opt = AdamW(model.parameters(), **HYPER, master_weights=recipe == "bf16", **(opt_kwargs[0] if opt_kwargs else {}))
         model = torch.compile(model) if impl.endswith("_compile") else model
         return model, opt, recipe == "autocast", contextlib.nullcontext()
     raise ValueError(impl)
@@ -271,6 +277,17 @@ def run_impl(impl: str, cfg: dict, seq: int, stream: torch.Tensor, device) -> di
     return {"ms": ms, "peak": peak, "curve": curve, "step_ms": step_ms}
 
 
+def text_stream(steps: int, batch: int, seq: int, g: torch.Generator) -> torch.Tensor:
+    """(steps, batch, seq) windows at random offsets of examples/data/*.txt, bytes as token ids."""
+    folder = os.path.join(os.path.dirname(HERE), "examples", "data")
+    data = b"".join(open(os.path.join(folder, f), "rb").read() for f in sorted(os.listdir(folder)) if f.endswith(".txt"))
+    text = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+    if text.numel() <= seq:
+        raise SystemExit(f"examples/data holds {text.numel()} bytes: too few for --seq {seq}")
+    starts = torch.randint(0, text.numel() - seq, (steps, batch), generator=g)
+    return text[starts[..., None] + torch.arange(seq)]
+
+
 def plot_losses(result: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -304,6 +321,10 @@ def main(argv=None) -> dict:
     p.add_argument("--device", default="cuda" if on_gpu else "cpu")
     p.add_argument("--out", default=harness.RESULTS_DIR if on_gpu else os.path.join(tempfile.gettempdir(), "fuseforge_e2e_cpu"),
                    help="default: benchmarks/results on a GPU; a temporary folder for the CPU smoke test")
+    p.add_argument("--data", choices=("random", "text"), default="random",
+                   help="random: uniform token ids (timing); text: windows of examples/data's bytes as token ids, "
+                        "which a model can learn (convergence)")
+    p.add_argument("--op", default=None, help="the results file's name (default: e2e, or e2e_<config>)")
     p.add_argument("--cases", default="", help="ignored (one case); accepted like the other benchmarks")
     p.add_argument("--no-memory", action="store_true", help="ignored: memory is always measured")
     args = p.parse_args(argv)
@@ -319,17 +340,20 @@ def main(argv=None) -> dict:
             harness.log("liger-kernel is not installed: no liger row")
             impls.remove("liger")
 
-    op = "e2e" if args.config == "1b" else f"e2e_{args.config.replace('-', '_')}"
+    op = args.op or ("e2e" if args.config == "1b" else f"e2e_{args.config.replace('-', '_')}")
     result = {"op": op, **harness.env_info(), "ceilings": harness.measure_ceilings(), "rows": []}
     batch = probe_batch(cfg, args.seq, device) if args.batch == "auto" else int(args.batch)
     case = case_name(cfg, args.seq, batch)
     tokens = batch * args.seq
     g = torch.Generator().manual_seed(1234)
-    stream = torch.randint(0, cfg["vocab_size"], (args.steps, batch, args.seq), generator=g).to(device)
+    if args.data == "text":
+        stream = text_stream(args.steps, batch, args.seq, g).to(device)
+    else:
+        stream = torch.randint(0, cfg["vocab_size"], (args.steps, batch, args.seq), generator=g).to(device)
     flops = model_flops(cfg, args.seq, tokens)
     harness.log(f"e2e: {case}, {args.steps} steps, impls {impls}, {flops / 1e12:.1f} TFLOP a step")
 
-    eager = liger = compiled = None
+    eager = liger = compiled = fuseforge_fp32 = None
     for impl in impls:
         try:
             r = run_impl(impl, cfg, args.seq, stream, device)
@@ -366,10 +390,18 @@ def main(argv=None) -> dict:
                 if r["peak"] is not None and liger["peak"]:
                     row["peak_vs_liger"] = harness._round(r["peak"] / liger["peak"], 3)
             if impl == "fuseforge":
-                result["bars"] = {"loss_curve_mean_abs_diff_le_1pct": row["mean_abs_loss_diff_rel"] <= 0.01}
+                result.setdefault("bars", {})["loss_curve_mean_abs_diff_le_1pct"] = row["mean_abs_loss_diff_rel"] <= 0.01
                 if "speedup_vs_liger" in row:
                     result["bars"]["tokens_per_s_ge_1.1x_liger"] = row["speedup_vs_liger"] >= 1.1
                     result["bars"]["peak_memory_le_1.0x_liger"] = row.get("peak_vs_liger", math.inf) <= 1.0
+            if impl.endswith("_states") and fuseforge_fp32 is not None:
+                tail = min(10, len(r["curve"]))
+                ref = sum(fuseforge_fp32["curve"][-tail:]) / tail
+                row["final_loss_vs_fp32_states_rel"] = harness._round((sum(r["curve"][-tail:]) / tail - ref) / ref, 4)
+                result.setdefault("bars", {})[f"{impl}_final_loss_within_1pct"] = \
+                    abs(row["final_loss_vs_fp32_states_rel"]) <= 0.01
+            if impl == "fuseforge":
+                fuseforge_fp32 = r
             if impl == "fuseforge_compile" and compiled is not None:
                 row["speedup_vs_compile"] = harness._round(compiled["ms"] / r["ms"], 3)
                 result.setdefault("bars", {})["compile_ge_1.05x_torch_compile"] = row["speedup_vs_compile"] >= 1.05
