@@ -206,6 +206,31 @@ __device__ __forceinline__ void load_table(const float* src, float (&v)[kN]) {
   }
 }
 
+// A token's (batch, sequence) index.
+struct TokenIndex {
+  int64_t b, s;
+};
+
+// The (b, s) of a block's tokens token0 + z from one 64-bit division a thread: the block's tokens are
+// consecutive, so token0 + z is s0 + z positions into row b0, and past the row's end (a block that
+// straddles rows) one more division.
+struct BlockTokens {
+  int64_t b0, s0;
+  template <typename P>
+  __device__ __forceinline__ TokenIndex at(const P& p, int z) const {
+    const int64_t s = s0 + z;
+    if (s < p.seq) return {b0, s};
+    const int64_t rows_on = s / p.seq;
+    return {b0 + rows_on, s - rows_on * p.seq};
+  }
+};
+
+template <typename P>
+__device__ __forceinline__ BlockTokens block_tokens(const P& p, int64_t token0) {
+  const int64_t b0 = token0 / p.seq;
+  return {b0, token0 - b0 * p.seq};
+}
+
 // The staged kernel (the vector path whenever a token's q and k heads fit in shared memory): a block
 // takes tokens_per_block consecutive tokens. Its threads copy every 16-byte chunk of those tokens'
 // heads to shared memory with cp.async, so the loads in flight hold no registers and a block keeps
@@ -230,15 +255,15 @@ __global__ void __launch_bounds__(kThreads, 8) rotary_staged_kernel(const Rotary
 
   // Copies: chunk c of row r (token z = r / heads, head h = r % heads). The threads past the last
   // whole set of head_chunks sit out (they would copy a chunk twice).
+  const BlockTokens tokens = block_tokens(p, token0);
   if (tid < kThreads / head_chunks * head_chunks) {
     const int c = tid % head_chunks;
     for (int r = tid / head_chunks; r < rows; r += kThreads / head_chunks) {
       const int z = r / heads, h = r - z * heads;
-      const int64_t token = token0 + z;
-      if (token >= p.tokens) break;  // rows are token-major: every later row is past the end too
-      const int64_t b = token / p.seq, s = token - b * p.seq;
-      const Tin* src = h < p.heads_q ? p.q + b * p.q_stride_b + s * p.q_stride_s + h * p.q_stride_h
-                                     : p.k + b * p.k_stride_b + s * p.k_stride_s + (h - p.heads_q) * p.k_stride_h;
+      if (token0 + z >= p.tokens) break;  // rows are token-major: every later row is past the end too
+      const TokenIndex t = tokens.at(p, z);
+      const Tin* src = h < p.heads_q ? p.q + t.b * p.q_stride_b + t.s * p.q_stride_s + h * p.q_stride_h
+                                     : p.k + t.b * p.k_stride_b + t.s * p.k_stride_s + (h - p.heads_q) * p.k_stride_h;
       cp_async_16(smem_addr(stage + static_cast<int64_t>(r) * p.head_dim + c * kChunk), src + c * kChunk, true);
     }
   }
@@ -248,10 +273,9 @@ __global__ void __launch_bounds__(kThreads, 8) rotary_staged_kernel(const Rotary
   // float(position) * inv_freq in one float32 multiply, as Hugging Face computes it.
   for (int i = tid; i < tokens_per_block * p.rot_half; i += kThreads) {
     const int z = i / p.rot_half, f = i - z * p.rot_half;
-    const int64_t token = token0 + z;
-    if (token >= p.tokens) break;
-    const int64_t b = token / p.seq, s = token - b * p.seq;
-    const int64_t at = b * p.pos_stride_b + s * p.pos_stride_s;
+    if (token0 + z >= p.tokens) break;
+    const TokenIndex t = tokens.at(p, z);
+    const int64_t at = t.b * p.pos_stride_b + t.s * p.pos_stride_s;
     const float position = p.positions_int64 ? static_cast<float>(static_cast<const int64_t*>(p.position_ids)[at])
                                              : static_cast<float>(static_cast<const int32_t*>(p.position_ids)[at]);
     float sv, cv;
@@ -270,13 +294,15 @@ __global__ void __launch_bounds__(kThreads, 8) rotary_staged_kernel(const Rotary
   const int first = rotary ? c * kChunk : 2 * p.rot_half + (c - p.rot_chunks) * kChunk;
   const int partner = kInterleaved ? 0 : p.rot_half;
   const int freq0 = kInterleaved ? first / 2 : first;
-  for (int r = tid / p.chunks_per_head; r < rows; r += kThreads / p.chunks_per_head) {
+  // The block's tokens' output rows are consecutive: q_out's from token0 on, k_out's likewise.
+  Tout* const q_out = p.q_out + token0 * p.heads_q * p.head_dim;
+  Tout* const k_out = p.k_out + token0 * p.heads_k * p.head_dim;
+  const int tokens_here = static_cast<int>(min(static_cast<int64_t>(tokens_per_block), p.tokens - token0));
+  for (int r = tid / p.chunks_per_head; r < tokens_here * heads; r += kThreads / p.chunks_per_head) {
     const int z = r / heads, h = r - z * heads;
-    const int64_t token = token0 + z;
-    if (token >= p.tokens) break;
-    const Tin* x_row = stage + static_cast<int64_t>(r) * p.head_dim + first;
-    Tout* dst = (h < p.heads_q ? p.q_out + (token * p.heads_q + h) * p.head_dim
-                               : p.k_out + (token * p.heads_k + h - p.heads_q) * p.head_dim) + first;
+    const Tin* x_row = stage + r * p.head_dim + first;
+    Tout* dst = (h < p.heads_q ? q_out + (z * p.heads_q + h) * p.head_dim
+                               : k_out + (z * p.heads_k + h - p.heads_q) * p.head_dim) + first;
     const AlignedVector<Tin, kChunk> x = load_vector<Tin, kChunk>(x_row);
     float out[kChunk], out_partner[kChunk];
     if (!rotary) {
