@@ -61,16 +61,20 @@ TORCH_LIBRARY(fuseforge, m) {
   // gradient is requested and reduction is 'mean' or 'sum', the forward also returns the gradients
   // (of the loss itself; the backward multiplies them by grad_loss * grad_scale). lse: (2, N) per-row
   // log-sum-exp and -log p(target) (float32; float64 for float64 inputs) for the recomputing
-  // backward. softcap 0: none. Unrequested gradients come back as empty tensors.
+  // backward. softcap 0: none. Unrequested gradients come back as empty tensors. entropy (reduction
+  // 'none' only): also each token's entropy -sum p log p of its (capped) logits' distribution, 0 for
+  // ignored tokens (else an empty tensor).
   m.def("linear_cross_entropy_fwd(Tensor x, Tensor weight, Tensor target, Tensor? bias, int ignore_index,"
         " str reduction, float label_smoothing, float z_loss, float softcap, bool low_memory, bool grad_x,"
-        " bool grad_weight, bool grad_bias)"
-        " -> (Tensor loss, Tensor lse, Tensor grad_x, Tensor grad_weight, Tensor grad_bias, Tensor grad_scale)");
-  // Recomputing backward: gradients of sum(grad_loss * loss) for any grad_loss (per token for 'none').
+        " bool grad_weight, bool grad_bias, bool entropy=False)"
+        " -> (Tensor loss, Tensor lse, Tensor grad_x, Tensor grad_weight, Tensor grad_bias, Tensor grad_scale,"
+        " Tensor entropy)");
+  // Recomputing backward: gradients of sum(grad_loss * loss) for any grad_loss (per token for 'none'),
+  // plus sum(grad_entropy * entropy) when grad_entropy is given (with the forward's entropy).
   m.def("linear_cross_entropy_bwd(Tensor grad_loss, Tensor x, Tensor weight, Tensor target, Tensor? bias,"
         " Tensor lse, int ignore_index, str reduction, float label_smoothing, float z_loss, float softcap,"
-        " bool low_memory, bool grad_x, bool grad_weight, bool grad_bias)"
-        " -> (Tensor grad_x, Tensor grad_weight, Tensor grad_bias)");
+        " bool low_memory, bool grad_x, bool grad_weight, bool grad_bias, Tensor? entropy=None,"
+        " Tensor? grad_entropy=None) -> (Tensor grad_x, Tensor grad_weight, Tensor grad_bias)");
   // Multiplies the forward's gradients by grad_loss * grad_scale in place (skipped on the device
   // when that product is 1, the usual case: no pass over the weight gradient).
   m.def("linear_cross_entropy_scale_grads_(Tensor(a!) grad_x, Tensor(b!) grad_weight, Tensor(c!) grad_bias,"

@@ -77,6 +77,32 @@ at::Tensor inverse_valid_count(const Problem& p) {
   return at::reciprocal(count.to(stats_dtype(p.x2d.scalar_type())));
 }
 
+void check_entropy_request(const Problem& p, bool entropy) {
+  TORCH_CHECK(!entropy || p.cfg.reduction == Reduction::kNone,
+              "entropy is a per-token output: it needs reduction 'none', got another reduction");
+}
+
+EntropyGrad entropy_grad_inputs(const Problem& p, const at::Tensor& x, const std::optional<at::Tensor>& entropy,
+                                const std::optional<at::Tensor>& grad_entropy) {
+  EntropyGrad e;
+  if (!grad_entropy.has_value() || !grad_entropy->defined()) return e;
+  TORCH_CHECK(p.cfg.reduction == Reduction::kNone,
+              "grad_entropy needs reduction 'none' (the entropy is a per-token output), got another reduction");
+  TORCH_CHECK(entropy.has_value() && entropy->defined(),
+              "grad_entropy needs entropy: the entropy rows linear_cross_entropy_fwd returned");
+  const auto sd = stats_dtype(x.scalar_type());
+  check_same_device(x, "x", *entropy, "entropy");
+  check_same_device(x, "x", *grad_entropy, "grad_entropy");
+  TORCH_CHECK(entropy->sizes() == p.batch_shape && entropy->scalar_type() == sd, "entropy must be the ", sd,
+              " tensor of shape ", p.batch_shape, " linear_cross_entropy_fwd returned, got ", entropy->scalar_type(),
+              " of shape ", entropy->sizes());
+  TORCH_CHECK(grad_entropy->sizes() == p.batch_shape, "grad_entropy must have the entropy's shape ", p.batch_shape,
+              ", got ", grad_entropy->sizes());
+  e.entropy = entropy->reshape({-1}).contiguous();
+  e.grad = grad_entropy->reshape({-1}).to(sd).contiguous();
+  return e;
+}
+
 at::Tensor shape_loss(const at::Tensor& row_losses, const at::Tensor& inv_count, const Problem& p) {
   switch (p.cfg.reduction) {
     case Reduction::kNone:
@@ -113,6 +139,7 @@ int64_t cpu_chunk_rows(int64_t vocab, int64_t hidden, int64_t elem_bytes) {
 
 struct CpuOutputs {
   at::Tensor row_losses, stats, grad_x, grad_weight, grad_bias;  // stats (2, N): lse, nll = -log p(target)
+  at::Tensor entropy;                                             // (N,) when asked for
 };
 
 // The gradients' per-row weights: a (N,) tensor, or one number for every row.
@@ -141,8 +168,10 @@ double check_targets(const Problem& p) {
 // fused row kernel (row losses and lse/nll, and when weights are given the logit gradients in place),
 // then grad_x rows = dz @ W and grad_W += dz^T @ x_c. Gradients are of sum_n weight_n * loss_n.
 // stats_in: lse/nll from the forward (the recomputing backward), else computed and returned.
+// want_entropy: the rows' entropies too (forward); ent: the forward's entropies and their upstream
+// gradient, which the logit gradients then include (backward).
 CpuOutputs run_cpu(const Problem& p, const std::optional<RowWeights>& weights, const GradRequest& want,
-                   const std::optional<at::Tensor>& stats_in) {
+                   const std::optional<at::Tensor>& stats_in, bool want_entropy = false, const EntropyGrad& ent = {}) {
   const auto dt = p.x2d.scalar_type();
   const auto acc = stats_dtype(dt);
   const bool convert = dt != acc;  // bf16/fp16: chunks converted to float32, GEMMs in float32
@@ -153,6 +182,8 @@ CpuOutputs run_cpu(const Problem& p, const std::optional<RowWeights>& weights, c
   CpuOutputs o;
   if (!stats_in.has_value()) o.row_losses = at::empty({p.rows}, opts);
   o.stats = stats_in.has_value() ? *stats_in : at::empty({2, p.rows}, opts);
+  if (want_entropy) o.entropy = at::empty({p.rows}, opts);
+  const at::Tensor& entropy_rows = want_entropy ? o.entropy : ent.entropy;
   const at::Tensor w = convert ? p.weight.to(acc) : p.weight;
   const at::Tensor b = p.bias.defined() ? p.bias.to(acc).contiguous() : at::Tensor();
   const int64_t chunk = std::min(p.rows, cpu_chunk_rows(p.vocab, p.hidden, static_cast<int64_t>(at::elementSize(acc))));
@@ -201,6 +232,9 @@ CpuOutputs run_cpu(const Problem& p, const std::optional<RowWeights>& weights, c
     a.lse = lse_all + r0 * zc.element_size();
     a.nll = nll_all + r0 * zc.element_size();
     a.stats_in = stats_in.has_value();
+    a.entropy = entropy_rows.defined() ? static_cast<char*>(entropy_rows.data_ptr()) + r0 * zc.element_size() : nullptr;
+    a.entropy_grad_rows =
+        grads && ent.defined() ? static_cast<const char*>(ent.grad.data_ptr()) + r0 * zc.element_size() : nullptr;
     a.grad_rows = !grads ? nullptr
                   : weight_stride ? static_cast<const char*>(row_weights.data_ptr()) + r0 * zc.element_size()
                                   : scalar_weight_p;
@@ -262,13 +296,14 @@ at::Tensor or_empty(const at::Tensor& t, const at::Tensor& like) {
   return t.defined() ? t : at::empty({0}, like.options());
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cpu(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cpu(
     const at::Tensor& x, const at::Tensor& weight, const at::Tensor& target, const std::optional<at::Tensor>& bias,
     int64_t ignore_index, c10::string_view reduction, double label_smoothing, double z_loss, double softcap,
-    bool low_memory, bool grad_x, bool grad_weight, bool grad_bias) {
+    bool low_memory, bool grad_x, bool grad_weight, bool grad_bias, bool entropy) {
   (void)low_memory;  // one CPU strategy
   const Problem p = prepare(x, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss, softcap,
                             /*allow_double=*/true);
+  check_entropy_request(p, entropy);
   GradRequest want{grad_x, grad_weight, grad_bias && p.bias.defined()};
   const bool precompute = want.any() && p.cfg.reduction != Reduction::kNone;
   const double inv = check_targets(p);
@@ -277,22 +312,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     weights = RowWeights{};
     weights->scalar = p.cfg.reduction == Reduction::kMean ? inv : 1.0;
   }
-  CpuOutputs o = run_cpu(p, weights, want, std::nullopt);
+  CpuOutputs o = run_cpu(p, weights, want, std::nullopt, entropy);
   const at::Tensor loss = reduce_loss_cpu(o.row_losses, inv, p);
   at::Tensor gx = !o.grad_x.defined() || x.dim() == 2 ? o.grad_x : o.grad_x.view(x.sizes());
   at::Tensor grad_scale = at::empty({}, x.options().dtype(at::kFloat));
   *grad_scale.data_ptr<float>() = 1.0f;
-  return {loss, o.stats, or_empty(gx, x), or_empty(o.grad_weight, x), or_empty(o.grad_bias, x), grad_scale};
+  const at::Tensor ent = entropy ? o.entropy.view(p.batch_shape) : at::empty({0}, o.stats.options());
+  return {loss, o.stats, or_empty(gx, x), or_empty(o.grad_weight, x), or_empty(o.grad_bias, x), grad_scale, ent};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
     const at::Tensor& grad_loss, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& target,
     const std::optional<at::Tensor>& bias, const at::Tensor& lse, int64_t ignore_index, c10::string_view reduction,
     double label_smoothing, double z_loss, double softcap, bool low_memory, bool grad_x, bool grad_weight,
-    bool grad_bias) {
+    bool grad_bias, const std::optional<at::Tensor>& entropy, const std::optional<at::Tensor>& grad_entropy) {
   (void)low_memory;
   const Problem p = prepare(x, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss, softcap,
                             /*allow_double=*/true);
+  const EntropyGrad ent = entropy_grad_inputs(p, x, entropy, grad_entropy);
   const auto acc = stats_dtype(x.scalar_type());
   TORCH_CHECK(lse.dim() == 2 && lse.size(0) == 2 && lse.size(1) == p.rows && lse.scalar_type() == acc,
               "lse must be the (2, ", p.rows, ") ", acc, " row statistics linear_cross_entropy_fwd returned, got ",
@@ -311,7 +348,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(
     if (p.cfg.reduction == Reduction::kMean) weights.scalar *= inv;
   }
   GradRequest want{grad_x, grad_weight, grad_bias && p.bias.defined()};
-  CpuOutputs o = run_cpu(p, weights, want, lse.contiguous());
+  CpuOutputs o = run_cpu(p, weights, want, lse.contiguous(), /*want_entropy=*/false, ent);
   at::Tensor gx = !o.grad_x.defined() || x.dim() == 2 ? o.grad_x : o.grad_x.view(x.sizes());
   return {or_empty(gx, x), or_empty(o.grad_weight, x), or_empty(o.grad_bias, x)};
 }

@@ -53,4 +53,18 @@ at::Tensor shape_loss(const at::Tensor& row_losses, const at::Tensor& inv_count,
 // 1 / max(1, number of targets that are not ignore_index), a device scalar (no host sync).
 at::Tensor inverse_valid_count(const Problem& p);
 
+// The per-row entropy of the (capped) logits' distribution, an extra output of per-token losses.
+// The forward's request: only with reduction "none".
+void check_entropy_request(const Problem& p, bool entropy);
+
+// The recomputing backward's entropy inputs, flattened: the forward's entropy rows and their upstream
+// gradient (both of target's shape, in the stats dtype; grad_entropy converted to it), or undefined
+// tensors when no entropy gradient is given (then the backward is the plain per-token one).
+struct EntropyGrad {
+  at::Tensor entropy, grad;
+  bool defined() const { return grad.defined(); }
+};
+EntropyGrad entropy_grad_inputs(const Problem& p, const at::Tensor& x, const std::optional<at::Tensor>& entropy,
+                                const std::optional<at::Tensor>& grad_entropy);
+
 }  // namespace fuseforge::linear_cross_entropy

@@ -1,8 +1,9 @@
 // linear_cross_entropy's fused CPU row kernel, compiled once per CPU build (common/cpu_isa.h). A row
 // of logits (<= vocab * 4 bytes, L2-resident) is read three times at most: (1) bias + softcap in place,
-// max, sum of the logits; (2) sum exp(z - max) (kept in place when no softcap needs z later); (3) the
-// gradient dz in place. Vector arithmetic in M (float; double for float64) with at::vec::Vectorized,
-// per-row scalars in double. Rows are split across threads (each row is independent).
+// max, sum of the logits; (2) sum exp(z - max) (kept in place when no softcap needs z later), and for
+// the entropy sum exp(z - max) (z - max); (3) the gradient dz in place. Vector arithmetic in M
+// (float; double for float64) with at::vec::Vectorized, per-row scalars in double. Rows are split
+// across threads (each row is independent).
 #pragma once
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -94,7 +95,10 @@ double hsum(const Vec<M>& v) {
   return s[0];
 }
 
-template <typename M>
+// kEntropy: the row's entropy H = log S - A / S, S = sum exp(z - max), A = sum exp(z - max) (z - max)
+// (no cancellation: log S >= 0 and -A / S >= 0), written with lse; in the gradient pass, with
+// entropy_grad_rows, dH/dz_j = -p_j (log p_j + H) weighted by the row's entropy gradient.
+template <typename M, bool kEntropy>
 void row(const CpuRowArgs& a, int64_t r) {
   using V = Vec<M>;
   constexpr int64_t W = V::size();
@@ -106,6 +110,9 @@ void row(const CpuRowArgs& a, int64_t r) {
   if (t == a.ignore_index) {  // no loss, no gradient (and no arithmetic that could turn 0 * inf into NaN)
     if (a.row_loss) static_cast<M*>(a.row_loss)[r] = M(0);
     if (!a.stats_in) lse_p[r] = nll_p[r] = M(0);
+    if constexpr (kEntropy) {
+      if (!a.stats_in) static_cast<M*>(a.entropy)[r] = M(0);
+    }
     if (a.grad_rows) fill(z, vocab, M(0));
     return;
   }
@@ -157,31 +164,46 @@ void row(const CpuRowArgs& a, int64_t r) {
   }
   const double zt = static_cast<double>(z[t]);  // the target's logit, exactly as the GEMM (+ bias, cap) made it
   double lse, nll;
+  const bool entropy_grad = kEntropy && a.entropy_grad_rows != nullptr;
   // Without softcap the gradient needs only exp(z - max), not z: pass (2) keeps it in place, and pass
   // (3) scales it instead of computing a second exp.
-  const bool keep_exp = need_stats && a.grad_rows && !softcap;
+  const bool keep_exp = need_stats && a.grad_rows && !softcap && !entropy_grad;
   double inv_sum = 0;
+  double entropy = 0;
   if (need_stats) {
     // nll = (max - z_t) + log(sum exp(z - max)): no cancellation of lse against z_t when the target dominates.
     const M mx = hmax(vmax);
     const V vmx(mx);
-    V vs = zero, vs1 = zero;
+    // (z - max) * exp(z - max) with z - max clamped to a finite value: 0, not NaN, for a -inf logit.
+    const V lowest(std::numeric_limits<M>::lowest());
+    V vs = zero, vs1 = zero, va = zero, va1 = zero;
     int64_t i = 0;
     for (; i + 2 * W <= vocab; i += 2 * W) {  // two accumulators, as pass (1)
-      const V e0 = exp_row<M>(V::loadu(z + i) - vmx);
-      const V e1 = exp_row<M>(V::loadu(z + i + W) - vmx);
+      const V d0 = V::loadu(z + i) - vmx;
+      const V d1 = V::loadu(z + i + W) - vmx;
+      const V e0 = exp_row<M>(d0);
+      const V e1 = exp_row<M>(d1);
       if (keep_exp) {
         e0.store(z + i);
         e1.store(z + i + W);
       }
       vs = vs + e0;
       vs1 = vs1 + e1;
+      if constexpr (kEntropy) {
+        va = at::vec::fmadd(e0, at::vec::clamp_min(d0, lowest), va);
+        va1 = at::vec::fmadd(e1, at::vec::clamp_min(d1, lowest), va1);
+      }
     }
     for (; i < vocab; i += W) {
       const int64_t n = std::min(W, vocab - i);
-      const V e = exp_row<M>(V::loadu(z + i, n) - vmx);
+      const V d = V::loadu(z + i, n) - vmx;
+      const V e = exp_row<M>(d);
       if (keep_exp) e.store(z + i, n);
       vs = vs + (n == W ? e : V::set(zero, e, n));
+      if constexpr (kEntropy) {
+        const V ed = e * at::vec::clamp_min(d, lowest);
+        va = va + (n == W ? ed : V::set(zero, ed, n));
+      }
     }
     const double sum = hsum(vs + vs1);
     inv_sum = 1.0 / sum;
@@ -190,6 +212,10 @@ void row(const CpuRowArgs& a, int64_t r) {
     nll = (static_cast<double>(mx) - zt) + log_sum;
     lse_p[r] = static_cast<M>(lse);
     nll_p[r] = static_cast<M>(nll);
+    if constexpr (kEntropy) {
+      entropy = log_sum - hsum(va + va1) * inv_sum;
+      static_cast<M*>(a.entropy)[r] = static_cast<M>(entropy);
+    }
     if (a.row_loss) {
       double loss = (1.0 - a.label_smoothing) * nll;
       if (smoothing) loss += a.label_smoothing * (lse - hsum(vsum) / static_cast<double>(vocab));
@@ -199,6 +225,7 @@ void row(const CpuRowArgs& a, int64_t r) {
   } else {
     lse = static_cast<double>(lse_p[r]);
     nll = static_cast<double>(nll_p[r]);
+    if constexpr (kEntropy) entropy = static_cast<double>(static_cast<const M*>(a.entropy)[r]);
   }
   if (!a.grad_rows) return;
 
@@ -209,11 +236,28 @@ void row(const CpuRowArgs& a, int64_t r) {
   const double shift = a.label_smoothing / static_cast<double>(vocab);
   const V vlse(static_cast<M>(lse)), vscale(static_cast<M>(scale)), vshift(static_cast<M>(shift)),
       vg(static_cast<M>(g)), one(M(1));
+  // With the entropy's gradient: dz += g_H * (-p (log p + H)), log p = z - lse.
+  const double g_entropy =
+      entropy_grad ? static_cast<double>(static_cast<const M*>(a.entropy_grad_rows)[r]) : 0.0;
   if (keep_exp) {  // z holds exp(z - max): softmax = that / sum
     const V vp(static_cast<M>(scale * inv_sum));
     for (int64_t i = 0; i < vocab; i += W) {
       const int64_t n = std::min(W, vocab - i);
       ((V::loadu(z + i, n) * vp - vshift) * vg).store(z + i, n);
+    }
+  } else if (entropy_grad) {
+    const V vent(static_cast<M>(entropy)), vge(static_cast<M>(g_entropy));
+    for (int64_t i = 0; i < vocab; i += W) {
+      const int64_t n = std::min(W, vocab - i);
+      const V c = V::loadu(z + i, n);
+      const V logp = c - vlse;
+      const V prob = exp_row<M>(logp);
+      V d = (prob * vscale - vshift) * vg - prob * (logp + vent) * vge;
+      if (softcap) {
+        const V u = c / cap;
+        d = d * (one - u * u);
+      }
+      d.store(z + i, n);
     }
   } else {
     for (int64_t i = 0; i < vocab; i += W) {
@@ -230,18 +274,24 @@ void row(const CpuRowArgs& a, int64_t r) {
   double dt = std::expm1(-nll) + a.label_smoothing;
   if (a.z_loss > 0) dt += std::exp(zt - lse) * (2.0 * a.z_loss) * lse;
   dt -= shift;
-  if (softcap) {
-    const double u = zt / a.softcap;
-    dt *= 1.0 - u * u;
-  }
-  z[t] = static_cast<M>(dt * g);
+  const double u = softcap ? zt / a.softcap : 0.0;
+  const double cap_grad = 1.0 - u * u;
+  if (softcap) dt *= cap_grad;
+  double dz_t = dt * g;
+  // The target's -p (log p + H) with log p = -nll (exact where p is close to 1).
+  if (entropy_grad) dz_t -= g_entropy * std::exp(-nll) * (entropy - nll) * cap_grad;
+  z[t] = static_cast<M>(dz_t);
 }
 
 template <typename M>
 void rows_typed(const CpuRowArgs& a) {
   const int64_t grain = std::max<int64_t>(1, kGrainElems / std::max<int64_t>(1, a.vocab));
   at::parallel_for(0, a.rows, grain, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) row<M>(a, r);
+    if (a.entropy) {
+      for (int64_t r = r0; r < r1; ++r) row<M, true>(a, r);
+    } else {
+      for (int64_t r = r0; r < r1; ++r) row<M, false>(a, r);
+    }
   });
 }
 

@@ -126,18 +126,20 @@ void gemm_accumulate_fp32(at::Tensor& acc, const at::Tensor& a, const at::Tensor
 // A launch starting at row r0: the per-row inputs (targets, exact target logits, gradient weights)
 // advanced to it.
 template <typename T>
-RowParams<T> at_row(RowParams<T> q, int64_t r0) {
+StreamParams<T> at_row(StreamParams<T> q, int64_t r0) {
   q.target += r0;
   if (q.target_logit) q.target_logit += r0;
   if (q.row_sumz) q.row_sumz += r0;
   if (q.row_scale) q.row_scale += r0;
+  if (q.entropy_scale) q.entropy_scale += r0;
   return q;
 }
 
+// (StreamParams: the cluster kernel takes its RowParams part.)
 template <typename T>
-RowParams<T> base_params(const Problem& p, const std::optional<at::Tensor>& row_scale,
-                         const std::optional<at::Tensor>& scalar_scale, const at::Tensor& target_logit) {
-  RowParams<T> rp;
+StreamParams<T> base_params(const Problem& p, const std::optional<at::Tensor>& row_scale,
+                            const std::optional<at::Tensor>& scalar_scale, const at::Tensor& target_logit) {
+  StreamParams<T> rp;
   rp.target = p.target.const_data_ptr<int64_t>();
   rp.target_logit = target_logit.defined() ? target_logit.const_data_ptr<float>() : nullptr;
   rp.bias = p.bias.defined() ? p.bias.const_data_ptr<T>() : nullptr;
@@ -153,6 +155,7 @@ RowParams<T> base_params(const Problem& p, const std::optional<at::Tensor>& row_
 
 struct Outputs {
   at::Tensor row_losses, stats, grad_x, grad_weight, grad_bias;  // stats (2, N): lse, nll
+  at::Tensor entropy;                                             // (N,) when asked for
 };
 
 // Gradient weights: row_scale (per row) and/or scalar_scale (device scalar) multiply dz.
@@ -161,7 +164,17 @@ struct GradSpec {
   GradRequest want;
   std::optional<at::Tensor> row_scale, scalar_scale;
   std::optional<at::Tensor> stats_in;  // known (lse, nll) rows (recomputing backward)
+  EntropyGrad entropy;                 // the forward's entropies and their gradient (recomputing backward)
 };
+
+// The entropy's pointers: its gradient (per row, advanced by at_row) and the forward's values
+// (advanced with lse_in where they are used).
+template <typename T>
+void set_entropy_grad(StreamParams<T>& rp, const GradSpec& g) {
+  if (!g.entropy.defined()) return;
+  rp.entropy_in = g.entropy.entropy.const_data_ptr<float>();
+  rp.entropy_scale = g.entropy.grad.const_data_ptr<float>();
+}
 
 void allocate_grads(const Problem& p, const GradSpec& g, Outputs& o) {
   if (!g.enabled) return;
@@ -176,8 +189,9 @@ void run_default(const Problem& p, const GradSpec& g, Outputs& o) {
   allocate_grads(p, g, o);
   // The cluster kernel needs compute capability 9.0 (thread block clusters); below, e.g. on an A100,
   // the stream kernel takes every row.
-  const bool cluster =
-      p.vocab % 4 == 0 && p.vocab <= kClusterMaxVocab && !g.stats_in.has_value() && cluster_kernel_runnable();
+  // The entropy (per-token losses only) is the stream kernel's.
+  const bool cluster = p.vocab % 4 == 0 && p.vocab <= kClusterMaxVocab && !g.stats_in.has_value() &&
+                       !o.entropy.defined() && cluster_kernel_runnable();
   // Development knob FUSEFORGE_LCE_PERSISTENT: 1, as many clusters as the GPU holds, each looping over
   // rows; 0, one cluster a row.
   const bool persistent = dev_flag("FUSEFORGE_LCE_PERSISTENT", true);
@@ -202,7 +216,8 @@ void run_default(const Problem& p, const GradSpec& g, Outputs& o) {
   }
   at::Tensor& w_out = plan.fp32_weight_acc ? w_acc : o.grad_weight;
   const at::Tensor exact_zt = target_logits<T>(p);
-  RowParams<T> rp = base_params<T>(p, g.row_scale, g.scalar_scale, exact_zt);
+  StreamParams<T> rp = base_params<T>(p, g.row_scale, g.scalar_scale, exact_zt);
+  set_entropy_grad(rp, g);
   rp.cols = p.vocab;
   rp.ld_logits = p.vocab;
   rp.ld_dz = p.vocab;
@@ -229,7 +244,7 @@ void run_default(const Problem& p, const GradSpec& g, Outputs& o) {
     const int64_t s_rows = std::min(plan.super_rows, p.rows - s0);
     for (int64_t c0 = s0; c0 < s0 + s_rows; c0 += plan.sub_rows) {
       const int64_t c_rows = std::min(plan.sub_rows, s0 + s_rows - c0);
-      RowParams<T> q = at_row(rp, c0);
+      StreamParams<T> q = at_row(rp, c0);
       if (plan.bf16_logits) {  // in place: into this sub-chunk's dz rows, turned into dz
         at::Tensor logits = plan.in_place ? dz_buf.narrow(0, c0 - s0, c_rows)
                                           : staging.narrow(0, 0, c_rows * p.vocab).view({c_rows, p.vocab});
@@ -244,10 +259,12 @@ void run_default(const Problem& p, const GradSpec& g, Outputs& o) {
       if (q.lse_in) {
         q.lse_in += c0;
         q.nll_in += c0;
+        if (q.entropy_in) q.entropy_in += c0;
       } else {
         q.lse_out = o.stats[0].mutable_data_ptr<float>() + c0;
         q.nll_out = o.stats[1].mutable_data_ptr<float>() + c0;
         q.loss_out = o.row_losses.mutable_data_ptr<float>() + c0;
+        if (o.entropy.defined()) q.entropy_out = o.entropy.mutable_data_ptr<float>() + c0;
       }
       q.dz = g.enabled ? dz_buf.mutable_data_ptr<T>() + (c0 - s0) * p.vocab : nullptr;
       if (cluster && (q.dz || plan.bf16_logits)) {
@@ -287,7 +304,8 @@ template <typename T>
 void run_low_memory(const Problem& p, const GradSpec& g, Outputs& o) {
   const auto f32 = p.x2d.options().dtype(at::kFloat);
   const at::Tensor exact_zt = target_logits<T>(p);
-  RowParams<T> rp = base_params<T>(p, g.row_scale, g.scalar_scale, exact_zt);
+  StreamParams<T> rp = base_params<T>(p, g.row_scale, g.scalar_scale, exact_zt);
+  set_entropy_grad(rp, g);
 
   if (!g.stats_in.has_value()) {  // pass 1: lse and loss from running per-row statistics
     // Large enough tiles for full-speed products (2048 x 8192 at most); freed before the gradients
@@ -295,14 +313,15 @@ void run_low_memory(const Problem& p, const GradSpec& g, Outputs& o) {
     const int64_t tile_cols = std::min<int64_t>(kLowMemStatsCols, p.vocab);
     const int64_t tile_rows = std::clamp<int64_t>(kLowMemStatsBytes / (4 * tile_cols), 1, std::max<int64_t>(p.rows, 1));
     at::Tensor tile = at::empty({tile_rows * tile_cols}, f32);
-    at::Tensor run = at::empty({4, p.rows}, f32);
+    const bool entropy = o.entropy.defined();
+    at::Tensor run = at::empty({entropy ? 5 : 4, p.rows}, f32);
     for (int64_t n0 = 0; n0 < p.rows; n0 += tile_rows) {
       const int64_t rn = std::min(tile_rows, p.rows - n0);
       for (int64_t v0 = 0; v0 < p.vocab; v0 += tile_cols) {
         const int64_t vc = std::min(tile_cols, p.vocab - v0);
         at::Tensor logits = tile.narrow(0, 0, rn * vc).view({rn, vc});
         logits_gemm(logits, p.x2d.narrow(0, n0, rn), p.weight.narrow(0, v0, vc));
-        RowParams<T> q = at_row(rp, n0);  // (no gradient in this pass: the weights go unread)
+        StreamParams<T> q = at_row(rp, n0);  // (no gradient in this pass: the weights go unread)
         q.logits = logits.const_data_ptr<float>();
         q.ld_logits = vc;
         q.rows = rn;
@@ -312,6 +331,10 @@ void run_low_memory(const Problem& p, const GradSpec& g, Outputs& o) {
         q.run_sum = run[1].mutable_data_ptr<float>() + n0;
         q.run_sumz = run[2].mutable_data_ptr<float>() + n0;
         q.run_zt = run[3].mutable_data_ptr<float>() + n0;
+        if (entropy) {
+          q.run_ent = run[4].mutable_data_ptr<float>() + n0;
+          q.entropy_out = o.entropy.mutable_data_ptr<float>() + n0;
+        }
         q.first_tile = v0 == 0;
         q.last_tile = v0 + vc == p.vocab;
         q.lse_out = o.stats[0].mutable_data_ptr<float>() + n0;
@@ -349,7 +372,7 @@ void run_low_memory(const Problem& p, const GradSpec& g, Outputs& o) {
       const at::Tensor w_rows = p.weight.narrow(0, v0, vc);
       at::Tensor dz = tile.narrow(0, 0, rn * vc).view({rn, vc});
       at::mm_out(dz, x_rows, w_rows.t());  // the logits, until the kernel below
-      RowParams<T> q = at_row(rp, n0);
+      StreamParams<T> q = at_row(rp, n0);
       if constexpr (kFp32) {
         q.logits = dz.const_data_ptr<float>();
       } else {
@@ -363,6 +386,7 @@ void run_low_memory(const Problem& p, const GradSpec& g, Outputs& o) {
       q.col_begin = v0;
       q.lse_in = lse + n0;
       q.nll_in = nll + n0;
+      if (q.entropy_in) q.entropy_in += n0;
       launch_row_softmax_stream<T>(q);
       if (g.want.weight) {
         at::Tensor gw_rows = o.grad_weight.narrow(0, v0, vc);
@@ -378,11 +402,13 @@ void run_low_memory(const Problem& p, const GradSpec& g, Outputs& o) {
   if (g.want.bias) o.grad_bias.copy_(b_acc);
 }
 
-Outputs run(const Problem& p, const GradSpec& g, bool low_memory) {
+// entropy: the rows' entropies too (forward of per-token losses).
+Outputs run(const Problem& p, const GradSpec& g, bool low_memory, bool entropy = false) {
   Outputs o;
   const auto f32 = p.x2d.options().dtype(at::kFloat);
   o.row_losses = at::empty({p.rows}, f32);
   o.stats = g.stats_in.has_value() ? *g.stats_in : at::empty({2, p.rows}, f32);
+  if (entropy) o.entropy = at::empty({p.rows}, f32);
   FUSEFORGE_DISPATCH_HALF_FLOAT(p.x2d.scalar_type(), "linear_cross_entropy_cuda", [&] {
     if (low_memory) run_low_memory<scalar_t>(p, g, o);
     else run_default<scalar_t>(p, g, o);
@@ -394,12 +420,13 @@ at::Tensor or_empty(const at::Tensor& t, const at::Tensor& like) {
   return t.defined() ? t : at::empty({0}, like.options());
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
     const at::Tensor& x, const at::Tensor& weight, const at::Tensor& target, const std::optional<at::Tensor>& bias,
     int64_t ignore_index, c10::string_view reduction, double label_smoothing, double z_loss, double softcap,
-    bool low_memory, bool grad_x, bool grad_weight, bool grad_bias) {
+    bool low_memory, bool grad_x, bool grad_weight, bool grad_bias, bool entropy) {
   const Problem p = prepare(x, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss, softcap,
                             /*allow_double=*/false);
+  check_entropy_request(p, entropy);
   const c10::cuda::CUDAGuard guard(x.device());
   const at::Tensor inv_count = inverse_valid_count(p);
   GradSpec g;
@@ -409,20 +436,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   // 1/count is applied by the backward instead (grad_scale).
   const bool fold_mean = p.cfg.reduction == Reduction::kMean && x.scalar_type() != at::kHalf;
   if (g.enabled && fold_mean) g.scalar_scale = inv_count;
-  Outputs o = run(p, g, low_memory);
+  Outputs o = run(p, g, low_memory, entropy);
   const at::Tensor loss = shape_loss(o.row_losses, inv_count, p);
   const at::Tensor grad_scale = (g.enabled && p.cfg.reduction == Reduction::kMean && !fold_mean)
                                     ? inv_count.reshape({})
                                     : at::ones({}, x.options().dtype(at::kFloat));
   at::Tensor gx = o.grad_x.defined() ? o.grad_x.view(x.sizes()) : o.grad_x;
-  return {loss, o.stats, or_empty(gx, x), or_empty(o.grad_weight, x), or_empty(o.grad_bias, x), grad_scale};
+  const at::Tensor ent = entropy ? o.entropy.view(p.batch_shape) : at::empty({0}, o.stats.options());
+  return {loss, o.stats, or_empty(gx, x), or_empty(o.grad_weight, x), or_empty(o.grad_bias, x), grad_scale, ent};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     const at::Tensor& grad_loss, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& target,
     const std::optional<at::Tensor>& bias, const at::Tensor& lse, int64_t ignore_index, c10::string_view reduction,
     double label_smoothing, double z_loss, double softcap, bool low_memory, bool grad_x, bool grad_weight,
-    bool grad_bias) {
+    bool grad_bias, const std::optional<at::Tensor>& entropy, const std::optional<at::Tensor>& grad_entropy) {
   const Problem p = prepare(x, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss, softcap,
                             /*allow_double=*/false);
   const c10::cuda::CUDAGuard guard(x.device());
@@ -435,6 +463,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
   g.want = GradRequest{grad_x, grad_weight, grad_bias && p.bias.defined()};
   g.enabled = g.want.any();
   g.stats_in = lse.contiguous();
+  g.entropy = entropy_grad_inputs(p, x, entropy, grad_entropy);
   if (p.cfg.reduction == Reduction::kNone) {
     TORCH_CHECK(grad_loss.sizes() == p.batch_shape, "grad_loss must have the loss's shape ", p.batch_shape,
                 ", got ", grad_loss.sizes());

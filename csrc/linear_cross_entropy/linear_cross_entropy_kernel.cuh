@@ -14,11 +14,12 @@
 //    merged with running per-row statistics of earlier vocabulary tiles), and/or dz given a known
 //    lse (in place over 16-bit logits on the low-memory strategy's gradient pass). Serves the
 //    loss-only forward, the recomputing backward, the low-memory strategy and vocabularies too
-//    large for the cluster kernel.
+//    large for the cluster kernel; with kEntropy also each row's entropy and its gradient.
 #pragma once
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
+#include <cfloat>
 #include <cstdint>
 #include <type_traits>
 
@@ -70,6 +71,24 @@ struct LossMath {
       g *= 1.f - t * t;
     }
     return g * scale;
+  }
+  // grad plus the entropy's: g_H dH/dz = -g_H p (log p + H), log p = zc - lse (scale_h = g_H).
+  __device__ float grad_with_entropy(float zc, float lse, float nll, bool is_target, float scale, float entropy,
+                                     float scale_h) const {
+    const float logp = zc - lse;
+    const float p = __expf(logp);
+    float g;
+    if (is_target) {
+      g = expm1f(-nll) + p * 2.f * z_loss * lse + label_smoothing - smooth_per_class;
+    } else {
+      g = p * (1.f + 2.f * z_loss * lse) - smooth_per_class;
+    }
+    g = g * scale - scale_h * p * (logp + entropy);
+    if (softcap > 0.f) {
+      const float t = zc * inv_softcap;
+      g *= 1.f - t * t;
+    }
+    return g;
   }
   // lse - (1 - ls) z_t - (ls / V) sum(z) + z_loss lse^2, with lse - z_t = nll formed without cancellation.
   __device__ float loss(float lse, float nll, float sumz) const {
@@ -384,8 +403,12 @@ __global__ void __launch_bounds__(kClusterThreads, kVec4 >= 16 ? 1 : 2)
 // multiples of 4 (4-wide loads and stores). L: the logits' storage (float, or T from
 // p.logits_lowp). dz may alias the logits when lse is given (p.lse_in): each thread reads its own
 // columns before it writes them, and the target's logit then comes from p.target_logit.
-template <typename T, typename L, bool kVec>
-__device__ void row_softmax_stream_body(const RowParams<T>& p) {
+// kEntropy: the forward also accumulates A = sum exp(z - m) (z - m) beside the sum S (rescaled with
+// the running max m like it) and writes H = log S - A / S; the gradient pass adds the entropy's
+// gradient with p.entropy_scale. Without it the kernel is the plain per-token one (StreamParams'
+// entropy fields unread).
+template <typename T, typename L, bool kVec, bool kEntropy>
+__device__ void row_softmax_stream_body(const StreamParams<T>& p) {
   __shared__ float scratch[kStreamThreads / 32];
   const int tid = threadIdx.x;
   const int64_t row = blockIdx.x;
@@ -400,6 +423,9 @@ __device__ void row_softmax_stream_body(const RowParams<T>& p) {
       if (p.loss_out) p.loss_out[row] = 0.f;
       if (p.lse_out) p.lse_out[row] = 0.f;
       if (p.nll_out) p.nll_out[row] = 0.f;
+      if constexpr (kEntropy) {
+        if (p.entropy_out) p.entropy_out[row] = 0.f;
+      }
     }
     return;
   }
@@ -408,12 +434,19 @@ __device__ void row_softmax_stream_body(const RowParams<T>& p) {
   constexpr int kStep = kVec ? 4 : 1;
 
   float lse, nll;
+  float entropy = 0.f;
+  // A of terms whose exp(z - m) sum to `sum`, carried from max m to max new_m >= m:
+  // exp(m - new_m) (A + (m - new_m) sum), both terms <= 0; 0 while nothing is summed (m = -inf).
+  const auto rescale_a = [](float a, float sum, float m, float new_m) {
+    return sum > 0.f ? __expf(m - new_m) * fmaf(m - new_m, sum, a) : 0.f;
+  };
   if (p.lse_in) {
     lse = p.lse_in[row];
     nll = p.nll_in[row];
+    if constexpr (kEntropy) entropy = p.entropy_in[row];
   } else {
     // Online max / sum over this thread's columns, then across the block.
-    float run_m = -INFINITY, run_s = 0.f, run_z = 0.f;
+    float run_m = -INFINITY, run_s = 0.f, run_z = 0.f, run_a = 0.f;
     for (int64_t col = static_cast<int64_t>(tid) * kStep; col < p.cols; col += kStreamThreads * kStep) {
       float z[kStep];
       if constexpr (kVec) {
@@ -432,18 +465,30 @@ __device__ void row_softmax_stream_body(const RowParams<T>& p) {
       }
       const float new_m = fmaxf(run_m, mx);
       float s = run_s * __expf(run_m - new_m);  // run_m = -inf at first: exp(-inf) = 0
+      if constexpr (kEntropy) run_a = rescale_a(run_a, run_s, run_m, new_m);
 #pragma unroll
-      for (int k = 0; k < kStep; ++k) s += __expf(z[k] - new_m);
+      for (int k = 0; k < kStep; ++k) {
+        const float d = z[k] - new_m;
+        const float e = __expf(d);
+        s += e;
+        // (d clamped to a finite value: 0, not NaN, for a -inf logit)
+        if constexpr (kEntropy) run_a = fmaf(e, fmaxf(d, -FLT_MAX), run_a);
+      }
       run_s = s;
       run_m = new_m;
     }
     float tile_max = block_max<kStreamThreads>(run_m, scratch);
+    float tile_a = 0.f;
+    if constexpr (kEntropy) tile_a = block_sum<kStreamThreads>(rescale_a(run_a, run_s, run_m, tile_max), scratch);
     float tile_sum = block_sum<kStreamThreads>(run_s > 0.f ? run_s * __expf(run_m - tile_max) : 0.f, scratch);
     float tile_sumz = block_sum<kStreamThreads>(run_z, scratch);
     float zt = target_in_tile ? load_logit(p, zrow, row, t_local, t_local, m) : 0.f;
     if (p.run_max && !p.first_tile) {  // merge with the earlier tiles of this row
       const float prev_m = p.run_max[row], prev_s = p.run_sum[row];
       const float new_m = fmaxf(prev_m, tile_max);
+      if constexpr (kEntropy) {
+        tile_a = rescale_a(tile_a, tile_sum, tile_max, new_m) + rescale_a(p.run_ent[row], prev_s, prev_m, new_m);
+      }
       tile_sum = tile_sum * __expf(tile_max - new_m) + prev_s * __expf(prev_m - new_m);
       tile_max = new_m;
       tile_sumz += p.run_sumz[row];
@@ -455,20 +500,35 @@ __device__ void row_softmax_stream_body(const RowParams<T>& p) {
         p.run_sum[row] = tile_sum;
         p.run_sumz[row] = tile_sumz;
         if (target_in_tile) p.run_zt[row] = zt;
+        if constexpr (kEntropy) p.run_ent[row] = tile_a;
       }
       return;  // gradients need the whole row's lse
     }
     const float log_sum = logf(tile_sum);
     lse = tile_max + log_sum;
     nll = bad_target ? NAN : (tile_max - zt) + log_sum;
+    if constexpr (kEntropy) entropy = bad_target ? NAN : log_sum - tile_a / tile_sum;
     if (tid == 0) {
       if (p.loss_out) p.loss_out[row] = m.loss(lse, nll, tile_sumz);
       if (p.lse_out) p.lse_out[row] = lse;
       if (p.nll_out) p.nll_out[row] = nll;
+      if constexpr (kEntropy) {
+        if (p.entropy_out) p.entropy_out[row] = entropy;
+      }
     }
   }
   if (!p.dz) return;
   const float scale = bad_target ? NAN : row_grad_scale(p, row);
+  float scale_h = 0.f;  // the entropy's upstream gradient
+  if constexpr (kEntropy) scale_h = bad_target ? NAN : (p.entropy_scale ? p.entropy_scale[row] : 0.f);
+  // d loss / d z, plus the entropy's gradient with kEntropy.
+  const auto grad = [&](float zc, bool is_target) {
+    if constexpr (kEntropy) {
+      return m.grad_with_entropy(zc, lse, nll, is_target, scale, entropy, scale_h);
+    } else {
+      return m.grad(zc, lse, nll, is_target, scale);
+    }
+  };
   T* out = p.dz + row * p.ld_dz;
   for (int64_t col = static_cast<int64_t>(tid) * kStep; col < p.cols; col += kStreamThreads * kStep) {
     if constexpr (kVec) {
@@ -479,18 +539,18 @@ __device__ void row_softmax_stream_body(const RowParams<T>& p) {
       for (int k = 0; k < 4; ++k) {
         float zk = raw_logit(p, z[k], row, col + k, t_local);
         if (p.bias) zk += static_cast<float>(p.bias[p.col_begin + col + k]);
-        g[k] = m.grad(m.cap(zk), lse, nll, col + k == t_local, scale);
+        g[k] = grad(m.cap(zk), col + k == t_local);
       }
       store4(out + col, g[0], g[1], g[2], g[3]);
     } else {
-      out[col] = static_cast<T>(m.grad(load_logit(p, zrow, row, col, t_local, m), lse, nll, col == t_local, scale));
+      out[col] = static_cast<T>(grad(load_logit(p, zrow, row, col, t_local, m), col == t_local));
     }
   }
 }
 
-template <typename T, typename L, bool kVec>
-__global__ void __launch_bounds__(kStreamThreads) row_softmax_stream_kernel(RowParams<T> p) {
-  row_softmax_stream_body<T, L, kVec>(p);
+template <typename T, typename L, bool kVec, bool kEntropy>
+__global__ void __launch_bounds__(kStreamThreads) row_softmax_stream_kernel(StreamParams<T> p) {
+  row_softmax_stream_body<T, L, kVec, kEntropy>(p);
 }
 
 // out[r] = x[r] . weight[target[r]] in float32 (0 for ignored or out-of-range targets): one warp a

@@ -47,6 +47,17 @@ struct RowParams {
   float* loss_out = nullptr;
 };
 
+// The stream kernel's parameters: RowParams and the entropy of each row's (capped) logits, for
+// per-token losses (apart from RowParams, so the cluster kernel's parameters stay as they are).
+// H = log S - A / S with S = sum exp(z - max) and A = sum exp(z - max) (z - max): two terms >= 0.
+template <typename T>
+struct StreamParams : RowParams<T> {
+  float* entropy_out = nullptr;          // forward: per-row H (0 for ignored rows), or nullptr
+  float* run_ent = nullptr;              // running A across vocabulary tiles (with run_max), or nullptr
+  const float* entropy_in = nullptr;     // recomputing backward: the forward's H ...
+  const float* entropy_scale = nullptr;  // ... and its per-row upstream gradient, or nullptr: none
+};
+
 constexpr int kClusterSize = 8;
 constexpr int kClusterThreads = 512;
 constexpr int kStreamThreads = 256;
@@ -59,7 +70,7 @@ bool cluster_kernel_runnable();
 template <typename T>
 void launch_row_softmax_cluster(const RowParams<T>& p, bool persistent);
 template <typename T>
-void launch_row_softmax_stream(const RowParams<T>& p);
+void launch_row_softmax_stream(const StreamParams<T>& p);
 template <typename T>
 void launch_scale(T* data, int64_t n, const float* a, const float* b);
 // out[r] = x[r] . weight[target[r]] in float32 for r < rows (x rows x hidden, weight vocab x hidden,

@@ -4,22 +4,30 @@
 namespace fuseforge::linear_cross_entropy {
 
 namespace {
-template <typename T, typename L>
-void launch_stream(const RowParams<T>& p, const L* logits) {
+template <typename T, typename L, bool kEntropy>
+void launch_stream_kernel(const StreamParams<T>& p, const L* logits) {
   const auto aligned4 = [](const void* ptr, size_t elem) { return reinterpret_cast<uintptr_t>(ptr) % (4 * elem) == 0; };
   const bool vec = p.cols % 4 == 0 && p.ld_logits % 4 == 0 && aligned4(logits, sizeof(L)) &&
                    (!p.dz || (p.ld_dz % 4 == 0 && aligned4(p.dz, sizeof(T))));
   const dim3 grid(static_cast<unsigned>(p.rows));
   if (vec) {
-    launch_kernel(row_softmax_stream_kernel<T, L, true>, grid, dim3(kStreamThreads), 0, p);
+    launch_kernel(row_softmax_stream_kernel<T, L, true, kEntropy>, grid, dim3(kStreamThreads), 0, p);
   } else {
-    launch_kernel(row_softmax_stream_kernel<T, L, false>, grid, dim3(kStreamThreads), 0, p);
+    launch_kernel(row_softmax_stream_kernel<T, L, false, kEntropy>, grid, dim3(kStreamThreads), 0, p);
   }
+}
+
+// The entropy variant only where an entropy is written or its gradient taken: the plain per-token
+// kernel otherwise (nothing added to it).
+template <typename T, typename L>
+void launch_stream(const StreamParams<T>& p, const L* logits) {
+  if (p.entropy_out != nullptr || p.entropy_scale != nullptr) return launch_stream_kernel<T, L, true>(p, logits);
+  launch_stream_kernel<T, L, false>(p, logits);
 }
 }  // namespace
 
 template <typename T>
-void launch_row_softmax_stream(const RowParams<T>& p) {
+void launch_row_softmax_stream(const StreamParams<T>& p) {
   if constexpr (!std::is_same_v<T, float>) {
     if (p.logits_lowp != nullptr) return launch_stream<T, T>(p, p.logits_lowp);
   }
@@ -42,9 +50,9 @@ void launch_target_logits(const T* x, const T* weight, const int64_t* target, in
                 dim3(kTargetLogitThreads), 0, x, weight, target, rows, hidden, vocab, ignore_index, out);
 }
 
-template void launch_row_softmax_stream<float>(const RowParams<float>&);
-template void launch_row_softmax_stream<at::Half>(const RowParams<at::Half>&);
-template void launch_row_softmax_stream<at::BFloat16>(const RowParams<at::BFloat16>&);
+template void launch_row_softmax_stream<float>(const StreamParams<float>&);
+template void launch_row_softmax_stream<at::Half>(const StreamParams<at::Half>&);
+template void launch_row_softmax_stream<at::BFloat16>(const StreamParams<at::BFloat16>&);
 template void launch_target_logits<float>(const float*, const float*, const int64_t*, int64_t, int64_t, int64_t,
                                           int64_t, float*);
 template void launch_target_logits<at::Half>(const at::Half*, const at::Half*, const int64_t*, int64_t, int64_t,

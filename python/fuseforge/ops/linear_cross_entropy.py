@@ -11,6 +11,7 @@ from fuseforge.ops._eager import eager_autograd, plain_eager
 _ops = torch.ops.fuseforge
 
 REDUCTIONS = ("mean", "sum", "none")
+_NUM_INPUTS = 14  # linear_cross_entropy_fwd's arguments: its backward returns one gradient (or None) each
 
 
 def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] = None, *,
@@ -61,6 +62,23 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Option
     Out-of-range targets: the CPU raises; on CUDA (no host sync) that token's loss and its gradient
     row are NaN, so a mean or sum loss is NaN.
     """
+    return _fused(x, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss, softcap, low_memory,
+                  entropy=False)[0]
+
+
+def per_token_loss_and_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] = None, *,
+                               ignore_index: int = -100, softcap: Optional[float] = None) -> tuple[Tensor, Tensor]:
+    """``linear_cross_entropy(..., reduction="none")`` and each token's entropy ``-sum_j p_j log p_j`` of its
+    (capped) logits' distribution, from the same pass over the logits; both differentiable. Ignored
+    tokens have entropy 0 and no gradient. The building block of ``linear_logprobs(...,
+    return_entropy=True)``."""
+    out = _fused(x, weight, target, bias, ignore_index, "none", 0.0, 0.0, softcap, False, entropy=True)
+    return out[0], out[6]
+
+
+def _fused(x, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss, softcap, low_memory, *,
+           entropy: bool) -> tuple:
+    """The checked arguments through linear_cross_entropy_fwd (its outputs), with autograd."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if not 0.0 <= float(label_smoothing) < 1.0:
@@ -72,13 +90,13 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Option
     args = (x, weight, target, bias, int(ignore_index), reduction, float(label_smoothing), float(z_loss),
             float(softcap) if softcap is not None else 0.0, bool(low_memory),
             needs_grad and x.requires_grad, needs_grad and weight.requires_grad,
-            needs_grad and bias is not None and bias.requires_grad)
+            needs_grad and bias is not None and bias.requires_grad, bool(entropy))
     if plain_eager(x, weight, target, bias):
         if needs_grad:
-            return _EagerFunction.apply(*args)[0]
+            return _EagerFunction.apply(*args)
         with torch._C._AutoDispatchBelowAutograd():
-            return _ops.linear_cross_entropy_fwd(*args)[0]
-    return _ops.linear_cross_entropy_fwd(*args)[0]
+            return _ops.linear_cross_entropy_fwd(*args)
+    return _ops.linear_cross_entropy_fwd(*args)
 
 
 def _stats_dtype(x: Tensor) -> torch.dtype:
@@ -87,7 +105,7 @@ def _stats_dtype(x: Tensor) -> torch.dtype:
 
 @torch.library.register_fake("fuseforge::linear_cross_entropy_fwd")
 def _fwd_fake(x, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss, softcap, low_memory,
-              grad_x, grad_weight, grad_bias):
+              grad_x, grad_weight, grad_bias, entropy=False):
     sd = _stats_dtype(x)
     loss = x.new_empty(target.shape if reduction == "none" else (), dtype=sd)
     rows = target.numel()
@@ -96,12 +114,13 @@ def _fwd_fake(x, weight, target, bias, ignore_index, reduction, label_smoothing,
     gx = x.new_empty(x.shape if pre and grad_x else (0,))
     gw = x.new_empty(weight.shape if pre and grad_weight else (0,))
     gb = x.new_empty(bias.shape if pre and grad_bias and bias is not None else (0,))
-    return loss, lse, gx, gw, gb, x.new_empty((), dtype=torch.float32)
+    ent = x.new_empty(target.shape if entropy else (0,), dtype=sd)
+    return loss, lse, gx, gw, gb, x.new_empty((), dtype=torch.float32), ent
 
 
 @torch.library.register_fake("fuseforge::linear_cross_entropy_bwd")
 def _bwd_fake(grad_loss, x, weight, target, bias, lse, ignore_index, reduction, label_smoothing, z_loss, softcap,
-              low_memory, grad_x, grad_weight, grad_bias):
+              low_memory, grad_x, grad_weight, grad_bias, entropy=None, grad_entropy=None):
     return (x.new_empty(x.shape if grad_x else (0,)),
             x.new_empty(weight.shape if grad_weight else (0,)),
             x.new_empty(bias.shape if grad_bias and bias is not None else (0,)))
@@ -119,9 +138,11 @@ def _is_eager(*tensors) -> bool:
 
 def _setup_context(ctx, inputs, output):
     (x, weight, target, bias, ignore_index, reduction, label_smoothing, z_loss, softcap, low_memory,
-     grad_x, grad_weight, grad_bias) = inputs
-    _, lse, gx, gw, gb, grad_scale = output
+     grad_x, grad_weight, grad_bias, entropy) = inputs
+    _, lse, gx, gw, gb, grad_scale, ent = output
     ctx.mark_non_differentiable(lse, gx, gw, gb, grad_scale)
+    if not entropy:
+        ctx.mark_non_differentiable(ent)
     # No zero-filled gradients for the non-differentiable outputs (a V x H one would double the peak).
     ctx.set_materialize_grads(False)
     ctx.has_bias = bias is not None
@@ -138,12 +159,14 @@ def _setup_context(ctx, inputs, output):
     elif ctx.precomputed:
         ctx.save_for_backward(x, weight, target, bias, lse, gx, gw, gb, grad_scale)
     else:
-        ctx.save_for_backward(x, weight, target, bias, lse)
+        # The entropy (per-token losses only) for its gradient: dH/dz = -p (log p + H).
+        ctx.save_for_backward(x, weight, target, bias, lse, ent if entropy else None)
 
 
-def _backward(ctx, grad_loss, *_unused):
-    if grad_loss is None:  # the loss got no gradient
-        return (None,) * 13
+
+def _backward(ctx, grad_loss, _lse, _gx, _gw, _gb, _grad_scale, grad_entropy):
+    if grad_loss is None and grad_entropy is None:  # neither the loss nor the entropy got a gradient
+        return (None,) * _NUM_INPUTS
     want_x, want_w, want_b = ctx.requested
     need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     need_b = ctx.has_bias and ctx.needs_input_grad[3]
@@ -163,11 +186,15 @@ def _backward(ctx, grad_loss, *_unused):
         gx, gw, gb = gx * s, gw * s, gb * s
     else:
         ignore_index, reduction, label_smoothing, z_loss, softcap, low_memory = ctx.settings
+        # Without an entropy gradient the entropy is not passed: the plain per-token backward.
+        entropy = saved[5] if grad_entropy is not None else None
+        if grad_loss is None:  # only the entropy got a gradient
+            grad_loss = torch.zeros_like(grad_entropy)
         gx, gw, gb = _ops.linear_cross_entropy_bwd(
             grad_loss, x, weight, target, bias, lse, ignore_index, reduction, label_smoothing, z_loss, softcap,
-            low_memory, need_x and want_x, need_w and want_w, need_b and want_b)
+            low_memory, need_x and want_x, need_w and want_w, need_b and want_b, entropy, grad_entropy)
     return (gx if need_x and want_x else None, gw if need_w and want_w else None, None,
-            gb if need_b and want_b else None) + (None,) * 9
+            gb if need_b and want_b else None) + (None,) * (_NUM_INPUTS - 4)
 
 
 torch.library.register_autograd("fuseforge::linear_cross_entropy_fwd", _backward, setup_context=_setup_context)

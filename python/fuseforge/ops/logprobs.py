@@ -1,15 +1,16 @@
 """linear_logprobs: per-token log-probabilities of targets under a linear head, without the logits."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 from torch import Tensor
 
-from fuseforge.ops.linear_cross_entropy import linear_cross_entropy
+from fuseforge.ops.linear_cross_entropy import linear_cross_entropy, per_token_loss_and_entropy
 
 
 def linear_logprobs(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Tensor] = None, *,
-                    temperature: float = 1.0, ignore_index: int = -100, softcap: Optional[float] = None) -> Tensor:
+                    temperature: float = 1.0, ignore_index: int = -100, softcap: Optional[float] = None,
+                    return_entropy: bool = False) -> Union[Tensor, tuple[Tensor, Tensor]]:
     """``log_softmax((x @ weight.T + bias) / temperature)[..., target]`` per token, differentiable in x,
     weight and bias, without the (tokens x vocab) logits: the building block of policy-gradient losses
     (GRPO, PPO, RLOO) and of preference losses that sum a sequence's log-probabilities.
@@ -26,7 +27,15 @@ def linear_logprobs(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Te
         target: (...) int64 or int32 token ids in [0, V), or ``ignore_index`` (log-probability 0, no
             gradient).
         temperature: a positive number; the logits are divided by it (sampling's temperature).
-    Returns: float32 (float64 for float64 inputs) log-probabilities, target's shape.
+        return_entropy: also return each token's entropy ``-sum_j p_j log p_j`` of the same (tempered,
+            capped) distribution, differentiable too (an entropy bonus or regulariser). It comes from
+            the same pass over the logits (one more running sum beside the log-sum-exp); the backward
+            takes the entropy's gradient in the same recomputation, and costs nothing more when the
+            entropy gets none. Ignored tokens (``ignore_index``: prompt, padding) have entropy 0 and no
+            gradient, as their log-probability; to get the entropy at a position without a target,
+            give it any valid id there.
+    Returns: float32 (float64 for float64 inputs) log-probabilities, target's shape; with
+    ``return_entropy`` the tuple (log-probabilities, entropies), both of that shape and dtype.
     """
     temperature = float(temperature)
     if not temperature > 0.0:
@@ -37,5 +46,8 @@ def linear_logprobs(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Te
     if temperature != 1.0:
         x = x / temperature
         bias = bias / temperature if bias is not None else None
+    if return_entropy:
+        nll, entropy = per_token_loss_and_entropy(x, weight, target, bias, ignore_index=ignore_index, softcap=softcap)
+        return -nll, entropy
     return -linear_cross_entropy(x, weight, target, bias, ignore_index=ignore_index, reduction="none",
                                  softcap=softcap)
