@@ -11,14 +11,16 @@ from fuseforge.ops.linear_jsd import linear_jsd
 
 
 class LinearJSD(nn.Module):
-    """Both ``lm_head``\\ s + a generalised JSD (or KL) distillation loss in one op.
+    """The student's and the teacher's ``lm_head`` + a generalised JSD (or KL) distillation loss in one op.
 
     Before::
 
         s_logits = student.lm_head(student_hidden)           # (B, T, V) each: gigabytes
         with torch.no_grad():
             t_logits = teacher.lm_head(teacher_hidden)
-        loss = jsd(s_logits / T, t_logits / T, labels)
+        log_q = torch.log_softmax(s_logits.float() / T, -1)
+        log_p = torch.log_softmax(t_logits.float() / T, -1)
+        loss = ...                                           # the divergence of log_p and log_q
 
     After::
 
