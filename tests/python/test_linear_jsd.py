@@ -366,7 +366,8 @@ def test_compile_fullgraph(device):
     def fn(x_, w_):
         a = linear_jsd(x_, w_, tx, tw, t, beta=0.5, temperature=2.0)
         c = linear_kl_div(x_, w_, tx, tw, t, reverse=True, reduction="none")
-        return a + (c * torch.linspace(0, 1, c.numel(), device=c.device).view_as(c)).sum()
+        d = linear_kl_div(x_, w_, tx, tw, None, reduction="sum")
+        return a + (c * torch.linspace(0, 1, c.numel(), device=c.device).view_as(c)).sum() + 0.5 * d
 
     out = assert_compiles(fn, sx, sw, device=device)
     grads = torch.autograd.grad(out, (sx, sw))
