@@ -81,6 +81,23 @@ TORCH_LIBRARY(fuseforge, m) {
         " Tensor grad_loss, Tensor grad_scale) -> ()");
   // ---- end linear_cross_entropy ---------------------------------------------------------------
 
+  // ---- linear_jsd: distillation between two linear heads' softmaxes -----------------------------
+  // Generalised JSD (beta in (0, 1)), forward KL(P||Q) (beta 0) or reverse KL(Q||P) (beta 1) of the
+  // teacher's P = softmax(teacher_x @ teacher_weight.T / temperature) and the student's Q (the same
+  // with student_x, student_weight), without materialising either's logits. target (or None) only
+  // marks tokens equal to ignore_index as skipped. With reduction 'mean'/'sum' and a gradient
+  // requested, the forward also returns the student's gradients of the loss (the backward multiplies
+  // them by grad_loss * grad_scale, with linear_cross_entropy_scale_grads_). Unrequested gradients
+  // come back as empty tensors. The teacher gets no gradient.
+  m.def("linear_jsd_fwd(Tensor student_x, Tensor student_weight, Tensor teacher_x, Tensor teacher_weight,"
+        " Tensor? target, float beta, float temperature, int ignore_index, str reduction, bool grad_x,"
+        " bool grad_weight) -> (Tensor loss, Tensor grad_x, Tensor grad_weight, Tensor grad_scale)");
+  // Recomputing backward: the student's gradients of sum(grad_loss * loss) (per token for 'none').
+  m.def("linear_jsd_bwd(Tensor grad_loss, Tensor student_x, Tensor student_weight, Tensor teacher_x,"
+        " Tensor teacher_weight, Tensor? target, float beta, float temperature, int ignore_index,"
+        " str reduction, bool grad_x, bool grad_weight) -> (Tensor grad_x, Tensor grad_weight)");
+  // ---- end linear_jsd ---------------------------------------------------------------------------
+
   // ---- attention ------------------------------------------------------------------------------
   // softmax(z) v with z = scale * q k^T (or softcap * tanh(scale * q k^T / softcap) when softcap > 0)
   // under a mask aligned bottom-right (off = Sk - Sq): query i sees key j when

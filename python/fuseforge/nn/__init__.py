@@ -1,11 +1,12 @@
 """Drop-in modules built on the fuseforge ops."""
 from fuseforge.nn.add_mul_act import AddMulActivation
 from fuseforge.nn.attention import Attention
+from fuseforge.nn.distill import LinearJSD
 from fuseforge.nn.glu import GLU, GatedMLP
 from fuseforge.nn.linear_cross_entropy import LinearCrossEntropyLoss
 from fuseforge.nn.posttraining import GRPOLoss, PreferenceLoss, grpo_loss, preference_loss
 from fuseforge.nn.rms_norm import RMSNorm
 from fuseforge.nn.rotary import RotaryEmbedding
 
-__all__ = ["AddMulActivation", "Attention", "GLU", "GatedMLP", "GRPOLoss", "LinearCrossEntropyLoss",
+__all__ = ["AddMulActivation", "Attention", "GLU", "GatedMLP", "GRPOLoss", "LinearCrossEntropyLoss", "LinearJSD",
            "PreferenceLoss", "RMSNorm", "RotaryEmbedding", "grpo_loss", "preference_loss"]
