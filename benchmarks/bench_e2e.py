@@ -21,7 +21,8 @@ impls (one recipe for all but fuseforge_bf16: fp32 weights, bf16 autocast)
 - fuseforge_sdpa (not in the defaults): fuseforge with attention left to transformers' SDPA.
 - fuseforge_bf16_states, fuseforge_int8_states (not in the defaults): fuseforge with AdamW's moments
   in bfloat16 / int8 (`state_dtype`); with --data text, the check that compact states converge like
-  float32 ones (bar: the last 10 steps' mean loss within 1% of fuseforge's).
+  float32 ones (bar: the last 10 steps' mean loss within 1% of fuseforge's); fuseforge_bnb8bit_states
+  is the same model with bitsandbytes' AdamW8bit, the reference 8-bit optimizer.
 - compile / fuseforge_compile: torch.compile of the eager / fuseforge model.
 The compiled impls come last, because their first step (the compilation) takes minutes: results are
 written after every impl, so a caller's timeout keeps the rows before.
@@ -92,6 +93,7 @@ FUSEFORGE_IMPLS = {
     "fuseforge_bf16": ({}, "bf16"),
     "fuseforge_bf16_states": ({}, "autocast", dict(state_dtype="bfloat16")),
     "fuseforge_int8_states": ({}, "autocast", dict(state_dtype="int8")),
+    "fuseforge_bnb8bit_states": ({}, "autocast", "bitsandbytes"),
     "fuseforge_attn_loss": (dict(rms_norm=False, rotary=False, glu=False, fuse_residual=False), "autocast"),
     "fuseforge_no_rms_norm": (dict(rms_norm=False), "autocast"),
     "fuseforge_no_rotary": (dict(rotary=False), "autocast"),
@@ -169,7 +171,11 @@ def make_impl(impl: str, cfg: dict, seq: int, device):
         if recipe == "bf16":
             model = cast_parameters(model, torch.bfloat16)
         model = patch(model, **features)
-        opt = AdamW(model.parameters(), **HYPER, master_weights=recipe == "bf16", **(opt_kwargs[0] if opt_kwargs else {}))
+        if opt_kwargs == ["bitsandbytes"]:  # the reference 8-bit optimizer, for the convergence comparison
+            import bitsandbytes
+            opt = bitsandbytes.optim.AdamW8bit(model.parameters(), **HYPER)
+        else:
+            opt = AdamW(model.parameters(), **HYPER, master_weights=recipe == "bf16", **(opt_kwargs[0] if opt_kwargs else {}))
         model = torch.compile(model) if impl.endswith("_compile") else model
         return model, opt, recipe == "autocast", contextlib.nullcontext()
     raise ValueError(impl)

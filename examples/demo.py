@@ -51,6 +51,8 @@ def parse_args(argv=None):
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--sample-bytes", type=int, default=160, help="text to generate at the end (0: none)")
     p.add_argument("--only", choices=["fuseforge", "pytorch"], default=None, help="train one model only")
+    p.add_argument("--state-dtype", choices=["float32", "bfloat16", "int8"], default="float32",
+                   help="fuseforge AdamW's moment states (bfloat16 / int8: 4 / ~2 bytes a parameter instead of 8)")
     args = p.parse_args(argv)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() and fuseforge.cuda_built() else "cpu"
@@ -305,7 +307,8 @@ def main(argv=None) -> dict:
     hyper = dict(lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
     runs = []
     if args.only in (None, "fuseforge"):
-        runs.append(("fuseforge", ff_model, FuseforgeAdamW(param_groups(ff_model, 0.1), **hyper)))
+        runs.append(("fuseforge", ff_model, FuseforgeAdamW(param_groups(ff_model, 0.1), **hyper,
+                                                           state_dtype=args.state_dtype)))
     if args.only in (None, "pytorch"):
         # torch's fastest AdamW on either device: its fused kernel (CUDA and CPU).
         runs.append(("pytorch", pt_model, torch.optim.AdamW(param_groups(pt_model, 0.1), **hyper, fused=True)))
