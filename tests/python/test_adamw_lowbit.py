@@ -793,6 +793,24 @@ for src, dst, words in ((opt_p, dt, "plain parameter and cannot load into a DTen
         assert words in str(e) and "state_dtype='float32'" in str(e), e
     else:
         raise AssertionError("an int8 checkpoint loaded across shardings")
+# The traced step (torch.compile) creates int8 states of DTensor params as the handle does: padded
+# DTensor scales; eager steps after it adopt them.
+dt = [torch.nn.Parameter(distribute_tensor(t.clone(), mesh, [Shard(0)])) for t in full]
+plain = [torch.nn.Parameter(t.clone()) for t in full]
+opt_c, opt_p = AdamW(dt, lr=1e-2, state_dtype="int8"), AdamW(plain, lr=1e-2, state_dtype="int8")
+step = torch.compile(opt_c.step, fullgraph=True, backend="aot_eager", dynamic=False)
+for i in range(4):
+    for a, b in zip(dt, plain):
+        grad = torch.randn(b.shape, generator=g)
+        b.grad = grad.clone()
+        a.grad = distribute_tensor(grad.clone(), mesh, [Shard(0)])
+    (step if i < 2 else opt_c.step)()
+    opt_p.step()
+    for a, b in zip(dt, plain):
+        assert torch.equal(a.full_tensor(), b.detach()), i
+        for k in ("exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax"):
+            assert isinstance(opt_c.state[a][k], DTensor), (i, k)
+            assert torch.equal(opt_c.state[a][k].full_tensor(), opt_p.state[b][k]), (i, k)
 from torch.distributed.tensor import Replicate
 sd = opt_d.state_dict()
 sd["state"][0]["exp_avg_absmax"] = DTensor.from_local(sd["state"][0]["exp_avg_absmax"].to_local(), mesh, [Replicate()])

@@ -156,7 +156,7 @@ def test_paged_state_dict_round_trip(state_dtype):
     assert not any(_is_managed(v) for _, _, v in state_tensors(opt_d))
     for i, st in saved["state"].items():
         for k, v in st.items():
-            assert torch.equal(opt_c.state_dict()["state"][i][k].cpu(), v), (i, k)
+            assert torch.equal(opt_c.state_dict()["state"][i][k].cpu(), v.cpu()), (i, k)
     # A paged checkpoint is an ordinary one: the unpaged optimizers continue alike.
     train([(opt_a, a), (opt_b, b), (opt_c, c), (opt_d, d)], 3)
     assert_same_run(opt_a, a, opt_c, c)
