@@ -424,8 +424,8 @@ class AdamW(Optimizer):
         saved_state = state_dict["state"]
         saved_ids = list(chain.from_iterable(g["params"] for g in state_dict["param_groups"]))
         # Settings the saved groups lack (master_weights; anything a torch.optim.AdamW state dict
-        # lacks) keep this optimizer's values, and so does state_dtype, even where a group has it.
-        kept = [{k: v for k, v in g.items() if k != "params" and (k not in saved or k == "state_dtype")}
+        # lacks) keep this optimizer's values, and so do state_dtype and paged, even where a group has them.
+        kept = [{k: v for k, v in g.items() if k != "params" and (k not in saved or k in ("state_dtype", "paged"))}
                 for g, saved in zip(self.param_groups, state_dict["param_groups"])]
         super().load_state_dict(state_dict)
         for g, k in zip(self.param_groups, kept):

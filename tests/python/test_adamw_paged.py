@@ -72,8 +72,14 @@ def test_cpu_params_ignore_paged(state_dtype):
     train([(opt_a, a), (opt_b, b)], 3)
     assert_same_run(opt_a, a, opt_b, b)
     assert not any(_is_managed(v) for _, _, v in state_tensors(opt_a))
-    # A setting of the optimizer that loads, as state_dtype: not in the saved groups.
+    # A setting of the optimizer that loads, as state_dtype: not in the saved groups, and kept on a
+    # load even where a group has it.
     assert all("paged" not in g for g in opt_a.state_dict()["param_groups"])
+    for opt, saved in ((opt_b, True), (opt_a, False)):
+        sd = opt.state_dict()
+        sd["param_groups"][0]["paged"] = saved
+        opt.load_state_dict(sd)
+        assert opt.param_groups[0]["paged"] is not saved
 
 
 def test_is_managed_op_cpu():
