@@ -10,11 +10,21 @@ Cases:
                        masters inside the optimizer (master_weights=True); the other impls run the
                        usual recipe: bf16 grads copied into the fp32 masters' grads, the fp32 step,
                        the masters copied back into the bf16 params (foreach copies), all timed.
+  llama1b/fp32-capped  llama1b/fp32 under torch.cuda.set_per_process_memory_fraction: the caching
+                       allocator may hold the params and grads and 1 GiB more (CAPPED_HEADROOM), so
+                       neither float32 nor int8 states fit there while paged ones (CUDA managed
+                       memory, outside the caching allocator) do. The cap limits torch's allocator,
+                       not the GPU: managed pages still live on the GPU while it has room, so this
+                       times paged states that stay resident; paging to the host starts only when the
+                       GPU itself is full. GPU only.
 Impls: fuseforge (float32 states), fuseforge_bf16 / fuseforge_int8 (state_dtype="bfloat16" /
-"int8"), torch_fused, torch_foreach, compile (llama cases), and where installed (GPU only; a missing
-one is left out with the reason printed) bnb_adamw8bit (bitsandbytes.optim.AdamW8bit),
-bnb_paged_adamw8bit (bitsandbytes.optim.PagedAdamW8bit) and torchao_adamw8bit
-(torchao.optim.AdamW8bit).
+"int8"), fuseforge_paged / fuseforge_int8_paged (paged=True: float32 / int8 states in managed
+memory, prefetched every step; GPU only), torch_fused, torch_foreach, compile (llama cases), and
+where installed (GPU only; a missing one is left out with the reason printed) bnb_adamw8bit
+(bitsandbytes.optim.AdamW8bit), bnb_paged_adamw8bit (bitsandbytes.optim.PagedAdamW8bit) and
+torchao_adamw8bit (torchao.optim.AdamW8bit; llama cases only: its per-tensor compiled step took
+longer than a run's time limit on small5000). The capped case runs fuseforge, fuseforge_int8 (both
+expected to run out of memory), the two paged impls and bnb_paged_adamw8bit.
 Pass "step": opt.step() as the user calls it (Python and host work included), grads fixed between
 calls. GBps counts the bytes a parameter's update must move: param and grad read, param written
 (12 bytes for float32; with bf16 masters, master read and written, bf16 grad read and param
@@ -27,6 +37,8 @@ master_param is); on small5000, list_op_host_us = host time of torch.ops.fusefor
 given the 5000-tensor lists (what the dispatcher costs without the cached handle).
 Optimizers are built lazily and one at a time (the previous impl's state is freed first), so the
 llama cases fit in 80 GB. "compile" runs only for the llama cases (5000 tensors compile too slowly).
+Managed memory is not the caching allocator's: the paged impls' (and bnb's paged) states count in
+state_bytes but not in peak_extra_mib.
 """
 import gc
 import importlib
@@ -47,13 +59,14 @@ from harness import Bench  # noqa: E402
 import fuseforge  # noqa: E402,F401
 from fuseforge.optim import AdamW  # noqa: E402
 
-CASES = ["llama1b/fp32", "small5000/fp32", "llama1b/bf16-master"]
+CASES = ["llama1b/fp32", "small5000/fp32", "llama1b/bf16-master", "llama1b/fp32-capped"]
 # --device cpu: the demo GPT's parameters (examples/demo.py's CPU preset, 0.8M) and 16 2048x2048
 # matrices (67M); torch's CPU impls as peers (fused, foreach, and the for-loop CPU default).
 CPU_CASES = ["gptdemo/fp32", "mats16x2048x2048/fp32"]
 # ADAMW_BENCH_COMPILE=0 leaves the compile impl out (it costs ~40 s of compilation per case).
 WITH_COMPILE = os.environ.get("ADAMW_BENCH_COMPILE", "1") == "1"
 KW = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
+CAPPED_HEADROOM = 1 << 30  # bytes the capped case lets the caching allocator hold beyond params and grads
 
 
 def llama1b_shapes():
@@ -174,8 +187,27 @@ def host_us(fn, reps=50):
     return round(statistics.median(times), 1)
 
 
+def cap_memory(capped):
+    """The capped case: a per-process fraction that leaves the caching allocator CAPPED_HEADROOM bytes
+    beyond what it holds now (the case's params and grads); every other case runs uncapped."""
+    if harness.bench_device() != "cuda":
+        return
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    if not capped:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        return
+    gc.collect()
+    torch.cuda.empty_cache()
+    allowed = torch.cuda.memory_reserved() + CAPPED_HEADROOM
+    torch.cuda.set_per_process_memory_fraction(allowed / total)
+    harness.log(f"    capped: the caching allocator may hold {allowed / 2**30:.2f} GiB of {total / 2**30:.1f}")
+
+
 def setup(case):
     name, kind = case.split("/")
+    capped = kind.endswith("-capped")
+    kind = kind.removesuffix("-capped")
+    cap_memory(False)
     shapes = {"llama1b": llama1b_shapes, "gptdemo": gptdemo_shapes, "mats16x2048x2048": lambda: [(2048, 2048)] * 16,
               "small5000": lambda: [(4096,)] * 5000}[name]()
     numel = sum(torch.Size(s).numel() for s in shapes)
@@ -185,10 +217,11 @@ def setup(case):
     impls = []  # (impl, build, how the moments are stored)
     if kind == "fp32":
         params = make_params(shapes, torch.float32)
+        cap_memory(capped)
 
-        def ours(state_dtype):
+        def ours(state_dtype, paged=False):
             def build():
-                opt = AdamW(params, **KW, state_dtype=state_dtype)
+                opt = AdamW(params, **KW, state_dtype=state_dtype, paged=paged)
                 return opt.step, optimizer_states(opt)
             return build
 
@@ -212,9 +245,18 @@ def setup(case):
                  ("torch_foreach", other(torch.optim.AdamW, foreach=True), "float32")]
         if harness.bench_device() == "cpu":
             impls.append(("torch_forloop", other(torch.optim.AdamW, foreach=False, fused=False), "float32"))
-        impls += [(impl, other(cls), "int8") for impl, cls in peers]
-        if name == "llama1b" and WITH_COMPILE:
+        else:
+            impls += [("fuseforge_paged", ours("float32", paged=True), "float32"),
+                      ("fuseforge_int8_paged", ours("int8", paged=True), "int8")]
+        if name == "small5000" and any(impl == "torchao_adamw8bit" for impl, _ in peers):
+            harness.log("    torchao_adamw8bit: left out of small5000 (its per-tensor compiled step is too slow to build)")
+        impls += [(impl, other(cls), "int8") for impl, cls in peers
+                  if not (name == "small5000" and impl == "torchao_adamw8bit")]
+        if name == "llama1b" and WITH_COMPILE and not capped:
             impls.append(("compile", compiled, "float32"))
+        if capped:
+            impls = [i for i in impls if i[0] in ("fuseforge", "fuseforge_int8", "fuseforge_paged",
+                                                   "fuseforge_int8_paged", "bnb_paged_adamw8bit")]
     else:  # bf16 params, fp32 master weights
         params = make_params(shapes, torch.bfloat16)
 

@@ -32,7 +32,8 @@ TORCH_LIBRARY(fuseforge, m) {
   // The optimizer's fast path: a per-device C++ handle (an integer id) that holds the parameters, reads
   // their .grad itself, creates states lazily and keeps the packed metadata between steps. `steps` (the
   // handle's float32 step counts, one per parameter) picks the backend.
-  // param_flags: amsgrad 1, master weights 2, bfloat16 states 4, int8 states 8 (csrc/adamw/adamw.h).
+  // param_flags: amsgrad 1, master weights 2, bfloat16 states 4, int8 states 8, paged 16; bits 32 and up an
+  // int8 absmax length (csrc/adamw/adamw.h).
   m.def("adamw_handle_create(Tensor[] params, int[] param_groups, int[] param_flags, Tensor steps,"
         " int num_groups) -> int");
   // hypers: (lr, beta1, beta2, eps, weight_decay, maximize) per group; lr_tensors: [] or one per group.
@@ -46,6 +47,8 @@ TORCH_LIBRARY(fuseforge, m) {
   m.def("adamw_handle_set_state(int handle, Tensor steps, int slot, Tensor[] states) -> Tensor[]");
   m.def("adamw_handle_zero_grad(int handle, Tensor steps, bool set_to_none) -> ()");
   m.def("adamw_handle_destroy(int handle, Tensor steps) -> ()");
+  // Whether t's memory is CUDA managed memory (where paged=True keeps optimizer states).
+  m.def("adamw_is_managed(Tensor t) -> bool");
   // One group's step over tensor lists (torch._fused_adamw_-like; it also advances state_steps):
   // the path under torch.compile and for functional use. A tensor's state format follows its exp_avg's
   // dtype; uint8 (int8 codes) takes its block scales from the absmax lists (empty when no tensor has them).

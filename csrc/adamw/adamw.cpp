@@ -4,6 +4,7 @@
 #include "adamw/adamw.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/from_blob.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -141,6 +142,31 @@ static const float* optional_ptr(const std::optional<at::Tensor>& t) {
   return t.has_value() && t->defined() ? t->const_data_ptr<float>() : nullptr;
 }
 
+// ---- managed memory (paged states) --------------------------------------------------------------
+
+namespace {
+ManagedMemory& managed_memory_slot() {
+  static ManagedMemory memory;
+  return memory;
+}
+// Paged states start 256-byte aligned (the kernel's aligned path needs 16), as the caching allocator's do.
+constexpr int64_t kArenaAlign = 256;
+int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
+}  // namespace
+
+void set_managed_memory(const ManagedMemory& memory) { managed_memory_slot() = memory; }
+
+const ManagedMemory* managed_memory() {
+  const ManagedMemory& m = managed_memory_slot();
+  return m.allocate != nullptr ? &m : nullptr;
+}
+
+static const ManagedMemory& require_managed_memory() {
+  const ManagedMemory* m = managed_memory();
+  TORCH_CHECK(m != nullptr, "AdamW: paged=True needs fuseforge built with CUDA (this build has no CUDA backend)");
+  return *m;
+}
+
 // ---- handle -------------------------------------------------------------------------------------
 
 Handle::Handle(std::vector<at::Tensor> params, const std::vector<int64_t>& groups, const std::vector<int64_t>& flags,
@@ -167,6 +193,8 @@ Handle::Handle(std::vector<at::Tensor> params, const std::vector<int64_t>& group
                 i, " has both the bfloat16 and the int8 state flag");
     TORCH_CHECK(!((flags[i] & kFlagStateInt8) && (flags[i] & kFlagAmsgrad)),
                 "AdamW: amsgrad is not supported with int8 states (parameter ", i, ")");
+    TORCH_CHECK((flags[i] >> kAbsmaxLenShift) == 0 || (flags[i] & kFlagStateInt8), "adamw_handle_create: parameter ",
+                i, " gives an absmax length without the int8 state flag");
     group_of_[i] = static_cast<int32_t>(groups[i]);
   }
   slots_.resize(n);
@@ -179,6 +207,86 @@ Handle::Handle(std::vector<at::Tensor> params, const std::vector<int64_t>& group
     param_ptr_[i] = params_[i].const_data_ptr();
     param_dtype_[i] = params_[i].scalar_type();
   }
+  reserve_arena();
+}
+
+int64_t Handle::absmax_len(int64_t slot) const {
+  return std::max(quant_blocks(params_[slot].numel()), flags_[slot] >> kAbsmaxLenShift);
+}
+
+// One managed allocation with a region for every state a paged slot will have. Only the pages a
+// state touches take memory, so slots that never get a grad cost address space only.
+void Handle::reserve_arena() {
+  const int64_t n = static_cast<int64_t>(params_.size());
+  std::array<int64_t, kNumStates> none;
+  none.fill(-1);
+  arena_at_.assign(n, none);
+  none.fill(0);
+  arena_bytes_.assign(n, none);
+  int64_t total = 0;
+  for (int64_t slot = 0; slot < n; ++slot) {
+    if (!paged(slot)) continue;
+    const at::Tensor& p = params_[slot];
+    const StateFormat format = format_of(slot);
+    auto reserve = [&](int which, at::ScalarType dtype, int64_t numel) {
+      const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
+      if (bytes == 0) return;
+      total = round_up(total, kArenaAlign);
+      arena_at_[slot][which] = total;
+      arena_bytes_[slot][which] = bytes;
+      total += bytes;
+    };
+    const auto moment = moment_dtype(format, p.scalar_type());
+    reserve(kExpAvg, moment, p.numel());
+    reserve(kExpAvgSq, moment, p.numel());
+    if (flags_[slot] & kFlagAmsgrad) reserve(kMaxExpAvgSq, moment, p.numel());
+    if ((flags_[slot] & kFlagMaster) && (p.scalar_type() == at::kHalf || p.scalar_type() == at::kBFloat16))
+      reserve(kMaster, at::kFloat, p.numel());
+    if (format == StateFormat::kInt8) {
+      reserve(kExpAvgAbsmax, at::kFloat, absmax_len(slot));
+      reserve(kExpAvgSqAbsmax, at::kFloat, absmax_len(slot));
+    }
+  }
+  if (total == 0) return;
+  const ManagedMemory& memory = require_managed_memory();
+  arena_ = c10::Storage(c10::Storage::use_byte_size_t(), total, memory.allocate(static_cast<size_t>(total), device_),
+                        /*allocator=*/nullptr, /*resizable=*/false);
+}
+
+at::Tensor Handle::state_storage(int64_t slot, int which, at::ScalarType dtype) const {
+  const at::Tensor& p = params_[slot];
+  const bool absmax = which == kExpAvgAbsmax || which == kExpAvgSqAbsmax;
+  const std::vector<int64_t> sizes = absmax ? std::vector<int64_t>{absmax_len(slot)} : p.sizes().vec();
+  const std::vector<int64_t> strides = absmax ? std::vector<int64_t>{1} : p.strides().vec();
+  const auto opts = p.options().dtype(dtype);
+  const int64_t numel = absmax ? absmax_len(slot) : p.numel();
+  const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
+  if (!paged(slot) || bytes == 0) return at::empty_strided(sizes, strides, opts);
+  c10::Storage storage = arena_;
+  int64_t offset = arena_at_[slot][which];
+  if (offset < 0 || bytes > arena_bytes_[slot][which]) {
+    // The parameter changed since the handle reserved its region: an allocation of its own.
+    storage = c10::Storage(c10::Storage::use_byte_size_t(), bytes,
+                           require_managed_memory().allocate(static_cast<size_t>(bytes), device_), nullptr, false);
+    offset = 0;
+  }
+  // A storage of its own a state (serialized alone), whose deleter keeps the arena alive.
+  auto* base = static_cast<uint8_t*>(storage.mutable_data()) + offset;
+  return at::for_blob(base, sizes)
+      .strides(strides)
+      .deleter([keep = storage](void*) {})
+      .options(opts)
+      .target_device(device_)
+      .make_tensor();
+}
+
+at::Tensor Handle::place(int64_t slot, int which, const at::Tensor& value) const {
+  if (!value.defined() || !paged(slot) || value.numel() == 0) return value;
+  const int64_t offset = arena_at_[slot][which];
+  if (offset >= 0 && arena_ && value.const_data_ptr() == static_cast<const uint8_t*>(arena_.data()) + offset)
+    return value;
+  at::Tensor out = state_storage(slot, which, value.scalar_type());
+  return out.copy_(value.reshape(out.sizes()));
 }
 
 StateFormat Handle::format_of(int64_t slot) const {
@@ -192,19 +300,18 @@ void Handle::init_slot(int64_t slot) {
   const at::Tensor& p = params_[slot];
   SlotState& s = slots_[slot];
   s.format = format_of(slot);
-  const auto opts = p.options().dtype(state_dtype_of(p.scalar_type()));
-  const auto moment_opts = p.options().dtype(moment_dtype(s.format, p.scalar_type()));
+  const auto moment = moment_dtype(s.format, p.scalar_type());
   // Zero codes are zeros whatever the block's absmax.
-  auto zeros = [&](const at::TensorOptions& o) { return at::empty_strided(p.sizes(), p.strides(), o).zero_(); };
-  s.exp_avg = zeros(moment_opts);
-  s.exp_avg_sq = zeros(moment_opts);
+  s.exp_avg = state_storage(slot, kExpAvg, moment).zero_();
+  s.exp_avg_sq = state_storage(slot, kExpAvgSq, moment).zero_();
   if (s.format == StateFormat::kInt8) {
-    s.exp_avg_absmax = at::zeros({quant_blocks(p.numel())}, p.options().dtype(at::kFloat));
-    s.exp_avg_sq_absmax = at::zeros({quant_blocks(p.numel())}, p.options().dtype(at::kFloat));
+    s.exp_avg_absmax = state_storage(slot, kExpAvgAbsmax, at::kFloat).zero_();
+    s.exp_avg_sq_absmax = state_storage(slot, kExpAvgSqAbsmax, at::kFloat).zero_();
   }
-  if (flags_[slot] & kFlagAmsgrad) s.max_exp_avg_sq = zeros(moment_opts);  // (never int8: rejected at creation)
+  if (flags_[slot] & kFlagAmsgrad)  // (never int8: rejected at creation)
+    s.max_exp_avg_sq = state_storage(slot, kMaxExpAvgSq, moment).zero_();
   if ((flags_[slot] & kFlagMaster) && p.scalar_type() != at::kFloat && p.scalar_type() != at::kDouble)
-    s.master = at::empty_strided(p.sizes(), p.strides(), opts).copy_(p);
+    s.master = state_storage(slot, kMaster, state_dtype_of(p.scalar_type())).copy_(p);
   s.initialized = true;
 }
 
@@ -239,12 +346,14 @@ at::Tensor dequantize_codes(const at::Tensor& codes, const at::Tensor& absmax, b
 
 // values (any float dtype and device, p's number of elements) -> int8 codes in p's layout and their
 // block scales, on p's device: the kernel's quantizer (adamw_lowbit.h) run on the CPU.
-std::pair<at::Tensor, at::Tensor> quantize_values(const at::Tensor& values, const at::Tensor& p, bool squared) {
+// `absmax_len` >= the block count pads the scales with zeros (see kAbsmaxLenShift).
+std::pair<at::Tensor, at::Tensor> quantize_values(const at::Tensor& values, const at::Tensor& p, bool squared,
+                                                  int64_t absmax_len) {
   const auto cpu = at::TensorOptions().device(at::kCPU);
   const at::Tensor x =
       at::empty_strided(p.sizes(), p.strides(), cpu.dtype(at::kFloat)).copy_(values.reshape(p.sizes()));
   at::Tensor codes = at::empty_strided(p.sizes(), p.strides(), cpu.dtype(at::kByte));
-  at::Tensor absmax = at::empty({quant_blocks(p.numel())}, cpu.dtype(at::kFloat));
+  at::Tensor absmax = at::zeros({absmax_len}, cpu.dtype(at::kFloat));
   const float* xp = memory_order(x).const_data_ptr<float>();
   uint8_t* cp = memory_order(codes).mutable_data_ptr<uint8_t>();
   float* ap = absmax.mutable_data_ptr<float>();
@@ -277,18 +386,28 @@ std::pair<at::Tensor, at::Tensor> Handle::adopt_moment(int64_t slot, StateFormat
   at::Tensor values = value;
   if (value.scalar_type() == at::kByte) {  // int8 codes: they need their block scales
     const int64_t blocks = quant_blocks(p.numel());
-    TORCH_CHECK(absmax.defined() && absmax.scalar_type() == at::kFloat && absmax.numel() == blocks, "AdamW: state '",
-                what, "' of parameter ", slot, " holds int8 codes, so '", what, "_absmax' must hold its ", blocks,
-                " float32 block scales (one per ", kQuantBlock, " elements), got ",
+    const int64_t padded = absmax_len(slot);
+    TORCH_CHECK(absmax.defined() && absmax.scalar_type() == at::kFloat && absmax.dim() == 1 &&
+                    (absmax.numel() == blocks || absmax.numel() == padded),
+                "AdamW: state '", what, "' of parameter ", slot, " holds int8 codes, so '", what,
+                "_absmax' must hold its ", blocks, " float32 block scales (one per ", kQuantBlock, " elements",
+                padded != blocks ? c10::str("; ", padded, " with the padding of a DTensor shard") : std::string(),
+                "), got ",
                 absmax.defined() ? c10::str(absmax.scalar_type(), " of shape ", absmax.sizes()) : std::string("none"));
     TORCH_CHECK(value.is_non_overlapping_and_dense(), "AdamW: int8 state '", what, "' of parameter ", slot,
                 " must be non-overlapping and dense (its blocks follow memory order)");
     if (format == StateFormat::kInt8 && same_layout(value, p)) {
-      return {value.to(p.device()), absmax.to(p.device(), at::kFloat).contiguous()};
+      at::Tensor scales = absmax.to(p.device()).contiguous();
+      if (scales.numel() != padded) {  // unpadded scales of a padded slot
+        at::Tensor full = at::zeros({padded}, scales.options());
+        full.narrow(0, 0, blocks).copy_(scales);
+        scales = full;
+      }
+      return {value.to(p.device()), scales};
     }
     values = dequantize_codes(value, absmax, squared);
   }
-  if (format == StateFormat::kInt8) return quantize_values(values, p, squared);
+  if (format == StateFormat::kInt8) return quantize_values(values, p, squared, absmax_len(slot));
   return {adopt_state(slot, values, moment_dtype(format, p.scalar_type()), what), at::Tensor()};
 }
 
@@ -317,25 +436,30 @@ std::vector<at::Tensor> Handle::set_slot_state(int64_t slot, const std::vector<a
   const auto dt = state_dtype_of(p.scalar_type());
   // Loaded moments are converted to this parameter's format: float ones cast or quantized, int8 codes
   // adopted as they are when the format and layout match, else dequantized first.
+  // Paged slots then copy them into their managed regions (place).
   s.format = format_of(slot);
   std::tie(s.exp_avg, s.exp_avg_absmax) =
       adopt_moment(slot, s.format, states[kExpAvg], states[kExpAvgAbsmax], /*squared=*/false, "exp_avg");
   std::tie(s.exp_avg_sq, s.exp_avg_sq_absmax) =
       adopt_moment(slot, s.format, states[kExpAvgSq], states[kExpAvgSqAbsmax], /*squared=*/true, "exp_avg_sq");
+  s.exp_avg = place(slot, kExpAvg, s.exp_avg);
+  s.exp_avg_sq = place(slot, kExpAvgSq, s.exp_avg_sq);
+  s.exp_avg_absmax = place(slot, kExpAvgAbsmax, s.exp_avg_absmax);
+  s.exp_avg_sq_absmax = place(slot, kExpAvgSqAbsmax, s.exp_avg_sq_absmax);
   s.max_exp_avg_sq = at::Tensor();
   if (amsgrad) {
     const at::Tensor& given = states[kMaxExpAvgSq];
-    const auto moment = p.options().dtype(moment_dtype(s.format, p.scalar_type()));
-    s.max_exp_avg_sq = given.defined() && given.numel() == p.numel()
-                           ? adopt_moment(slot, s.format, given, at::Tensor(), true, "max_exp_avg_sq").first
-                           : at::empty_strided(p.sizes(), p.strides(), moment).zero_();
+    s.max_exp_avg_sq =
+        given.defined() && given.numel() == p.numel()
+            ? place(slot, kMaxExpAvgSq, adopt_moment(slot, s.format, given, at::Tensor(), true, "max_exp_avg_sq").first)
+            : state_storage(slot, kMaxExpAvgSq, moment_dtype(s.format, p.scalar_type())).zero_();
   }
   s.master = at::Tensor();
   if (master) {
     // A state saved without master weights (e.g. by torch.optim.AdamW) starts the master from the param.
     s.master = states[kMaster].defined() && states[kMaster].numel() == p.numel()
-                   ? adopt_state(slot, states[kMaster], dt, "master_param")
-                   : at::empty_strided(p.sizes(), p.strides(), p.options().dtype(dt)).copy_(p);
+                   ? place(slot, kMaster, adopt_state(slot, states[kMaster], dt, "master_param"))
+                   : state_storage(slot, kMaster, dt).copy_(p);
   }
   s.initialized = true;
   return slot_state(slot);
@@ -383,6 +507,36 @@ void Handle::rebuild_table() {
     table_slot_.push_back(static_cast<int32_t>(slot));
     table_.push_back(m);
     numels.push_back(m.numel);
+  }
+  // Paged states to prefetch: their byte ranges, sorted, merged where only alignment padding of the
+  // arena lies between them (one range when every paged slot has state).
+  prefetch_.clear();
+  const auto* arena_begin = arena_ ? static_cast<const uint8_t*>(arena_.data()) : nullptr;
+  const auto* arena_end = arena_ ? arena_begin + arena_.nbytes() : nullptr;
+  std::vector<MemRange> ranges;
+  for (size_t slot = 0; slot < slots_.size(); ++slot) {
+    const SlotState& s = slots_[slot];
+    if (!s.initialized || !paged(static_cast<int64_t>(slot))) continue;
+    for (const at::Tensor* t : {&s.exp_avg, &s.exp_avg_sq, &s.max_exp_avg_sq, &s.master, &s.exp_avg_absmax,
+                                &s.exp_avg_sq_absmax})
+      if (t->defined() && t->numel() > 0) ranges.push_back({t->const_data_ptr(), static_cast<size_t>(t->numel() * t->element_size())});
+  }
+  std::sort(ranges.begin(), ranges.end(), [](const MemRange& a, const MemRange& b) { return a.ptr < b.ptr; });
+  auto in_arena = [&](const void* ptr) {
+    const auto* b = static_cast<const uint8_t*>(ptr);
+    return b >= arena_begin && b < arena_end;
+  };
+  for (const MemRange& r : ranges) {
+    if (!prefetch_.empty()) {
+      MemRange& last = prefetch_.back();
+      const auto* last_end = static_cast<const uint8_t*>(last.ptr) + last.bytes;
+      const auto* start = static_cast<const uint8_t*>(r.ptr);
+      if (in_arena(last.ptr) && in_arena(r.ptr) && start >= last_end && start - last_end < kArenaAlign) {
+        last.bytes = static_cast<size_t>(start + r.bytes - static_cast<const uint8_t*>(last.ptr));
+        continue;
+      }
+    }
+    prefetch_.push_back(r);
   }
   PlanOptions options;
   options.chunk_elems = chunk_elems_setting();
@@ -463,6 +617,7 @@ int64_t Handle::step(const std::vector<double>& hypers, const std::vector<std::o
   work.grad_scale = optional_ptr(grad_scale);
   work.found_inf = optional_ptr(found_inf);
   work.device = device_;
+  work.prefetch = prefetch_.empty() ? nullptr : &prefetch_;
   backend(cache_, work);
   table_dirty_ = false;
   if (!relaid_.empty()) {
@@ -575,10 +730,12 @@ void list_step(at::TensorList params, at::TensorList grads, at::TensorList exp_a
   };
   auto check_absmax = [&](const at::Tensor& a, const at::Tensor& p, size_t i, const char* name) {
     const int64_t blocks = quant_blocks(p.numel());
-    TORCH_CHECK(a.scalar_type() == at::kFloat && a.device() == device && a.numel() == blocks && a.is_contiguous(),
-                "adamw_fused_: ", name, "[", i, "] must be a contiguous float32 tensor on ", device, " of ", blocks,
-                " block scales (one per ", kQuantBlock, " elements of params[", i, "]), got ", a.scalar_type(), " on ",
-                a.device(), " with sizes ", a.sizes());
+    // Longer arrays are allowed: a DTensor shard's scales are padded to one length on every rank.
+    TORCH_CHECK(a.scalar_type() == at::kFloat && a.device() == device && a.dim() == 1 && a.numel() >= blocks &&
+                    a.is_contiguous(),
+                "adamw_fused_: ", name, "[", i, "] must be a contiguous float32 vector on ", device, " of ", blocks,
+                " block scales (one per ", kQuantBlock, " elements of params[", i, "]; more are not read), got ",
+                a.scalar_type(), " on ", a.device(), " with sizes ", a.sizes());
   };
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& p = params[i];
@@ -764,6 +921,11 @@ void handle_zero_grad(int64_t id, const at::Tensor& steps, bool set_to_none) {
 
 void handle_destroy(int64_t id, const at::Tensor& /*steps*/) { destroy_handle(id); }
 
+bool is_managed(const at::Tensor& t) {
+  const ManagedMemory* memory = managed_memory();
+  return t.is_cuda() && t.numel() > 0 && memory != nullptr && memory->is_managed(t.const_data_ptr());
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fuseforge, CompositeExplicitAutograd, m) {
@@ -773,6 +935,7 @@ TORCH_LIBRARY_IMPL(fuseforge, CompositeExplicitAutograd, m) {
   m.impl("adamw_handle_set_state", &handle_set_state);
   m.impl("adamw_handle_zero_grad", &handle_zero_grad);
   m.impl("adamw_handle_destroy", &handle_destroy);
+  m.impl("adamw_is_managed", &is_managed);
 }
 
 TORCH_LIBRARY_IMPL(fuseforge, CPU, m) {

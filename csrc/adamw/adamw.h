@@ -8,6 +8,7 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <array>
 #include <memory>
 #include <optional>
 #include <utility>
@@ -20,10 +21,32 @@ namespace fuseforge::adamw {
 
 // Per-parameter option bits (adamw_handle_create's param_flags). The state bits pick the parameter's
 // state format (python/fuseforge/optim.py sets them only where the format applies: 4096 elements or
-// more, not float64); neither means float32.
-enum : int64_t { kFlagAmsgrad = 1, kFlagMaster = 2, kFlagStateBFloat16 = 4, kFlagStateInt8 = 8 };
+// more, not float64); neither means float32. kFlagPaged puts a CUDA parameter's states in managed
+// memory (ignored on the CPU). Bits kAbsmaxLenShift and up, when set, give the length of the int8
+// absmax arrays if longer than the parameter's block count: a DTensor's local shard pads them to one
+// length on every rank, so they form an evenly sharded DTensor (docs/design/adamw.md).
+enum : int64_t { kFlagAmsgrad = 1, kFlagMaster = 2, kFlagStateBFloat16 = 4, kFlagStateInt8 = 8, kFlagPaged = 16 };
+constexpr int kAbsmaxLenShift = 32;
 // Values per group in adamw_handle_step's `hypers`: lr, beta1, beta2, eps, weight_decay, maximize.
 constexpr int64_t kHypersPerGroup = 6;
+
+// Managed (unified) memory for paged states. The CUDA backend (adamw_cuda.cpp) installs it when the
+// library loads; a build without CUDA has none.
+struct ManagedMemory {
+  // `bytes` of managed memory that prefers `device` (advised: preferred location, accessed by it);
+  // the DataPtr frees it. Raises when the device cannot page (no concurrent managed access).
+  at::DataPtr (*allocate)(size_t bytes, at::Device device) = nullptr;
+  // Whether `ptr` points into managed memory.
+  bool (*is_managed)(const void* ptr) = nullptr;
+};
+void set_managed_memory(const ManagedMemory& memory);
+const ManagedMemory* managed_memory();  // nullptr without a CUDA backend
+
+// A byte range of managed memory a step prefetches to its device.
+struct MemRange {
+  const void* ptr = nullptr;
+  size_t bytes = 0;
+};
 
 // Backend-owned data kept across steps (device buffers, pinned staging); see adamw_cuda.cpp.
 struct BackendCache {
@@ -40,6 +63,7 @@ struct StepWork {
   const float* grad_scale = nullptr;      // device (or host, CPU backend) values
   const float* found_inf = nullptr;
   at::Device device = at::kCPU;
+  const std::vector<MemRange>* prefetch = nullptr;  // paged states, prefetched before the launch
 };
 
 using BackendStepFn = void (*)(std::shared_ptr<BackendCache>& cache, const StepWork& work);
@@ -80,6 +104,15 @@ class Handle {
   void rebuild_table();
   StateFormat format_of(int64_t slot) const;
   at::Tensor adopt_state(int64_t slot, const at::Tensor& value, at::ScalarType dtype, const char* what) const;
+  // Storage for state `which` of `slot` in the parameter's layout (or a 1-d `absmax_len` array for
+  // the absmax states): a view into the managed arena for paged slots, else a fresh tensor.
+  // Uninitialized.
+  at::Tensor state_storage(int64_t slot, int which, at::ScalarType dtype) const;
+  // `value` in the slot's state storage: itself unless the slot is paged and it lies elsewhere.
+  at::Tensor place(int64_t slot, int which, const at::Tensor& value) const;
+  bool paged(int64_t slot) const { return (flags_[slot] & kFlagPaged) != 0 && device_.is_cuda(); }
+  int64_t absmax_len(int64_t slot) const;
+  void reserve_arena();
   // A loaded moment (float of any precision, or int8 codes with their absmax) in the slot's format;
   // returns (state, absmax), the absmax undefined unless the format is int8.
   std::pair<at::Tensor, at::Tensor> adopt_moment(int64_t slot, StateFormat format, const at::Tensor& value,
@@ -92,6 +125,13 @@ class Handle {
   int64_t num_groups_;
   at::Device device_;
   std::vector<SlotState> slots_;
+  // Paged states: one managed allocation for every paged slot's states (reserved at creation:
+  // managed pages take physical memory only when first touched), each state a view that keeps it
+  // alive; arena_at_[slot][state] is the byte offset of its region (-1: none reserved).
+  c10::Storage arena_;
+  std::vector<std::array<int64_t, kNumStates>> arena_at_;
+  std::vector<std::array<int64_t, kNumStates>> arena_bytes_;
+  std::vector<MemRange> prefetch_;  // the initialized paged states, merged into few ranges
   // Change detection (compared every step; a mismatch triggers a rebuild or a re-check).
   std::vector<const void*> param_ptr_;
   std::vector<at::ScalarType> param_dtype_;

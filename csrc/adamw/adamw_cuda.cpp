@@ -4,7 +4,10 @@
 // are in adamw_launch.cu.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -17,6 +20,67 @@
 
 namespace fuseforge::adamw {
 namespace {
+
+// ---- managed memory for paged states ----------------------------------------------------------------
+// CUDA 13 takes a cudaMemLocation in cudaMemAdvise and cudaMemPrefetchAsync where CUDA 12 took a device
+// ordinal.
+
+cudaError_t advise(const void* ptr, size_t bytes, cudaMemoryAdvise advice, int device) {
+#if CUDART_VERSION >= 13000
+  cudaMemLocation location{};
+  location.type = cudaMemLocationTypeDevice;
+  location.id = device;
+  return cudaMemAdvise(ptr, bytes, advice, location);
+#else
+  return cudaMemAdvise(ptr, bytes, advice, device);
+#endif
+}
+
+cudaError_t prefetch(const void* ptr, size_t bytes, int device, cudaStream_t stream) {
+#if CUDART_VERSION >= 13000
+  cudaMemLocation location{};
+  location.type = cudaMemLocationTypeDevice;
+  location.id = device;
+  return cudaMemPrefetchAsync(ptr, bytes, location, /*flags=*/0, stream);
+#else
+  return cudaMemPrefetchAsync(ptr, bytes, device, stream);
+#endif
+}
+
+void free_managed(void* ptr) {
+  // cudaFree waits for the device; at process exit the runtime may be gone: its error is dropped, and
+  // cleared so that no later launch check reports it.
+  if (cudaFree(ptr) != cudaSuccess) (void)cudaGetLastError();
+}
+
+at::DataPtr allocate_managed(size_t bytes, at::Device device) {
+  const c10::cuda::CUDAGuard guard(device);
+  const int index = device.index();
+  int concurrent = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&concurrent, cudaDevAttrConcurrentManagedAccess, index));
+  TORCH_CHECK(concurrent != 0, "AdamW: paged=True needs CUDA managed memory that the GPU and the CPU can access "
+              "concurrently (cudaDevAttrConcurrentManagedAccess), which ", device, " lacks (Windows, WSL, or a GPU "
+              "older than Pascal); use paged=False");
+  void* ptr = nullptr;
+  C10_CUDA_CHECK(cudaMallocManaged(&ptr, bytes, cudaMemAttachGlobal));
+  // Pages live on the GPU unless memory runs short; evicted ones stay mapped for it (no fault back).
+  const cudaError_t status = advise(ptr, bytes, cudaMemAdviseSetPreferredLocation, index);
+  const cudaError_t status2 = status == cudaSuccess ? advise(ptr, bytes, cudaMemAdviseSetAccessedBy, index) : status;
+  if (status2 != cudaSuccess) {
+    free_managed(ptr);
+    C10_CUDA_CHECK(status2);
+  }
+  return at::DataPtr(ptr, ptr, &free_managed, device);
+}
+
+bool pointer_is_managed(const void* ptr) {
+  cudaPointerAttributes attributes{};
+  if (cudaPointerGetAttributes(&attributes, ptr) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return attributes.type == cudaMemoryTypeManaged;
+}
 
 struct CudaCache : BackendCache {
   at::Tensor table_buf;  // device: TensorMeta[T], then BlockWork[B]
@@ -76,6 +140,13 @@ void cuda_step(std::shared_ptr<BackendCache>& cache_ptr, const StepWork& work) {
     if (!capturing) c.step_on_device = c.step_host;
   }
 
+  if (work.prefetch != nullptr && !capturing) {
+    // Paged states back to the GPU ahead of the kernel, in the kernel's stream order (pages already
+    // there cost nothing to move). A graph has no prefetch node: captured steps fault pages in.
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(work.device.index());
+    for (const MemRange& r : *work.prefetch) C10_CUDA_CHECK(prefetch(r.ptr, r.bytes, work.device.index(), stream));
+  }
+
   KernelArgs args;
   auto* table_base = static_cast<uint8_t*>(c.table_buf.data_ptr());
   args.table = reinterpret_cast<const TensorMeta*>(table_base);
@@ -100,6 +171,7 @@ void cuda_step(std::shared_ptr<BackendCache>& cache_ptr, const StepWork& work) {
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fuseforge, CUDA, m) {
+  set_managed_memory(ManagedMemory{&allocate_managed, &pointer_is_managed});
   m.impl("adamw_handle_step", &handle_step_op<cuda_step>);
   m.impl("adamw_fused_", &fused_op<cuda_step>);
 }

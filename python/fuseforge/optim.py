@@ -7,13 +7,16 @@ C++ handle that reads each ``param.grad`` itself, so a step costs no Python loop
 the tensor table, block map and grad addresses live in device memory and are re-uploaded only when
 they change. No host synchronization in ``step()``. ``state_dtype="bfloat16"`` or ``"int8"`` keeps
 the two moments in 4 or about 2 bytes a parameter instead of 8, decoded and re-encoded inside the
-same kernel.
+same kernel. ``paged=True`` keeps the states of CUDA parameters in CUDA managed memory, prefetched to
+the GPU at every step, so that under memory pressure they page to host memory instead of failing.
 
 DTensor parameters (FSDP2's ``fully_shard``, tensor parallel): the handle holds each parameter's
 local shard and the kernel updates the local shards of every parameter, sharded or not, in the same
 one launch per device; nothing is gathered. States are DTensors with the parameter's mesh and
 placements (``step`` a plain tensor, as torch.optim.AdamW keeps it), so
 ``torch.distributed.checkpoint`` saves and loads them, interchangeably with torch.optim.AdamW's.
+int8 states' block scales are the exception: they are per local shard, so they form a DTensor
+sharded on dim 0 with one padded length a rank (see ``_absmax_len``).
 """
 from __future__ import annotations
 
@@ -26,17 +29,19 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 try:  # torch.distributed can be absent from a build (USE_DISTRIBUTED=0)
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 except ImportError:  # pragma: no cover
-    DTensor, distribute_tensor = None, None
+    DTensor, Replicate, Shard, distribute_tensor = None, None, None, None
 
 import fuseforge.ops.adamw  # noqa: F401  (fake kernels)
 
 __all__ = ["AdamW"]
 
 _ops = torch.ops.fuseforge
-_AMSGRAD, _MASTER = 1, 2
+_AMSGRAD, _MASTER, _PAGED = 1, 2, 16
 _STATE_FLAGS = {"float32": 0, "bfloat16": 4, "int8": 8}  # csrc/adamw/adamw.h
+_ABSMAX_LEN_SHIFT = 32  # param_flags bits that carry a padded absmax length (kAbsmaxLenShift)
+_ABSMAX_KEYS = ("exp_avg_absmax", "exp_avg_sq_absmax")
 # The order of adamw_handle_state / adamw_handle_set_state.
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param", "exp_avg_absmax", "exp_avg_sq_absmax")
 _SUPPORTED = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -82,16 +87,67 @@ def _check_state_dtype(state_dtype, amsgrad) -> str:
     return name
 
 
+def _check_paged(paged) -> bool:
+    if not isinstance(paged, bool):
+        raise ValueError(f"AdamW: paged must be True or False, got {paged!r}")
+    return paged
+
+
 def _state_format(group: dict, p: Tensor) -> str:
     """How parameter p of `group` stores its moments: the group's state_dtype, except float32 for
     parameters below MIN_COMPACT_NUMEL elements (float64 parameters keep float64 states)."""
     fmt = group["state_dtype"]
+    # A DTensor's global numel decides, so every rank has the same state keys (DCP needs that).
     if fmt == "float32" or p.dtype == torch.float64 or p.numel() < MIN_COMPACT_NUMEL:
         return "float32"
-    if fmt == "int8" and _is_dtensor(p):
-        raise ValueError("AdamW: state_dtype='int8' does not support DTensor parameters (its block scales do not "
-                         "shard with the parameter); use state_dtype='bfloat16' or 'float32'")
     return fmt
+
+
+def _blocks(numel: int) -> int:
+    return -(-numel // QUANT_BLOCK)
+
+
+def _absmax_len(p: Tensor) -> int:
+    """The length of the int8 absmax arrays of DTensor parameter p on every rank: the block count of
+    the largest local shard its placements can give a rank (torch.chunk's split: ceil(size / n) on each
+    sharded dim). One length everywhere makes the scales an evenly sharded DTensor of
+    ``_absmax_len(p) * shards`` entries, which DCP saves and loads rank by rank (a rank's scales only
+    make sense with its own shard of the codes); the entries past a rank's own block count stay 0."""
+    sizes = list(p.shape)
+    for mesh_dim, placement in enumerate(p.placements):
+        if placement.is_shard():
+            n = p.device_mesh.size(mesh_dim)
+            sizes[placement.dim] = -(-sizes[placement.dim] // n)
+    numel = 1
+    for s in sizes:
+        numel *= s
+    cap = _blocks(numel)
+    local = _blocks(p._local_tensor.numel())
+    if local > cap:  # pragma: no cover (a placement that splits unlike torch.chunk)
+        raise ValueError(f"AdamW: state_dtype='int8' on a DTensor parameter of shape {tuple(p.shape)} with placements "
+                         f"{tuple(p.placements)}: its local shard ({local} blocks) exceeds the {cap} blocks expected "
+                         "of these placements; use state_dtype='bfloat16' or 'float32'")
+    return cap
+
+
+def _absmax_placements(p: Tensor) -> tuple[tuple, int]:
+    """The placements of DTensor parameter p's int8 absmax arrays (sharded on dim 0 over every mesh
+    dim that shards p, replicated over the others) and the number of pieces they are split into."""
+    placements, shards = [], 1
+    for mesh_dim, placement in enumerate(p.placements):
+        if placement.is_shard():
+            placements.append(Shard(0))
+            shards *= p.device_mesh.size(mesh_dim)
+        else:
+            placements.append(Replicate())
+    return tuple(placements), shards
+
+
+def _wrap_absmax(t: Tensor, p: Tensor) -> Tensor:
+    """A local (padded) absmax array of DTensor parameter p as a DTensor (no communication)."""
+    placements, shards = _absmax_placements(p)
+    return DTensor.from_local(t, p.device_mesh, placements, shape=(t.numel() * shards,), stride=(1,),
+                              run_check=False)
 
 
 def _is_dtensor(t) -> bool:
@@ -112,7 +168,23 @@ def _wrap_like(t: Tensor, p: Tensor) -> Tensor:
 def _local_state(p: Tensor, value: Tensor, key: str) -> Tensor:
     """The local tensor the handle adopts for state `value` of parameter p: a DTensor state is
     redistributed to p's mesh and placements if it differs (a state loaded with other placements);
-    a plain full-size state of a DTensor parameter is distributed like p."""
+    a plain full-size state of a DTensor parameter is distributed like p. int8 block scales
+    (`_ABSMAX_KEYS`) pair with the local shard of the codes they were saved with, so they load only
+    from the same sharding; the handle gets the local shard's own blocks (it pads them again)."""
+    if key in _ABSMAX_KEYS:
+        if _is_dtensor(p) != _is_dtensor(value):
+            raise ValueError(f"AdamW: int8 state '{key}' was saved for a {'DTensor' if _is_dtensor(value) else 'plain'} "
+                             f"parameter and cannot load into a {'DTensor' if _is_dtensor(p) else 'plain'} one (its "
+                             "block scales follow the local shard); convert the checkpoint through a fuseforge AdamW "
+                             "with state_dtype='float32' (its state_dict holds float states)")
+        if not _is_dtensor(p):
+            return value
+        want = _absmax_placements(p)[0]
+        if value.device_mesh != p.device_mesh or tuple(value.placements) != want:
+            raise ValueError(f"AdamW: int8 state '{key}' was saved with mesh {value.device_mesh} and placements "
+                             f"{tuple(value.placements)}; this parameter needs {p.device_mesh} and {want} (int8 "
+                             "states load only into the sharding they were saved with)")
+        return value._local_tensor[:_blocks(_local(p).numel())]
     if _is_dtensor(p):
         if _is_dtensor(value):
             if value.device_mesh != p.device_mesh or tuple(value.placements) != tuple(p.placements):
@@ -129,7 +201,7 @@ def _local_state(p: Tensor, value: Tensor, key: str) -> Tensor:
 
 _TORCH_GROUP_KEYS: Optional[dict[str, Any]] = None
 # Group keys that belong to the optimizer that loads a state dict, not to the one that saved it.
-_LOADER_SETTINGS = ("master_weights", "state_dtype")
+_LOADER_SETTINGS = ("master_weights", "state_dtype", "paged")
 
 
 def _torch_group_keys() -> dict[str, Any]:
@@ -154,9 +226,11 @@ def _init_state(st: dict, p: Tensor, fmt: str, amsgrad: bool, master_weights: bo
     st["exp_avg"] = torch.zeros_like(p, dtype=moment, memory_format=torch.preserve_format)
     st["exp_avg_sq"] = torch.zeros_like(p, dtype=moment, memory_format=torch.preserve_format)
     if fmt == "int8":  # code 0 is 0 whatever the absmax
-        blocks = -(-p.numel() // QUANT_BLOCK)
-        st["exp_avg_absmax"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
-        st["exp_avg_sq_absmax"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
+        for key in _ABSMAX_KEYS:
+            if _is_dtensor(p):
+                st[key] = _wrap_absmax(torch.zeros(_absmax_len(p), dtype=torch.float32, device=p.device), p)
+            else:
+                st[key] = torch.zeros(_blocks(p.numel()), dtype=torch.float32, device=p.device)
     if amsgrad:
         st["max_exp_avg_sq"] = torch.zeros_like(p, dtype=moment, memory_format=torch.preserve_format)
     if master_weights and p.dtype in (torch.float16, torch.bfloat16):
@@ -226,6 +300,14 @@ class AdamW(Optimizer):
             ``exp_avg_sq_absmax``); no amsgrad. Parameters with fewer than ``MIN_COMPACT_NUMEL``
             (4096) elements, float64 ones, keep full-precision states. A per-group setting; the
             codes are described in docs/design/adamw.md.
+        paged (bool): keep the states of CUDA parameters (moments, ``max_exp_avg_sq``, master
+            weights, int8 block scales) in CUDA managed memory: one allocation per device, advised
+            to live on the parameters' GPU and prefetched there on the current stream at the start
+            of every step, so that when GPU memory runs short its pages move to host memory
+            instead of an allocation failing. The step stays one launch and does not synchronize.
+            Needs concurrent managed access (Linux, Pascal or newer; an error says so otherwise).
+            CPU parameters ignore it (their states are in host memory already). A per-group
+            setting; a setting of this optimizer, not of its checkpoints.
 
     Optimizer states are float32 whatever the parameter dtype (float64 for float64 CPU params)
     unless ``state_dtype`` says otherwise. ``state_dict()`` / ``load_state_dict()`` use
@@ -241,7 +323,16 @@ class AdamW(Optimizer):
     same launch as the others; their states are DTensors laid out like the parameter (``step`` a
     plain tensor), so ``torch.distributed.checkpoint`` and its ``get/set_optimizer_state_dict``
     work, with checkpoints interchangeable with torch.optim.AdamW's. Plain and DTensor parameters
-    may be mixed. ``state_dtype="int8"`` does not take DTensor parameters.
+    may be mixed. With ``state_dtype="int8"`` the codes are DTensors like the parameter and each
+    rank's block scales a padded piece of a DTensor sharded on dim 0, so DCP checkpoints of int8
+    states load back into the same mesh and placements (a new world size fails with DCP's size
+    mismatch; convert through ``state_dtype="float32"`` to reshard).
+
+    With ``paged=True``, ``state_dict()`` holds the paged tensors themselves (no copy, as for
+    ordinary states); ``load_state_dict()`` copies the loaded values into this optimizer's managed
+    memory. Under ``torch.compile`` the traced step updates whatever states exist (paged ones once
+    an eager step or a load has made them) without a prefetch; states it creates itself are ordinary
+    device memory until the next eager step rebuilds the handles.
 
     Replacing a state tensor object in ``optimizer.state`` by hand is not seen (in-place edits are);
     use ``load_state_dict``.
@@ -251,14 +342,16 @@ class AdamW(Optimizer):
 
     def __init__(self, params, lr: float | Tensor = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, amsgrad: bool = False, maximize: bool = False, *,
-                 master_weights: bool = False, capturable: bool = False, state_dtype: str = "float32"):
+                 master_weights: bool = False, capturable: bool = False, state_dtype: str = "float32",
+                 paged: bool = False):
         _check_hypers(lr, betas, eps, weight_decay)
         state_dtype = _check_state_dtype(state_dtype, amsgrad)
+        _check_paged(paged)
         self._handles: Optional[list[_DeviceHandle]] = None
         self._state_count = 0  # len(self.state) as the handles know it
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, master_weights=master_weights, capturable=capturable,
-                        state_dtype=state_dtype)
+                        state_dtype=state_dtype, paged=paged)
         super().__init__(params, defaults)
 
     # ---- groups and state ---------------------------------------------------------------------
@@ -287,6 +380,7 @@ class AdamW(Optimizer):
         param_group["state_dtype"] = _check_state_dtype(
             param_group.get("state_dtype", self.defaults["state_dtype"]),
             param_group.get("amsgrad", self.defaults["amsgrad"]))
+        param_group["paged"] = _check_paged(param_group.get("paged", self.defaults["paged"]))
         super().add_param_group(param_group)
         self._invalidate()
 
@@ -298,6 +392,7 @@ class AdamW(Optimizer):
             group.setdefault("master_weights", False)
             group.setdefault("capturable", False)
             group.setdefault("state_dtype", "float32")
+            group.setdefault("paged", False)
         self._invalidate()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -329,8 +424,8 @@ class AdamW(Optimizer):
         saved_state = state_dict["state"]
         saved_ids = list(chain.from_iterable(g["params"] for g in state_dict["param_groups"]))
         # Settings the saved groups lack (master_weights; anything a torch.optim.AdamW state dict
-        # lacks) keep this optimizer's values, and so does state_dtype, even where a group has it.
-        kept = [{k: v for k, v in g.items() if k != "params" and (k not in saved or k == "state_dtype")}
+        # lacks) keep this optimizer's values, and so do state_dtype and paged, even where a group has them.
+        kept = [{k: v for k, v in g.items() if k != "params" and (k not in saved or k in ("state_dtype", "paged"))}
                 for g, saved in zip(self.param_groups, state_dict["param_groups"])]
         super().load_state_dict(state_dict)
         for g, k in zip(self.param_groups, kept):
@@ -366,7 +461,13 @@ class AdamW(Optimizer):
                 for p in group["params"]:
                     params.append(p)
                     groups.append(local)
-                    flags.append(f | _STATE_FLAGS[_state_format(group, p)])
+                    fmt = _state_format(group, p)
+                    flag = f | _STATE_FLAGS[fmt]
+                    if group["paged"] and _local(p).device.type == "cuda":  # CPU states stay as they are
+                        flag |= _PAGED
+                    if fmt == "int8" and _is_dtensor(p):
+                        flag |= _absmax_len(p) << _ABSMAX_LEN_SHIFT
+                    flags.append(flag)
             tensors = [_local(p) for p in params]
             steps = torch.zeros(len(params), dtype=torch.float32, device=device)
             handle = _ops.adamw_handle_create(tensors, groups, flags, steps, len(group_ids))
@@ -405,9 +506,9 @@ class AdamW(Optimizer):
             st["master_param"] = wrap(kept[3])
         else:
             st.pop("master_param", None)
-        for i, key in ((4, "exp_avg_absmax"), (5, "exp_avg_sq_absmax")):  # int8 states (never DTensors)
+        for i, key in zip((4, 5), _ABSMAX_KEYS):  # int8 states: a DTensor's are padded per rank
             if kept[i].dtype == torch.float32:
-                st[key] = kept[i]
+                st[key] = _wrap_absmax(kept[i], p) if p is not h.tensors[slot] else kept[i]
             else:
                 st.pop(key, None)
 
@@ -505,8 +606,8 @@ class AdamW(Optimizer):
                 if group["master_weights"]:
                     masters.append(loc(st.get("master_param", st["exp_avg"])))
                 if "exp_avg_absmax" in st:
-                    m_absmaxs.append(st["exp_avg_absmax"])
-                    v_absmaxs.append(st["exp_avg_sq_absmax"])
+                    m_absmaxs.append(loc(st["exp_avg_absmax"]))
+                    v_absmaxs.append(loc(st["exp_avg_sq_absmax"]))
                 else:
                     unread = torch.empty(0, device=p.device) if unread is None else unread
                     m_absmaxs.append(unread)

@@ -411,7 +411,7 @@ def test_errors():
         torch.ops.fuseforge.adamw_fused_(*args[:7], [], [], **LIST_KW)
     args = _list_args("cpu", "int8")
     args[7][0] = torch.zeros(3)
-    with pytest.raises(RuntimeError, match=r"exp_avg_absmaxs\[0\] must be a contiguous float32 tensor"):
+    with pytest.raises(RuntimeError, match=r"exp_avg_absmaxs\[0\] must be a contiguous float32 vector"):
         torch.ops.fuseforge.adamw_fused_(*args, **LIST_KW)
     args = _list_args("cpu", "int8")
     with pytest.raises(RuntimeError, match="amsgrad .* is not supported with int8"):
@@ -754,8 +754,9 @@ def test_cpu_builds_bitwise_equal():
     assert len(set(outs.values())) == 1, outs
 
 
-# DTensor parameters in a one-rank process group (its own child process): bfloat16 states are
-# DTensors laid out like the parameter and update as plain tensors do; int8 ones are refused.
+# DTensor parameters in a one-rank process group (its own child process): compact states are
+# DTensors laid out like the parameter and update as plain tensors do; int8 block scales are a
+# DTensor sharded on dim 0 (several ranks: test_distributed.py).
 DTENSOR_SCRIPT = """
 import os, sys, tempfile, torch, torch.distributed as dist, fuseforge
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor, init_device_mesh
@@ -765,26 +766,64 @@ dist.init_process_group("gloo", init_method="file://" + os.path.join(tempfile.mk
 mesh = init_device_mesh("cpu", (1,))
 g = torch.Generator().manual_seed(0)
 full = [torch.randn(s, generator=g) for s in [(80, 64), (5000,)]]
+for state_dtype, moment in (("bfloat16", torch.bfloat16), ("int8", torch.uint8)):
+    dt = [torch.nn.Parameter(distribute_tensor(t.clone(), mesh, [Shard(0)])) for t in full]
+    plain = [torch.nn.Parameter(t.clone()) for t in full]
+    opt_d, opt_p = AdamW(dt, lr=1e-2, state_dtype=state_dtype), AdamW(plain, lr=1e-2, state_dtype=state_dtype)
+    for _ in range(3):
+        for a, b in zip(dt, plain):
+            grad = torch.randn(b.shape, generator=g)
+            b.grad = grad.clone()
+            a.grad = distribute_tensor(grad.clone(), mesh, [Shard(0)])
+        opt_d.step()
+        opt_p.step()
+    for a, b in zip(dt, plain):
+        st, ref = opt_d.state[a], opt_p.state[b]
+        assert set(st) == set(ref), (set(st), set(ref))
+        assert isinstance(st["exp_avg"], DTensor) and st["exp_avg"].dtype == moment
+        assert st["exp_avg"].placements == a.placements
+        assert torch.equal(a.full_tensor(), b.detach())
+        for k in set(st) - {"step"}:
+            assert torch.equal(st[k].full_tensor(), ref[k]), (state_dtype, k)
+        if state_dtype == "int8":
+            assert st["exp_avg_absmax"].placements == (Shard(0),) and st["exp_avg_absmax"].shape == ref["exp_avg_absmax"].shape
+# int8 scales follow the local shard: a plain int8 checkpoint does not load into DTensor params, nor
+# the reverse (float states do, either way).
+for src, dst, words in ((opt_p, dt, "plain parameter and cannot load into a DTensor"),
+                        (opt_d, plain, "DTensor parameter and cannot load into a plain")):
+    try:
+        AdamW(dst, lr=1e-2, state_dtype="int8").load_state_dict(src.state_dict())
+    except ValueError as e:
+        assert words in str(e) and "state_dtype='float32'" in str(e), e
+    else:
+        raise AssertionError("an int8 checkpoint loaded across shardings")
+# The traced step (torch.compile) creates int8 states of DTensor params as the handle does: padded
+# DTensor scales; eager steps after it adopt them.
 dt = [torch.nn.Parameter(distribute_tensor(t.clone(), mesh, [Shard(0)])) for t in full]
 plain = [torch.nn.Parameter(t.clone()) for t in full]
-opt_d, opt_p = AdamW(dt, lr=1e-2, state_dtype="bfloat16"), AdamW(plain, lr=1e-2, state_dtype="bfloat16")
-for _ in range(3):
+opt_c, opt_p = AdamW(dt, lr=1e-2, state_dtype="int8"), AdamW(plain, lr=1e-2, state_dtype="int8")
+step = torch.compile(opt_c.step, fullgraph=True, backend="aot_eager", dynamic=False)
+for i in range(4):
     for a, b in zip(dt, plain):
         grad = torch.randn(b.shape, generator=g)
         b.grad = grad.clone()
         a.grad = distribute_tensor(grad.clone(), mesh, [Shard(0)])
-    opt_d.step()
+    (step if i < 2 else opt_c.step)()
     opt_p.step()
-for a, b in zip(dt, plain):
-    st = opt_d.state[a]["exp_avg"]
-    assert isinstance(st, DTensor) and st.dtype == torch.bfloat16 and st.placements == a.placements
-    assert torch.equal(a.full_tensor(), b.detach()) and torch.equal(st.full_tensor(), opt_p.state[b]["exp_avg"])
+    for a, b in zip(dt, plain):
+        assert torch.equal(a.full_tensor(), b.detach()), i
+        for k in ("exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax"):
+            assert isinstance(opt_c.state[a][k], DTensor), (i, k)
+            assert torch.equal(opt_c.state[a][k].full_tensor(), opt_p.state[b][k]), (i, k)
+from torch.distributed.tensor import Replicate
+sd = opt_d.state_dict()
+sd["state"][0]["exp_avg_absmax"] = DTensor.from_local(sd["state"][0]["exp_avg_absmax"].to_local(), mesh, [Replicate()])
 try:
-    AdamW(dt, state_dtype="int8").step()
+    AdamW(dt, lr=1e-2, state_dtype="int8").load_state_dict(sd)
 except ValueError as e:
-    assert "does not support DTensor parameters" in str(e), e
+    assert "load only into the sharding they were saved with" in str(e), e
 else:
-    raise AssertionError("int8 states of DTensor parameters were accepted")
+    raise AssertionError("int8 scales of another placement were accepted")
 dist.destroy_process_group()
 print("ok")
 """

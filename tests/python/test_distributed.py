@@ -16,6 +16,8 @@ What is compared, step by step:
   Hugging Face Llama (tied embeddings), under FSDP2 and DDP: losses and gradients.
 - DCP: save mid-training, load into a new process group / model / optimizer, resume bitwise; and
   the optimizer checkpoint moves between fuseforge.optim.AdamW and torch.optim.AdamW both ways.
+- int8 and bfloat16 states on FSDP2 DTensor parameters against the same optimizer on plain copies
+  of the local shards (bitwise), with a DCP round trip that resumes bitwise (paged on GPUs).
 - examples/train_distributed.py under torchrun.
 """
 from __future__ import annotations
@@ -108,6 +110,11 @@ def launch(scenario: str, device: str, timeout: float = 150.0, world: int = WORL
 @pytest.mark.parametrize("device", backends())
 def test_adamw_fsdp2_matches_plain_bitwise(device):
     launch("adamw_exact", device)
+
+
+@pytest.mark.parametrize("device", backends())
+def test_adamw_fsdp2_compact_states_and_dcp(device):
+    launch("adamw_compact", device)
 
 
 @pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.xfail(strict=False, reason=(
@@ -383,6 +390,104 @@ def scenario_adamw_exact(ctx: Ctx) -> None:
         for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
             assert_close(opt.state[p][k], tref.state[q][k], 2e-6, f"vs torch.optim.AdamW state {k} of param {i}")
         assert opt.state[p]["step"].item() == tref.state[q]["step"].item() == 10
+
+
+def scenario_adamw_compact(ctx: Ctx) -> None:
+    """int8 and bfloat16 states on FSDP2 DTensor params: bitwise equal to the same optimizer on plain
+    copies of each rank's local shards (the kernel sees the same tensors; compact states round per
+    shard, so a run on the full tensors differs), int8 block scales as a padded DTensor sharded on
+    dim 0; a DCP save after 3 steps loads into a new model and optimizer and resumes bit for bit. On
+    GPUs the int8 optimizer is paged (states in managed memory), its reference not."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    from fuseforge.optim import AdamW, QUANT_BLOCK
+    # Even rows; uneven rows (shards of 4257 and 4224 elements, partial last blocks); one row (rank
+    # 1's shard is empty); a small one (float32 states).
+    shapes = [(130, 64), (257, 33), (1, 5000), (7, 5)]
+
+    def make(seed):
+        g = torch.Generator().manual_seed(seed)
+        m = torch.nn.Module()
+        m.ps = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes)
+        m = m.to(ctx.device)
+        fully_shard(m)
+        return m
+
+    def grads_of(step):
+        g = torch.Generator().manual_seed(300 + step)
+        return [torch.randn(s, generator=g).to(ctx.device) for s in shapes]
+
+    def step_sharded(m, o, step):
+        for p, gr in zip(m.ps, grads_of(step)):
+            p.grad = distribute_tensor(gr, p.device_mesh, p.placements)
+        o.step()
+        o.zero_grad()
+
+    def local_states(o, m):
+        return [{k: (v._local_tensor if isinstance(v, DTensor) else v).clone() for k, v in o.state[p].items()}
+                for p in m.ps]
+
+    for state_dtype in ("int8", "bfloat16"):
+        paged = ctx.cuda and state_dtype == "int8"
+        kw = dict(lr=1e-2, weight_decay=0.1, state_dtype=state_dtype)
+        m = make(0)
+        opt = AdamW(m.parameters(), paged=paged, **kw)
+        plain = [torch.nn.Parameter(p._local_tensor.detach().clone()) for p in m.ps]
+        ref = AdamW(plain, **kw)
+        for step in range(3):
+            step_sharded(m, opt, step)
+            for p, q, gr in zip(m.ps, plain, grads_of(step)):
+                q.grad = distribute_tensor(gr, p.device_mesh, p.placements)._local_tensor.clone()
+            ref.step()
+            what = f"[{state_dtype}] step {step}"
+            for i, (p, q) in enumerate(zip(m.ps, plain)):
+                assert_equal(p._local_tensor, q, f"{what} param {i}")
+                st, rst = opt.state[p], ref.state[q]
+                if q.numel() == 0:  # an empty shard (its plain copy keeps float32 states)
+                    continue
+                assert set(st) == set(rst), (what, i, set(st), set(rst))
+                for k in set(st) - {"step"}:
+                    v = st[k]
+                    assert isinstance(v, DTensor), (what, i, k)
+                    if k.endswith("_absmax"):
+                        blocks = -(-q.numel() // QUANT_BLOCK)
+                        local = v._local_tensor
+                        assert v.placements == (Shard(0),) and v.shape[0] == ctx.world * local.numel(), (what, k)
+                        assert_equal(local[:blocks], rst[k], f"{what} {k} of param {i}")
+                        assert not local[blocks:].any(), (what, k, "padding written")
+                    else:
+                        assert v.placements == p.placements and v.shape == p.shape, (what, i, k)
+                        assert_equal(v._local_tensor, rst[k], f"{what} {k} of param {i}")
+                    if paged:
+                        assert torch.ops.fuseforge.adamw_is_managed(v._local_tensor), (what, i, k)
+            if state_dtype == "int8":  # the keys are the same on every rank, empty shards included
+                assert set(opt.state[m.ps[2]]) == {"step", "exp_avg", "exp_avg_sq", "exp_avg_absmax",
+                                                   "exp_avg_sq_absmax"}
+        # DCP: save, run on, then load into a new model and optimizer and run the same steps.
+        path = os.path.join(ctx.tmp, f"ckpt_{state_dtype}")
+        msd, osd = get_state_dict(m, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+        saved = local_states(opt, m)
+        for step in range(3, 6):
+            step_sharded(m, opt, step)
+        m2 = make(1)
+        opt2 = AdamW(m2.parameters(), paged=paged, **kw)
+        msd, osd = get_state_dict(m2, opt2)
+        dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
+        set_state_dict(m2, opt2, model_state_dict=msd, optim_state_dict=osd)
+        for i, (a, b) in enumerate(zip(saved, local_states(opt2, m2))):
+            assert set(a) == set(b), (state_dtype, i, set(a), set(b))
+            for k in a:
+                assert_equal(b[k], a[k], f"[{state_dtype}] loaded {k} of param {i}")
+        for step in range(3, 6):
+            step_sharded(m2, opt2, step)
+        for i, (p, q) in enumerate(zip(m.ps, m2.ps)):
+            assert_equal(q._local_tensor, p._local_tensor, f"[{state_dtype}] resumed param {i}")
+        for i, (a, b) in enumerate(zip(local_states(opt, m), local_states(opt2, m2))):
+            for k in a:
+                assert_equal(b[k], a[k], f"[{state_dtype}] resumed {k} of param {i}")
 
 
 def scenario_adamw_compile(ctx: Ctx) -> None:

@@ -5,6 +5,8 @@ torch._fused_adamw_, but it also advances ``state_steps``): one kernel launch fo
 the lists, whatever their number and dtypes. fuseforge.optim.AdamW uses it under torch.compile;
 in eager mode it uses the handle ops (adamw_handle_*), which keep the parameter list in C++ so a
 step costs no Python loop over parameters (those are eager-only: they take an opaque handle).
+torch.ops.fuseforge.adamw_is_managed(t) says whether t lies in CUDA managed memory, where
+``paged=True`` keeps the optimizer's states (eager-only too: a fact about an address).
 """
 from __future__ import annotations
 
