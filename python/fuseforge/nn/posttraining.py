@@ -108,7 +108,8 @@ def _check_reduction(reduction: str) -> None:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
 
 
-def _check_pairs(chosen_logprobs: Tensor, chosen_mask: Tensor, rejected_logprobs: Tensor, rejected_mask: Tensor) -> None:
+def _check_pairs(chosen_logprobs: Tensor, chosen_mask: Tensor, rejected_logprobs: Tensor,
+                 rejected_mask: Tensor) -> None:
     for name, t, m in (("chosen", chosen_logprobs, chosen_mask), ("rejected", rejected_logprobs, rejected_mask)):
         if t.dim() != 2 or m.shape != t.shape:
             raise ValueError(f"{name}_logprobs and {name}_mask must both have shape (B, T), got {tuple(t.shape)} and "
