@@ -16,7 +16,7 @@ Each step's pairs run as --accumulate micro-batches whose gradients add up to th
 (num_items_in_batch, and num_chosen_tokens for the NLL term). The last --held-out pairs are not
 trained on; their accuracy is the share of pairs whose chosen answer's log-probability rose more over
 the starting policy's than the rejected one's. Prints progress and writes <loss>_curves.png (loss,
-train and held-out accuracy) and <loss>.json under --out.
+train and held-out accuracy) and <loss>.json under --out. On CUDA the model runs under bf16 autocast.
 
     python examples/dpo.py                      # CPU or GPU; well under a minute on 2 CPU cores
     python examples/dpo.py --loss orpo --steps 60 --out /tmp/orpo
@@ -41,6 +41,7 @@ from demo_model import FuseforgeGPT, GPTConfig  # noqa: E402
 from fuseforge import linear_logprobs  # noqa: E402
 from fuseforge.nn import CPOLoss, KTOLoss, ORPOLoss, PreferenceLoss, kto_kl  # noqa: E402
 from fuseforge.optim import AdamW  # noqa: E402
+from grpo import autocast  # noqa: E402
 
 LOSSES = ("dpo", "ipo", "hinge", "simpo", "cpo", "orpo", "kto")
 DEFAULT_BETA = {"simpo": 2.0}  # the others: 0.1, TRL's default
@@ -91,7 +92,9 @@ def encode(prompts: list, answers: list, length: int):
 
 def sequence_logprobs(model, inputs, targets, mask) -> torch.Tensor:
     """(N,) the sums of the answer tokens' log-probabilities."""
-    return (linear_logprobs(model.embed(inputs), model.head.weight, targets) * mask).sum(-1)
+    with autocast(inputs.device):
+        hidden = model.embed(inputs)
+    return (linear_logprobs(hidden, model.head.weight, targets) * mask).sum(-1)
 
 
 def plot(curves: dict, path: str, title: str) -> None:
@@ -161,7 +164,8 @@ def main(argv=None) -> dict:
         """The loss of the pairs idx, normalised by the whole step's counts."""
         ci, ct, cm = (t[idx] for t in chosen)
         ri, rt, rm = (t[idx] for t in rejected)
-        hidden = policy.embed(torch.cat([ci, ri]))  # one forward for both answers
+        with autocast(device):
+            hidden = policy.embed(torch.cat([ci, ri]))  # one forward for both answers
         hc, hr = hidden[:len(idx)], hidden[len(idx):]
         head = policy.head.weight
         if args.loss == "kto":

@@ -8,6 +8,7 @@ advantages, takes the sampling policy's and a frozen reference copy's log-probab
 fuseforge.linear_logprobs under no_grad, and runs --updates optimizer steps of GRPOLoss on the
 completions (the clipped surrogate with the k3 KL to the reference, TRL's definitions) from the
 policy's last hidden states and its output head: the (tokens x vocabulary) logits never exist whole.
+On CUDA the model runs under bf16 autocast.
 Prints progress and writes grpo_curves.png (loss, mean reward, KL to the reference a step) and
 grpo.json under --out.
 
@@ -38,9 +39,16 @@ from fuseforge.optim import AdamW  # noqa: E402
 STOP = ord(".")
 
 
+def autocast(device: torch.device):
+    """bf16 autocast on CUDA, where fuseforge's attention takes float16 or bfloat16; off on the CPU. The
+    final LayerNorm's output (the hidden states the losses take) stays float32 either way."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when fuseforge has CUDA kernels and a GPU)")
+    p.add_argument("--device", default="auto",
+                   help="cpu, cuda or auto (cuda when fuseforge has CUDA kernels and a GPU)")
     p.add_argument("--data", default=os.path.join(HERE, "data"), help="folder of .txt files: the prompts' text")
     p.add_argument("--out", default=os.path.join(HERE, "out"), help="folder for grpo_curves.png and grpo.json")
     p.add_argument("--steps", type=int, default=25, help="generations (each followed by --updates optimizer steps)")
@@ -75,7 +83,8 @@ def generate(model, prompts: torch.Tensor, length: int, generator: torch.Generat
     and their mask: 1 up to and including the first ".", 0 after it."""
     idx = prompts
     for _ in range(length):
-        logits = model(idx)[:, -1].float()
+        with autocast(idx.device):
+            logits = model(idx)[:, -1].float()
         nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)
         idx = torch.cat([idx, nxt], 1)
     completions = idx[:, prompts.shape[1]:]
@@ -86,7 +95,8 @@ def generate(model, prompts: torch.Tensor, length: int, generator: torch.Generat
 def completion_hidden(model, prompts: torch.Tensor, completions: torch.Tensor) -> torch.Tensor:
     """The last hidden states that predict each completion token: positions P-1 .. P+L-2."""
     seq = torch.cat([prompts, completions], 1)
-    hidden = model.embed(seq[:, :-1])
+    with autocast(seq.device):
+        hidden = model.embed(seq[:, :-1])
     return hidden[:, prompts.shape[1] - 1:]
 
 
