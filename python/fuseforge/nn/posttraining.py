@@ -137,7 +137,8 @@ def _margin_loss(z: Tensor, loss_type: str, beta: float, label_smoothing: float)
 
 
 def _reduce(losses: Tensor, reduction: str, count: Optional[float]) -> Tensor:
-    """"none" as is, "sum", or "mean": the sum over count (the batch's size when None)."""
+    """The losses as they are ("none"), their sum ("sum"), or their sum over count ("mean"; the batch size
+    when count is None)."""
     if reduction == "none":
         return losses
     if reduction == "sum":
