@@ -23,8 +23,7 @@ a case computes the same loss:
         over the tokens whose target is not ignored (every 7th ignored): beta KL(P_teacher || M) +
         (1 - beta) KL(P_student || M), M = beta P_teacher + (1 - beta) P_student. The teacher's hidden
         size equals the student's; its head is the student's plus noise and gets no gradient.
-        fuseforge: fuseforge.linear_jsd (rows only where this build has it); liger:
-        LigerFusedLinearJSD(jsd_beta=0.5).
+        fuseforge: fuseforge.linear_jsd; liger: LigerFusedLinearJSD(jsd_beta=0.5).
 Pass fwdbwd: the loss and the gradients of the policy's (student's) hidden states and output head
 (outputs: peak_extra_mib includes them; the reference / teacher tensors are inputs). TFLOPs counts
 the matrix products: 6NHV for grpo, 8NHV for dpo and jsd (the reference / teacher forward adds 2NHV).
@@ -173,12 +172,7 @@ def liger_impls(loss):
 
 def impls_for(loss):
     fuse = {"grpo": fuseforge_grpo, "dpo": fuseforge_dpo, "jsd": fuseforge_jsd}[loss]
-    impls = {}
-    if loss != "jsd" or hasattr(fuseforge, "linear_jsd"):
-        impls["fuseforge"] = fuse
-    else:
-        harness.log("    fuseforge left out: this build has no fuseforge.linear_jsd")
-    impls["eager"] = EAGER[loss]
+    impls = {"fuseforge": fuse, "eager": EAGER[loss]}
     if harness.bench_device() == "cpu":
         reason = _cpu_compile_reason()
         if reason is None:
