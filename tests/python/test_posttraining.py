@@ -1,11 +1,12 @@
-"""linear_logprobs and the post-training losses on it (GRPO, DPO-family), against float64 references that
-materialise the logits."""
+"""linear_logprobs and the post-training losses on it (GRPO, DPO-family, CPO, ORPO, KTO), against float64
+references that materialise the logits."""
 import pytest
 import torch
 
 import fuseforge
 from fuseforge import linear_logprobs
-from fuseforge.nn import GRPOLoss, PreferenceLoss, grpo_loss, preference_loss
+from fuseforge.nn import (CPOLoss, GRPOLoss, KTOLoss, ORPOLoss, PreferenceLoss, cpo_loss, grpo_loss, kto_kl, kto_loss,
+                          orpo_loss, preference_loss)
 from harness import TOL, assert_compiles, device_dtypes, devices, generator, randn, rel_err
 
 # (tokens shape, hidden, vocab): one token, a batch of completions, an odd vocabulary past a chunk.
@@ -166,6 +167,8 @@ def test_exports():
     assert fuseforge.linear_logprobs is linear_logprobs
     assert "GRPOLoss" in fuseforge.nn.__all__ and "linear_logprobs" in fuseforge.__all__
     assert "PreferenceLoss" in fuseforge.nn.__all__
+    for name in ("CPOLoss", "ORPOLoss", "KTOLoss", "cpo_loss", "orpo_loss", "kto_loss", "kto_kl"):
+        assert name in fuseforge.nn.__all__ and hasattr(fuseforge.nn, name)
 
 
 def reference_preference(lp_c, m_c, lp_r, m_r, ref_c, ref_r, loss_type, beta, ls, gamma):
@@ -244,3 +247,200 @@ def test_preference_bad_arguments_raise_clear_errors():
         preference_loss(lp, m, torch.zeros(3, 3), torch.ones(3, 3), loss_type="simpo")
     with pytest.raises(ValueError, match=r"rejected_logprobs and rejected_mask must both have shape \(B, T\)"):
         preference_loss(lp, m, lp, torch.ones(2, 4), loss_type="simpo")
+
+
+def reference_nll(h, w, ids, mask):
+    """TRL's NLL term: the mean cross-entropy over the chosen answers' tokens, from float64 logits."""
+    logits = h.double() @ w.double().T
+    labels = torch.where(mask.bool(), ids, torch.full_like(ids, -100))
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                             ignore_index=-100, reduction="sum"), mask.sum()
+
+
+def reference_reference_free(method, lp_c, m_c, lp_r, m_r, beta, ls, gamma):
+    """TRL's ORPO and CPO pair terms per pair, written out in float64 (ORPO's log(1 - p) as TRL writes it)."""
+    mean = method in ("orpo", "cpo-ipo", "cpo-simpo")
+    c = (lp_c * m_c).sum(-1) / (m_c.sum(-1) if mean else 1)
+    r = (lp_r * m_r).sum(-1) / (m_r.sum(-1) if mean else 1)
+    if method == "orpo":
+        log_odds = (c - r) - (torch.log1p(-torch.exp(c)) - torch.log1p(-torch.exp(r)))
+        return -beta * torch.log(torch.sigmoid(log_odds))
+    z = c - r
+    if method == "cpo-ipo":
+        return (z - 1 / (2 * beta)) ** 2
+    if method == "cpo-hinge":
+        return torch.relu(1 - beta * z)
+    if method == "cpo-simpo":
+        z = z - gamma / beta
+    return -(1 - ls) * torch.log(torch.sigmoid(beta * z)) - ls * torch.log(torch.sigmoid(-beta * z))
+
+
+def reference_free_module(method, beta, alpha, reduction):
+    if method == "orpo":
+        return ORPOLoss(beta=beta, reduction=reduction)
+    return CPOLoss(loss_type=method.split("-")[1], beta=beta, alpha=alpha, label_smoothing=0.1, gamma=0.3,
+                   reduction=reduction)
+
+
+REFERENCE_FREE = ["orpo", "cpo-sigmoid", "cpo-hinge", "cpo-ipo", "cpo-simpo"]
+
+
+@pytest.mark.parametrize("device,dtype", device_dtypes(cpu_dtypes=(torch.float32, torch.float64)))
+@pytest.mark.parametrize("method", REFERENCE_FREE)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cpo_orpo_losses_and_gradients_match_float64(device, dtype, method, reduction):
+    (hc, ic, mc), (hr, ir, mr), w = preference_batch(5, 8, 6, 16, 41, dtype, device)
+    alpha = 1.0 if method == "orpo" else 0.7
+    loss = reference_free_module(method, 0.5, alpha, reduction)(hc, hr, w, ic, ir, mc, mr)
+    weights = randn(max(loss.numel(), 1), dtype=torch.float64, device=device).reshape(loss.shape)
+    grads = torch.autograd.grad((loss.double() * weights).sum(), (hc, hr, w))
+    leaves64 = [t.detach().double().requires_grad_() for t in (hc, hr, w)]
+    hc64, hr64, w64 = leaves64
+    pair = reference_reference_free(method, reference_logprobs(hc64, w64, ic), mc.double(),
+                                    reference_logprobs(hr64, w64, ir), mr.double(), 0.5, 0.1, 0.3)
+    if reduction == "none":  # each pair's own chosen tokens' summed NLL
+        nll = torch.stack([reference_nll(hc64[i:i + 1], w64, ic[i:i + 1], mc[i:i + 1])[0] for i in range(5)])
+        ref_loss = pair + alpha * nll
+    else:
+        nll, tokens = reference_nll(hc64, w64, ic, mc)
+        ref_loss = (pair.mean() + alpha * nll / tokens if reduction == "mean" else pair.sum() + alpha * nll)
+    ref_grads = torch.autograd.grad((ref_loss * weights).sum(), leaves64)
+    assert loss.shape == ref_loss.shape
+    assert rel_err(loss, ref_loss) <= max(TOL[dtype], 1e-6)
+    for g, r in zip(grads, ref_grads):
+        assert rel_err(g, r) <= grad_tol(dtype)
+
+
+def test_simpo_is_cpo_without_its_nll_term():
+    (hc, ic, mc), (hr, ir, mr), w = preference_batch(4, 6, 7, 8, 19, torch.float64, "cpu")
+    lp_c, lp_r = reference_logprobs(hc, w, ic), reference_logprobs(hr, w, ir)
+    simpo = preference_loss(lp_c, mc, lp_r, mr, loss_type="simpo", beta=0.4, gamma=0.2, label_smoothing=0.05)
+    cpo = cpo_loss(lp_c, mc, lp_r, mr, loss_type="simpo", beta=0.4, gamma=0.2, label_smoothing=0.05, alpha=0.0)
+    assert rel_err(cpo, simpo) <= 1e-15
+    with_nll = cpo_loss(lp_c, mc, lp_r, mr, loss_type="simpo", beta=0.4, gamma=0.2, label_smoothing=0.05, alpha=2.0)
+    nll = -(lp_c * mc).sum() / mc.sum()
+    assert rel_err(with_nll, simpo + 2.0 * nll) <= 1e-14
+
+
+@pytest.mark.parametrize("method", REFERENCE_FREE)
+def test_cpo_orpo_micro_batches_give_the_full_batch_gradient(method):
+    """num_items_in_batch (pairs) and num_chosen_tokens (the NLL's tokens) of the whole batch: uneven
+    micro-batches' gradients add up to the full batch's, both terms normalised as one batch."""
+    (hc, ic, mc), (hr, ir, mr), w = preference_batch(6, 7, 5, 12, 23, torch.float64, "cpu")
+    loss_fn = reference_free_module(method, 0.3, 0.6, "mean")
+    g_full = torch.autograd.grad(loss_fn(hc, hr, w, ic, ir, mc, mr), w)[0]
+    g_acc = torch.zeros_like(w)
+    for part in (slice(0, 1), slice(1, 6)):
+        loss = loss_fn(hc[part], hr[part], w, ic[part], ir[part], mc[part], mr[part], num_items_in_batch=6,
+                       num_chosen_tokens=mc.sum().item())
+        g_acc += torch.autograd.grad(loss, w)[0]
+    assert rel_err(g_acc, g_full) <= 1e-12
+
+
+def reference_kto(lp, m, desirable, ref, kl, beta, wd, wu):
+    """TRL's KTOTrainer losses, chosen (desirable) then rejected, written out in float64; returned in
+    the batch's order."""
+    r = (lp * m).sum(-1) - ref
+    chosen = wd * (1 - torch.sigmoid(beta * (r - kl)))
+    rejected = wu * (1 - torch.sigmoid(beta * (kl - r)))
+    return torch.where(desirable, chosen, rejected)
+
+
+def kto_batch(batch, length, hidden, vocab, dtype, device):
+    h = randn(batch, length, hidden, dtype=dtype, device=device, requires_grad=True)
+    w = randn(vocab, hidden, dtype=dtype, device=device, scale=0.5, requires_grad=True)
+    ids = torch.randint(0, vocab, (batch, length), generator=generator(device), device=device)
+    lengths = torch.randint(1, length + 1, (batch,), generator=generator(device), device=device)
+    mask = (torch.arange(length, device=device)[None] < lengths[:, None]).to(torch.int64)
+    desirable = torch.arange(batch, device=device) % 3 != 1  # both kinds, unevenly
+    with torch.no_grad():  # a reference model near the policy
+        ref = (reference_logprobs(h, w, ids) * mask).sum(-1) + 2.0 * randn(batch, dtype=torch.float64, device=device)
+    return h, w, ids, mask, desirable, ref.float()
+
+
+@pytest.mark.parametrize("device,dtype", device_dtypes(cpu_dtypes=(torch.float32, torch.float64)))
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("with_kl", [False, True], ids=["kl0", "kl"])
+def test_kto_loss_and_gradients_match_float64(device, dtype, reduction, with_kl):
+    h, w, ids, mask, desirable, ref = kto_batch(7, 8, 16, 37, dtype, device)
+    # The reference point from mismatched completions (ids shifted by one completion), under no_grad.
+    kl = None
+    if with_kl:
+        with torch.no_grad():
+            policy_kl = (linear_logprobs(h, w, ids.roll(1, 0)) * mask.roll(1, 0)).sum(-1)
+        kl = kto_kl(policy_kl, policy_kl - 1.5 - randn(7, device=device))
+        assert kl.item() > 0 and not kl.requires_grad
+    loss = KTOLoss(beta=0.3, desirable_weight=1.3, undesirable_weight=0.8, reduction=reduction)(
+        h, w, ids, mask, desirable, ref, kl=kl)
+    weights = randn(max(loss.numel(), 1), dtype=torch.float64, device=device).reshape(loss.shape)
+    grads = torch.autograd.grad((loss.double() * weights).sum(), (h, w))
+    h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    per = reference_kto(reference_logprobs(h64, w64, ids), mask.double(), desirable, ref.double(),
+                        0.0 if kl is None else kl.double(), 0.3, 1.3, 0.8)
+    ref_loss = {"none": per, "sum": per.sum(), "mean": per.mean()}[reduction]
+    ref_grads = torch.autograd.grad((ref_loss * weights).sum(), (h64, w64))
+    assert loss.shape == ref_loss.shape
+    assert rel_err(loss, ref_loss) <= max(TOL[dtype], 1e-6)
+    for g, r in zip(grads, ref_grads):
+        assert rel_err(g, r) <= grad_tol(dtype)
+
+
+def test_kto_kl_is_the_clamped_detached_mean():
+    p = randn(6, dtype=torch.float64, requires_grad=True)
+    r = p.detach() - 0.25 + 0.1 * randn(6, dtype=torch.float64)
+    kl = kto_kl(p, r)
+    assert not kl.requires_grad and abs(kl.item() - (p - r).mean().item()) <= 1e-15
+    assert kto_kl(p, p.detach() + 1.0).item() == 0.0  # a negative estimate is clamped to 0
+
+
+def test_kto_micro_batches_give_the_full_batch_gradient():
+    h, w, ids, mask, desirable, ref = kto_batch(6, 7, 12, 23, torch.float64, "cpu")
+    loss_fn = KTOLoss(beta=0.2, desirable_weight=1.5)
+    g_full = torch.autograd.grad(loss_fn(h, w, ids, mask, desirable, ref, kl=0.4), w)[0]
+    g_acc = torch.zeros_like(w)
+    for part in (slice(0, 4), slice(4, 6)):
+        loss = loss_fn(h[part], w, ids[part], mask[part], desirable[part], ref[part], kl=0.4, num_items_in_batch=6)
+        g_acc += torch.autograd.grad(loss, w)[0]
+    assert rel_err(g_acc, g_full) <= 1e-12
+
+
+@pytest.mark.parametrize("device", devices())
+def test_reference_free_and_kto_losses_compile_fullgraph(device):
+    (hc, ic, mc), (hr, ir, mr), w = preference_batch(3, 5, 4, 16, 40, torch.float32, device)
+    for module in (ORPOLoss(beta=0.2), CPOLoss(loss_type="simpo", alpha=0.5)):
+        assert_compiles(lambda *a, m=module: m(*a), hc, hr, w, ic, ir, mc, mr, device=device)
+    desirable = torch.tensor([True, False, True], device=device)
+    ref = randn(3, device=device)
+    assert_compiles(lambda h, w, i, m, d, r: KTOLoss(beta=0.2)(h, w, i, m, d, r, kl=torch.tensor(0.1, device=device)),
+                    hc, w, ic, mc, desirable, ref, device=device)
+
+
+def test_cpo_orpo_kto_bad_arguments_raise_clear_errors():
+    lp, m = torch.zeros(2, 3), torch.ones(2, 3)
+    with pytest.raises(ValueError, match=r"loss_type must be one of \('sigmoid', 'hinge', 'ipo', 'simpo'\)"):
+        cpo_loss(lp, m, lp, m, loss_type="orpo")
+    with pytest.raises(ValueError, match="loss_type must be one of"):
+        CPOLoss(loss_type="dpo")
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        orpo_loss(lp, m, lp, m, reduction="avg")
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        ORPOLoss(reduction="batchmean")
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        KTOLoss(reduction="avg")
+    with pytest.raises(ValueError, match="the same number of pairs, got 2 and 3"):
+        orpo_loss(lp, m, torch.zeros(3, 3), torch.ones(3, 3))
+    with pytest.raises(ValueError, match=r"chosen_logprobs and chosen_mask must both have shape \(B, T\)"):
+        cpo_loss(lp, torch.ones(2, 4), lp, m)
+    desirable, ref = torch.tensor([True, False]), torch.zeros(2)
+    with pytest.raises(ValueError, match=r"desirable must be a bool tensor of shape \(B,\) = \(2,\)"):
+        kto_loss(lp, m, torch.tensor([1, 0]), ref)
+    with pytest.raises(ValueError, match=r"desirable must be a bool tensor of shape \(B,\) = \(2,\)"):
+        kto_loss(lp, m, torch.tensor([True]), ref)
+    with pytest.raises(ValueError, match=r"ref_logps must have shape \(B,\) = \(2,\), got \(2, 3\)"):
+        kto_loss(lp, m, desirable, lp)
+    with pytest.raises(ValueError, match=r"logprobs and mask must both have shape \(B, T\)"):
+        kto_loss(lp, torch.ones(2, 2), desirable, ref)
+    with pytest.raises(ValueError, match=r"kl must be a scalar .*got shape \(2,\)"):
+        kto_loss(lp, m, desirable, ref, kl=torch.zeros(2))
+    with pytest.raises(ValueError, match=r"policy_kl_logps and ref_kl_logps must both have shape \(B,\)"):
+        kto_kl(torch.zeros(3), torch.zeros(2))

@@ -4,9 +4,11 @@ from fuseforge.nn.attention import Attention
 from fuseforge.nn.distill import LinearJSD
 from fuseforge.nn.glu import GLU, GatedMLP
 from fuseforge.nn.linear_cross_entropy import LinearCrossEntropyLoss
-from fuseforge.nn.posttraining import GRPOLoss, PreferenceLoss, grpo_loss, preference_loss
+from fuseforge.nn.posttraining import (CPOLoss, GRPOLoss, KTOLoss, ORPOLoss, PreferenceLoss, cpo_loss, grpo_loss,
+                                       kto_kl, kto_loss, orpo_loss, preference_loss)
 from fuseforge.nn.rms_norm import RMSNorm
 from fuseforge.nn.rotary import RotaryEmbedding
 
-__all__ = ["AddMulActivation", "Attention", "GLU", "GatedMLP", "GRPOLoss", "LinearCrossEntropyLoss", "LinearJSD",
-           "PreferenceLoss", "RMSNorm", "RotaryEmbedding", "grpo_loss", "preference_loss"]
+__all__ = ["AddMulActivation", "Attention", "CPOLoss", "GLU", "GatedMLP", "GRPOLoss", "KTOLoss",
+           "LinearCrossEntropyLoss", "LinearJSD", "ORPOLoss", "PreferenceLoss", "RMSNorm", "RotaryEmbedding",
+           "cpo_loss", "grpo_loss", "kto_kl", "kto_loss", "orpo_loss", "preference_loss"]
