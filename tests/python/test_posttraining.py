@@ -217,7 +217,9 @@ def test_preference_losses_and_gradients_match_float64(device, dtype, loss_type,
     ref_loss = per_pair if reduction == "none" else per_pair.mean()
     ref_grads = torch.autograd.grad((ref_loss * weights).sum(), leaves64)
     assert loss.shape == ref_loss.shape
-    assert rel_err(loss, ref_loss) <= max(TOL[dtype], 1e-6)
+    # float32 log-probabilities summed over an answer's tokens, then squared (IPO) or through a
+    # hinge: a few float32 ulps of the pair's margin, which exceeds 1e-6 of the loss on some draws.
+    assert rel_err(loss, ref_loss) <= max(TOL[dtype], 4e-6)
     for g, r in zip(grads, ref_grads):
         assert rel_err(g, r) <= grad_tol(dtype)
 
