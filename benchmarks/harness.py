@@ -392,24 +392,33 @@ def _time_recorded(bench: Bench, settle_ms: float = 0, **kwargs) -> float:
     return ms
 
 
+def failure_text(e: BaseException) -> str:
+    """A row's error for an impl that raised: "out of memory", or the exception's type and start."""
+    if isinstance(e, torch.cuda.OutOfMemoryError):
+        return "out of memory"
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+
+
 def time_interleaved(benches: list[Bench], rounds: int, rep_ms: float = 100,
-                     settle_ms: float = 0) -> dict[int, Optional[list[float]]]:
+                     settle_ms: float = 0) -> dict[int, list[float] | str]:
     """Each bench's ms in each of `rounds` rounds that time every bench in turn (time_ms with rep_ms
     each, after settle_ms of itself: _settle): slow drifts of the GPU's clocks and temperature fall on
-    every impl alike instead of on whichever is timed first. None for a bench that ran out of memory."""
+    every impl alike instead of on whichever is timed first. For a bench that raised (out of memory,
+    a peer's compiler failing), its error text instead: the other impls still run."""
     times: dict[int, list[float]] = {id(b): [] for b in benches}
-    failed: set[int] = set()
+    failed: dict[int, str] = {}
     for _ in range(rounds):
         for b in benches:
             if id(b) in failed:
                 continue
             try:
                 times[id(b)].append(_time_recorded(b, settle_ms=settle_ms, rep_ms=rep_ms))
-            except torch.cuda.OutOfMemoryError:
-                failed.add(id(b))
+            except Exception as e:  # noqa: BLE001  (recorded in the row; the run goes on)
+                failed[id(b)] = failure_text(e)
+                log(f"    {b.impl}: {failed[id(b)]}")
                 gc.collect()
                 torch.cuda.empty_cache()
-    return {k: (None if k in failed else v) for k, v in times.items()}
+    return {k: failed.get(k, v) for k, v in times.items()}
 
 
 def measure(bench: Bench, with_memory: bool = True, ms: Optional[float] = None, settle_ms: float = 0) -> dict:
@@ -428,8 +437,8 @@ def measure(bench: Bench, with_memory: bool = True, ms: Optional[float] = None, 
             mem = peak_extra_mib(bench.fn)
             if mem is not None:
                 row["peak_extra_mib"] = round(mem, 1)
-    except torch.cuda.OutOfMemoryError:
-        row["error"] = "out of memory"
+    except Exception as e:  # noqa: BLE001  (recorded in the row; the run goes on)
+        row["error"] = failure_text(e)
         gc.collect()
         torch.cuda.empty_cache()
     if bench.rel_err is not None:
@@ -497,8 +506,8 @@ def run(op: str, cases: Iterable[str], setup: Callable[[str], list[Bench]], argv
                 timed.update(time_interleaved([b for b in benches if b.pass_ == pass_], rounds,
                                               settle_ms=args.settle_ms))
         for b in benches:
-            if rounds > 1 and timed[id(b)] is None:
-                row = {"case": b.case, "pass": b.pass_, "impl": b.impl, "error": "out of memory"}
+            if rounds > 1 and isinstance(timed[id(b)], str):
+                row = {"case": b.case, "pass": b.pass_, "impl": b.impl, "error": timed[id(b)]}
             else:
                 rounds_ms = timed.get(id(b))
                 row = measure(b, with_memory=not args.no_memory, ms=median(rounds_ms) if rounds_ms else None,

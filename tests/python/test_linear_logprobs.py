@@ -66,8 +66,12 @@ def check(x, w, b, target, *, value_tol=None, grad_tol=None, use_logprobs=True, 
     assert logp.shape == ent.shape == target.shape and logp.dtype == ent.dtype == sd
     x64, w64, b64 = leaves64(x, w, b)
     ref_logp, ref_ent = reference(x64, w64, target.cpu(), b64, **options)
-    assert_rel_close(logp, ref_logp, value_tol or VALUE_TOL[dtype], "logprobs")
-    assert_rel_close(ent, ref_ent, value_tol or VALUE_TOL[dtype], "entropy")
+    value_tol = value_tol or VALUE_TOL[dtype]
+    if options.get("temperature", 1.0) != 1.0 and dtype in (torch.float16, torch.bfloat16):
+        # x / T and b / T are rounded to the input dtype once (as eager's 16-bit logits / T are).
+        value_tol = max(value_tol, torch.finfo(dtype).eps)
+    assert_rel_close(logp, ref_logp, value_tol, "logprobs")
+    assert_rel_close(ent, ref_ent, value_tol, "entropy")
     ignored = target == IGNORE
     assert (logp[ignored] == 0).all() and (ent[ignored] == 0).all()
     a = randn(*target.shape, dtype=sd, device=device)

@@ -17,7 +17,10 @@ def linear_logprobs(x: Tensor, weight: Tensor, target: Tensor, bias: Optional[Te
 
     It is ``-linear_cross_entropy(x / temperature, weight, target, bias / temperature,
     reduction="none")``: the fused loss's kernels (a chunked log-sum-exp on the GPU, float32
-    arithmetic) with every token's gradient weighted by its own upstream gradient. ``softcap`` caps
+    arithmetic) with every token's gradient weighted by its own upstream gradient. With 16-bit inputs
+    and a temperature other than 1, ``x / temperature`` is rounded to the input dtype once (about
+    the rounding of eager 16-bit ``logits / temperature``; the log-probabilities are then within the
+    dtype's epsilon, not float32's). ``softcap`` caps
     the logits first (``softcap * tanh(z / softcap)``, Gemma 2's final logits); it cannot be combined
     with a temperature other than 1 (the cap would apply to the tempered logits).
 
