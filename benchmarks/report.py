@@ -80,7 +80,19 @@ SECTIONS = [
      "`benchmarks/bench_adamw.py`: one optimizer step. `llama1b`: a 1B Llama's 953M parameters in "
      "float32, or in bf16 with float32 master weights (`bf16-master`); `small5000`: 5000 tensors of "
      "4096 elements. torch's impls on the same parameters: `torch_fused` (`fused=True`), "
-     "`torch_foreach`, `compile` (`torch.compile` of the step)."),
+     "`torch_foreach`, `compile` (`torch.compile` of the step). 8-bit peers: bitsandbytes' "
+     "`AdamW8bit` / `PagedAdamW8bit`, torchao's `AdamW8bit`; `_paged` rows keep their states in CUDA "
+     "managed memory. `llama1b/fp32-capped`: `torch.cuda.set_per_process_memory_fraction` leaves the "
+     "caching allocator 1 GiB beyond the parameters and gradients, so unpaged fp32 and int8 states run "
+     "out of memory; managed memory is outside that cap and stays on the GPU while it has room, so the "
+     "paged rows time resident states, not paging to the host."),
+    ("adamw_convergence", "AdamW's compact states: 200 training steps",
+     "`bench_e2e.py --batch 4 --steps 200 --data text --op adamw_convergence`: the 1.2B Llama patched "
+     "by fuseforge, trained on windows of `examples/data`'s bytes (34 KB of text, so the model "
+     "memorises it), with AdamW's moments in float32 (`fuseforge`), int8 (`fuseforge_int8_states`) "
+     "and bitsandbytes' `AdamW8bit` (`fuseforge_bnb8bit_states`); `eager` is the unpatched model with "
+     "torch's fused AdamW. In this regime two float32-state runs end apart by more than the 1% the "
+     "bar allows (eager against fuseforge: 4%), so the final-loss bar is not a test of the states."),
     ("rms_norm", "rms_norm: RMSNorm and the residual add before it",
      "`benchmarks/bench_rms_norm.py`: fuseforge's `rms_norm` against eager PyTorch (Hugging Face's "
      "LlamaRMSNorm code), `torch.compile` of it and Liger-Kernel's RMSNorm. Cases "
@@ -102,7 +114,17 @@ SECTIONS = [
      "3.2 1B (16x4x128), Llama 3 8B (32x8x128), Llama 3 70B (64x8x128), Gemma 2 (8x4x256) and Qwen2 "
      "(16x2x128) in bf16, and 8B's in fp32; q and k are the projections' (B, S, H, D) -> (B, H, S, D) "
      "views, as in the model. GB/s counts 2 x (q + k) bytes forward (read q and k, write both outputs) "
-     "and 4 x (q + k) forward+backward; position_ids, inv_freq and cos/sin are not counted."),
+     "and 4 x (q + k) forward+backward; position_ids, inv_freq and cos/sin are not counted. The fp32 "
+     "rows come from the run before (the JSON's `note`): their kernel is unchanged since."),
+    ("posttraining", "Post-training losses: GRPO, DPO and distillation",
+     "`benchmarks/bench_posttraining.py`: forward+backward of each loss from hidden states (tokens x "
+     "4096, bf16) through a vocabulary head, against eager PyTorch (logits materialised), "
+     "`torch.compile` of it and Liger-Kernel 0.8.5's `LigerFusedLinearGRPOLoss` / "
+     "`LigerFusedLinearDPOLoss` / `LigerFusedLinearJSD`, each computing the same loss (the script's "
+     "docstring). fuseforge: `GRPOLoss` and `PreferenceLoss` on `linear_logprobs`, and `linear_jsd`. "
+     "`rel_err` (8192-token cases) is the larger of grad_x's and grad_W's error against float64. The "
+     "first GRPO case comes from the run before (same kernels; the JSON's `note`); the 16384-token JSD "
+     "case did not finish in the run's time."),
     ("glu", "glu: SwiGLU and GeGLU",
      "`benchmarks/bench_glu.py`: fuseforge's `glu`, `act(gate) * up`, against eager PyTorch (as Hugging "
      "Face's LlamaMLP / GemmaMLP write it), `torch.compile` of it and Liger-Kernel's SiLU-mul and "
@@ -192,6 +214,8 @@ HEADLINE = [
     ("adamw", "fuseforge", "torch_fused", "llama1b", "AdamW, 1B Llama (fp32; bf16 + fp32 masters)"),
     ("adamw", "fuseforge", "compile", "llama1b", "AdamW, 1B Llama (fp32; bf16 + fp32 masters)"),
     ("adamw", "fuseforge", "torch_fused", "small5000", "AdamW, 5000 small tensors"),
+    ("adamw", "fuseforge_int8", "bnb_adamw8bit", "", "AdamW, int8 states"),
+    ("posttraining", "fuseforge", "liger", "", "GRPO / DPO / JSD losses"),
     ("e2e", "fuseforge", "liger", "", "1.2B Llama step, patched"),
     ("e2e", "fuseforge", "eager", "", "1.2B Llama step, patched"),
     ("e2e_compile", "fuseforge", "compile", "", "1.2B Llama step, patched"),
