@@ -105,5 +105,12 @@ void store_math(const M* src, T* dst, int64_t n) {
     for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
 }
 
+// The lanes' maximum (NaN if a lane is NaN: at::vec::maximum propagates it), by halving shuffles.
+template <typename M>
+M lanes_max(const CpuVec<M>& v) {
+  return at::vec::vec_reduce_all<M>([](const CpuVec<M>& a, const CpuVec<M>& b) { return at::vec::maximum(a, b); },
+                                    v);
+}
+
 }  // namespace
 }  // namespace fuseforge

@@ -16,13 +16,6 @@
 
 namespace fuseforge::linear_cross_entropy {
 
-Reduction parse_reduction(std::string_view reduction) {
-  if (reduction == "mean") return Reduction::kMean;
-  if (reduction == "sum") return Reduction::kSum;
-  if (reduction == "none") return Reduction::kNone;
-  TORCH_CHECK(false, "reduction must be 'mean', 'sum' or 'none', got '", std::string(reduction), "'");
-}
-
 Problem prepare(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& target,
                 const std::optional<at::Tensor>& bias, int64_t ignore_index, std::string_view reduction,
                 double label_smoothing, double z_loss, double softcap, bool allow_double) {
@@ -104,15 +97,7 @@ EntropyGrad entropy_grad_inputs(const Problem& p, const at::Tensor& x, const std
 }
 
 at::Tensor shape_loss(const at::Tensor& row_losses, const at::Tensor& inv_count, const Problem& p) {
-  switch (p.cfg.reduction) {
-    case Reduction::kNone:
-      return row_losses.view(p.batch_shape);
-    case Reduction::kSum:
-      return row_losses.sum();
-    case Reduction::kMean:
-      return row_losses.sum() * inv_count;
-  }
-  return row_losses;
+  return reduce_rows(row_losses, inv_count, p.cfg.reduction, p.batch_shape);
 }
 
 namespace {

@@ -7,11 +7,9 @@
 #include <optional>
 #include <string_view>
 
+#include "common/reduction.h"
+
 namespace fuseforge::linear_cross_entropy {
-
-enum class Reduction { kNone, kMean, kSum };
-
-Reduction parse_reduction(std::string_view reduction);
 
 // The loss settings every kernel needs.
 struct LossConfig {

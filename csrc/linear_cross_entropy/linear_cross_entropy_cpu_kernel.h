@@ -27,12 +27,6 @@ using Vec = at::vec::Vectorized<M>;
 // Elements a task at least: below this, threads cost more than they save.
 constexpr int64_t kGrainElems = 1 << 15;
 
-// The lanes' maximum (NaN if a lane is NaN: at::vec::maximum propagates it), by halving shuffles.
-template <typename M>
-M hmax(const Vec<M>& v) {
-  return at::vec::vec_reduce_all<M>([](const Vec<M>& a, const Vec<M>& b) { return at::vec::maximum(a, b); }, v);
-}
-
 // max(acc, v) without at::vec::maximum's NaN test (two more instructions a vector, on the dependency
 // chain of a max pass): a NaN logit may be dropped from the row's max, but the pass that sums
 // exp(z - max) over the same logits turns it into a NaN sum, so the row's loss (and gradient) is NaN
@@ -172,7 +166,7 @@ void row(const CpuRowArgs& a, int64_t r) {
   double entropy = 0;
   if (need_stats) {
     // nll = (max - z_t) + log(sum exp(z - max)): no cancellation of lse against z_t when the target dominates.
-    const M mx = hmax(vmax);
+    const M mx = lanes_max(vmax);
     const V vmx(mx);
     // (z - max) * exp(z - max) with z - max clamped to a finite value: 0, not NaN, for a -inf logit.
     const V lowest(std::numeric_limits<M>::lowest());

@@ -20,13 +20,6 @@ namespace fuseforge::linear_jsd {
 
 namespace {
 
-Reduction parse_reduction(std::string_view reduction) {
-  if (reduction == "mean") return Reduction::kMean;
-  if (reduction == "sum") return Reduction::kSum;
-  if (reduction == "none") return Reduction::kNone;
-  TORCH_CHECK(false, "reduction must be 'mean', 'sum' or 'none', got '", std::string(reduction), "'");
-}
-
 void check_head(const at::Tensor& x, const char* x_name, const at::Tensor& w, const char* w_name) {
   TORCH_CHECK(x.dim() >= 1, x_name, " must have shape (..., hidden), got a 0-dim tensor");
   TORCH_CHECK(w.dim() == 2, w_name, " must have shape (vocab, hidden), got ", w.sizes());
@@ -95,15 +88,7 @@ at::Tensor inverse_valid_count(const Problem& p) {
 }
 
 at::Tensor shape_loss(const at::Tensor& row_losses, const at::Tensor& inv_count, const Problem& p) {
-  switch (p.cfg.reduction) {
-    case Reduction::kNone:
-      return row_losses.view(p.batch_shape);
-    case Reduction::kSum:
-      return row_losses.sum();
-    case Reduction::kMean:
-      return row_losses.sum() * inv_count;
-  }
-  return row_losses;
+  return reduce_rows(row_losses, inv_count, p.cfg.reduction, p.batch_shape);
 }
 
 void check_grad_loss(const at::Tensor& grad_loss, const Problem& p) {

@@ -6,9 +6,9 @@
 #include <optional>
 #include <string_view>
 
-namespace fuseforge::linear_jsd {
+#include "common/reduction.h"
 
-enum class Reduction { kNone, kMean, kSum };
+namespace fuseforge::linear_jsd {
 
 // Which divergence a row computes. beta 0 and 1 are Liger-Kernel's special cases (its generalised
 // JSD is 0 there): the forward and the reverse KL divergence.

@@ -33,11 +33,6 @@ using Vec = at::vec::Vectorized<M>;
 // Elements a task at least: below this, threads cost more than they save.
 constexpr int64_t kGrainElems = 1 << 14;
 
-template <typename M>
-M lanes_max(const Vec<M>& v) {
-  return at::vec::vec_reduce_all<M>([](const Vec<M>& x, const Vec<M>& y) { return at::vec::maximum(x, y); }, v);
-}
-
 // The lanes' sum in double, in lane order.
 template <typename M>
 double lanes_sum(const Vec<M>& v) {
