@@ -326,7 +326,7 @@ def plots(results: dict, link_prefix: str) -> str:
     """One plot per op, the newest GPU run's."""
     out = []
     for bench in ("attention", "attention_varlen", "linear_cross_entropy", "add_mul_act", "rms_norm", "rotary", "glu",
-                  "adamw", "e2e"):
+                  "adamw", "adamw_convergence", "posttraining", "e2e"):
         runs = {t: v for t, v in results.get(bench, {}).items() if t != "cpu"}
         if not runs:
             continue
