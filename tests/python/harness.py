@@ -112,3 +112,15 @@ def assert_compiles(fn: Callable, *args, device: str = "cpu"):
     backend = "inductor" if device == "cuda" else "aot_eager"
     compiled = torch.compile(fn, fullgraph=True, backend=backend)
     return compiled(*args)
+
+
+def assert_compiles_like_eager(fn: Callable, *leaves: torch.Tensor, device: str = "cpu", tol: float = 1e-5) -> None:
+    """assert_compiles for a scalar-valued fn of leaves, then its value and its gradients with respect
+    to the leaves against eager's."""
+    out = assert_compiles(fn, *leaves, device=device)
+    grads = torch.autograd.grad(out, leaves)
+    eager = fn(*leaves)
+    eager_grads = torch.autograd.grad(eager, leaves)
+    assert_rel_close(out, eager, tol, "compiled loss")
+    for g, e in zip(grads, eager_grads):
+        assert_rel_close(g, e, tol, "compiled grad")
