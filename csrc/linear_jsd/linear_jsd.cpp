@@ -87,6 +87,10 @@ at::Tensor inverse_valid_count(const Problem& p) {
   return at::reciprocal(count.to(dt));
 }
 
+at::Tensor or_empty(const at::Tensor& t, const at::Tensor& like) {
+  return t.defined() ? t : at::empty({0}, like.options());
+}
+
 at::Tensor shape_loss(const at::Tensor& row_losses, const at::Tensor& inv_count, const Problem& p) {
   return reduce_rows(row_losses, inv_count, p.cfg.reduction, p.batch_shape);
 }
@@ -214,10 +218,6 @@ CpuOutputs run_cpu(const Problem& p, const std::optional<RowWeights>& weights, c
   if (gx.defined()) o.grad_x = gx;
   if (gw.defined()) o.grad_weight = convert ? gw.to(dt) : gw;
   return o;
-}
-
-at::Tensor or_empty(const at::Tensor& t, const at::Tensor& like) {
-  return t.defined() ? t : at::empty({0}, like.options());
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cpu(

@@ -137,10 +137,6 @@ Outputs run(const Problem& p, const GradSpec& g, bool want_loss) {
   return o;
 }
 
-at::Tensor or_empty(const at::Tensor& t, const at::Tensor& like) {
-  return t.defined() ? t : at::empty({0}, like.options());
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
     const at::Tensor& student_x, const at::Tensor& student_weight, const at::Tensor& teacher_x,
     const at::Tensor& teacher_weight, const std::optional<at::Tensor>& target, double beta, double temperature,
