@@ -2,13 +2,15 @@
 // at::mm / at::addmm, float32 accumulation) and the row kernel's launches. No host sync: the mean's
 // divisor stays a device scalar. Compiled by the C++ compiler, not nvcc.
 //
-// Per chunk of c rows:
-//   student(c x V, float32) = x_s @ W_s^T ;  teacher(c x V, float32) = x_t @ W_t^T     (cuBLAS)
-//   row losses and dz (c x V, in T; in place over the student's logits for float32)   (row kernel)
-//   grad_x[c rows] = dz @ W_s ;  grad_W_s (+)= dz^T @ x_s                             (cuBLAS)
-// Workspace (8 + sizeof(T)) c V bytes <= kWorkspaceBudget. grad_W accumulates in cuBLAS (float32
-// inside, one rounding to T a chunk) for at most kMaxRoundedPasses chunks, else in a float32 V x Hs
-// buffer.
+// Per super-chunk of S rows (16-bit inputs with gradients; else S = c):
+//   per sub-chunk of c rows:
+//     student(c x V, float32) = x_s @ W_s^T ;  teacher(c x V, float32) = x_t @ W_t^T    (cuBLAS)
+//     row losses and dz (c rows of the super-chunk's S x V dz, in T)                  (row kernel)
+//   grad_x[S rows] = dz @ W_s ;  grad_W_s (+)= dz^T @ x_s                              (cuBLAS)
+// Workspace: 8 c V bytes of float32 logits (kStagingBudget) and sizeof(T) S V of dz (kDzBudget);
+// float32 inputs write dz over the student's logits (S = c, 8 c V <= kWorkspaceBudget). grad_W
+// accumulates in cuBLAS (float32 inside, one rounding to T a super-chunk) for at most
+// kMaxRoundedPasses super-chunks, else in a float32 V x Hs buffer.
 #include <ATen/ops/addmm.h>
 #include <ATen/ops/mm.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -27,9 +29,14 @@
 namespace fuseforge::linear_jsd {
 namespace {
 
-constexpr int64_t kWorkspaceBudget = int64_t{768} << 20;  // bytes: the chunk's logits and dz
+constexpr int64_t kWorkspaceBudget = int64_t{768} << 20;  // bytes: float32 inputs' logits (dz in place)
+constexpr int64_t kStagingBudget = int64_t{256} << 20;    // bytes: 16-bit inputs' float32 logits
+constexpr int64_t kDzBudget = int64_t{512} << 20;         // bytes: 16-bit inputs' dz rows
 constexpr int64_t kMaxChunkRows = 8192;
-constexpr int64_t kMaxRoundedPasses = 4;  // low-precision roundings of grad_W per element
+// Low-precision roundings of grad_W per element before a float32 accumulator (4 V Hs bytes) is used
+// instead: 16 at 512 MiB of dz rows covers 32768 tokens at V = 128256 (Liger-Kernel's fused JSD
+// rounds once every 256-512 rows).
+constexpr int64_t kMaxRoundedPasses = 16;
 
 struct GradSpec {
   bool enabled = false;
@@ -41,12 +48,25 @@ struct Outputs {
   at::Tensor row_losses, grad_x, grad_weight;
 };
 
-// Rows a chunk: the workspace budget over a row's bytes (both float32 logit rows, and dz in T for
-// 16-bit inputs with gradients). Development knob FUSEFORGE_JSD_CHUNK_ROWS (tests, tuning).
-int64_t chunk_rows(const Problem& p, bool separate_dz) {
-  const int64_t row_bytes = p.vocab * (8 + (separate_dz ? p.sx.element_size() : 0));
-  const int64_t fit = std::clamp<int64_t>(kWorkspaceBudget / row_bytes, 1, kMaxChunkRows);
-  return std::clamp<int64_t>(dev_positive_int("FUSEFORGE_JSD_CHUNK_ROWS", fit), 1, std::max<int64_t>(p.rows, 1));
+struct Plan {
+  int64_t sub_rows = 1, super_rows = 1;  // logit rows a GEMM pair; dz rows a gradient GEMM pair
+};
+
+// Development knobs (tests, tuning): FUSEFORGE_JSD_CHUNK_ROWS (sub-chunk), FUSEFORGE_JSD_SUPER_ROWS
+// (super-chunk, rounded down to a multiple of the sub-chunk).
+Plan plan_rows(const Problem& p, bool separate_dz) {
+  const int64_t rows = std::max<int64_t>(p.rows, 1);
+  const int64_t staging = separate_dz ? kStagingBudget : kWorkspaceBudget;
+  const int64_t fit = std::clamp<int64_t>(staging / (8 * p.vocab), 1, kMaxChunkRows);
+  Plan plan;
+  plan.sub_rows = std::clamp<int64_t>(dev_positive_int("FUSEFORGE_JSD_CHUNK_ROWS", fit), 1, rows);
+  plan.super_rows = plan.sub_rows;
+  if (separate_dz) {
+    const int64_t dz_fit = std::clamp<int64_t>(kDzBudget / (p.sx.element_size() * p.vocab), 1, kMaxChunkRows);
+    int64_t s = std::clamp<int64_t>(dev_positive_int("FUSEFORGE_JSD_SUPER_ROWS", dz_fit), plan.sub_rows, rows);
+    plan.super_rows = std::max<int64_t>(s / plan.sub_rows * plan.sub_rows, plan.sub_rows);
+  }
+  return plan;
 }
 
 // Float32 logits of x_rows @ w^T into out (contiguous rows x V).
@@ -67,14 +87,15 @@ void run_typed(const Problem& p, const GradSpec& g, Outputs& o) {
     if (g.want.x) o.grad_x = at::empty({p.rows, hs}, p.sx.options());
     if (g.want.weight) o.grad_weight = at::empty({p.vocab, hs}, p.sx.options());
   }
-  const int64_t chunk = chunk_rows(p, g.enabled && !kFloat);
-  const int64_t passes = ceil_div(p.rows, chunk);
+  const Plan plan = plan_rows(p, g.enabled && !kFloat);
+  const int64_t passes = ceil_div(p.rows, plan.super_rows);
   const bool fp32_weight_acc = g.enabled && g.want.weight && !kFloat && passes > kMaxRoundedPasses;
-  const at::Tensor s_buf = at::empty({chunk * p.vocab}, f32);
-  const at::Tensor t_buf = at::empty({chunk * p.vocab}, f32);
+  const at::Tensor s_buf = at::empty({plan.sub_rows * p.vocab}, f32);
+  const at::Tensor t_buf = at::empty({plan.sub_rows * p.vocab}, f32);
   at::Tensor dz_buf, w_acc;
   if (g.enabled) {
-    dz_buf = kFloat ? s_buf : at::empty({chunk * p.vocab}, p.sx.options());  // float32: dz over the logits
+    // float32: dz over the student's logits (super = sub)
+    dz_buf = kFloat ? s_buf : at::empty({plan.super_rows * p.vocab}, p.sx.options());
     if (fp32_weight_acc) w_acc = at::empty({p.vocab, hs}, f32);
   }
 
@@ -88,32 +109,35 @@ void run_typed(const Problem& p, const GradSpec& g, Outputs& o) {
   rp.inv_temperature = static_cast<float>(1.0 / p.cfg.temperature);
   rp.scalar_scale = g.scalar_scale.has_value() ? g.scalar_scale->const_data_ptr<float>() : nullptr;
 
-  for (int64_t r0 = 0; r0 < p.rows; r0 += chunk) {
-    const int64_t n = std::min(chunk, p.rows - r0);
-    at::Tensor zs = s_buf.narrow(0, 0, n * p.vocab).view({n, p.vocab});
-    at::Tensor zt = t_buf.narrow(0, 0, n * p.vocab).view({n, p.vocab});
-    const at::Tensor x_rows = p.sx.narrow(0, r0, n);
-    logits_gemm(zs, x_rows, p.sw);
-    logits_gemm(zt, p.tx.narrow(0, r0, n), p.tw);
+  for (int64_t s0 = 0; s0 < p.rows; s0 += plan.super_rows) {
+    const int64_t s_rows = std::min(plan.super_rows, p.rows - s0);
+    for (int64_t r0 = s0; r0 < s0 + s_rows; r0 += plan.sub_rows) {
+      const int64_t n = std::min(plan.sub_rows, s0 + s_rows - r0);
+      at::Tensor zs = s_buf.narrow(0, 0, n * p.vocab).view({n, p.vocab});
+      at::Tensor zt = t_buf.narrow(0, 0, n * p.vocab).view({n, p.vocab});
+      logits_gemm(zs, p.sx.narrow(0, r0, n), p.sw);
+      logits_gemm(zt, p.tx.narrow(0, r0, n), p.tw);
 
-    RowParams<T> q = rp;
-    q.student = zs.const_data_ptr<float>();
-    q.teacher = zt.const_data_ptr<float>();
-    q.rows = n;
-    q.target = p.target.defined() ? p.target.const_data_ptr<int64_t>() + r0 : nullptr;
-    q.row_scale = g.row_scale.has_value() ? g.row_scale->const_data_ptr<float>() + r0 : nullptr;
-    q.loss_out = o.row_losses.defined() ? o.row_losses.mutable_data_ptr<float>() + r0 : nullptr;
-    q.dz = g.enabled ? static_cast<T*>(dz_buf.mutable_data_ptr()) : nullptr;
-    launch_rows<T>(q);
+      RowParams<T> q = rp;
+      q.student = zs.const_data_ptr<float>();
+      q.teacher = zt.const_data_ptr<float>();
+      q.rows = n;
+      q.target = p.target.defined() ? p.target.const_data_ptr<int64_t>() + r0 : nullptr;
+      q.row_scale = g.row_scale.has_value() ? g.row_scale->const_data_ptr<float>() + r0 : nullptr;
+      q.loss_out = o.row_losses.defined() ? o.row_losses.mutable_data_ptr<float>() + r0 : nullptr;
+      q.dz = g.enabled ? static_cast<T*>(dz_buf.mutable_data_ptr()) + (r0 - s0) * p.vocab : nullptr;
+      launch_rows<T>(q);
+    }
     if (!g.enabled) continue;
 
-    const at::Tensor dz = dz_buf.narrow(0, 0, n * p.vocab).view({n, p.vocab});
+    const at::Tensor dz = dz_buf.narrow(0, 0, s_rows * p.vocab).view({s_rows, p.vocab});
+    const at::Tensor x_rows = p.sx.narrow(0, s0, s_rows);
     if (g.want.x) {
-      at::Tensor gx_rows = o.grad_x.narrow(0, r0, n);
+      at::Tensor gx_rows = o.grad_x.narrow(0, s0, s_rows);
       at::mm_out(gx_rows, dz, p.sw);
     }
     if (g.want.weight) {
-      const bool first = r0 == 0;
+      const bool first = s0 == 0;
       if (fp32_weight_acc) {
         if (first) at::mm_out(w_acc, dz.t(), x_rows, at::kFloat);
         else at::addmm_out(w_acc, w_acc, dz.t(), x_rows, at::kFloat, 1, 1);

@@ -422,16 +422,20 @@ def test_cpu_nan_teacher_makes_rows_nan():
 
 # ---- CUDA: chunk plans, large vocabularies, a peer ----------------------------------------------
 CUDA_CHUNK_ENV = "FUSEFORGE_JSD_CHUNK_ROWS"
+CUDA_SUPER_ENV = "FUSEFORGE_JSD_SUPER_ROWS"
 
 
 @requires_cuda
 @requires_dev_knobs
-@pytest.mark.parametrize("chunk,dtype", [("64", torch.bfloat16), ("40", torch.bfloat16), ("64", torch.float32)],
-                         ids=["bf16-3-passes", "bf16-fp32-acc", "fp32-in-place"])
-def test_chunk_plans_cuda(chunk, dtype, monkeypatch):
-    """Several row chunks: grad_W accumulated by cuBLAS (3 roundings to bf16), in a float32 buffer
-    (5 chunks > 4), and float32's dz written over the student's logits."""
+@pytest.mark.parametrize("chunk,super_rows,dtype", [
+    ("64", "128", torch.bfloat16), ("40", "100", torch.bfloat16), ("8", "8", torch.bfloat16),
+    ("64", "64", torch.float32)], ids=["bf16-2-passes", "bf16-odd-super", "bf16-fp32-acc", "fp32-in-place"])
+def test_chunk_plans_cuda(chunk, super_rows, dtype, monkeypatch):
+    """Sub-chunks of logits inside super-chunks of dz: grad_W accumulated by cuBLAS (2 and 3 roundings
+    to bf16; 100 rows round down to 80, two sub-chunks of 40), in a float32 buffer (24 super-chunks >
+    16), and float32's dz written over the student's logits."""
     monkeypatch.setenv(CUDA_CHUNK_ENV, chunk)
+    monkeypatch.setenv(CUDA_SUPER_ENV, super_rows)
     sx, sw, tx, tw, t = make_inputs((190,), 64, 48, 1004, dtype, "cuda")
     for beta in (0.0, 0.5, 1.0):
         check_against_reference(sx, sw, tx, tw, t, beta=beta)

@@ -49,10 +49,11 @@ def linear_jsd(student_x: Tensor, student_weight: Tensor, teacher_x: Tensor, tea
     "none" (or a repeated backward) the backward recomputes both heads' logits. Not twice
     differentiable.
 
-    Memory: row chunks of both heads' float32 logits (and, for 16-bit inputs, the chunk's logit
-    gradients) within a 768 MiB workspace on the GPU (32 MiB of logits a head on the CPU); the
-    student's weight gradient accumulates over chunks in cuBLAS (float32 inside, one rounding to
-    bf16/fp16 a chunk) for at most 4 chunks, else in a float32 (V, Hs) buffer.
+    Memory: on the GPU, row chunks of both heads' float32 logits (256 MiB for 16-bit inputs, 768 MiB
+    for float32 ones) and, for 16-bit inputs with gradients, a super-chunk of logit gradients in the
+    input dtype (512 MiB: 2088 rows at V = 128256); 32 MiB of logits a head on the CPU. The student's
+    weight gradient accumulates over super-chunks in cuBLAS (float32 inside, one rounding to
+    bf16/fp16 a super-chunk) for at most 16 of them, else in a float32 (V, Hs) buffer.
     """
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
