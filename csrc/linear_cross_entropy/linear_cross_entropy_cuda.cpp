@@ -25,6 +25,7 @@
 #include <ATen/ops/addmm.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/mv.h>
+#include <ATen/ops/sort.h>
 #include <ATen/ops/sum.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -132,6 +133,7 @@ StreamParams<T> at_row(StreamParams<T> q, int64_t r0) {
   if (q.row_sumz) q.row_sumz += r0;
   if (q.row_scale) q.row_scale += r0;
   if (q.entropy_scale) q.entropy_scale += r0;
+  if (q.target_residual) q.target_residual += r0;
   return q;
 }
 
@@ -204,7 +206,13 @@ void run_default(const Problem& p, const GradSpec& g, Outputs& o) {
   // average out) nor where a recomputing backward reads float32 logits against this pass's lse.
   const bool bf16_cluster = std::is_same_v<T, at::BFloat16> && cluster && p.cfg.reduction != Reduction::kNone;
   const bool in_place = bf16_cluster && g.enabled;
-  const Plan plan = plan_rows(p, g.enabled && g.want.weight, in_place || (bf16_cluster && !g.want.any()), in_place);
+  Plan plan = plan_rows(p, g.enabled && g.want.weight, in_place || (bf16_cluster && !g.want.any()), in_place);
+  // Per-token gradients (16-bit): every row's dz has its own weight, and its largest entry, the
+  // target's, is the one whose rounding to T the gradients would carry (sqrt(2) the error of the
+  // outputs' own rounding). The stream kernel keeps that rounding's residual and the host adds it
+  // back in float32: grad_x through a float32 product, grad_W and grad_b in float32 accumulators.
+  const bool compensate = !std::is_same_v<T, float> && g.enabled && g.row_scale.has_value() && !cluster;
+  if (compensate && g.want.weight) plan.fp32_weight_acc = true;
   const auto f32 = p.x2d.options().dtype(at::kFloat);
   at::Tensor staging = plan.in_place ? at::Tensor()
                                      : at::empty({plan.sub_rows * p.vocab}, plan.bf16_logits ? p.x2d.options() : f32);
@@ -214,10 +222,16 @@ void run_default(const Problem& p, const GradSpec& g, Outputs& o) {
     if (g.want.weight && plan.fp32_weight_acc) w_acc = at::empty({p.vocab, p.hidden}, f32);
     if (g.want.bias) b_acc = at::zeros({p.vocab}, f32);
   }
+  at::Tensor residual, gx_acc;
+  if (compensate) {
+    residual = at::empty({p.rows}, f32);
+    if (g.want.x) gx_acc = at::empty({plan.super_rows, p.hidden}, f32);
+  }
   at::Tensor& w_out = plan.fp32_weight_acc ? w_acc : o.grad_weight;
   const at::Tensor exact_zt = target_logits<T>(p);
   StreamParams<T> rp = base_params<T>(p, g.row_scale, g.scalar_scale, exact_zt);
   set_entropy_grad(rp, g);
+  if (compensate) rp.target_residual = residual.mutable_data_ptr<float>();
   rp.cols = p.vocab;
   rp.ld_logits = p.vocab;
   rp.ld_dz = p.vocab;
@@ -278,7 +292,15 @@ void run_default(const Problem& p, const GradSpec& g, Outputs& o) {
     const at::Tensor x_rows = p.x2d.narrow(0, s0, s_rows);
     if (g.want.x) {
       at::Tensor gx_rows = o.grad_x.narrow(0, s0, s_rows);
-      at::mm_out(gx_rows, dz, p.weight);
+      if (compensate) {
+        at::Tensor acc = gx_acc.narrow(0, 0, s_rows);
+        at::mm_out(acc, dz, p.weight, at::kFloat);
+        launch_add_target_rows<T>(acc.const_data_ptr<float>(), p.weight.const_data_ptr<T>(),
+                                  p.target.const_data_ptr<int64_t>() + s0, residual.const_data_ptr<float>() + s0,
+                                  s_rows, p.hidden, p.vocab, gx_rows.mutable_data_ptr<T>());
+      } else {
+        at::mm_out(gx_rows, dz, p.weight);
+      }
     }
     if (g.want.weight) {
       if (plan.fp32_weight_acc) {
@@ -293,6 +315,15 @@ void run_default(const Problem& p, const GradSpec& g, Outputs& o) {
     first_pass = false;
   }
   if (!g.enabled) return;
+  if constexpr (!std::is_same_v<T, float>) {
+    if (compensate && (g.want.weight || g.want.bias) && p.rows > 0) {
+      const auto [sorted, order] = at::sort(p.target, /*stable=*/true, /*dim=*/0, /*descending=*/false);
+      launch_scatter_target_rows<T>(sorted.const_data_ptr<int64_t>(), order.const_data_ptr<int64_t>(),
+                                    residual.const_data_ptr<float>(), p.x2d.const_data_ptr<T>(), p.rows, p.hidden,
+                                    p.vocab, g.want.weight ? w_acc.mutable_data_ptr<float>() : nullptr,
+                                    g.want.bias ? b_acc.mutable_data_ptr<float>() : nullptr);
+    }
+  }
   if (g.want.weight) {
     if (p.rows == 0) o.grad_weight.zero_();
     else if (plan.fp32_weight_acc) o.grad_weight.copy_(w_acc);

@@ -419,6 +419,7 @@ __device__ void row_softmax_stream_body(const StreamParams<T>& p) {
 
   if (t == p.ignore_index) {
     if (p.dz) zero_tile_row(p, row, 0, p.cols, tid, kStreamThreads);
+    if (tid == 0 && p.target_residual) p.target_residual[row] = 0.f;
     if (tid == 0 && p.last_tile && !p.lse_in) {
       if (p.loss_out) p.loss_out[row] = 0.f;
       if (p.lse_out) p.lse_out[row] = 0.f;
@@ -530,6 +531,12 @@ __device__ void row_softmax_stream_body(const StreamParams<T>& p) {
     }
   };
   T* out = p.dz + row * p.ld_dz;
+  // The target's entry is the row's largest gradient: what rounding it to T loses goes to
+  // target_residual (0 where the row has no target entry here).
+  const auto keep_residual = [&](float g) {
+    if (p.target_residual) p.target_residual[row] = g - static_cast<float>(static_cast<T>(g));
+  };
+  if (tid == 0 && p.target_residual && !target_in_tile) p.target_residual[row] = 0.f;
   for (int64_t col = static_cast<int64_t>(tid) * kStep; col < p.cols; col += kStreamThreads * kStep) {
     if constexpr (kVec) {
       float z[4];
@@ -540,10 +547,13 @@ __device__ void row_softmax_stream_body(const StreamParams<T>& p) {
         float zk = raw_logit(p, z[k], row, col + k, t_local);
         if (p.bias) zk += static_cast<float>(p.bias[p.col_begin + col + k]);
         g[k] = grad(m.cap(zk), col + k == t_local);
+        if (col + k == t_local) keep_residual(g[k]);
       }
       store4(out + col, g[0], g[1], g[2], g[3]);
     } else {
-      out[col] = static_cast<T>(grad(load_logit(p, zrow, row, col, t_local, m), col == t_local));
+      const float g = grad(load_logit(p, zrow, row, col, t_local, m), col == t_local);
+      if (col == t_local) keep_residual(g);
+      out[col] = static_cast<T>(g);
     }
   }
 }
@@ -572,6 +582,52 @@ __global__ void __launch_bounds__(kTargetLogitThreads)
   }
   acc = warp_sum(acc);
   if (lane == 0) out[row] = acc;
+}
+
+// grad_x[r] = T(acc[r] + residual[r] * weight[target[r]]): grid (rows), a block a row.
+template <typename T>
+__global__ void __launch_bounds__(256)
+    add_target_rows_kernel(const float* acc, const T* weight, const int64_t* target, const float* residual,
+                           int64_t hidden, int64_t vocab, T* grad_x) {
+  const int64_t row = blockIdx.x;
+  const int64_t t = target[row];
+  const float r = residual[row];
+  const bool add = r != 0.f && t >= 0 && t < vocab;
+  const float* a = acc + row * hidden;
+  T* out = grad_x + row * hidden;
+  const T* w = weight + (add ? t : 0) * hidden;
+  for (int64_t h = threadIdx.x; h < hidden; h += blockDim.x) {
+    out[h] = static_cast<T>(add ? fmaf(r, static_cast<float>(w[h]), a[h]) : a[h]);
+  }
+}
+
+// Block j of grid (rows) owns target sorted_target[j] if j is that target's first position: it adds
+// the residual-weighted x rows of every row with that target, in order, to w_acc[t] (and the
+// residuals to b_acc[t]). One writer a target: no atomics, the same sums every run.
+template <typename T>
+__global__ void __launch_bounds__(256)
+    scatter_target_rows_kernel(const int64_t* sorted_target, const int64_t* order, const float* residual, const T* x,
+                               int64_t rows, int64_t hidden, int64_t vocab, float* w_acc, float* b_acc) {
+  const int64_t j = blockIdx.x;
+  const int64_t t = sorted_target[j];
+  if ((j > 0 && sorted_target[j - 1] == t) || t < 0 || t >= vocab) return;
+  int64_t end = j + 1;
+  while (end < rows && sorted_target[end] == t) ++end;
+  if (w_acc) {
+    for (int64_t h = threadIdx.x; h < hidden; h += blockDim.x) {
+      float s = 0.f;
+      for (int64_t k = j; k < end; ++k) {
+        const int64_t i = order[k];
+        s = fmaf(residual[i], static_cast<float>(x[i * hidden + h]), s);
+      }
+      w_acc[t * hidden + h] += s;
+    }
+  }
+  if (b_acc && threadIdx.x == 0) {
+    float s = 0.f;
+    for (int64_t k = j; k < end; ++k) s += residual[order[k]];
+    b_acc[t] += s;
+  }
 }
 
 // data *= (*a) * (*b), skipped entirely when that product is exactly 1 (then no memory is touched).

@@ -56,6 +56,10 @@ struct StreamParams : RowParams<T> {
   float* run_ent = nullptr;              // running A across vocabulary tiles (with run_max), or nullptr
   const float* entropy_in = nullptr;     // recomputing backward: the forward's H ...
   const float* entropy_scale = nullptr;  // ... and its per-row upstream gradient, or nullptr: none
+  // Gradient pass of whole rows (16-bit T): each row's target entry of dz minus its rounding to T
+  // (0 for ignored rows), so the host can add it back in float32 (launch_add_target_rows,
+  // launch_scatter_target_rows); or nullptr.
+  float* target_residual = nullptr;
 };
 
 constexpr int kClusterSize = 8;
@@ -78,6 +82,17 @@ void launch_scale(T* data, int64_t n, const float* a, const float* b);
 template <typename T>
 void launch_target_logits(const T* x, const T* weight, const int64_t* target, int64_t rows, int64_t hidden,
                           int64_t vocab, int64_t ignore_index, float* out);
+// The target entries' roundings put back (rows' residuals from the stream kernel's target_residual):
+// grad_x[r] = T(acc[r] + residual[r] * weight[target[r]]) for r < rows, acc the float32 dz @ W rows;
+// and, over all rows at once, w_acc[t] += sum residual[r] * x[r] (b_acc[t] += sum residual[r]) over
+// the rows r whose target is t, summed in sorted (stable) order: deterministic. sorted_target and
+// order: the targets sorted and their row indices; w_acc or b_acc may be nullptr.
+template <typename T>
+void launch_add_target_rows(const float* acc, const T* weight, const int64_t* target, const float* residual,
+                            int64_t rows, int64_t hidden, int64_t vocab, T* grad_x);
+template <typename T>
+void launch_scatter_target_rows(const int64_t* sorted_target, const int64_t* order, const float* residual,
+                                const T* x, int64_t rows, int64_t hidden, int64_t vocab, float* w_acc, float* b_acc);
 // Largest vocabulary the cluster kernel holds in registers.
 constexpr int64_t kClusterMaxVocab = int64_t{kClusterSize} * kClusterThreads * 4 * 16;
 

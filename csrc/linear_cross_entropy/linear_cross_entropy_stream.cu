@@ -1,4 +1,5 @@
-// Instantiations of the streaming row-softmax kernel and the gradient scaling kernel.
+// Instantiations of the streaming row-softmax kernel, the target-residual kernels (16-bit types) and
+// the gradient scaling kernel.
 #include "linear_cross_entropy/linear_cross_entropy_kernel.cuh"
 
 namespace fuseforge::linear_cross_entropy {
@@ -50,6 +51,22 @@ void launch_target_logits(const T* x, const T* weight, const int64_t* target, in
                 dim3(kTargetLogitThreads), 0, x, weight, target, rows, hidden, vocab, ignore_index, out);
 }
 
+template <typename T>
+void launch_add_target_rows(const float* acc, const T* weight, const int64_t* target, const float* residual,
+                            int64_t rows, int64_t hidden, int64_t vocab, T* grad_x) {
+  if (rows == 0) return;
+  launch_kernel(add_target_rows_kernel<T>, dim3(static_cast<unsigned>(rows)), dim3(256), 0, acc, weight, target,
+                residual, hidden, vocab, grad_x);
+}
+
+template <typename T>
+void launch_scatter_target_rows(const int64_t* sorted_target, const int64_t* order, const float* residual,
+                                const T* x, int64_t rows, int64_t hidden, int64_t vocab, float* w_acc, float* b_acc) {
+  if (rows == 0) return;
+  launch_kernel(scatter_target_rows_kernel<T>, dim3(static_cast<unsigned>(rows)), dim3(256), 0, sorted_target, order,
+                residual, x, rows, hidden, vocab, w_acc, b_acc);
+}
+
 template void launch_row_softmax_stream<float>(const StreamParams<float>&);
 template void launch_row_softmax_stream<at::Half>(const StreamParams<at::Half>&);
 template void launch_row_softmax_stream<at::BFloat16>(const StreamParams<at::BFloat16>&);
@@ -59,6 +76,14 @@ template void launch_target_logits<at::Half>(const at::Half*, const at::Half*, c
                                              int64_t, int64_t, float*);
 template void launch_target_logits<at::BFloat16>(const at::BFloat16*, const at::BFloat16*, const int64_t*, int64_t,
                                                  int64_t, int64_t, int64_t, float*);
+template void launch_add_target_rows<at::Half>(const float*, const at::Half*, const int64_t*, const float*, int64_t,
+                                               int64_t, int64_t, at::Half*);
+template void launch_add_target_rows<at::BFloat16>(const float*, const at::BFloat16*, const int64_t*, const float*,
+                                                   int64_t, int64_t, int64_t, at::BFloat16*);
+template void launch_scatter_target_rows<at::Half>(const int64_t*, const int64_t*, const float*, const at::Half*,
+                                                   int64_t, int64_t, int64_t, float*, float*);
+template void launch_scatter_target_rows<at::BFloat16>(const int64_t*, const int64_t*, const float*,
+                                                       const at::BFloat16*, int64_t, int64_t, int64_t, float*, float*);
 template void launch_scale<float>(float*, int64_t, const float*, const float*);
 template void launch_scale<at::Half>(at::Half*, int64_t, const float*, const float*);
 template void launch_scale<at::BFloat16>(at::BFloat16*, int64_t, const float*, const float*);
