@@ -82,6 +82,16 @@ TORCH_LIBRARY(fuseforge, m) {
   // when that product is 1, the usual case: no pass over the weight gradient).
   m.def("linear_cross_entropy_scale_grads_(Tensor(a!) grad_x, Tensor(b!) grad_weight, Tensor(c!) grad_bias,"
         " Tensor grad_loss, Tensor grad_scale) -> ()");
+  // A chunk of logits the caller holds (logits = x @ weight.T in x's dtype, N x V): the chunked
+  // sequence-level losses (fuseforge.nn's preference losses) form each chunk's gradient weights
+  // between these two. rows_stats: (3, N) float32 (float64 for float64) per-row lse and
+  // -log p(target) of the logits plus bias, capped (softcap 0: none), with the exact x . W[t] for
+  // the target's logit (the third row); 0 for ignored rows. rows_grad_: overwrites the logits with
+  // d/dlogits of sum_n row_scale_n * (-log p_n(target)) (zero rows for ignored targets).
+  m.def("linear_cross_entropy_rows_stats(Tensor logits, Tensor x, Tensor weight, Tensor target, Tensor? bias,"
+        " int ignore_index, float softcap) -> Tensor");
+  m.def("linear_cross_entropy_rows_grad_(Tensor(a!) logits, Tensor stats, Tensor target, Tensor? bias,"
+        " Tensor row_scale, int ignore_index, float softcap) -> ()");
   // ---- end linear_cross_entropy ---------------------------------------------------------------
 
   // ---- linear_jsd: distillation between two linear heads' softmaxes -----------------------------

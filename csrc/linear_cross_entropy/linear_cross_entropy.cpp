@@ -96,6 +96,50 @@ EntropyGrad entropy_grad_inputs(const Problem& p, const at::Tensor& x, const std
   return e;
 }
 
+void check_rows_logits(const at::Tensor& logits, const Problem& p) {
+  check_same_device(p.x2d, "x", logits, "logits");
+  TORCH_CHECK(logits.scalar_type() == p.x2d.scalar_type(), "logits must have the dtype of x (",
+              p.x2d.scalar_type(), "), got ", logits.scalar_type());
+  TORCH_CHECK(logits.dim() == 2 && logits.size(0) == p.rows && logits.size(1) == p.vocab, "logits must have shape (",
+              p.rows, ", ", p.vocab, ") (x's rows, weight's rows), got ", logits.sizes());
+  TORCH_CHECK(logits.is_contiguous(), "logits must be contiguous");
+}
+
+RowsGradArgs check_rows_grad(const at::Tensor& logits, const at::Tensor& stats, const at::Tensor& target,
+                             const std::optional<at::Tensor>& bias, const at::Tensor& row_scale, double softcap,
+                             bool allow_double) {
+  check_dtype_supported(logits, "logits", allow_double);
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous(), "logits must be a contiguous (rows, vocab) tensor, got ",
+              logits.sizes(), logits.is_contiguous() ? "" : " (not contiguous)");
+  TORCH_CHECK(std::isfinite(softcap) && softcap >= 0.0,
+              "softcap must be a positive finite number (or 0 for no soft-capping), got ", softcap);
+  const int64_t rows = logits.size(0);
+  const auto sd = stats_dtype(logits.scalar_type());
+  check_same_device(logits, "logits", stats, "stats");
+  check_same_device(logits, "logits", row_scale, "row_scale");
+  check_same_device(logits, "logits", target, "target");
+  TORCH_CHECK(target.dim() == 1 && target.size(0) == rows &&
+                  (target.scalar_type() == at::kLong || target.scalar_type() == at::kInt),
+              "target must be an int64 or int32 tensor of shape (", rows, ",) (logits' rows), got ",
+              target.scalar_type(), " of shape ", target.sizes());
+  TORCH_CHECK(stats.dim() == 2 && stats.size(0) == 3 && stats.size(1) == rows && stats.scalar_type() == sd,
+              "stats must be the (3, ", rows, ") ", sd, " statistics linear_cross_entropy_rows_stats returned, got ",
+              stats.scalar_type(), " of shape ", stats.sizes());
+  TORCH_CHECK(row_scale.dim() == 1 && row_scale.size(0) == rows && row_scale.scalar_type() == sd,
+              "row_scale must be a (", rows, ",) ", sd, " tensor, got ", row_scale.scalar_type(), " of shape ",
+              row_scale.sizes());
+  RowsGradArgs a;
+  a.target = (target.scalar_type() == at::kLong ? target : target.to(at::kLong)).contiguous();
+  if (bias.has_value() && bias->defined()) {
+    check_same_device(logits, "logits", *bias, "bias");
+    TORCH_CHECK(bias->scalar_type() == logits.scalar_type() && bias->dim() == 1 && bias->size(0) == logits.size(1),
+                "bias must be a (", logits.size(1), ",) ", logits.scalar_type(), " tensor (logits' columns), got ",
+                bias->scalar_type(), " of shape ", bias->sizes());
+    a.bias = bias->contiguous();
+  }
+  return a;
+}
+
 at::Tensor shape_loss(const at::Tensor& row_losses, const at::Tensor& inv_count, const Problem& p) {
   return reduce_rows(row_losses, inv_count, p.cfg.reduction, p.batch_shape);
 }
@@ -366,9 +410,59 @@ void scale_grads_cpu(at::Tensor& grad_x, at::Tensor& grad_weight, at::Tensor& gr
   }
 }
 
+// ---- rows ops (ATen: a reference-grade path; the chunked sequence losses' CPU side) --------------
+// The rows' float-typed logits with the exact target logit in place, bias added and capped; the rows'
+// valid mask and clamped targets.
+struct RowLogits {
+  at::Tensor z, raw, valid, t;  // z capped (N, V); raw: z before the cap; t: (N, 1)
+};
+
+RowLogits row_logits(const at::Tensor& logits, const at::Tensor& target_logit, const at::Tensor& target,
+                     const at::Tensor& bias, int64_t ignore_index, double softcap) {
+  RowLogits r;
+  const auto sd = stats_dtype(logits.scalar_type());
+  r.valid = target.ne(ignore_index);
+  r.t = at::where(r.valid, target, at::zeros_like(target)).unsqueeze(1);
+  r.raw = logits.to(sd).scatter(1, r.t, target_logit.unsqueeze(1));
+  if (bias.defined()) r.raw = r.raw + bias.to(sd);
+  r.z = softcap > 0.0 ? at::tanh(r.raw / softcap) * softcap : r.raw;
+  return r;
+}
+
+at::Tensor rows_stats_cpu(const at::Tensor& logits, const at::Tensor& x, const at::Tensor& weight,
+                          const at::Tensor& target, const std::optional<at::Tensor>& bias, int64_t ignore_index,
+                          double softcap) {
+  const Problem p = prepare(x, weight, target, bias, ignore_index, "none", 0.0, 0.0, softcap, /*allow_double=*/true);
+  check_rows_logits(logits, p);
+  check_targets(p);
+  const auto sd = stats_dtype(logits.scalar_type());
+  const at::Tensor t = at::where(p.target.ne(ignore_index), p.target, at::zeros_like(p.target));
+  const at::Tensor zt = (p.x2d.to(sd) * p.weight.index_select(0, t).to(sd)).sum(1);
+  const RowLogits r = row_logits(logits, zt, p.target, p.bias, ignore_index, softcap);
+  const at::Tensor lse = at::logsumexp(r.z, {1});
+  const at::Tensor nll = lse - r.z.gather(1, r.t).squeeze(1);
+  const at::Tensor zero = at::zeros_like(lse);
+  return at::stack({at::where(r.valid, lse, zero), at::where(r.valid, nll, zero), at::where(r.valid, zt, zero)});
+}
+
+void rows_grad_cpu(at::Tensor& logits, const at::Tensor& stats, const at::Tensor& target,
+                   const std::optional<at::Tensor>& bias, const at::Tensor& row_scale, int64_t ignore_index,
+                   double softcap) {
+  const RowsGradArgs a = check_rows_grad(logits, stats, target, bias, row_scale, softcap, /*allow_double=*/true);
+  const RowLogits r = row_logits(logits, stats[2], a.target, a.bias, ignore_index, softcap);
+  // p - onehot, the target's p - 1 as expm1(-nll) (exact where p is close to 1)
+  at::Tensor g = at::exp(r.z - stats[0].unsqueeze(1));
+  g.scatter_(1, r.t, at::expm1(-stats[1]).unsqueeze(1));
+  if (softcap > 0.0) g.mul_(1.0 - at::tanh(r.raw / softcap).square());
+  g.mul_(row_scale.unsqueeze(1));
+  logits.copy_(at::where(r.valid.unsqueeze(1), g, at::zeros_like(g)));
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fuseforge, CPU, m) {
+  m.impl("linear_cross_entropy_rows_stats", &rows_stats_cpu);
+  m.impl("linear_cross_entropy_rows_grad_", &rows_grad_cpu);
   m.impl("linear_cross_entropy_fwd", &fwd_cpu);
   m.impl("linear_cross_entropy_bwd", &bwd_cpu);
   m.impl("linear_cross_entropy_scale_grads_", &scale_grads_cpu);

@@ -529,9 +529,69 @@ void scale_grads_cuda(at::Tensor& grad_x, at::Tensor& grad_weight, at::Tensor& g
   }
 }
 
+// The rows ops: the stream kernel over a caller's logits (16-bit ones read as they are), whole rows.
+template <typename T>
+StreamParams<T> rows_params(const at::Tensor& logits, const int64_t* target, const at::Tensor& bias,
+                            int64_t ignore_index, double softcap, const float* target_logit) {
+  StreamParams<T> q;
+  if constexpr (std::is_same_v<T, float>) {
+    q.logits = logits.const_data_ptr<float>();
+  } else {
+    q.logits_lowp = logits.const_data_ptr<T>();
+  }
+  q.ld_logits = q.ld_dz = q.cols = q.vocab = logits.size(1);
+  q.rows = logits.size(0);
+  q.target = target;
+  q.target_logit = target_logit;
+  q.bias = bias.defined() ? bias.const_data_ptr<T>() : nullptr;
+  q.ignore_index = ignore_index;
+  q.softcap = static_cast<float>(softcap);
+  return q;
+}
+
+at::Tensor rows_stats_cuda(const at::Tensor& logits, const at::Tensor& x, const at::Tensor& weight,
+                           const at::Tensor& target, const std::optional<at::Tensor>& bias, int64_t ignore_index,
+                           double softcap) {
+  const Problem p = prepare(x, weight, target, bias, ignore_index, "none", 0.0, 0.0, softcap, /*allow_double=*/false);
+  check_rows_logits(logits, p);
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor stats = at::empty({3, p.rows}, x.options().dtype(at::kFloat));
+  if (p.rows == 0) return stats;
+  FUSEFORGE_DISPATCH_HALF_FLOAT(x.scalar_type(), "linear_cross_entropy_rows_stats", [&] {
+    float* zt = stats[2].mutable_data_ptr<float>();
+    launch_target_logits<scalar_t>(p.x2d.const_data_ptr<scalar_t>(), p.weight.const_data_ptr<scalar_t>(),
+                                   p.target.const_data_ptr<int64_t>(), p.rows, p.hidden, p.vocab, ignore_index, zt);
+    StreamParams<scalar_t> q =
+        rows_params<scalar_t>(logits, p.target.const_data_ptr<int64_t>(), p.bias, ignore_index, softcap, zt);
+    q.lse_out = stats[0].mutable_data_ptr<float>();
+    q.nll_out = stats[1].mutable_data_ptr<float>();
+    launch_row_softmax_stream<scalar_t>(q);
+  });
+  return stats;
+}
+
+void rows_grad_cuda(at::Tensor& logits, const at::Tensor& stats, const at::Tensor& target,
+                    const std::optional<at::Tensor>& bias, const at::Tensor& row_scale, int64_t ignore_index,
+                    double softcap) {
+  const RowsGradArgs a = check_rows_grad(logits, stats, target, bias, row_scale, softcap, /*allow_double=*/false);
+  const c10::cuda::CUDAGuard guard(logits.device());
+  if (logits.numel() == 0) return;
+  FUSEFORGE_DISPATCH_HALF_FLOAT(logits.scalar_type(), "linear_cross_entropy_rows_grad", [&] {
+    StreamParams<scalar_t> q = rows_params<scalar_t>(logits, a.target.const_data_ptr<int64_t>(), a.bias, ignore_index,
+                                                     softcap, stats[2].const_data_ptr<float>());
+    q.lse_in = stats[0].const_data_ptr<float>();
+    q.nll_in = stats[1].const_data_ptr<float>();
+    q.row_scale = row_scale.const_data_ptr<float>();
+    q.dz = logits.mutable_data_ptr<scalar_t>();  // in place: each thread reads its columns before writing them
+    launch_row_softmax_stream<scalar_t>(q);
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fuseforge, CUDA, m) {
+  m.impl("linear_cross_entropy_rows_stats", &rows_stats_cuda);
+  m.impl("linear_cross_entropy_rows_grad_", &rows_grad_cuda);
   m.impl("linear_cross_entropy_fwd", &fwd_cuda);
   m.impl("linear_cross_entropy_bwd", &bwd_cuda);
   m.impl("linear_cross_entropy_scale_grads_", &scale_grads_cuda);

@@ -7,7 +7,11 @@ import fuseforge
 from fuseforge import linear_logprobs
 from fuseforge.nn import (CPOLoss, GRPOLoss, KTOLoss, ORPOLoss, PreferenceLoss, cpo_loss, grpo_loss, kto_kl, kto_loss,
                           orpo_loss, preference_loss)
-from harness import TOL, assert_compiles, device_dtypes, devices, generator, randn, rel_err
+from fuseforge.nn import posttraining as posttraining_module
+from fuseforge.ops import logprobs as logprobs_module
+from harness import TOL, assert_compiles, device_dtypes, devices, generator, randn, rel_err, run_opcheck
+
+ops = torch.ops.fuseforge
 
 # (tokens shape, hidden, vocab): one token, a batch of completions, an odd vocabulary past a chunk.
 SHAPES = [((1,), 8, 5), ((3, 7), 16, 33), ((2, 5), 24, 1031)]
@@ -446,3 +450,179 @@ def test_cpo_orpo_kto_bad_arguments_raise_clear_errors():
         kto_loss(lp, m, desirable, ref, kl=torch.zeros(2))
     with pytest.raises(ValueError, match=r"policy_kl_logps and ref_kl_logps must both have shape \(B,\)"):
         kto_kl(torch.zeros(3), torch.zeros(2))
+
+
+# ---- the chunked path: reduced sequence losses with their gradients in the forward --------------
+def chunked_cases(dtype, device, with_bias):
+    """(name, module, arguments after the hidden states and head, ...) for every module on the chunked
+    path: 5 pairs (answers of 8 and 6 tokens) / 7 completions, prompt tokens ignored."""
+    (hc, ic, mc), (hr, ir, mr), w = preference_batch(5, 8, 6, 16, 41, dtype, device)
+    ic[:, 0] = -100  # a prompt token; every chosen answer keeps a token (ORPO's log odds need one)
+    mc[:, 0] = 0
+    mc[:, 1] = 1
+    b = randn(41, dtype=dtype, device=device, scale=0.3, requires_grad=True) if with_bias else None
+    ref_c, ref_r = randn(5, device=device) - 20, randn(5, device=device) - 20
+    h, _, ids, mask, desirable, ref = kto_batch(7, 8, 16, 41, dtype, device)
+    pair_args = (hc, hr, w, ic, ir, mc, mr)
+    return b, [
+        ("dpo", PreferenceLoss("sigmoid", beta=0.5, label_smoothing=0.1), pair_args, dict(
+            ref_chosen_logps=ref_c, ref_rejected_logps=ref_r, bias=b)),
+        ("ipo-sum", PreferenceLoss("ipo", beta=0.5, reduction="sum"), pair_args, dict(
+            ref_chosen_logps=ref_c, ref_rejected_logps=ref_r, bias=b)),
+        ("cpo", CPOLoss("sigmoid", beta=0.5, alpha=0.7), pair_args, dict(bias=b)),
+        ("orpo", ORPOLoss(beta=0.3, reduction="sum"), pair_args, dict(bias=b)),
+        ("kto", KTOLoss(beta=0.3, desirable_weight=1.3), (h, w, ids, mask, desirable, ref), dict(kl=0.2, bias=b)),
+    ]
+
+
+def leaves_of(args, b):
+    return [t for t in (*args, b) if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+@pytest.mark.parametrize("device,dtype", device_dtypes(cpu_dtypes=(torch.float32, torch.float64)))
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+def test_chunked_path_matches_the_per_token_path_and_float64(device, dtype, with_bias, monkeypatch):
+    """Chunks of 2 groups (CHUNK_LOGIT_BYTES cut down: 3 chunks): the loss and every gradient against the
+    per-token path's on float64 copies of the inputs, itself checked against float64 references above."""
+    if dtype == torch.float16:
+        pytest.skip("float16 takes the per-token path")
+    b, cases = chunked_cases(dtype, device, with_bias)
+    for name, module, args, kwargs in cases:
+        rows = sum(t.shape[1] for t in args if isinstance(t, torch.Tensor) and t.dim() == 3)
+        monkeypatch.setattr(logprobs_module, "CHUNK_LOGIT_BYTES", 2 * rows * 41 * torch.finfo(dtype).bits // 8)
+        leaves = leaves_of(args, b)
+        loss = module(*args, **kwargs)
+        assert type(loss.grad_fn).__name__ == "_SequenceChunkedLossBackward", name
+        grads = torch.autograd.grad(loss, leaves)
+        leaves64 = {id(t): t.detach().double().requires_grad_() for t in leaves}
+        args64 = [leaves64.get(id(t), t) for t in args]
+        kwargs64 = {k: leaves64.get(id(v), v) for k, v in kwargs.items()}
+        with monkeypatch.context() as m:
+            m.setattr(posttraining_module, "sequence_loss_chunkable", lambda *a: False)
+            ref_loss = module(*args64, **kwargs64)
+        assert type(ref_loss.grad_fn).__name__ != "_SequenceChunkedLossBackward"
+        ref_grads = torch.autograd.grad(ref_loss, [leaves64[id(t)] for t in leaves])
+        assert rel_err(loss, ref_loss) <= (1e-12 if dtype == torch.float64 else 1e-5), name
+        for g, r in zip(grads, ref_grads):
+            assert g.dtype == dtype
+            assert rel_err(g, r) <= grad_tol(dtype), name
+
+
+def test_chunked_micro_batches_give_the_full_batch_gradient(monkeypatch):
+    """Chunks inside micro-batches: num_items_in_batch still normalises by the whole batch."""
+    monkeypatch.setattr(logprobs_module, "CHUNK_LOGIT_BYTES", 1)  # one pair a chunk
+    (hc, ic, mc), (hr, ir, mr), w = preference_batch(6, 7, 5, 12, 23, torch.float64, "cpu")
+    ref_c, ref_r = randn(6, dtype=torch.float64) - 20, randn(6, dtype=torch.float64) - 20
+    loss_fn = PreferenceLoss(loss_type="sigmoid", beta=0.2)
+    g_full = torch.autograd.grad(loss_fn(hc, hr, w, ic, ir, mc, mr, ref_c, ref_r), w)[0]
+    g_acc = torch.zeros_like(w)
+    for part in (slice(0, 2), slice(2, 6)):
+        loss = loss_fn(hc[part], hr[part], w, ic[part], ir[part], mc[part], mr[part], ref_c[part], ref_r[part],
+                       num_items_in_batch=6)
+        g_acc += torch.autograd.grad(loss, w)[0]
+    assert rel_err(g_acc, g_full) <= 1e-12
+
+
+def test_chunked_path_scales_by_grad_output_and_refuses_a_second_backward():
+    (hc, ic, mc), (hr, ir, mr), w = preference_batch(3, 5, 4, 8, 17, torch.float64, "cpu")
+    ref_c, ref_r = randn(3, dtype=torch.float64), randn(3, dtype=torch.float64)
+    loss_fn = PreferenceLoss(beta=0.3)
+    g1 = torch.autograd.grad(loss_fn(hc, hr, w, ic, ir, mc, mr, ref_c, ref_r), w)[0]
+    loss = loss_fn(hc, hr, w, ic, ir, mc, mr, ref_c, ref_r)
+    g3 = torch.autograd.grad(3.0 * loss, w, retain_graph=True)[0]
+    assert rel_err(g3, 3.0 * g1) <= 1e-14
+    with pytest.raises(RuntimeError, match="a second backward through the same graph is not supported"):
+        torch.autograd.grad(loss, w)
+
+
+def test_chunked_path_is_not_taken_without_gradients_or_for_none():
+    (hc, ic, mc), (hr, ir, mr), w = preference_batch(3, 5, 4, 8, 17, torch.float32, "cpu")
+    loss = PreferenceLoss("simpo", reduction="none")(hc, hr, w, ic, ir, mc, mr)
+    assert type(loss.grad_fn).__name__ != "_SequenceChunkedLossBackward"
+    with torch.no_grad():
+        loss = PreferenceLoss("simpo")(hc, hr, w, ic, ir, mc, mr)
+    assert loss.grad_fn is None
+
+
+# ---- the rows ops under it ----------------------------------------------------------------------
+def rows_inputs(rows, hidden, vocab, dtype, device, with_bias=True):
+    x = randn(rows, hidden, dtype=dtype, device=device)
+    w = randn(vocab, hidden, dtype=dtype, device=device, scale=0.3)
+    b = randn(vocab, dtype=dtype, device=device, scale=0.3) if with_bias else None
+    t = torch.randint(0, vocab, (rows,), generator=generator(device), device=device)
+    t[::3] = -100
+    return x, w, b, t
+
+
+@pytest.mark.parametrize("device,dtype", device_dtypes(cpu_dtypes=(torch.float32, torch.float64)))
+@pytest.mark.parametrize("vocab", [40, 43], ids=["vector", "scalar"])
+@pytest.mark.parametrize("softcap", [0.0, 2.0], ids=["nocap", "softcap"])
+def test_rows_ops_match_float64(device, dtype, vocab, softcap):
+    """rows_stats (lse, -log p(target), the exact target logit) and rows_grad_ (the logit gradients in
+    place) on logits x @ W^T in the input dtype, against float64 on the same rounded logits (the
+    target's logit exact)."""
+    x, w, b, t = rows_inputs(9, 24, vocab, dtype, device)
+    logits = x @ w.T
+    stats = ops.linear_cross_entropy_rows_stats(logits, x, w, t, b, -100, softcap)
+    keep = (t != -100).cpu()
+    zt = (x.double() @ w.double().T).gather(1, t.clamp_min(0)[:, None])[:, 0].cpu()
+    z = logits.double().cpu().scatter(1, t.clamp_min(0)[:, None].cpu(), zt[:, None]) + b.double().cpu()
+    zc = softcap * torch.tanh(z / softcap) if softcap else z
+    lse = torch.logsumexp(zc, 1)
+    nll = lse - zc.gather(1, t.clamp_min(0)[:, None].cpu())[:, 0]
+    tol = 1e-12 if dtype == torch.float64 else 2e-6
+    for got, want in zip(stats, (lse, nll, zt)):
+        assert rel_err(got[keep], want[keep]) <= tol and (got[~keep] == 0).all()
+    scale = randn(9, dtype=stats.dtype, device=device)
+    ops.linear_cross_entropy_rows_grad_(logits, stats, t, b, scale, -100, softcap)
+    p = torch.softmax(zc, 1)
+    onehot = torch.nn.functional.one_hot(t.clamp_min(0).cpu(), vocab).double()
+    dz = (p - onehot) * scale.double().cpu()[:, None]
+    if softcap:
+        dz = dz * (1 - torch.tanh(z / softcap) ** 2)
+    dz[~keep] = 0
+    assert rel_err(logits, dz) <= (1e-12 if dtype == torch.float64 else torch.finfo(dtype).eps)
+    assert (logits[~keep.to(device)] == 0).all()
+
+
+@pytest.mark.parametrize("device", devices())
+def test_rows_ops_opcheck(device):
+    x, w, b, t = rows_inputs(6, 8, 12, torch.float32, device)
+    logits = x @ w.T
+    run_opcheck(ops.linear_cross_entropy_rows_stats, (logits, x, w, t, b, -100, 0.0))
+    stats = ops.linear_cross_entropy_rows_stats(logits, x, w, t, b, -100, 0.0)
+    run_opcheck(ops.linear_cross_entropy_rows_grad_, (logits, stats, t, b, randn(6, device=device), -100, 0.0))
+
+
+def test_rows_ops_errors():
+    x, w, b, t = rows_inputs(6, 8, 12, torch.float32, "cpu")
+    logits = x @ w.T
+    with pytest.raises(RuntimeError, match=r"logits must have shape \(6, 12\)"):
+        ops.linear_cross_entropy_rows_stats(logits[:5], x, w, t, b, -100, 0.0)
+    with pytest.raises(RuntimeError, match="logits must have the dtype of x"):
+        ops.linear_cross_entropy_rows_stats(logits.double(), x, w, t, b, -100, 0.0)
+    with pytest.raises(RuntimeError, match="logits must be contiguous"):
+        ops.linear_cross_entropy_rows_stats(logits.t().contiguous().t(), x, w, t, b, -100, 0.0)
+    with pytest.raises(RuntimeError, match="target must hold class indices in"):
+        ops.linear_cross_entropy_rows_stats(logits, x, w, torch.full_like(t, 12), b, -100, 0.0)
+    stats = ops.linear_cross_entropy_rows_stats(logits, x, w, t, b, -100, 0.0)
+    scale = randn(6)
+    with pytest.raises(RuntimeError, match=r"stats must be the \(3, 6\)"):
+        ops.linear_cross_entropy_rows_grad_(logits, stats[:2], t, b, scale, -100, 0.0)
+    with pytest.raises(RuntimeError, match=r"row_scale must be a \(6,\) Float tensor"):
+        ops.linear_cross_entropy_rows_grad_(logits, stats, t, b, scale.double(), -100, 0.0)
+    with pytest.raises(RuntimeError, match=r"target must be an int64 or int32 tensor of shape \(6,\)"):
+        ops.linear_cross_entropy_rows_grad_(logits, stats, t[:5], b, scale, -100, 0.0)
+    with pytest.raises(RuntimeError, match=r"bias must be a \(12,\) Float tensor"):
+        ops.linear_cross_entropy_rows_grad_(logits, stats, t, b[:5], scale, -100, 0.0)
+    with pytest.raises(RuntimeError, match="softcap must be a positive finite number"):
+        ops.linear_cross_entropy_rows_grad_(logits, stats, t, b, scale, -100, -1.0)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_rows_ops_empty(device):
+    x, w, b, t = rows_inputs(0, 8, 12, torch.float32, device)
+    logits = x @ w.T
+    stats = ops.linear_cross_entropy_rows_stats(logits, x, w, t, b, -100, 0.0)
+    assert stats.shape == (3, 0)
+    ops.linear_cross_entropy_rows_grad_(logits, stats, t, b, randn(0, device=device), -100, 0.0)

@@ -7,13 +7,13 @@ log-probabilities (fuseforge.linear_logprobs); the modules take the last hidden 
 head. Examples: examples/grpo.py, examples/dpo.py."""
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 from torch import Tensor
 
 from fuseforge.ops.linear_cross_entropy import REDUCTIONS
-from fuseforge.ops.logprobs import linear_logprobs
+from fuseforge.ops.logprobs import linear_logprobs, sequence_chunked_loss, sequence_loss_chunkable
 
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo")
 
@@ -136,6 +136,11 @@ def _margin_loss(z: Tensor, loss_type: str, beta: float, label_smoothing: float)
     return -(1.0 - label_smoothing) * logsigmoid(beta * z) - label_smoothing * logsigmoid(-beta * z)
 
 
+def _number(count: Union[float, Tensor]) -> Union[float, Tensor]:
+    """A count as a float, or a tensor as it is (a device count: no host sync)."""
+    return count if isinstance(count, Tensor) else float(count)
+
+
 def _reduce(losses: Tensor, reduction: str, count: Optional[float]) -> Tensor:
     """The losses as they are ("none"), their sum ("sum"), or their sum over count ("mean"; the batch size
     when count is None)."""
@@ -143,7 +148,7 @@ def _reduce(losses: Tensor, reduction: str, count: Optional[float]) -> Tensor:
         return losses
     if reduction == "sum":
         return losses.sum()
-    return losses.sum() / (losses.shape[0] if count is None else float(count))
+    return losses.sum() / (losses.shape[0] if count is None else _number(count))
 
 
 def _with_chosen_nll(pair_losses: Tensor, chosen_logprobs: Tensor, chosen_mask: Tensor, weight: float,
@@ -160,7 +165,7 @@ def _with_chosen_nll(pair_losses: Tensor, chosen_logprobs: Tensor, chosen_mask: 
         return pair_losses + weight * nll
     if reduction == "sum":
         return pair_losses.sum() + weight * nll.sum()
-    tokens = mask.sum().clamp(min=1.0) if num_chosen_tokens is None else float(num_chosen_tokens)
+    tokens = mask.sum().clamp(min=1.0) if num_chosen_tokens is None else _number(num_chosen_tokens)
     return _reduce(pair_losses, "mean", num_items_in_batch) + weight * nll.sum() / tokens
 
 
@@ -294,10 +299,29 @@ def kto_loss(logprobs: Tensor, mask: Tensor, desirable: Tensor, ref_logps: Tenso
     return _reduce(losses, reduction, num_items_in_batch)
 
 
-def _answer_logprobs(chosen_hidden: Tensor, rejected_hidden: Tensor, weight: Tensor, chosen_ids: Tensor,
-                     rejected_ids: Tensor, bias: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-    return (linear_logprobs(chosen_hidden, weight, chosen_ids, bias),
-            linear_logprobs(rejected_hidden, weight, rejected_ids, bias))
+def _batch_counts(chosen_hidden: Tensor, chosen_mask: Tensor, num_items_in_batch, num_chosen_tokens) -> tuple:
+    """The whole batch's pair count and chosen-token count (a device tensor: no host sync), the "mean"
+    normalisers of CPO and ORPO, fixed before the batch is cut into chunks."""
+    pairs = chosen_hidden.shape[0] if num_items_in_batch is None else num_items_in_batch
+    if num_chosen_tokens is None:
+        num_chosen_tokens = chosen_mask.sum().clamp(min=1.0).to(torch.float32)
+    return pairs, num_chosen_tokens
+
+
+def _slice(t: Optional[Tensor], sl: slice) -> Optional[Tensor]:
+    return None if t is None else t[sl]
+
+
+def _sequence_loss(hiddens: tuple, ids: tuple, weight: Tensor, bias: Optional[Tensor], reduction: str,
+                   loss: Callable[[list, slice], Tensor]) -> Tensor:
+    """loss(log-probabilities of each stream's tokens, the groups they cover) for the whole batch. A
+    reduced loss that wants gradients in plain eager mode takes sequence_chunked_loss (the gradients in
+    the forward, three matrix products; loss then gets chunks of groups, its normalisers being the
+    whole batch's); otherwise linear_logprobs of every token (per-token gradients in the backward)."""
+    if (reduction != "none" and all(h.dim() == 3 for h in hiddens)
+            and sequence_loss_chunkable(hiddens, weight, bias)):
+        return sequence_chunked_loss(hiddens, ids, weight, bias, lambda lps, b0, b1: loss(lps, slice(b0, b1)))
+    return loss([linear_logprobs(h, weight, i, bias) for h, i in zip(hiddens, ids)], slice(None))
 
 
 class PreferenceLoss(torch.nn.Module):
@@ -320,11 +344,16 @@ class PreferenceLoss(torch.nn.Module):
                 rejected_ids: Tensor, chosen_mask: Tensor, rejected_mask: Tensor,
                 ref_chosen_logps: Optional[Tensor] = None, ref_rejected_logps: Optional[Tensor] = None,
                 bias: Optional[Tensor] = None, num_items_in_batch: Optional[float] = None) -> Tensor:
-        chosen, rejected = _answer_logprobs(chosen_hidden, rejected_hidden, weight, chosen_ids, rejected_ids, bias)
-        return preference_loss(chosen, chosen_mask, rejected, rejected_mask, ref_chosen_logps=ref_chosen_logps,
-                               ref_rejected_logps=ref_rejected_logps, loss_type=self.loss_type, beta=self.beta,
-                               label_smoothing=self.label_smoothing, gamma=self.gamma, reduction=self.reduction,
-                               num_items_in_batch=num_items_in_batch)
+        pairs = chosen_hidden.shape[0] if num_items_in_batch is None else num_items_in_batch
+
+        def loss(lps, sl):
+            return preference_loss(lps[0], chosen_mask[sl], lps[1], rejected_mask[sl],
+                                   ref_chosen_logps=_slice(ref_chosen_logps, sl),
+                                   ref_rejected_logps=_slice(ref_rejected_logps, sl), loss_type=self.loss_type,
+                                   beta=self.beta, label_smoothing=self.label_smoothing, gamma=self.gamma,
+                                   reduction=self.reduction, num_items_in_batch=pairs)
+        return _sequence_loss((chosen_hidden, rejected_hidden), (chosen_ids, rejected_ids), weight, bias,
+                              self.reduction, loss)
 
     def extra_repr(self) -> str:
         return f"loss_type={self.loss_type!r}, beta={self.beta}, label_smoothing={self.label_smoothing}"
@@ -349,11 +378,14 @@ class CPOLoss(torch.nn.Module):
     def forward(self, chosen_hidden: Tensor, rejected_hidden: Tensor, weight: Tensor, chosen_ids: Tensor,
                 rejected_ids: Tensor, chosen_mask: Tensor, rejected_mask: Tensor, bias: Optional[Tensor] = None,
                 num_items_in_batch: Optional[float] = None, num_chosen_tokens: Optional[float] = None) -> Tensor:
-        chosen, rejected = _answer_logprobs(chosen_hidden, rejected_hidden, weight, chosen_ids, rejected_ids, bias)
-        return cpo_loss(chosen, chosen_mask, rejected, rejected_mask, loss_type=self.loss_type, beta=self.beta,
-                        alpha=self.alpha, label_smoothing=self.label_smoothing, gamma=self.gamma,
-                        reduction=self.reduction, num_items_in_batch=num_items_in_batch,
-                        num_chosen_tokens=num_chosen_tokens)
+        pairs, tokens = _batch_counts(chosen_hidden, chosen_mask, num_items_in_batch, num_chosen_tokens)
+
+        def loss(lps, sl):
+            return cpo_loss(lps[0], chosen_mask[sl], lps[1], rejected_mask[sl], loss_type=self.loss_type,
+                            beta=self.beta, alpha=self.alpha, label_smoothing=self.label_smoothing, gamma=self.gamma,
+                            reduction=self.reduction, num_items_in_batch=pairs, num_chosen_tokens=tokens)
+        return _sequence_loss((chosen_hidden, rejected_hidden), (chosen_ids, rejected_ids), weight, bias,
+                              self.reduction, loss)
 
     def extra_repr(self) -> str:
         return f"loss_type={self.loss_type!r}, beta={self.beta}, alpha={self.alpha}"
@@ -372,9 +404,13 @@ class ORPOLoss(torch.nn.Module):
     def forward(self, chosen_hidden: Tensor, rejected_hidden: Tensor, weight: Tensor, chosen_ids: Tensor,
                 rejected_ids: Tensor, chosen_mask: Tensor, rejected_mask: Tensor, bias: Optional[Tensor] = None,
                 num_items_in_batch: Optional[float] = None, num_chosen_tokens: Optional[float] = None) -> Tensor:
-        chosen, rejected = _answer_logprobs(chosen_hidden, rejected_hidden, weight, chosen_ids, rejected_ids, bias)
-        return orpo_loss(chosen, chosen_mask, rejected, rejected_mask, beta=self.beta, reduction=self.reduction,
-                         num_items_in_batch=num_items_in_batch, num_chosen_tokens=num_chosen_tokens)
+        pairs, tokens = _batch_counts(chosen_hidden, chosen_mask, num_items_in_batch, num_chosen_tokens)
+
+        def loss(lps, sl):
+            return orpo_loss(lps[0], chosen_mask[sl], lps[1], rejected_mask[sl], beta=self.beta,
+                             reduction=self.reduction, num_items_in_batch=pairs, num_chosen_tokens=tokens)
+        return _sequence_loss((chosen_hidden, rejected_hidden), (chosen_ids, rejected_ids), weight, bias,
+                              self.reduction, loss)
 
     def extra_repr(self) -> str:
         return f"beta={self.beta}"
@@ -397,10 +433,13 @@ class KTOLoss(torch.nn.Module):
     def forward(self, hidden: Tensor, weight: Tensor, ids: Tensor, mask: Tensor, desirable: Tensor, ref_logps: Tensor,
                 kl: Optional[Union[Tensor, float]] = None, bias: Optional[Tensor] = None,
                 num_items_in_batch: Optional[float] = None) -> Tensor:
-        logprobs = linear_logprobs(hidden, weight, ids, bias)
-        return kto_loss(logprobs, mask, desirable, ref_logps, kl=kl, beta=self.beta,
-                        desirable_weight=self.desirable_weight, undesirable_weight=self.undesirable_weight,
-                        reduction=self.reduction, num_items_in_batch=num_items_in_batch)
+        completions = hidden.shape[0] if num_items_in_batch is None else num_items_in_batch
+
+        def loss(lps, sl):
+            return kto_loss(lps[0], mask[sl], desirable[sl], ref_logps[sl], kl=kl, beta=self.beta,
+                            desirable_weight=self.desirable_weight, undesirable_weight=self.undesirable_weight,
+                            reduction=self.reduction, num_items_in_batch=completions)
+        return _sequence_loss((hidden,), (ids,), weight, bias, self.reduction, loss)
 
     def extra_repr(self) -> str:
         return (f"beta={self.beta}, desirable_weight={self.desirable_weight}, "

@@ -126,6 +126,16 @@ def _bwd_fake(grad_loss, x, weight, target, bias, lse, ignore_index, reduction, 
             x.new_empty(bias.shape if grad_bias and bias is not None else (0,)))
 
 
+@torch.library.register_fake("fuseforge::linear_cross_entropy_rows_stats")
+def _rows_stats_fake(logits, x, weight, target, bias, ignore_index, softcap):
+    return logits.new_empty((3, logits.shape[0]), dtype=_stats_dtype(logits))
+
+
+@torch.library.register_fake("fuseforge::linear_cross_entropy_rows_grad_")
+def _rows_grad_fake(logits, stats, target, bias, row_scale, ignore_index, softcap):
+    return None
+
+
 @torch.library.register_fake("fuseforge::linear_cross_entropy_scale_grads_")
 def _scale_fake(grad_x, grad_weight, grad_bias, grad_loss, grad_scale):
     return None
