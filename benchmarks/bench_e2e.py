@@ -145,10 +145,10 @@ class LigerPatch:
         vars(self.module).update(self.saved)
 
 
-def make_impl(impl: str, cfg: dict, seq: int, device):
+def make_impl(impl: str, cfg: dict, seq: int, device, seed: int = 0):
     """(model, optimizer, autocast on?, a context the steps run in) for one impl, built from the same
     seed."""
-    model = build_model(cfg, seq, device)
+    model = build_model(cfg, seq, device, seed)
     fused = device.type == "cuda"
     if impl == "eager":
         return model, torch.optim.AdamW(model.parameters(), **HYPER, fused=fused), True, contextlib.nullcontext()
@@ -254,13 +254,13 @@ def model_flops(cfg: dict, seq: int, tokens: int) -> float:
     return 6 * matmul_params * tokens + 6 * layers * seq * q * tokens
 
 
-def run_impl(impl: str, cfg: dict, seq: int, stream: torch.Tensor, device) -> dict:
+def run_impl(impl: str, cfg: dict, seq: int, stream: torch.Tensor, device, seed: int = 0) -> dict:
     free()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     t_build = time.perf_counter()
-    model, opt, ac, scope = make_impl(impl, cfg, seq, device)
+    model, opt, ac, scope = make_impl(impl, cfg, seq, device, seed)
     harness.log(f"  {impl}: built in {time.perf_counter() - t_build:.1f} s")
     timer, losses = harness.StepTimer(device.type == "cuda"), []
     t0 = time.perf_counter()
@@ -294,6 +294,29 @@ def text_stream(steps: int, batch: int, seq: int, g: torch.Generator) -> torch.T
     return text[starts[..., None] + torch.arange(seq)]
 
 
+MARKOV_SYMBOLS, MARKOV_BRANCHES = 512, 8
+
+
+def markov_stream(steps: int, batch: int, seq: int, g: torch.Generator) -> torch.Tensor:
+    """(steps, batch, seq) fresh samples of a second-order Markov source over token ids [0, 512): the
+    token after (a, b) is one of b's 8 successors (a random table), chosen with Zipf(1.2) weights
+    permuted by a (one of 64 random permutations a random table assigns to a). A model learns the
+    successors fast (loss ~ln 8 = 2.08 nats) and the dependence on a slowly, toward the source's
+    entropy (1.70 nats); every window is new, so nothing can be memorised, unlike --data text."""
+    successors = torch.randint(0, MARKOV_SYMBOLS, (MARKOV_SYMBOLS, MARKOV_BRANCHES), generator=g)
+    perms = torch.stack([torch.randperm(MARKOV_BRANCHES, generator=g) for _ in range(64)])
+    perm_of = torch.randint(0, 64, (MARKOV_SYMBOLS,), generator=g)
+    zipf = torch.arange(1, MARKOV_BRANCHES + 1, dtype=torch.float64) ** -1.2
+    n = steps * batch
+    branch = torch.multinomial((zipf / zipf.sum()).float(), n * seq, replacement=True, generator=g).view(n, seq)
+    x = torch.empty(n, seq, dtype=torch.long)
+    x[:, :2] = torch.randint(0, MARKOV_SYMBOLS, (n, 2), generator=g)
+    for t in range(2, seq):
+        a, b = x[:, t - 2], x[:, t - 1]
+        x[:, t] = successors[b, perms[perm_of[a], branch[:, t]]]
+    return x.view(steps, batch, seq)
+
+
 def plot_losses(result: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -301,7 +324,8 @@ def plot_losses(result: dict, path: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for row in result["rows"]:
         if row.get("loss_curve"):
-            ax.plot(range(1, len(row["loss_curve"]) + 1), row["loss_curve"], label=row["impl"],
+            seed = row["case"].rsplit("-", 1)[1] if "-seed" in row["case"] else ""
+            ax.plot(range(1, len(row["loss_curve"]) + 1), row["loss_curve"], label=f"{row['impl']} {seed}".strip(),
                     lw=1.8 if row["impl"] == "fuseforge" else 1.0, ls="--" if "compile" in row["impl"] else "-")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
@@ -313,56 +337,14 @@ def plot_losses(result: dict, path: str) -> None:
     plt.close(fig)
 
 
-def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    on_gpu = torch.cuda.is_available()
-    p.add_argument("--config", choices=sorted(CONFIGS), default="1b" if on_gpu else "tiny",
-                   help="default: 1b on a GPU, tiny (a smoke test) on the CPU")
-    p.add_argument("--seq", type=int, default=2048 if on_gpu else 128)
-    p.add_argument("--batch", default="auto" if on_gpu else "2", help="an int, or auto: the largest that fits eager")
-    p.add_argument("--steps", type=int, default=50 if on_gpu else 4)
-    p.add_argument("--impls", default=os.environ.get("FUSEFORGE_E2E_IMPLS", DEFAULT_IMPLS),
-                   help=f"default: $FUSEFORGE_E2E_IMPLS or {DEFAULT_IMPLS}; also " + ", ".join(
-                       i for i in FUSEFORGE_IMPLS if i not in DEFAULT_IMPLS.split(",")))
-    p.add_argument("--device", default="cuda" if on_gpu else "cpu")
-    p.add_argument("--out", default=harness.RESULTS_DIR if on_gpu else os.path.join(tempfile.gettempdir(), "fuseforge_e2e_cpu"),
-                   help="default: benchmarks/results on a GPU; a temporary folder for the CPU smoke test")
-    p.add_argument("--data", choices=("random", "text"), default="random",
-                   help="random: uniform token ids (timing); text: windows of examples/data's bytes as token ids, "
-                        "which a model can learn (convergence)")
-    p.add_argument("--op", default=None, help="the results file's name (default: e2e, or e2e_<config>)")
-    p.add_argument("--cases", default="", help="ignored (one case); accepted like the other benchmarks")
-    p.add_argument("--no-memory", action="store_true", help="ignored: memory is always measured")
-    args = p.parse_args(argv)
-    device = torch.device(args.device)
-    cfg = CONFIGS[args.config]
-    impls = [i for i in args.impls.split(",") if i]
-    if impls and impls[0] != "eager":
-        raise SystemExit("--impls must start with eager (the reference of the bars)")
-    if "liger" in impls:
-        try:
-            import liger_kernel  # noqa: F401
-        except ImportError:
-            harness.log("liger-kernel is not installed: no liger row")
-            impls.remove("liger")
-
-    op = args.op or ("e2e" if args.config == "1b" else f"e2e_{args.config.replace('-', '_')}")
-    result = {"op": op, **harness.env_info(), "ceilings": harness.measure_ceilings(), "rows": []}
-    batch = probe_batch(cfg, args.seq, device) if args.batch == "auto" else int(args.batch)
-    case = case_name(cfg, args.seq, batch)
+def run_seed(result: dict, case: str, suffix: str, impls: list, cfg: dict, args, stream: torch.Tensor, device,
+             seed: int, batch: int, flops: float) -> None:
+    """Every impl on one seed's model and token stream: its rows, and the bars (keys ending in suffix)."""
     tokens = batch * args.seq
-    g = torch.Generator().manual_seed(1234)
-    if args.data == "text":
-        stream = text_stream(args.steps, batch, args.seq, g).to(device)
-    else:
-        stream = torch.randint(0, cfg["vocab_size"], (args.steps, batch, args.seq), generator=g).to(device)
-    flops = model_flops(cfg, args.seq, tokens)
-    harness.log(f"e2e: {case}, {args.steps} steps, impls {impls}, {flops / 1e12:.1f} TFLOP a step")
-
     eager = liger = compiled = fuseforge_fp32 = None
     for impl in impls:
         try:
-            r = run_impl(impl, cfg, args.seq, stream, device)
+            r = run_impl(impl, cfg, args.seq, stream, device, seed)
         except Exception as e:  # noqa: BLE001  (an impl that fails leaves a row saying why; the others still run)
             if impl == "eager":
                 raise
@@ -396,21 +378,21 @@ def main(argv=None) -> dict:
                 if r["peak"] is not None and liger["peak"]:
                     row["peak_vs_liger"] = harness._round(r["peak"] / liger["peak"], 3)
             if impl == "fuseforge":
-                result.setdefault("bars", {})["loss_curve_mean_abs_diff_le_1pct"] = row["mean_abs_loss_diff_rel"] <= 0.01
+                result.setdefault("bars", {})[f"loss_curve_mean_abs_diff_le_1pct{suffix}"] = row["mean_abs_loss_diff_rel"] <= 0.01
                 if "speedup_vs_liger" in row:
-                    result["bars"]["tokens_per_s_ge_1.1x_liger"] = row["speedup_vs_liger"] >= 1.1
-                    result["bars"]["peak_memory_le_1.0x_liger"] = row.get("peak_vs_liger", math.inf) <= 1.0
+                    result["bars"][f"tokens_per_s_ge_1.1x_liger{suffix}"] = row["speedup_vs_liger"] >= 1.1
+                    result["bars"][f"peak_memory_le_1.0x_liger{suffix}"] = row.get("peak_vs_liger", math.inf) <= 1.0
             if impl.endswith("_states") and fuseforge_fp32 is not None:
                 tail = min(10, len(r["curve"]))
                 ref = sum(fuseforge_fp32["curve"][-tail:]) / tail
                 row["final_loss_vs_fp32_states_rel"] = harness._round((sum(r["curve"][-tail:]) / tail - ref) / ref, 4)
-                result.setdefault("bars", {})[f"{impl}_final_loss_within_1pct"] = \
+                result.setdefault("bars", {})[f"{impl}_final_loss_within_1pct{suffix}"] = \
                     abs(row["final_loss_vs_fp32_states_rel"]) <= 0.01
             if impl == "fuseforge":
                 fuseforge_fp32 = r
             if impl == "fuseforge_compile" and compiled is not None:
                 row["speedup_vs_compile"] = harness._round(compiled["ms"] / r["ms"], 3)
-                result.setdefault("bars", {})["compile_ge_1.05x_torch_compile"] = row["speedup_vs_compile"] >= 1.05
+                result.setdefault("bars", {})[f"compile_ge_1.05x_torch_compile{suffix}"] = row["speedup_vs_compile"] >= 1.05
             if impl == "compile":
                 compiled = r
         row["loss_curve"] = [round(x, 5) for x in r["curve"]]
@@ -418,9 +400,67 @@ def main(argv=None) -> dict:
         result["rows"].append(row)
         harness.write(result, args.out)  # after every impl: a later failure keeps what was measured
         try:
-            plot_losses(result, os.path.join(args.out, f"{op}_loss.png"))
+            plot_losses(result, os.path.join(args.out, f"{result['op']}_loss.png"))
         except ImportError:
             pass
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    on_gpu = torch.cuda.is_available()
+    p.add_argument("--config", choices=sorted(CONFIGS), default="1b" if on_gpu else "tiny",
+                   help="default: 1b on a GPU, tiny (a smoke test) on the CPU")
+    p.add_argument("--seq", type=int, default=2048 if on_gpu else 128)
+    p.add_argument("--batch", default="auto" if on_gpu else "2", help="an int, or auto: the largest that fits eager")
+    p.add_argument("--steps", type=int, default=50 if on_gpu else 4)
+    p.add_argument("--impls", default=os.environ.get("FUSEFORGE_E2E_IMPLS", DEFAULT_IMPLS),
+                   help=f"default: $FUSEFORGE_E2E_IMPLS or {DEFAULT_IMPLS}; also " + ", ".join(
+                       i for i in FUSEFORGE_IMPLS if i not in DEFAULT_IMPLS.split(",")))
+    p.add_argument("--device", default="cuda" if on_gpu else "cpu")
+    p.add_argument("--out", default=harness.RESULTS_DIR if on_gpu else os.path.join(tempfile.gettempdir(), "fuseforge_e2e_cpu"),
+                   help="default: benchmarks/results on a GPU; a temporary folder for the CPU smoke test")
+    p.add_argument("--data", choices=("random", "text", "markov"), default="random",
+                   help="random: uniform token ids (timing); text: windows of examples/data's bytes as token ids, "
+                        "which a model can learn and, over many steps, memorise; markov: fresh samples of a "
+                        "learnable second-order Markov source, which cannot be memorised (convergence)")
+    p.add_argument("--seeds", default="0", help="comma-separated seeds (model init and data); each runs every impl, "
+                   "its rows' case named -seed<N> when there are several")
+    p.add_argument("--op", default=None, help="the results file's name (default: e2e, or e2e_<config>)")
+    p.add_argument("--cases", default="", help="ignored (one case); accepted like the other benchmarks")
+    p.add_argument("--no-memory", action="store_true", help="ignored: memory is always measured")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    cfg = CONFIGS[args.config]
+    impls = [i for i in args.impls.split(",") if i]
+    if impls and impls[0] != "eager":
+        raise SystemExit("--impls must start with eager (the reference of the bars)")
+    if "liger" in impls:
+        try:
+            import liger_kernel  # noqa: F401
+        except ImportError:
+            harness.log("liger-kernel is not installed: no liger row")
+            impls.remove("liger")
+
+    op = args.op or ("e2e" if args.config == "1b" else f"e2e_{args.config.replace('-', '_')}")
+    result = {"op": op, **harness.env_info(), "ceilings": harness.measure_ceilings(), "rows": []}
+    batch = probe_batch(cfg, args.seq, device) if args.batch == "auto" else int(args.batch)
+    case = case_name(cfg, args.seq, batch)
+    tokens = batch * args.seq
+    flops = model_flops(cfg, args.seq, tokens)
+    seeds = [int(x) for x in args.seeds.split(",") if x]
+    for seed in seeds:
+        g = torch.Generator().manual_seed(1234 + seed)
+        if args.data == "text":
+            stream = text_stream(args.steps, batch, args.seq, g).to(device)
+        elif args.data == "markov":
+            stream = markov_stream(args.steps, batch, args.seq, g).to(device)
+        else:
+            stream = torch.randint(0, cfg["vocab_size"], (args.steps, batch, args.seq), generator=g).to(device)
+        seed_case = case if len(seeds) == 1 else f"{case}-seed{seed}"
+        harness.log(f"e2e: {seed_case}, {args.steps} steps, impls {impls}, {flops / 1e12:.1f} TFLOP a step")
+        run_seed(result, seed_case, "" if len(seeds) == 1 else f"_seed{seed}", impls, cfg, args, stream, device,
+                 seed, batch, flops)
+        del stream
     if "bars" in result:
         harness.log(f"bars: {result['bars']}")
         harness.write(result, args.out)

@@ -494,9 +494,10 @@ def test_chunked_path_matches_the_per_token_path_and_float64(device, dtype, with
         loss = module(*args, **kwargs)
         assert type(loss.grad_fn).__name__ == "_SequenceChunkedLossBackward", name
         grads = torch.autograd.grad(loss, leaves)
-        leaves64 = {id(t): t.detach().double().requires_grad_() for t in leaves}
-        args64 = [leaves64.get(id(t), t) for t in args]
-        kwargs64 = {k: leaves64.get(id(v), v) for k, v in kwargs.items()}
+        # (on the CPU: float64 has no CUDA path)
+        leaves64 = {id(t): t.detach().cpu().double().requires_grad_() for t in leaves}
+        args64 = [leaves64.get(id(t), t.cpu() if isinstance(t, torch.Tensor) else t) for t in args]
+        kwargs64 = {k: leaves64.get(id(v), v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
         with monkeypatch.context() as m:
             m.setattr(posttraining_module, "sequence_loss_chunkable", lambda *a: False)
             ref_loss = module(*args64, **kwargs64)
