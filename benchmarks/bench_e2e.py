@@ -283,37 +283,53 @@ def run_impl(impl: str, cfg: dict, seq: int, stream: torch.Tensor, device, seed:
     return {"ms": ms, "peak": peak, "curve": curve, "step_ms": step_ms}
 
 
-def text_stream(steps: int, batch: int, seq: int, g: torch.Generator) -> torch.Tensor:
-    """(steps, batch, seq) windows at random offsets of examples/data/*.txt, bytes as token ids."""
+def corpus_bytes() -> torch.Tensor:
+    """examples/data/*.txt as one tensor of byte values (int64)."""
     folder = os.path.join(os.path.dirname(HERE), "examples", "data")
     data = b"".join(open(os.path.join(folder, f), "rb").read() for f in sorted(os.listdir(folder)) if f.endswith(".txt"))
-    text = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+
+
+def text_stream(steps: int, batch: int, seq: int, g: torch.Generator) -> torch.Tensor:
+    """(steps, batch, seq) windows at random offsets of examples/data/*.txt, bytes as token ids."""
+    text = corpus_bytes()
     if text.numel() <= seq:
         raise SystemExit(f"examples/data holds {text.numel()} bytes: too few for --seq {seq}")
     starts = torch.randint(0, text.numel() - seq, (steps, batch), generator=g)
     return text[starts[..., None] + torch.arange(seq)]
 
 
-MARKOV_SYMBOLS, MARKOV_BRANCHES = 512, 8
+NGRAM_ORDER = 3
 
 
-def markov_stream(steps: int, batch: int, seq: int, g: torch.Generator) -> torch.Tensor:
-    """(steps, batch, seq) fresh samples of a second-order Markov source over token ids [0, 512): the
-    token after (a, b) is one of b's 8 successors (a random table), chosen with Zipf(1.2) weights
-    permuted by a (one of 64 random permutations a random table assigns to a). A model learns the
-    successors fast (loss ~ln 8 = 2.08 nats) and the dependence on a slowly, toward the source's
-    entropy (1.70 nats); every window is new, so nothing can be memorised, unlike --data text."""
-    successors = torch.randint(0, MARKOV_SYMBOLS, (MARKOV_SYMBOLS, MARKOV_BRANCHES), generator=g)
-    perms = torch.stack([torch.randperm(MARKOV_BRANCHES, generator=g) for _ in range(64)])
-    perm_of = torch.randint(0, 64, (MARKOV_SYMBOLS,), generator=g)
-    zipf = torch.arange(1, MARKOV_BRANCHES + 1, dtype=torch.float64) ** -1.2
+def ngram_stream(steps: int, batch: int, seq: int, g: torch.Generator) -> torch.Tensor:
+    """(steps, batch, seq) fresh samples of a byte-level order-3 Markov model fitted to examples/data's
+    text (the corpus read as a loop, so every context has a successor): text-like statistics that a
+    model learns gradually (characters, then words), and every window is new, so nothing can be
+    memorised, unlike --data text."""
+    text = corpus_bytes()
+    looped = torch.cat([text, text[:NGRAM_ORDER]])
+    codes = torch.zeros(text.numel(), dtype=torch.long)
+    for k in range(NGRAM_ORDER):
+        codes = codes * 256 + looped[k:k + text.numel()]
+    successor = looped[NGRAM_ORDER:NGRAM_ORDER + text.numel()]
+    contexts, row = torch.unique(codes, return_inverse=True)
+    counts = torch.zeros(contexts.numel(), 256)
+    counts.index_put_((row, successor), torch.ones(row.numel()), accumulate=True)
+    cdf = counts.cumsum(1)
+    cdf /= cdf[:, -1:].clone()
     n = steps * batch
-    branch = torch.multinomial((zipf / zipf.sum()).float(), n * seq, replacement=True, generator=g).view(n, seq)
     x = torch.empty(n, seq, dtype=torch.long)
-    x[:, :2] = torch.randint(0, MARKOV_SYMBOLS, (n, 2), generator=g)
-    for t in range(2, seq):
-        a, b = x[:, t - 2], x[:, t - 1]
-        x[:, t] = successors[b, perms[perm_of[a], branch[:, t]]]
+    start = torch.randint(0, text.numel(), (n,), generator=g)
+    x[:, :NGRAM_ORDER] = looped[start[:, None] + torch.arange(NGRAM_ORDER)]
+    code = torch.zeros(n, dtype=torch.long)
+    for k in range(NGRAM_ORDER):
+        code = code * 256 + x[:, k]
+    for t in range(NGRAM_ORDER, seq):
+        r = torch.searchsorted(contexts, code)
+        u = torch.rand(n, 1, generator=g)
+        x[:, t] = torch.searchsorted(cdf[r], u).squeeze(1).clamp_(max=255)
+        code = (code % 256 ** (NGRAM_ORDER - 1)) * 256 + x[:, t]
     return x.view(steps, batch, seq)
 
 
@@ -419,10 +435,10 @@ def main(argv=None) -> dict:
     p.add_argument("--device", default="cuda" if on_gpu else "cpu")
     p.add_argument("--out", default=harness.RESULTS_DIR if on_gpu else os.path.join(tempfile.gettempdir(), "fuseforge_e2e_cpu"),
                    help="default: benchmarks/results on a GPU; a temporary folder for the CPU smoke test")
-    p.add_argument("--data", choices=("random", "text", "markov"), default="random",
+    p.add_argument("--data", choices=("random", "text", "ngram"), default="random",
                    help="random: uniform token ids (timing); text: windows of examples/data's bytes as token ids, "
-                        "which a model can learn and, over many steps, memorise; markov: fresh samples of a "
-                        "learnable second-order Markov source, which cannot be memorised (convergence)")
+                        "which a model can learn and, over many steps, memorise; ngram: fresh samples of a byte "
+                        "order-3 Markov model of that text, which cannot be memorised (convergence)")
     p.add_argument("--seeds", default="0", help="comma-separated seeds (model init and data); each runs every impl, "
                    "its rows' case named -seed<N> when there are several")
     p.add_argument("--op", default=None, help="the results file's name (default: e2e, or e2e_<config>)")
@@ -452,8 +468,8 @@ def main(argv=None) -> dict:
         g = torch.Generator().manual_seed(1234 + seed)
         if args.data == "text":
             stream = text_stream(args.steps, batch, args.seq, g).to(device)
-        elif args.data == "markov":
-            stream = markov_stream(args.steps, batch, args.seq, g).to(device)
+        elif args.data == "ngram":
+            stream = ngram_stream(args.steps, batch, args.seq, g).to(device)
         else:
             stream = torch.randint(0, cfg["vocab_size"], (args.steps, batch, args.seq), generator=g).to(device)
         seed_case = case if len(seeds) == 1 else f"{case}-seed{seed}"

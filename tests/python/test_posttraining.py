@@ -503,7 +503,9 @@ def test_chunked_path_matches_the_per_token_path_and_float64(device, dtype, with
             ref_loss = module(*args64, **kwargs64)
         assert type(ref_loss.grad_fn).__name__ != "_SequenceChunkedLossBackward"
         ref_grads = torch.autograd.grad(ref_loss, [leaves64[id(t)] for t in leaves])
-        assert rel_err(loss, ref_loss) <= (1e-12 if dtype == torch.float64 else 1e-5), name
+        # bf16: the chunk's logits are bf16 (the target's exact), one rounding of the other logits
+        loss_tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: torch.finfo(dtype).eps / 2}[dtype]
+        assert rel_err(loss, ref_loss) <= loss_tol, name
         for g, r in zip(grads, ref_grads):
             assert g.dtype == dtype
             assert rel_err(g, r) <= grad_tol(dtype), name
