@@ -334,20 +334,53 @@ def ngram_stream(steps: int, batch: int, seq: int, g: torch.Generator) -> torch.
 
 
 def plot_losses(result: dict, path: str) -> None:
+    """The loss curves (a line style a seed); with compact-state rows (*_states), a second panel: each
+    row's loss relative to the same seed's fuseforge (float32 states), a 10-step running mean, against
+    the 1% band."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for row in result["rows"]:
-        if row.get("loss_curve"):
-            seed = row["case"].rsplit("-", 1)[1] if "-seed" in row["case"] else ""
-            ax.plot(range(1, len(row["loss_curve"]) + 1), row["loss_curve"], label=f"{row['impl']} {seed}".strip(),
-                    lw=1.8 if row["impl"] == "fuseforge" else 1.0, ls="--" if "compile" in row["impl"] else "-")
+    rows = [r for r in result["rows"] if r.get("loss_curve")]
+    seeds = sorted({r["case"].rsplit("-", 1)[1] for r in rows if "-seed" in r["case"]})
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    colors = {impl: f"C{k}" for k, impl in enumerate(impls)}
+    styles = {seed: ls for seed, ls in zip(seeds, ("-", "--", ":", "-."))}
+    compact = any(r["impl"].endswith("_states") for r in rows)
+    fig, axes = plt.subplots(1, 2 if compact else 1, figsize=(12 if compact else 7, 4), squeeze=False)
+    ax = axes[0][0]
+
+    def seed_of(row):
+        return row["case"].rsplit("-", 1)[1] if "-seed" in row["case"] else ""
+
+    for row in rows:
+        seed = seed_of(row)
+        ax.plot(range(1, len(row["loss_curve"]) + 1), row["loss_curve"], label=f"{row['impl']} {seed}".strip(),
+                color=colors[row["impl"]], ls=styles.get(seed, "--" if "compile" in row["impl"] else "-"),
+                lw=1.8 if row["impl"] == "fuseforge" else 1.0)
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
-    ax.set_title(f"{result['rows'][0]['case']}\n({result['gpu']}, torch {result['torch']})", fontsize=8)
+    ax.set_yscale("log")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=7)
+    ax.set_title(f"{rows[0]['case'].rsplit('-seed', 1)[0]}\n({result['gpu']}, torch {result['torch']})", fontsize=8)
+    if compact:
+        ax = axes[0][1]
+        fp32 = {seed_of(r): torch.tensor(r["loss_curve"]) for r in rows if r["impl"] == "fuseforge"}
+        for row in rows:
+            seed = seed_of(row)
+            if row["impl"] == "fuseforge" or seed not in fp32:
+                continue
+            rel = (torch.tensor(row["loss_curve"]) - fp32[seed]) / fp32[seed] * 100
+            smooth = torch.nn.functional.avg_pool1d(rel[None, None], 10, 1)[0, 0]
+            ax.plot(range(10, len(rel) + 1), smooth, color=colors[row["impl"]], ls=styles.get(seed, "-"),
+                    label=f"{row['impl']} {seed}".strip())
+        ax.axhspan(-1, 1, color="0.85", zorder=0)
+        ax.axhline(0, color="0.5", lw=0.8)
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss vs fuseforge (float32 states), %, 10-step mean")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        ax.set_title("relative to the same seed's float32-state run (grey: +-1%)", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

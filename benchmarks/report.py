@@ -87,12 +87,14 @@ SECTIONS = [
      "out of memory; managed memory is outside that cap and stays on the GPU while it has room, so the "
      "paged rows time resident states, not paging to the host."),
     ("adamw_convergence", "AdamW's compact states: 200 training steps",
-     "`bench_e2e.py --batch 4 --steps 200 --data text --op adamw_convergence`: the 1.2B Llama patched "
-     "by fuseforge, trained on windows of `examples/data`'s bytes (34 KB of text, so the model "
-     "memorises it), with AdamW's moments in float32 (`fuseforge`), int8 (`fuseforge_int8_states`) "
-     "and bitsandbytes' `AdamW8bit` (`fuseforge_bnb8bit_states`); `eager` is the unpatched model with "
-     "torch's fused AdamW. In this regime two float32-state runs end apart by more than the 1% the "
-     "bar allows (eager against fuseforge: 4%), so the final-loss bar is not a test of the states."),
+     "`bench_e2e.py --batch 4 --steps 200 --data ngram --seeds 0,1 --op adamw_convergence`: the 1.2B "
+     "Llama patched by fuseforge, trained on fresh samples of a byte-level order-3 Markov model of "
+     "`examples/data`'s text (text-like, never repeated, so nothing is memorised), with AdamW's "
+     "moments in float32 (`fuseforge`), int8 (`fuseforge_int8_states`) and bitsandbytes' `AdamW8bit` "
+     "(`fuseforge_bnb8bit_states`); `eager` is the unpatched model with torch's fused AdamW (float32 "
+     "states). Two seeds (model and data). The plot's right panel: each run's loss against the same "
+     "seed's float32-state run (10-step running mean); the JSON's `final_loss_vs_fp32_states_rel` "
+     "compares the last 10 steps' mean losses."),
     ("rms_norm", "rms_norm: RMSNorm and the residual add before it",
      "`benchmarks/bench_rms_norm.py`: fuseforge's `rms_norm` against eager PyTorch (Hugging Face's "
      "LlamaRMSNorm code), `torch.compile` of it and Liger-Kernel's RMSNorm. Cases "
@@ -121,10 +123,11 @@ SECTIONS = [
      "4096, bf16) through a vocabulary head, against eager PyTorch (logits materialised), "
      "`torch.compile` of it and Liger-Kernel 0.8.5's `LigerFusedLinearGRPOLoss` / "
      "`LigerFusedLinearDPOLoss` / `LigerFusedLinearJSD`, each computing the same loss (the script's "
-     "docstring). fuseforge: `GRPOLoss` and `PreferenceLoss` on `linear_logprobs`, and `linear_jsd`. "
-     "`rel_err` (8192-token cases) is the larger of grad_x's and grad_W's error against float64. The "
-     "first GRPO case comes from the run before (same kernels; the JSON's `note`); the 16384-token JSD "
-     "case did not finish in the run's time."),
+     "docstring). fuseforge: `GRPOLoss` (on `linear_logprobs`), `PreferenceLoss` (chunks of whole "
+     "pairs, gradients in the forward) and `linear_jsd`. `rel_err` (8192-token cases) is the larger of grad_x's and grad_W's error against float64. "
+     "DPO's time includes the reference model's forward (four matrix products in all, as Liger's). "
+     "Liger's 16384-token GRPO row failed in its own `torch.compile` of the loss (a dynamo error, "
+     "recorded in the row)."),
     ("glu", "glu: SwiGLU and GeGLU",
      "`benchmarks/bench_glu.py`: fuseforge's `glu`, `act(gate) * up`, against eager PyTorch (as Hugging "
      "Face's LlamaMLP / GemmaMLP write it), `torch.compile` of it and Liger-Kernel's SiLU-mul and "
