@@ -228,13 +228,17 @@ def test_preference_losses_and_gradients_match_float64(device, dtype, loss_type,
         assert rel_err(g, r) <= grad_tol(dtype)
 
 
-def test_preference_micro_batches_give_the_full_batch_gradient():
+@pytest.mark.parametrize("one_pair_chunks", [False, True], ids=["chunk", "pair-chunks"])
+def test_preference_micro_batches_give_the_full_batch_gradient(one_pair_chunks, monkeypatch):
+    """num_items_in_batch normalises by the whole batch, also with several chunks inside a micro-batch."""
+    if one_pair_chunks:
+        monkeypatch.setattr(logprobs_module, "CHUNK_LOGIT_BYTES", 1)
     (hc, ic, mc), (hr, ir, mr), w = preference_batch(6, 7, 5, 12, 23, torch.float64, "cpu")
     ref_c, ref_r = randn(6, dtype=torch.float64) - 20, randn(6, dtype=torch.float64) - 20
     loss_fn = PreferenceLoss(loss_type="sigmoid", beta=0.2)
     g_full = torch.autograd.grad(loss_fn(hc, hr, w, ic, ir, mc, mr, ref_c, ref_r), w)[0]
     g_acc = torch.zeros_like(w)
-    for part in (slice(0, 1), slice(1, 6)):
+    for part in (slice(0, 2), slice(2, 6)):
         loss = loss_fn(hc[part], hr[part], w, ic[part], ir[part], mc[part], mr[part], ref_c[part], ref_r[part],
                        num_items_in_batch=6)
         g_acc += torch.autograd.grad(loss, w)[0]
@@ -509,21 +513,6 @@ def test_chunked_path_matches_the_per_token_path_and_float64(device, dtype, with
         for g, r in zip(grads, ref_grads):
             assert g.dtype == dtype
             assert rel_err(g, r) <= grad_tol(dtype), name
-
-
-def test_chunked_micro_batches_give_the_full_batch_gradient(monkeypatch):
-    """Chunks inside micro-batches: num_items_in_batch still normalises by the whole batch."""
-    monkeypatch.setattr(logprobs_module, "CHUNK_LOGIT_BYTES", 1)  # one pair a chunk
-    (hc, ic, mc), (hr, ir, mr), w = preference_batch(6, 7, 5, 12, 23, torch.float64, "cpu")
-    ref_c, ref_r = randn(6, dtype=torch.float64) - 20, randn(6, dtype=torch.float64) - 20
-    loss_fn = PreferenceLoss(loss_type="sigmoid", beta=0.2)
-    g_full = torch.autograd.grad(loss_fn(hc, hr, w, ic, ir, mc, mr, ref_c, ref_r), w)[0]
-    g_acc = torch.zeros_like(w)
-    for part in (slice(0, 2), slice(2, 6)):
-        loss = loss_fn(hc[part], hr[part], w, ic[part], ir[part], mc[part], mr[part], ref_c[part], ref_r[part],
-                       num_items_in_batch=6)
-        g_acc += torch.autograd.grad(loss, w)[0]
-    assert rel_err(g_acc, g_full) <= 1e-12
 
 
 def test_chunked_path_scales_by_grad_output_and_refuses_a_second_backward():

@@ -57,7 +57,10 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Option
     Gradients: with reduction "mean"/"sum" and a gradient required, the forward computes the gradients
     too (one pass over the logits); the backward only multiplies them by grad_output (skipped when it
     is 1). With reduction "none" (or a repeated backward through the same graph) the backward
-    recomputes the logits and weights every token by its own grad_output. Not twice differentiable.
+    recomputes the logits and weights every token by its own grad_output; on the GPU with 16-bit
+    inputs it keeps each row's target entry of the logit gradient in float32 (its rounding added
+    back) and accumulates grad_weight in float32 (4 V H bytes), so the gradients carry about one
+    rounding to the dtype. Not twice differentiable.
 
     Out-of-range targets: the CPU raises; on CUDA (no host sync) that token's loss and its gradient
     row are NaN, so a mean or sum loss is NaN.
