@@ -230,8 +230,10 @@ def test_preference_losses_and_gradients_match_float64(device, dtype, loss_type,
 
 @pytest.mark.parametrize("one_pair_chunks", [False, True], ids=["chunk", "pair-chunks"])
 def test_preference_micro_batches_give_the_full_batch_gradient(one_pair_chunks, monkeypatch):
-    """num_items_in_batch normalises by the whole batch, also with several chunks inside a micro-batch."""
+    """num_items_in_batch normalises by the whole batch, also on the chunked path with several chunks
+    inside a micro-batch."""
     if one_pair_chunks:
+        monkeypatch.setattr(logprobs_module, "CHUNKED_DEVICES", ("cpu", "cuda"))
         monkeypatch.setattr(logprobs_module, "CHUNK_LOGIT_BYTES", 1)
     (hc, ic, mc), (hr, ir, mr), w = preference_batch(6, 7, 5, 12, 23, torch.float64, "cpu")
     ref_c, ref_r = randn(6, dtype=torch.float64) - 20, randn(6, dtype=torch.float64) - 20
@@ -457,6 +459,12 @@ def test_cpo_orpo_kto_bad_arguments_raise_clear_errors():
 
 
 # ---- the chunked path: reduced sequence losses with their gradients in the forward --------------
+@pytest.fixture
+def chunked_on_cpu(monkeypatch):
+    """The chunked path on the CPU too (CUDA's by default), so its logic is tested everywhere."""
+    monkeypatch.setattr(logprobs_module, "CHUNKED_DEVICES", ("cpu", "cuda"))
+
+
 def chunked_cases(dtype, device, with_bias):
     """(name, module, arguments after the hidden states and head, ...) for every module on the chunked
     path: 5 pairs (answers of 8 and 6 tokens) / 7 completions, prompt tokens ignored."""
@@ -485,7 +493,7 @@ def leaves_of(args, b):
 
 @pytest.mark.parametrize("device,dtype", device_dtypes(cpu_dtypes=(torch.float32, torch.float64)))
 @pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
-def test_chunked_path_matches_the_per_token_path_and_float64(device, dtype, with_bias, monkeypatch):
+def test_chunked_path_matches_the_per_token_path_and_float64(device, dtype, with_bias, monkeypatch, chunked_on_cpu):
     """Chunks of 2 groups (CHUNK_LOGIT_BYTES cut down: 3 chunks): the loss and every gradient against the
     per-token path's on float64 copies of the inputs, itself checked against float64 references above."""
     if dtype == torch.float16:
@@ -515,7 +523,7 @@ def test_chunked_path_matches_the_per_token_path_and_float64(device, dtype, with
             assert rel_err(g, r) <= grad_tol(dtype), name
 
 
-def test_chunked_path_scales_by_grad_output_and_refuses_a_second_backward():
+def test_chunked_path_scales_by_grad_output_and_refuses_a_second_backward(chunked_on_cpu):
     (hc, ic, mc), (hr, ir, mr), w = preference_batch(3, 5, 4, 8, 17, torch.float64, "cpu")
     ref_c, ref_r = randn(3, dtype=torch.float64), randn(3, dtype=torch.float64)
     loss_fn = PreferenceLoss(beta=0.3)
@@ -527,7 +535,13 @@ def test_chunked_path_scales_by_grad_output_and_refuses_a_second_backward():
         torch.autograd.grad(loss, w)
 
 
-def test_chunked_path_is_not_taken_without_gradients_or_for_none():
+def test_the_cpu_keeps_the_per_token_path():
+    (hc, ic, mc), (hr, ir, mr), w = preference_batch(3, 5, 4, 8, 17, torch.float32, "cpu")
+    loss = PreferenceLoss("simpo")(hc, hr, w, ic, ir, mc, mr)
+    assert type(loss.grad_fn).__name__ != "_SequenceChunkedLossBackward"
+
+
+def test_chunked_path_is_not_taken_without_gradients_or_for_none(chunked_on_cpu):
     (hc, ic, mc), (hr, ir, mr), w = preference_batch(3, 5, 4, 8, 17, torch.float32, "cpu")
     loss = PreferenceLoss("simpo", reduction="none")(hc, hr, w, ic, ir, mc, mr)
     assert type(loss.grad_fn).__name__ != "_SequenceChunkedLossBackward"

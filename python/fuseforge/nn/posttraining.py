@@ -4,11 +4,11 @@ GRPO (grpo_loss, GRPOLoss); paired preferences with a reference model, DPO / IPO
 (preference_loss, PreferenceLoss); reference-free CPO and ORPO with their NLL term (cpo_loss, CPOLoss,
 orpo_loss, ORPOLoss); unpaired KTO (kto_loss, KTOLoss, kto_kl). The functional losses take per-token
 log-probabilities (fuseforge.linear_logprobs); the modules take the last hidden states and the output
-head. With a reduced loss ("mean" / "sum"), a gradient wanted and bf16 / float32 inputs, the preference
-modules (PreferenceLoss, CPOLoss, ORPOLoss, KTOLoss) work on chunks of whole pairs (completions) and form
+head. On CUDA, with a reduced loss ("mean" / "sum"), a gradient wanted and bf16 / float32 inputs, the
+preference modules (PreferenceLoss, CPOLoss, ORPOLoss, KTOLoss) work on chunks of whole pairs (completions) and form
 the gradients in the forward (fuseforge.ops.logprobs.sequence_chunked_loss: three matrix products, the
-chunk's logits in the input dtype); otherwise, and traced by torch.compile, they take linear_logprobs
-of every token. Examples: examples/grpo.py, examples/dpo.py."""
+chunk's logits in the input dtype); otherwise (the CPU, whose fused per-token kernels are faster
+there; traced by torch.compile) they take linear_logprobs of every token. Examples: examples/grpo.py, examples/dpo.py."""
 from __future__ import annotations
 
 from typing import Callable, Optional, Union
