@@ -1,5 +1,6 @@
-// A loss's reduction, shared by the ops that take `reduction="mean" | "sum" | "none"`
-// (linear_cross_entropy, linear_jsd): parsing with one error message, and the loss's final shape.
+// A loss op's outputs, shared by the ops that take `reduction="mean" | "sum" | "none"`
+// (linear_cross_entropy, linear_jsd): the reduction's parsing with one error message, the loss's
+// final shape, and the empty tensor a gradient not asked for is returned as.
 #pragma once
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -31,6 +32,12 @@ inline at::Tensor reduce_rows(const at::Tensor& row_losses, const at::Tensor& in
       return row_losses.sum() * inv_count;
   }
   return row_losses;
+}
+
+// t, or an empty tensor with like's options where t is undefined (a gradient not asked for: the
+// ops' schemas return Tensor, not Tensor?).
+inline at::Tensor or_empty(const at::Tensor& t, const at::Tensor& like) {
+  return t.defined() ? t : at::empty({0}, like.options());
 }
 
 }  // namespace fuseforge

@@ -321,10 +321,6 @@ at::Tensor reduce_loss_cpu(const at::Tensor& row_losses, double inv, const Probl
   return loss;
 }
 
-at::Tensor or_empty(const at::Tensor& t, const at::Tensor& like) {
-  return t.defined() ? t : at::empty({0}, like.options());
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cpu(
     const at::Tensor& x, const at::Tensor& weight, const at::Tensor& target, const std::optional<at::Tensor>& bias,
     int64_t ignore_index, c10::string_view reduction, double label_smoothing, double z_loss, double softcap,

@@ -447,10 +447,6 @@ Outputs run(const Problem& p, const GradSpec& g, bool low_memory, bool entropy =
   return o;
 }
 
-at::Tensor or_empty(const at::Tensor& t, const at::Tensor& like) {
-  return t.defined() ? t : at::empty({0}, like.options());
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_cuda(
     const at::Tensor& x, const at::Tensor& weight, const at::Tensor& target, const std::optional<at::Tensor>& bias,
     int64_t ignore_index, c10::string_view reduction, double label_smoothing, double z_loss, double softcap,

@@ -87,10 +87,6 @@ at::Tensor inverse_valid_count(const Problem& p) {
   return at::reciprocal(count.to(dt));
 }
 
-at::Tensor or_empty(const at::Tensor& t, const at::Tensor& like) {
-  return t.defined() ? t : at::empty({0}, like.options());
-}
-
 at::Tensor shape_loss(const at::Tensor& row_losses, const at::Tensor& inv_count, const Problem& p) {
   return reduce_rows(row_losses, inv_count, p.cfg.reduction, p.batch_shape);
 }

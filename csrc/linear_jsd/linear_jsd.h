@@ -49,10 +49,6 @@ at::Tensor inverse_valid_count(const Problem& p);
 // Shapes the loss as the reduction asks: a 0-dim tensor, or batch_shape for "none".
 at::Tensor shape_loss(const at::Tensor& row_losses, const at::Tensor& inv_count, const Problem& p);
 
-// t, or an empty tensor with like's options where t is undefined (a gradient not asked for: the
-// ops' schemas return Tensor, not Tensor?).
-at::Tensor or_empty(const at::Tensor& t, const at::Tensor& like);
-
 // The forward's and the backward's checks of grad_loss against the reduction.
 void check_grad_loss(const at::Tensor& grad_loss, const Problem& p);
 
