@@ -211,7 +211,8 @@ void run_default(const Problem& p, const GradSpec& g, Outputs& o) {
   // target's, is the one whose rounding to T the gradients would carry (sqrt(2) the error of the
   // outputs' own rounding). The stream kernel keeps that rounding's residual and the host adds it
   // back in float32: grad_x through a float32 product, grad_W and grad_b in float32 accumulators.
-  const bool compensate = !std::is_same_v<T, float> && g.enabled && g.row_scale.has_value() && !cluster;
+  constexpr bool kLowp = !std::is_same_v<T, float>;
+  const bool compensate = kLowp && g.enabled && g.row_scale.has_value() && !cluster;
   if (compensate && g.want.weight) plan.fp32_weight_acc = true;
   const auto f32 = p.x2d.options().dtype(at::kFloat);
   at::Tensor staging = plan.in_place ? at::Tensor()
@@ -293,11 +294,13 @@ void run_default(const Problem& p, const GradSpec& g, Outputs& o) {
     if (g.want.x) {
       at::Tensor gx_rows = o.grad_x.narrow(0, s0, s_rows);
       if (compensate) {
-        at::Tensor acc = gx_acc.narrow(0, 0, s_rows);
-        at::mm_out(acc, dz, p.weight, at::kFloat);
-        launch_add_target_rows<T>(acc.const_data_ptr<float>(), p.weight.const_data_ptr<T>(),
-                                  p.target.const_data_ptr<int64_t>() + s0, residual.const_data_ptr<float>() + s0,
-                                  s_rows, p.hidden, p.vocab, gx_rows.mutable_data_ptr<T>());
+        if constexpr (kLowp) {  // (the residual launchers exist for 16-bit types only)
+          at::Tensor acc = gx_acc.narrow(0, 0, s_rows);
+          at::mm_out(acc, dz, p.weight, at::kFloat);
+          launch_add_target_rows<T>(acc.const_data_ptr<float>(), p.weight.const_data_ptr<T>(),
+                                    p.target.const_data_ptr<int64_t>() + s0, residual.const_data_ptr<float>() + s0,
+                                    s_rows, p.hidden, p.vocab, gx_rows.mutable_data_ptr<T>());
+        }
       } else {
         at::mm_out(gx_rows, dz, p.weight);
       }
@@ -315,7 +318,7 @@ void run_default(const Problem& p, const GradSpec& g, Outputs& o) {
     first_pass = false;
   }
   if (!g.enabled) return;
-  if constexpr (!std::is_same_v<T, float>) {
+  if constexpr (kLowp) {
     if (compensate && (g.want.weight || g.want.bias) && p.rows > 0) {
       const auto [sorted, order] = at::sort(p.target, /*stable=*/true, /*dim=*/0, /*descending=*/false);
       launch_scatter_target_rows<T>(sorted.const_data_ptr<int64_t>(), order.const_data_ptr<int64_t>(),
