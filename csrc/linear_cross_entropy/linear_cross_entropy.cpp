@@ -96,13 +96,16 @@ EntropyGrad entropy_grad_inputs(const Problem& p, const at::Tensor& x, const std
   return e;
 }
 
-void check_rows_logits(const at::Tensor& logits, const Problem& p) {
+Problem prepare_rows(const at::Tensor& logits, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& target,
+                     const std::optional<at::Tensor>& bias, int64_t ignore_index, double softcap, bool allow_double) {
+  Problem p = prepare(x, weight, target, bias, ignore_index, "none", 0.0, 0.0, softcap, allow_double);
   check_same_device(p.x2d, "x", logits, "logits");
   TORCH_CHECK(logits.scalar_type() == p.x2d.scalar_type(), "logits must have the dtype of x (",
               p.x2d.scalar_type(), "), got ", logits.scalar_type());
   TORCH_CHECK(logits.dim() == 2 && logits.size(0) == p.rows && logits.size(1) == p.vocab, "logits must have shape (",
               p.rows, ", ", p.vocab, ") (x's rows, weight's rows), got ", logits.sizes());
   TORCH_CHECK(logits.is_contiguous(), "logits must be contiguous");
+  return p;
 }
 
 RowsGradArgs check_rows_grad(const at::Tensor& logits, const at::Tensor& stats, const at::Tensor& target,
@@ -407,34 +410,37 @@ void scale_grads_cpu(at::Tensor& grad_x, at::Tensor& grad_weight, at::Tensor& gr
 }
 
 // ---- rows ops (ATen: a reference-grade path; the chunked sequence losses' CPU side) --------------
-// The rows' float-typed logits with the exact target logit in place, bias added and capped; the rows'
-// valid mask and clamped targets.
+// The rows' valid mask and targets (ignored ones as 0), then their float-typed logits with the exact
+// target logit in place, bias added and capped.
 struct RowLogits {
-  at::Tensor z, raw, valid, t;  // z capped (N, V); raw: z before the cap; t: (N, 1)
+  at::Tensor valid, t;  // (N,), (N, 1)
+  at::Tensor raw, z;    // (N, V): before and after the cap
 };
 
-RowLogits row_logits(const at::Tensor& logits, const at::Tensor& target_logit, const at::Tensor& target,
-                     const at::Tensor& bias, int64_t ignore_index, double softcap) {
+RowLogits row_targets(const at::Tensor& target, int64_t ignore_index) {
   RowLogits r;
-  const auto sd = stats_dtype(logits.scalar_type());
   r.valid = target.ne(ignore_index);
   r.t = at::where(r.valid, target, at::zeros_like(target)).unsqueeze(1);
+  return r;
+}
+
+void set_row_logits(RowLogits& r, const at::Tensor& logits, const at::Tensor& target_logit, const at::Tensor& bias,
+                    double softcap) {
+  const auto sd = stats_dtype(logits.scalar_type());
   r.raw = logits.to(sd).scatter(1, r.t, target_logit.unsqueeze(1));
   if (bias.defined()) r.raw = r.raw + bias.to(sd);
   r.z = softcap > 0.0 ? at::tanh(r.raw / softcap) * softcap : r.raw;
-  return r;
 }
 
 at::Tensor rows_stats_cpu(const at::Tensor& logits, const at::Tensor& x, const at::Tensor& weight,
                           const at::Tensor& target, const std::optional<at::Tensor>& bias, int64_t ignore_index,
                           double softcap) {
-  const Problem p = prepare(x, weight, target, bias, ignore_index, "none", 0.0, 0.0, softcap, /*allow_double=*/true);
-  check_rows_logits(logits, p);
+  const Problem p = prepare_rows(logits, x, weight, target, bias, ignore_index, softcap, /*allow_double=*/true);
   check_targets(p);
   const auto sd = stats_dtype(logits.scalar_type());
-  const at::Tensor t = at::where(p.target.ne(ignore_index), p.target, at::zeros_like(p.target));
-  const at::Tensor zt = (p.x2d.to(sd) * p.weight.index_select(0, t).to(sd)).sum(1);
-  const RowLogits r = row_logits(logits, zt, p.target, p.bias, ignore_index, softcap);
+  RowLogits r = row_targets(p.target, ignore_index);
+  const at::Tensor zt = (p.x2d.to(sd) * p.weight.index_select(0, r.t.squeeze(1)).to(sd)).sum(1);
+  set_row_logits(r, logits, zt, p.bias, softcap);
   const at::Tensor lse = at::logsumexp(r.z, {1});
   const at::Tensor nll = lse - r.z.gather(1, r.t).squeeze(1);
   const at::Tensor zero = at::zeros_like(lse);
@@ -445,7 +451,8 @@ void rows_grad_cpu(at::Tensor& logits, const at::Tensor& stats, const at::Tensor
                    const std::optional<at::Tensor>& bias, const at::Tensor& row_scale, int64_t ignore_index,
                    double softcap) {
   const RowsGradArgs a = check_rows_grad(logits, stats, target, bias, row_scale, softcap, /*allow_double=*/true);
-  const RowLogits r = row_logits(logits, stats[2], a.target, a.bias, ignore_index, softcap);
+  RowLogits r = row_targets(a.target, ignore_index);
+  set_row_logits(r, logits, stats[2], a.bias, softcap);
   // p - onehot, the target's p - 1 as expm1(-nll) (exact where p is close to 1)
   at::Tensor g = at::exp(r.z - stats[0].unsqueeze(1));
   g.scatter_(1, r.t, at::expm1(-stats[1]).unsqueeze(1));

@@ -65,9 +65,10 @@ struct EntropyGrad {
 EntropyGrad entropy_grad_inputs(const Problem& p, const at::Tensor& x, const std::optional<at::Tensor>& entropy,
                                 const std::optional<at::Tensor>& grad_entropy);
 
-// The rows ops' checks (linear_cross_entropy_rows_stats / _rows_grad_): logits (N, V) contiguous in
-// x's dtype on x's device, for the problem's N rows and V classes.
-void check_rows_logits(const at::Tensor& logits, const Problem& p);
+// linear_cross_entropy_rows_stats' arguments checked and flattened: prepare's problem (reduction
+// "none") plus logits (N, V) contiguous in x's dtype on x's device, for its N rows and V classes.
+Problem prepare_rows(const at::Tensor& logits, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& target,
+                     const std::optional<at::Tensor>& bias, int64_t ignore_index, double softcap, bool allow_double);
 // linear_cross_entropy_rows_grad_'s arguments checked: logits (N, V) contiguous, stats (3, N) as
 // rows_stats returned them (lse, nll = -log p(target), the exact raw target logit x . W[t]),
 // row_scale (N,) in the stats dtype, target (N,), bias (V,) or none. Returns target as contiguous

@@ -551,8 +551,7 @@ StreamParams<T> rows_params(const at::Tensor& logits, const int64_t* target, con
 at::Tensor rows_stats_cuda(const at::Tensor& logits, const at::Tensor& x, const at::Tensor& weight,
                            const at::Tensor& target, const std::optional<at::Tensor>& bias, int64_t ignore_index,
                            double softcap) {
-  const Problem p = prepare(x, weight, target, bias, ignore_index, "none", 0.0, 0.0, softcap, /*allow_double=*/false);
-  check_rows_logits(logits, p);
+  const Problem p = prepare_rows(logits, x, weight, target, bias, ignore_index, softcap, /*allow_double=*/false);
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor stats = at::empty({3, p.rows}, x.options().dtype(at::kFloat));
   if (p.rows == 0) return stats;
