@@ -341,17 +341,17 @@ def plot_losses(result: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     rows = [r for r in result["rows"] if r.get("loss_curve")]
-    seeds = sorted({r["case"].rsplit("-", 1)[1] for r in rows if "-seed" in r["case"]})
+
+    def seed_of(row):
+        return row["case"].rsplit("-", 1)[1] if "-seed" in row["case"] else ""
+
+    seeds = sorted({seed_of(r) for r in rows} - {""})
     impls = list(dict.fromkeys(r["impl"] for r in rows))
     colors = {impl: f"C{k}" for k, impl in enumerate(impls)}
     styles = {seed: ls for seed, ls in zip(seeds, ("-", "--", ":", "-."))}
     compact = any(r["impl"].endswith("_states") for r in rows)
     fig, axes = plt.subplots(1, 2 if compact else 1, figsize=(12 if compact else 7, 4), squeeze=False)
     ax = axes[0][0]
-
-    def seed_of(row):
-        return row["case"].rsplit("-", 1)[1] if "-seed" in row["case"] else ""
-
     for row in rows:
         seed = seed_of(row)
         ax.plot(range(1, len(row["loss_curve"]) + 1), row["loss_curve"], label=f"{row['impl']} {seed}".strip(),
