@@ -130,13 +130,14 @@ class _SequenceChunkedLoss(torch.autograd.Function):
         for b0 in range(0, groups, per_chunk):
             b1 = min(groups, b0 + per_chunk)
             n = b1 - b0
+            sizes = [n * length for length in lengths]  # each stream's rows in the chunk
             x_rows = torch.cat([h[b0:b1].reshape(-1, hidden) for h in hiddens])
             t_rows = torch.cat([t[b0:b1].reshape(-1) for t in ids])
             logits = torch.mm(x_rows, weight.t())
             stats = _ops.linear_cross_entropy_rows_stats(logits, x_rows, weight, t_rows, bias, ignore_index, 0.0)
             with torch.enable_grad():
                 leaves = [lp.view(n, length).detach().requires_grad_()
-                          for lp, length in zip((-stats[1]).split([n * length for length in lengths]), lengths)]
+                          for lp, length in zip((-stats[1]).split(sizes), lengths)]
                 term = loss_of_logprobs(leaves, b0, b1)
                 grads = torch.autograd.grad(term, leaves, allow_unused=True)
             total += term.detach().to(stats_dtype)
@@ -145,7 +146,7 @@ class _SequenceChunkedLoss(torch.autograd.Function):
                                    for g, lp in zip(grads, leaves)])
             _ops.linear_cross_entropy_rows_grad_(logits, stats, t_rows, bias, row_scale, ignore_index, 0.0)
             if any(want_x):
-                gx_rows = torch.mm(logits, weight).split([n * length for length in lengths])
+                gx_rows = torch.mm(logits, weight).split(sizes)
                 for gx, part, length in zip(grad_x, gx_rows, lengths):
                     if gx is not None:
                         gx[b0:b1] = part.view(n, length, hidden)
