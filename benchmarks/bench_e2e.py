@@ -371,8 +371,9 @@ def plot_losses(result: dict, path: str) -> None:
             if row["impl"] == "fuseforge" or seed not in fp32:
                 continue
             rel = (torch.tensor(row["loss_curve"]) - fp32[seed]) / fp32[seed] * 100
-            smooth = torch.nn.functional.avg_pool1d(rel[None, None], 10, 1)[0, 0]
-            ax.plot(range(10, len(rel) + 1), smooth, color=colors[row["impl"]], ls=styles.get(seed, "-"),
+            window = min(10, len(rel))  # (shorter runs: their whole length)
+            smooth = torch.nn.functional.avg_pool1d(rel[None, None], window, 1)[0, 0]
+            ax.plot(range(window, len(rel) + 1), smooth, color=colors[row["impl"]], ls=styles.get(seed, "-"),
                     label=f"{row['impl']} {seed}".strip())
         ax.axhspan(-1, 1, color="0.85", zorder=0)
         ax.axhline(0, color="0.5", lw=0.8)
