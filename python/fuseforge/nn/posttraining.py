@@ -5,10 +5,11 @@ GRPO (grpo_loss, GRPOLoss); paired preferences with a reference model, DPO / IPO
 orpo_loss, ORPOLoss); unpaired KTO (kto_loss, KTOLoss, kto_kl). The functional losses take per-token
 log-probabilities (fuseforge.linear_logprobs); the modules take the last hidden states and the output
 head. On CUDA, with a reduced loss ("mean" / "sum"), a gradient wanted and bf16 / float32 inputs, the
-preference modules (PreferenceLoss, CPOLoss, ORPOLoss, KTOLoss) work on chunks of whole pairs (completions) and form
-the gradients in the forward (fuseforge.ops.logprobs.sequence_chunked_loss: three matrix products, the
-chunk's logits in the input dtype); otherwise (the CPU, whose fused per-token kernels are faster
-there; traced by torch.compile) they take linear_logprobs of every token. Examples: examples/grpo.py, examples/dpo.py."""
+preference modules (PreferenceLoss, CPOLoss, ORPOLoss, KTOLoss) work on chunks of whole pairs
+(completions) and form the gradients in the forward (fuseforge.ops.logprobs.sequence_chunked_loss:
+three matrix products, the chunk's logits in the input dtype); otherwise (the CPU, whose fused
+per-token kernels are faster there; traced by torch.compile) they take linear_logprobs of every
+token. Examples: examples/grpo.py, examples/dpo.py."""
 from __future__ import annotations
 
 from typing import Callable, Optional, Union
@@ -303,10 +304,16 @@ def kto_loss(logprobs: Tensor, mask: Tensor, desirable: Tensor, ref_logps: Tenso
     return _reduce(losses, reduction, num_items_in_batch)
 
 
+def _group_count(hidden: Tensor, num_items_in_batch) -> Union[int, float, Tensor]:
+    """The whole batch's pair (completion) count, a "mean" normaliser fixed before the batch is cut into
+    chunks: num_items_in_batch when given, else hidden's batch size."""
+    return hidden.shape[0] if num_items_in_batch is None else num_items_in_batch
+
+
 def _batch_counts(chosen_hidden: Tensor, chosen_mask: Tensor, num_items_in_batch, num_chosen_tokens) -> tuple:
     """The whole batch's pair count and chosen-token count (a device tensor: no host sync), the "mean"
     normalisers of CPO and ORPO, fixed before the batch is cut into chunks."""
-    pairs = chosen_hidden.shape[0] if num_items_in_batch is None else num_items_in_batch
+    pairs = _group_count(chosen_hidden, num_items_in_batch)
     if num_chosen_tokens is None:
         num_chosen_tokens = chosen_mask.sum().clamp(min=1.0).to(torch.float32)
     return pairs, num_chosen_tokens
@@ -348,7 +355,7 @@ class PreferenceLoss(torch.nn.Module):
                 rejected_ids: Tensor, chosen_mask: Tensor, rejected_mask: Tensor,
                 ref_chosen_logps: Optional[Tensor] = None, ref_rejected_logps: Optional[Tensor] = None,
                 bias: Optional[Tensor] = None, num_items_in_batch: Optional[float] = None) -> Tensor:
-        pairs = chosen_hidden.shape[0] if num_items_in_batch is None else num_items_in_batch
+        pairs = _group_count(chosen_hidden, num_items_in_batch)
 
         def loss(lps, sl):
             return preference_loss(lps[0], chosen_mask[sl], lps[1], rejected_mask[sl],
@@ -437,7 +444,7 @@ class KTOLoss(torch.nn.Module):
     def forward(self, hidden: Tensor, weight: Tensor, ids: Tensor, mask: Tensor, desirable: Tensor, ref_logps: Tensor,
                 kl: Optional[Union[Tensor, float]] = None, bias: Optional[Tensor] = None,
                 num_items_in_batch: Optional[float] = None) -> Tensor:
-        completions = hidden.shape[0] if num_items_in_batch is None else num_items_in_batch
+        completions = _group_count(hidden, num_items_in_batch)
 
         def loss(lps, sl):
             return kto_loss(lps[0], mask[sl], desirable[sl], ref_logps[sl], kl=kl, beta=self.beta,
