@@ -391,6 +391,10 @@ def run_seed(result: dict, case: str, suffix: str, impls: list, cfg: dict, args,
              seed: int, batch: int, flops: float) -> None:
     """Every impl on one seed's model and token stream: its rows, and the bars (keys ending in suffix)."""
     tokens = batch * args.seq
+
+    def bar(name: str, met: bool) -> None:
+        result.setdefault("bars", {})[name + suffix] = met
+
     eager = liger = compiled = fuseforge_fp32 = None
     for impl in impls:
         try:
@@ -428,21 +432,20 @@ def run_seed(result: dict, case: str, suffix: str, impls: list, cfg: dict, args,
                 if r["peak"] is not None and liger["peak"]:
                     row["peak_vs_liger"] = harness._round(r["peak"] / liger["peak"], 3)
             if impl == "fuseforge":
-                result.setdefault("bars", {})[f"loss_curve_mean_abs_diff_le_1pct{suffix}"] = row["mean_abs_loss_diff_rel"] <= 0.01
+                bar("loss_curve_mean_abs_diff_le_1pct", row["mean_abs_loss_diff_rel"] <= 0.01)
                 if "speedup_vs_liger" in row:
-                    result["bars"][f"tokens_per_s_ge_1.1x_liger{suffix}"] = row["speedup_vs_liger"] >= 1.1
-                    result["bars"][f"peak_memory_le_1.0x_liger{suffix}"] = row.get("peak_vs_liger", math.inf) <= 1.0
+                    bar("tokens_per_s_ge_1.1x_liger", row["speedup_vs_liger"] >= 1.1)
+                    bar("peak_memory_le_1.0x_liger", row.get("peak_vs_liger", math.inf) <= 1.0)
             if impl.endswith("_states") and fuseforge_fp32 is not None:
                 tail = min(10, len(r["curve"]))
                 ref = sum(fuseforge_fp32["curve"][-tail:]) / tail
                 row["final_loss_vs_fp32_states_rel"] = harness._round((sum(r["curve"][-tail:]) / tail - ref) / ref, 4)
-                result.setdefault("bars", {})[f"{impl}_final_loss_within_1pct{suffix}"] = \
-                    abs(row["final_loss_vs_fp32_states_rel"]) <= 0.01
+                bar(f"{impl}_final_loss_within_1pct", abs(row["final_loss_vs_fp32_states_rel"]) <= 0.01)
             if impl == "fuseforge":
                 fuseforge_fp32 = r
             if impl == "fuseforge_compile" and compiled is not None:
                 row["speedup_vs_compile"] = harness._round(compiled["ms"] / r["ms"], 3)
-                result.setdefault("bars", {})[f"compile_ge_1.05x_torch_compile{suffix}"] = row["speedup_vs_compile"] >= 1.05
+                bar("compile_ge_1.05x_torch_compile", row["speedup_vs_compile"] >= 1.05)
             if impl == "compile":
                 compiled = r
         row["loss_curve"] = [round(x, 5) for x in r["curve"]]
