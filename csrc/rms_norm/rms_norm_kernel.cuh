@@ -269,21 +269,65 @@ __global__ void __launch_bounds__(1024) forward_two_pass_kernel(const ForwardPar
 // With xhat = h * rstd and s = weight_offset + weight: grad_input = rstd * (g s - xhat * mean(g s
 // xhat)) (+ grad_residual_out); the weight gradient sums g * xhat over the rows.
 
+// A backward thread's weight-gradient sums, kVecs x E floats over all the rows its block takes. For
+// 16-bit T they live in shared memory, the thread's own slots at stride kThreads (no bank
+// conflicts, no barrier): in registers they took those kernels to 89-97 registers (two 256-thread
+// blocks an SM, one of 512, the DRAM idle while a block waits at its row's barrier); without them
+// the kernels fit 64 (four blocks of 256 an SM: 16384 x 8192 bf16 forward+backward 0.451 -> 0.390
+// ms). float32 rows fit 64 registers with them, and shared memory cost those kernels ~2%.
+template <typename T>
+inline constexpr bool kWeightSumsShared = sizeof(T) == 2;
+
+template <typename T, typename R>
+constexpr size_t weight_sums_bytes() {
+  return kWeightSumsShared<T> ? static_cast<size_t>(R::kThreads) * R::kVecs * R::kElems * sizeof(float) : 0;
+}
+
+template <typename R, bool kShared>
+struct WeightSums {  // in shared memory
+  float* mine;
+  __device__ __forceinline__ explicit WeightSums(float* smem) : mine(smem + threadIdx.x) {
+#pragma unroll
+    for (int i = 0; i < R::kVecs * R::kElems; ++i) mine[i * R::kThreads] = 0.f;
+  }
+  __device__ __forceinline__ float& at(int v, int j) { return mine[(v * R::kElems + j) * R::kThreads]; }
+};
+template <typename R>
+struct WeightSums<R, false> {  // in registers
+  float sums[R::kVecs][R::kElems];
+  __device__ __forceinline__ explicit WeightSums(float*) {
+#pragma unroll
+    for (int v = 0; v < R::kVecs; ++v)
+#pragma unroll
+      for (int j = 0; j < R::kElems; ++j) sums[v][j] = 0.f;
+  }
+  __device__ __forceinline__ float& at(int v, int j) { return sums[v][j]; }
+};
+
+// The backward's resident threads an SM that ptxas must leave room for (a compile-time knob, so
+// scripts/tune_variants.sh can build variants side by side).
+#ifndef FUSEFORGE_RMS_NORM_BWD_THREADS_PER_SM
+#define FUSEFORGE_RMS_NORM_BWD_THREADS_PER_SM 1024
+#endif
+template <typename R>
+constexpr int min_blocks_per_sm() {
+  return R::kThreads >= FUSEFORGE_RMS_NORM_BWD_THREADS_PER_SM ? 1 : FUSEFORGE_RMS_NORM_BWD_THREADS_PER_SM / R::kThreads;
+}
+
 template <typename T, int kShape>
-__global__ void __launch_bounds__(BackwardRow<T, kShape>::kThreads) backward_rows_kernel(const BackwardParams<T> p) {
+__global__ void __launch_bounds__(BackwardRow<T, kShape>::kThreads, min_blocks_per_sm<BackwardRow<T, kShape>>())
+    backward_rows_kernel(const BackwardParams<T> p) {
   using R = BackwardRow<T, kShape>;
   constexpr int E = R::kElems;
   constexpr int kExchange = R::kGroups > 1 ? R::kGroups * E * R::kThreadsPerRow : 1;
   __shared__ float red[2 * R::kWarps];
   __shared__ float exchange[kExchange];
+  extern __shared__ float weight_sums_smem[];  // weight_sums_bytes<T, R>()
   const int lane = threadIdx.x % R::kThreadsPerRow;
   const int slot = threadIdx.x / R::kThreadsPerRow;
   const int64_t vectors = p.cols / E;
-  float dw[R::kVecs][E];
-#pragma unroll
-  for (int v = 0; v < R::kVecs; ++v)
-#pragma unroll
-    for (int j = 0; j < E; ++j) dw[v][j] = 0.f;
+  const bool want_weight = p.weight_partials != nullptr;  // uniform over the grid
+  WeightSums<R, kWeightSumsShared<T>> dw_sums(weight_sums_smem);
   int parity = 0;
   for (int64_t first = static_cast<int64_t>(blockIdx.x) * R::kRowsPerIter; first < p.rows;
        first += static_cast<int64_t>(gridDim.x) * R::kRowsPerIter, parity ^= 1) {
@@ -339,7 +383,10 @@ __global__ void __launch_bounds__(BackwardRow<T, kShape>::kThreads) backward_row
       for (int j = 0; j < E; ++j) {
         const float xhat = static_cast<float>(h[v].val[j]) * rstd;
         const float gf = static_cast<float>(g[v].val[j]);
-        dw[v][j] = fmaf(gf, xhat, dw[v][j]);  // zero for masked elements (g = 0)
+        if (want_weight) {  // zero for masked elements (g = 0)
+          float& sum = dw_sums.at(v, j);
+          sum = fmaf(gf, xhat, sum);
+        }
         dot = fmaf(gf * s[j], xhat, dot);
       }
     }
@@ -359,7 +406,12 @@ __global__ void __launch_bounds__(BackwardRow<T, kShape>::kThreads) backward_row
       store_floats<E>(p.grad_input + base + vi * E, gi);
     }
   }
-  if (p.weight_partials == nullptr) return;  // uniform over the grid
+  if (!want_weight) return;
+  float dw[R::kVecs][E];
+#pragma unroll
+  for (int v = 0; v < R::kVecs; ++v)
+#pragma unroll
+    for (int j = 0; j < E; ++j) dw[v][j] = dw_sums.at(v, j);
 
   // This block's weight-gradient partial: first across the row slots of a warp (butterfly: the
   // same sum in every lane of a column), then across groups in order through shared memory.
@@ -466,12 +518,16 @@ decltype(auto) with_row_shape(int index, F&& f) {
   }
 }
 
-// Resident blocks an SM of `kernel` at `threads` threads a block, asked once a device.
+// Resident blocks an SM of `kernel` at `threads` threads a block and smem_bytes of dynamic shared
+// memory, asked once a device.
 template <typename Kernel>
-int resident_blocks(std::atomic<int> (&cache)[kMaxCachedDevices], Kernel kernel, int threads) {
+int resident_blocks(std::atomic<int> (&cache)[kMaxCachedDevices], Kernel kernel, int threads, size_t smem_bytes = 0) {
   return cached_per_device(cache, [&] {
     int blocks = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, 0));
+    if (smem_bytes > 48 * 1024)
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(smem_bytes)));
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, smem_bytes));
     return blocks;
   });
 }
@@ -480,10 +536,12 @@ int resident_blocks(std::atomic<int> (&cache)[kMaxCachedDevices], Kernel kernel,
 // as few as the grid allows. Otherwise (the forward) a block for each kRowsPerIter rows (a two-pass
 // block for each row): the hardware hands a finished block's place to the next one at once, which
 // a grid-stride loop over a fixed wave does not. RowOf<T, S> is the direction's RowTraits of shape S;
-// row_kernel(std::integral_constant<int, S>) and two_pass_kernel(bool vectorized) name its kernels.
-template <typename T, template <typename, int> class RowOf, typename RowKernel, typename TwoPassKernel>
+// row_kernel(std::integral_constant<int, S>) and two_pass_kernel(bool vectorized) name its kernels,
+// row_smem_bytes(std::integral_constant<int, S>) the row kernel's dynamic shared memory.
+template <typename T, template <typename, int> class RowOf, typename RowKernel, typename RowSmemBytes,
+          typename TwoPassKernel>
 LaunchPlan make_plan(int64_t rows, int64_t cols, bool aligned, bool one_wave, RowKernel row_kernel,
-                     TwoPassKernel two_pass_kernel) {
+                     RowSmemBytes row_smem_bytes, TwoPassKernel two_pass_kernel) {
   constexpr int64_t kMaxGrid = 0x7fffffff;  // gridDim.x's limit; the kernels loop over any further rows
   static std::atomic<int> row_cache[kNumRowShapes][kMaxCachedDevices];
   static std::atomic<int> two_pass_cache[2][6][kMaxCachedDevices];  // by vectorized, log2(threads / 32)
@@ -496,7 +554,8 @@ LaunchPlan make_plan(int64_t rows, int64_t cols, bool aligned, bool one_wave, Ro
     with_row_shape(plan.row_shape, [&](auto shape) {
       constexpr int kShape = decltype(shape)::value;
       using R = RowOf<T, kShape>;
-      const int64_t resident = resident_blocks(row_cache[kShape], row_kernel(shape), R::kThreads);
+      plan.smem_bytes = row_smem_bytes(shape);
+      const int64_t resident = resident_blocks(row_cache[kShape], row_kernel(shape), R::kThreads, plan.smem_bytes);
       plan.block = dim3(R::kThreads);
       const int64_t cap = one_wave ? resident * sms : kMaxGrid;
       plan.grid = dim3(static_cast<unsigned>(std::min(ceil_div(rows, R::kRowsPerIter), cap)));
