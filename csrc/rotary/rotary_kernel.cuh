@@ -296,15 +296,15 @@ __global__ void __launch_bounds__(kThreads, 8) rotary_staged_kernel(const Rotary
 
   // The tokens' cos and sin (times attention_scaling) under the copies' latency: angle =
   // float(position) * inv_freq in one float32 multiply, as Hugging Face computes it.
-  for (int i = tid; i < tokens_per_block * p.rot_half; i += kThreads) {
-    const int z = i / p.rot_half, f = i - z * p.rot_half;
-    if (token0 + z >= p.tokens) break;
-    const TokenIndex t = tokens.at(p, z);
+  // Entry i = (token z, frequency f) of the tables, walked by carries like the rows (no division).
+  for (RowWalk w(tid, kThreads, p.rot_half); w.z < tokens_here; w.next(p.rot_half)) {
+    const TokenIndex t = tokens.at(p, w.z);
     const int64_t at = t.b * p.pos_stride_b + t.s * p.pos_stride_s;
     const float position = p.positions_int64 ? static_cast<float>(static_cast<const int64_t*>(p.position_ids)[at])
                                              : static_cast<float>(static_cast<const int32_t*>(p.position_ids)[at]);
     float sv, cv;
-    sincosf(__fmul_rn(position, p.inv_freq[f]), &sv, &cv);
+    sincosf(__fmul_rn(position, p.inv_freq[w.h]), &sv, &cv);
+    const int i = w.row(p.rot_half);
     cos_tab[i] = cv * p.cos_scaling;
     sin_tab[i] = sv * p.sin_scaling;
   }
