@@ -98,6 +98,6 @@ for variant in "${order[@]}"; do
   env $envs FUSEFORGE_EXTENSION="$lib" timeout -s INT -k 20 "${BENCH_TIMEOUT:-240}" python3 benchmarks/bench_$BENCH.py "${cases[@]}" --impls "$IMPLS" \
     --no-memory --out /tmp/tune/$OP/res_$tag > "$LOGS/bench_${BENCH}_$tag.log" 2>&1 \
     || { tail -5 "$LOGS/bench_${BENCH}_$tag.log"; continue; }
-  grep -E "^\| [^c-]" /tmp/tune/$OP/res_$tag/$BENCH.md | awk -F'|' '{print $2,$3,$4,$5,$6}'
+  sed "/^$/q" /tmp/tune/$OP/res_$tag/${BENCH}_*.md | grep -E "^\| [^c-]" | awk -F"|" '{print $2,$3,$4,$5,$6}'
 done
 done
