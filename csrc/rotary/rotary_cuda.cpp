@@ -22,6 +22,14 @@ bool strides_multiple_of(const at::Tensor& t, int64_t elements) {
   return true;
 }
 
+// t (B, H, S, D) holds each token's heads as one dense row, tokens in order (the projections'
+// (B, S, H, D) transposed): token b * S + s starts at (b * S + s) * H * D.
+bool dense_token_rows(const at::Tensor& t, int64_t heads, int64_t head_dim, int64_t seq) {
+  const int64_t row = heads * head_dim;
+  return (heads == 1 || t.stride(1) == head_dim) && (seq == 1 || t.stride(2) == row) &&
+         (t.size(0) == 1 || t.stride(0) == seq * row);
+}
+
 template <typename Tin, typename Tout>
 void rotary_cuda_typed(const Problem& pr, double scaling, bool interleaved, bool inverse, at::Tensor& q_out,
                        at::Tensor& k_out) {
@@ -54,6 +62,8 @@ void rotary_cuda_typed(const Problem& pr, double scaling, bool interleaved, bool
   p.chunks_per_head = p.rot_chunks + static_cast<int>(ceil_div(pr.head_dim - pr.rot_dims(), kChunk));
   p.cos_scaling = static_cast<float>(scaling);
   p.sin_scaling = inverse ? -p.cos_scaling : p.cos_scaling;
+  p.dense_token_rows = dense_token_rows(pr.q, pr.heads_q, pr.head_dim, pr.seq) &&
+                       dense_token_rows(pr.k, pr.heads_k, pr.head_dim, pr.seq);
   const bool vectorized = pr.head_dim % kChunk == 0 && rot_span % kChunk == 0 && is_aligned(p.q, 16) &&
                           is_aligned(p.k, 16) && is_aligned(p.q_out, 16) && is_aligned(p.k_out, 16) &&
                           strides_multiple_of(pr.q, kChunk) && strides_multiple_of(pr.k, kChunk);

@@ -250,12 +250,16 @@ struct RowWalk {
 
 // The staged kernel (the vector path whenever a token's q and k heads fit in shared memory): a block
 // takes tokens_per_block consecutive tokens. Its threads copy every 16-byte chunk of those tokens'
-// heads to shared memory with cp.async, so the loads in flight hold no registers and a block keeps
-// its whole stage (~20-32 KB) in flight, several blocks an SM; meanwhile they compute the tokens'
-// cos/sin tables; one wait and barrier; then each thread rotates chunks read from shared memory
-// into 16-byte stores. Threads are laid out chunk-fastest over (token, head) rows, so each warp's
-// copies and stores cover whole head rows; the loops divide nothing (RowWalk, BlockTokens): under ncu
-// a division a row made the kernel issue-bound (80% of issue slots, 54% of DRAM bandwidth).
+// heads to shared memory with cp.async, laid out as the outputs are (the block's q rows, then its k
+// rows), so the loads in flight hold no registers and a block keeps its whole stage (~20-32 KB) in
+// flight, several blocks an SM; meanwhile they compute the tokens' cos/sin tables; one wait and
+// barrier; then each thread rotates chunks read from shared memory into 16-byte stores, q's rows
+// and then k's, a fixed chunk of every step-th row. The loops divide nothing and their offsets grow
+// by constant steps (a row's token by carries, RowWalk): ncu counted 4x Liger's instructions for
+// the same bytes when each row's offsets were formed from (token, head), the kernel issue-bound
+// (75% of issue slots) at 52% of DRAM bandwidth (Qwen2's 16 x 2 heads). Where a token's q heads
+// and k heads are each one dense row of the tensor (the projections' layout), the copies are two
+// flat spans.
 template <typename Tin, typename Tout, bool kInterleaved>
 __global__ void __launch_bounds__(kThreads, 8) rotary_staged_kernel(const RotaryParams<Tin, Tout> p,
                                                                  const int tokens_per_block) {
@@ -264,39 +268,49 @@ __global__ void __launch_bounds__(kThreads, 8) rotary_staged_kernel(const Rotary
   extern __shared__ __align__(16) unsigned char rotary_stage[];
   const int heads = p.heads_q + p.heads_k;
   const int head_chunks = p.head_dim / kChunk;
-  const int rows = tokens_per_block * heads;  // (token, head) rows of the stage
-  Tin* stage = reinterpret_cast<Tin*>(rotary_stage);  // (tokens_per_block, heads, head_dim)
-  float* cos_tab = reinterpret_cast<float*>(stage + static_cast<int64_t>(rows) * p.head_dim);
+  const int q_span = tokens_per_block * p.heads_q * p.head_dim;  // elements of the stage's q rows
+  Tin* stage_q = reinterpret_cast<Tin*>(rotary_stage);  // (tokens_per_block, heads_q, head_dim)
+  Tin* stage_k = stage_q + q_span;                       // (tokens_per_block, heads_k, head_dim)
+  float* cos_tab = reinterpret_cast<float*>(stage_k + tokens_per_block * p.heads_k * p.head_dim);
   float* sin_tab = cos_tab + tokens_per_block * p.rot_half;  // (tokens_per_block, rot_half) each
   const int64_t token0 = static_cast<int64_t>(blockIdx.x) * tokens_per_block;
   const int tid = threadIdx.x;
-
-  // Copies: a thread takes chunk c of every step-th row (token z, head h). The threads past the last
-  // whole set of head_chunks sit out (they would copy a chunk twice).
   const BlockTokens tokens = block_tokens(p, token0);
   const int tokens_here = static_cast<int>(min(static_cast<int64_t>(tokens_per_block), p.tokens - token0));
-  if (tid < kThreads / head_chunks * head_chunks) {
+
+  if (p.dense_token_rows) {
+    // Token t's q heads are q[t * heads_q * head_dim ...], its k heads likewise.
+    const Tin* q_src = p.q + token0 * p.heads_q * p.head_dim;
+    const Tin* k_src = p.k + token0 * p.heads_k * p.head_dim;
+    const int q_here = tokens_here * p.heads_q * p.head_dim, k_here = tokens_here * p.heads_k * p.head_dim;
+    for (int i = tid * kChunk; i < q_here; i += kThreads * kChunk) cp_async_16(smem_addr(stage_q + i), q_src + i, true);
+    for (int i = tid * kChunk; i < k_here; i += kThreads * kChunk) cp_async_16(smem_addr(stage_k + i), k_src + i, true);
+  } else if (tid < kThreads / head_chunks * head_chunks) {
+    // A thread takes chunk c of every step-th (token z, head h) row; the threads past the last whole
+    // set of head_chunks sit out (they would copy a chunk twice).
     const int c = tid % head_chunks, step = kThreads / head_chunks;
     RowWalk w(tid / head_chunks, step, heads);
-    Tin* to = stage + w.row(heads) * p.head_dim + c * kChunk;
     int row_token = -1;
     const Tin *q_row = nullptr, *k_row = nullptr;  // chunk c of the current token's rows
-    for (; w.z < tokens_here; w.next(heads), to += step * p.head_dim) {
+    for (; w.z < tokens_here; w.next(heads)) {
       if (w.z != row_token) {
         row_token = w.z;
         const TokenIndex t = tokens.at(p, w.z);
         q_row = p.q + t.b * p.q_stride_b + t.s * p.q_stride_s + c * kChunk;
         k_row = p.k + t.b * p.k_stride_b + t.s * p.k_stride_s + c * kChunk;
       }
-      const Tin* src = w.h < p.heads_q ? q_row + w.h * p.q_stride_h : k_row + (w.h - p.heads_q) * p.k_stride_h;
-      cp_async_16(smem_addr(to), src, true);
+      const bool is_q = w.h < p.heads_q;
+      const Tin* src = is_q ? q_row + w.h * p.q_stride_h : k_row + (w.h - p.heads_q) * p.k_stride_h;
+      Tin* to = is_q ? stage_q + (w.z * p.heads_q + w.h) * p.head_dim
+                     : stage_k + (w.z * p.heads_k + w.h - p.heads_q) * p.head_dim;
+      cp_async_16(smem_addr(to + c * kChunk), src, true);
     }
   }
   cp_async_commit();
 
   // The tokens' cos and sin (times attention_scaling) under the copies' latency: angle =
-  // float(position) * inv_freq in one float32 multiply, as Hugging Face computes it.
-  // Entry i = (token z, frequency f) of the tables, walked by carries like the rows (no division).
+  // float(position) * inv_freq in one float32 multiply, as Hugging Face computes it. Entry (token z,
+  // frequency f) walked by carries like the rows.
   for (RowWalk w(tid, kThreads, p.rot_half); w.z < tokens_here; w.next(p.rot_half)) {
     const TokenIndex t = tokens.at(p, w.z);
     const int64_t at = t.b * p.pos_stride_b + t.s * p.pos_stride_s;
@@ -312,52 +326,53 @@ __global__ void __launch_bounds__(kThreads, 8) rotary_staged_kernel(const Rotary
   __syncthreads();
   if (tid >= kThreads / p.chunks_per_head * p.chunks_per_head) return;
 
-  // Rotation: item c of row r is rotary chunk c (with its half-split partner) or, from rot_chunks
-  // on, a pass-through chunk.
+  // Rotation: item c of a row is rotary chunk c (with its half-split partner) or, from rot_chunks
+  // on, a pass-through chunk. The stage's rows and the outputs' rows share their offsets.
   const int c = tid % p.chunks_per_head;
   const bool rotary = c < p.rot_chunks;
   const int first = rotary ? c * kChunk : 2 * p.rot_half + (c - p.rot_chunks) * kChunk;
   const int partner = kInterleaved ? 0 : p.rot_half;
   const int freq0 = kInterleaved ? first / 2 : first;
-  // The block's tokens' output rows are consecutive: q_out's from token0 on, k_out's likewise.
-  Tout* const q_out = p.q_out + token0 * p.heads_q * p.head_dim;
-  Tout* const k_out = p.k_out + token0 * p.heads_k * p.head_dim;
   const int step = kThreads / p.chunks_per_head;
-  RowWalk w(tid / p.chunks_per_head, step, heads);
-  const Tin* x_row = stage + w.row(heads) * p.head_dim + first;
-  for (; w.z < tokens_here; w.next(heads), x_row += step * p.head_dim) {
-    const int z = w.z, h = w.h;
-    Tout* dst = (h < p.heads_q ? q_out + (z * p.heads_q + h) * p.head_dim
-                               : k_out + (z * p.heads_k + h - p.heads_q) * p.head_dim) + first;
-    const AlignedVector<Tin, kChunk> x = load_vector<Tin, kChunk>(x_row);
-    float out[kChunk], out_partner[kChunk];
-    if (!rotary) {
+  auto rotate_rows = [&](const Tin* stage_rows, Tout* out_rows, int row_heads) {
+    RowWalk w(tid / p.chunks_per_head, step, row_heads);
+    const int offset0 = w.row(row_heads) * p.head_dim + first, advance = step * p.head_dim;
+    const Tin* x_row = stage_rows + offset0;
+    Tout* dst = out_rows + offset0;
+    for (; w.z < tokens_here; w.next(row_heads), x_row += advance, dst += advance) {
+      const AlignedVector<Tin, kChunk> x = load_vector<Tin, kChunk>(x_row);
+      float out[kChunk], out_partner[kChunk];
+      if (!rotary) {
 #pragma unroll
-      for (int j = 0; j < kChunk; ++j) out[j] = static_cast<float>(x.val[j]);
-    } else {
-      float cos_v[kPairs], sin_v[kPairs];
-      load_table<kPairs>(cos_tab + z * p.rot_half + freq0, cos_v);
-      load_table<kPairs>(sin_tab + z * p.rot_half + freq0, sin_v);
-      if constexpr (kInterleaved) {
-#pragma unroll
-        for (int i = 0; i < kPairs; ++i) {
-          const float x1 = static_cast<float>(x.val[2 * i]), x2 = static_cast<float>(x.val[2 * i + 1]);
-          out[2 * i] = x1 * cos_v[i] - x2 * sin_v[i];
-          out[2 * i + 1] = x2 * cos_v[i] + x1 * sin_v[i];
-        }
+        for (int j = 0; j < kChunk; ++j) out[j] = static_cast<float>(x.val[j]);
       } else {
-        const AlignedVector<Tin, kChunk> y = load_vector<Tin, kChunk>(x_row + partner);
+        float cos_v[kPairs], sin_v[kPairs];
+        load_table<kPairs>(cos_tab + w.z * p.rot_half + freq0, cos_v);
+        load_table<kPairs>(sin_tab + w.z * p.rot_half + freq0, sin_v);
+        if constexpr (kInterleaved) {
 #pragma unroll
-        for (int j = 0; j < kChunk; ++j) {
-          const float x1 = static_cast<float>(x.val[j]), x2 = static_cast<float>(y.val[j]);
-          out[j] = x1 * cos_v[j] - x2 * sin_v[j];
-          out_partner[j] = x2 * cos_v[j] + x1 * sin_v[j];
+          for (int i = 0; i < kPairs; ++i) {
+            const float x1 = static_cast<float>(x.val[2 * i]), x2 = static_cast<float>(x.val[2 * i + 1]);
+            out[2 * i] = x1 * cos_v[i] - x2 * sin_v[i];
+            out[2 * i + 1] = x2 * cos_v[i] + x1 * sin_v[i];
+          }
+        } else {
+          const AlignedVector<Tin, kChunk> y = load_vector<Tin, kChunk>(x_row + partner);
+#pragma unroll
+          for (int j = 0; j < kChunk; ++j) {
+            const float x1 = static_cast<float>(x.val[j]), x2 = static_cast<float>(y.val[j]);
+            out[j] = x1 * cos_v[j] - x2 * sin_v[j];
+            out_partner[j] = x2 * cos_v[j] + x1 * sin_v[j];
+          }
+          store_chunk<Tout, kChunk, true>(dst + partner, kChunk, out_partner);
         }
-        store_chunk<Tout, kChunk, true>(dst + partner, kChunk, out_partner);
       }
+      store_chunk<Tout, kChunk, true>(dst, kChunk, out);
     }
-    store_chunk<Tout, kChunk, true>(dst, kChunk, out);
-  }
+  };
+  // The block's tokens' output rows are consecutive: q_out's from token0 on, k_out's likewise.
+  rotate_rows(stage_q, p.q_out + token0 * p.heads_q * p.head_dim, p.heads_q);
+  rotate_rows(stage_k, p.k_out + token0 * p.heads_k * p.head_dim, p.heads_k);
 }
 
 }  // namespace fuseforge::rotary

@@ -36,6 +36,7 @@ struct RotaryParams {
   int rot_chunks;       // chunks of a head's R rotary dims (half-split: of its first R / 2 dims, with partners)
   int chunks_per_head;  // rot_chunks + chunks of dims R..D-1
   float cos_scaling, sin_scaling;  // attention_scaling; sin's is negated for the inverse rotation
+  bool dense_token_rows;  // each token's q heads (k heads) one dense row: token t's at t * heads * head_dim
 };
 
 // The staged kernel (vector path, 16-bit inputs): kThreads threads a block, tokens_per_block
