@@ -462,6 +462,9 @@ def run(op: str, cases: Iterable[str], setup: Callable[[str], list[Bench]], argv
     parser.add_argument("--cases", default="", help="comma-separated substrings: run only matching cases")
     parser.add_argument("--out", default=RESULTS_DIR, help="folder for <op>_<gpu>.json/.md/.png")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
+    parser.add_argument("--name", default="",
+                        help="the result's name in place of the op's (its files <name>_<gpu>.*), for a run of "
+                             "a subset of cases kept beside the op's full table")
     parser.add_argument("--impls", default="", help="comma-separated impl names: time only these")
     parser.add_argument("--rounds", type=int, default=rounds,
                         help=f"round-robin rounds over each pass's impls (default {rounds}; 1: one impl after another)")
@@ -484,6 +487,8 @@ def run(op: str, cases: Iterable[str], setup: Callable[[str], list[Bench]], argv
     if args.cases:
         keys = [k for k in args.cases.split(",") if k]
         cases = [c for c in cases if any(k in c for k in keys)]
+    if args.name:
+        op = args.name
     result = {"op": op, **env_info(), "ceilings": measure_ceilings(), "rounds": rounds, "rows": []}
     if _device == "cuda" and args.settle_ms > 0:
         result["settle_ms"] = args.settle_ms
