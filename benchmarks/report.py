@@ -116,8 +116,7 @@ SECTIONS = [
      "3.2 1B (16x4x128), Llama 3 8B (32x8x128), Llama 3 70B (64x8x128), Gemma 2 (8x4x256) and Qwen2 "
      "(16x2x128) in bf16, and 8B's in fp32; q and k are the projections' (B, S, H, D) -> (B, H, S, D) "
      "views, as in the model. GB/s counts 2 x (q + k) bytes forward (read q and k, write both outputs) "
-     "and 4 x (q + k) forward+backward; position_ids, inv_freq and cos/sin are not counted. The fp32 "
-     "rows come from the run before (the JSON's `note`): their kernel is unchanged since."),
+     "and 4 x (q + k) forward+backward; position_ids, inv_freq and cos/sin are not counted."),
     ("posttraining", "Post-training losses: GRPO, DPO and distillation",
      "`benchmarks/bench_posttraining.py`: forward+backward of each loss from hidden states (tokens x "
      "4096, bf16) through a vocabulary head, against eager PyTorch (logits materialised), "
@@ -128,6 +127,10 @@ SECTIONS = [
      "DPO's time includes the reference model's forward (four matrix products in all, as Liger's). "
      "Liger's 16384-token GRPO row failed in its own `torch.compile` of the loss (a dynamo error, "
      "recorded in the row)."),
+    ("posttraining_32k", "Post-training losses at 32768 tokens",
+     "`benchmarks/bench_posttraining.py --cases dpo/32768x,jsd/32768x --impls fuseforge,liger --rounds 2 "
+     "--name posttraining_32k`: the DPO and JSD cases of the table above at 32768 tokens, against "
+     "Liger-Kernel only (eager and `torch.compile` materialise 16-20 GB of logits there)."),
     ("glu", "glu: SwiGLU and GeGLU",
      "`benchmarks/bench_glu.py`: fuseforge's `glu`, `act(gate) * up`, against eager PyTorch (as Hugging "
      "Face's LlamaMLP / GemmaMLP write it), `torch.compile` of it and Liger-Kernel's SiLU-mul and "
