@@ -30,6 +30,9 @@ import torch
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 _device = "cuda" if torch.cuda.is_available() else "cpu"
+# CPU runs default to at least this many rounds: on a few shared cores one pass over a small case moves
+# by 30% between runs (glu 256 x 512 fp32 forward: 0.75x and 1.15x eager in two runs back to back).
+CPU_MIN_ROUNDS = 3
 
 
 def bench_device() -> str:
@@ -466,8 +469,9 @@ def run(op: str, cases: Iterable[str], setup: Callable[[str], list[Bench]], argv
                         help="the result's name in place of the op's (its files <name>_<gpu>.*), for a run of "
                              "a subset of cases kept beside the op's full table")
     parser.add_argument("--impls", default="", help="comma-separated impl names: time only these")
-    parser.add_argument("--rounds", type=int, default=rounds,
-                        help=f"round-robin rounds over each pass's impls (default {rounds}; 1: one impl after another)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help=f"round-robin rounds over each pass's impls (default {rounds}, at least "
+                             f"{CPU_MIN_ROUNDS} on the CPU; 1: one impl after another)")
     parser.add_argument("--settle-ms", type=float, default=settle_ms,
                         help=f"GPU: run each bench this long before timing it (default {settle_ms:g}; 0: none)")
     parser.add_argument("--energy-ms", type=float, default=0,
@@ -477,7 +481,8 @@ def run(op: str, cases: Iterable[str], setup: Callable[[str], list[Bench]], argv
     _device = args.device
     if _device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA GPU here (use --device cpu)")
-    rounds = max(1, args.rounds)
+    rounds = max(1, args.rounds if args.rounds is not None else
+                 max(rounds, CPU_MIN_ROUNDS) if _device == "cpu" else rounds)
     impls = [i for i in args.impls.split(",") if i]
     if _device == "cpu":
         if cpu_cases is None:

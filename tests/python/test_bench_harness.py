@@ -212,3 +212,17 @@ def test_markdown_table_shows_energy_a_call():
     assert "over 2000 ms of each impl" in table
     assert "| c | fwdbwd | 4412 (6.3 ms, 700 W) | - |" in table
     assert "Energy a call" not in harness.markdown_table({**result, "rows": [rows[1]]})
+
+
+def test_cpu_runs_default_to_several_rounds(tmp_path):
+    """A CPU run without --rounds takes at least CPU_MIN_ROUNDS rounds (one pass over a small case is
+    noise on a few cores); --rounds still overrides it."""
+    def setup(case):
+        return [harness.Bench(case, "fwd", "a", lambda: sum(range(200)))]
+
+    argv = ["--device", "cpu", "--no-memory", "--out", str(tmp_path)]
+    result = harness.run("roundtest", ["c"], setup, argv=argv, cpu_cases=["c"])
+    assert result["rounds"] == harness.CPU_MIN_ROUNDS >= 3
+    assert len(result["rows"][0]["ms_rounds"]) == harness.CPU_MIN_ROUNDS
+    result = harness.run("roundtest", ["c"], setup, argv=argv + ["--rounds", "1"], cpu_cases=["c"])
+    assert result["rounds"] == 1
