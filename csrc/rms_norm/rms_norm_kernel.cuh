@@ -269,12 +269,13 @@ __global__ void __launch_bounds__(1024) forward_two_pass_kernel(const ForwardPar
 // With xhat = h * rstd and s = weight_offset + weight: grad_input = rstd * (g s - xhat * mean(g s
 // xhat)) (+ grad_residual_out); the weight gradient sums g * xhat over the rows.
 
-// A backward thread's weight-gradient sums, kVecs x E floats over all the rows its block takes. For
-// 16-bit T they live in shared memory, the thread's own slots at stride kThreads (no bank
-// conflicts, no barrier): in registers they took those kernels to 89-97 registers (two 256-thread
-// blocks an SM, one of 512, the DRAM idle while a block waits at its row's barrier); without them
-// the kernels fit 64 (four blocks of 256 an SM: 16384 x 8192 bf16 forward+backward 0.451 -> 0.390
-// ms). float32 rows fit 64 registers with them, and shared memory cost those kernels ~2%.
+// A backward thread's weight-gradient sums, kVecs x E floats over all the rows its block takes. The
+// kernels are built for 64 registers (min_blocks_per_sm: four 256-thread blocks an SM, not the two
+// that 89-97 registers allowed, the DRAM idle while a block waits at its row's barrier). For 16-bit T
+// the sums live in shared memory, the thread's own slots at stride kThreads (no bank conflicts, no
+// barrier): in registers under that cap the bf16 kernels stored 84-174 bytes of spills, this way 8-12
+// (16384 x 8192 bf16 forward+backward 0.451 -> 0.390 ms; uncapped, bf16 still takes 90-94
+// registers). float32 fits 64 registers with the sums, and shared memory cost its kernels ~2%.
 template <typename T>
 inline constexpr bool kWeightSumsShared = sizeof(T) == 2;
 
