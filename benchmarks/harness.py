@@ -481,8 +481,11 @@ def run(op: str, cases: Iterable[str], setup: Callable[[str], list[Bench]], argv
     _device = args.device
     if _device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA GPU here (use --device cpu)")
-    rounds = max(1, args.rounds if args.rounds is not None else
-                 max(rounds, CPU_MIN_ROUNDS) if _device == "cpu" else rounds)
+    if args.rounds is not None:
+        rounds = args.rounds
+    elif _device == "cpu":
+        rounds = max(rounds, CPU_MIN_ROUNDS)
+    rounds = max(1, rounds)
     impls = [i for i in args.impls.split(",") if i]
     if _device == "cpu":
         if cpu_cases is None:
