@@ -30,7 +30,7 @@ namespace fuseforge::linear_jsd {
 namespace {
 
 constexpr int64_t kWorkspaceBudget = int64_t{768} << 20;  // bytes: float32 inputs' logits (dz in place)
-constexpr int64_t kStagingBudget = int64_t{256} << 20;    // bytes: 16-bit inputs' float32 logits
+constexpr int64_t kStagingBudget = int64_t{600} << 20;    // bytes: 16-bit inputs' float32 logits
 constexpr int64_t kDzBudget = int64_t{512} << 20;         // bytes: 16-bit inputs' dz rows
 constexpr int64_t kMaxChunkRows = 8192;
 // Low-precision roundings of grad_W per element before a float32 accumulator (4 V Hs bytes) is used
@@ -52,19 +52,29 @@ struct Plan {
   int64_t sub_rows = 1, super_rows = 1;  // logit rows a GEMM pair; dz rows a gradient GEMM pair
 };
 
+// Logit rows a sub-chunk: a multiple of 128 (the logit GEMMs' row tile) where the budget allows: at
+// 32768 x 4096 x 128256, 261 rows (256 MiB) cost 265 ms, 256 rows 262 and 512 rows 252 (docs/design/
+// linear_jsd.md). A super-chunk's dz rows: from kDzBudget, but up to twice that where it keeps grad_W's
+// roundings within kMaxRoundedPasses (no float32 accumulator), a whole number of sub-chunks.
 // Development knobs (tests, tuning): FUSEFORGE_JSD_CHUNK_ROWS (sub-chunk), FUSEFORGE_JSD_SUPER_ROWS
 // (super-chunk, rounded down to a multiple of the sub-chunk).
 Plan plan_rows(const Problem& p, bool separate_dz) {
+  constexpr int64_t kRowTile = 128;
   const int64_t rows = std::max<int64_t>(p.rows, 1);
   const int64_t staging = separate_dz ? kStagingBudget : kWorkspaceBudget;
-  const int64_t fit = std::clamp<int64_t>(staging / (8 * p.vocab), 1, kMaxChunkRows);
+  int64_t fit = std::clamp<int64_t>(staging / (8 * p.vocab), 1, kMaxChunkRows);
+  if (fit >= kRowTile) fit = fit / kRowTile * kRowTile;
   Plan plan;
   plan.sub_rows = std::clamp<int64_t>(dev_positive_int("FUSEFORGE_JSD_CHUNK_ROWS", fit), 1, rows);
   plan.super_rows = plan.sub_rows;
   if (separate_dz) {
+    const int64_t sub = plan.sub_rows;
     const int64_t dz_fit = std::clamp<int64_t>(kDzBudget / (p.sx.element_size() * p.vocab), 1, kMaxChunkRows);
-    int64_t s = std::clamp<int64_t>(dev_positive_int("FUSEFORGE_JSD_SUPER_ROWS", dz_fit), plan.sub_rows, rows);
-    plan.super_rows = std::max<int64_t>(s / plan.sub_rows * plan.sub_rows, plan.sub_rows);
+    const int64_t rounded_fit = std::max(dz_fit / sub * sub, sub);
+    const int64_t for_passes = ceil_div(ceil_div(rows, kMaxRoundedPasses), sub) * sub;  // rows for <= 16 passes
+    const int64_t s = for_passes <= 2 * dz_fit ? std::max(rounded_fit, for_passes) : rounded_fit;
+    const int64_t chosen = std::clamp<int64_t>(dev_positive_int("FUSEFORGE_JSD_SUPER_ROWS", s), sub, rows);
+    plan.super_rows = std::max<int64_t>(chosen / sub * sub, sub);
   }
   return plan;
 }
