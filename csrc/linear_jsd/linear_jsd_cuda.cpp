@@ -30,8 +30,8 @@ namespace fuseforge::linear_jsd {
 namespace {
 
 constexpr int64_t kWorkspaceBudget = int64_t{768} << 20;  // bytes: float32 inputs' logits (dz in place)
-constexpr int64_t kStagingBudget = int64_t{600} << 20;    // bytes: 16-bit inputs' float32 logits
 constexpr int64_t kDzBudget = int64_t{512} << 20;         // bytes: 16-bit inputs' dz rows
+constexpr int64_t kStagingCap = int64_t{1} << 30;         // bytes: 16-bit inputs' float32 logits, at most
 constexpr int64_t kMaxChunkRows = 8192;
 // Low-precision roundings of grad_W per element before a float32 accumulator (4 V Hs bytes) is used
 // instead: 16 at 512 MiB of dz rows covers 32768 tokens at V = 128256 (Liger-Kernel's fused JSD
@@ -52,18 +52,26 @@ struct Plan {
   int64_t sub_rows = 1, super_rows = 1;  // logit rows a GEMM pair; dz rows a gradient GEMM pair
 };
 
-// Logit rows a sub-chunk: a multiple of 128 (the logit GEMMs' row tile) where the budget allows: at
-// 32768 x 4096 x 128256, 261 rows (256 MiB) cost 265 ms, 256 rows 262 and 512 rows 252 (docs/design/
-// linear_jsd.md). A super-chunk's dz rows: from kDzBudget, but up to twice that where it keeps grad_W's
-// roundings within kMaxRoundedPasses (no float32 accumulator), a whole number of sub-chunks.
+// Logit rows a sub-chunk. 16-bit inputs with gradients: 512, or 768 from 16384 tokens on (halved above
+// V = 196608): larger logit products run faster (32768 x 4096 x 128256: 261 rows 265 ms, 512 rows
+// 252-257, 768 rows 240-243), and below 16384 tokens 768 rows would cost more memory than
+// Liger-Kernel's fused JSD takes; at most kStagingCap of logits. Otherwise (float32; no gradients)
+// the workspace budget's rows, a multiple of 128. A super-chunk's dz rows: from kDzBudget, but up to
+// twice that where it keeps grad_W's roundings within kMaxRoundedPasses (no float32 accumulator), a
+// whole number of sub-chunks.
 // Development knobs (tests, tuning): FUSEFORGE_JSD_CHUNK_ROWS (sub-chunk), FUSEFORGE_JSD_SUPER_ROWS
 // (super-chunk, rounded down to a multiple of the sub-chunk).
 Plan plan_rows(const Problem& p, bool separate_dz) {
   constexpr int64_t kRowTile = 128;
   const int64_t rows = std::max<int64_t>(p.rows, 1);
-  const int64_t staging = separate_dz ? kStagingBudget : kWorkspaceBudget;
-  int64_t fit = std::clamp<int64_t>(staging / (8 * p.vocab), 1, kMaxChunkRows);
-  if (fit >= kRowTile) fit = fit / kRowTile * kRowTile;
+  int64_t fit;
+  if (separate_dz) {
+    fit = (p.rows >= 16384 ? 768 : 512) / (p.vocab > 196608 ? 2 : 1);
+    fit = std::min<int64_t>(fit, std::max<int64_t>(kStagingCap / (8 * p.vocab), 1));
+  } else {
+    fit = std::clamp<int64_t>(kWorkspaceBudget / (8 * p.vocab), 1, kMaxChunkRows);
+    if (fit >= kRowTile) fit = fit / kRowTile * kRowTile;
+  }
   Plan plan;
   plan.sub_rows = std::clamp<int64_t>(dev_positive_int("FUSEFORGE_JSD_CHUNK_ROWS", fit), 1, rows);
   plan.super_rows = plan.sub_rows;

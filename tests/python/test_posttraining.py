@@ -1,5 +1,7 @@
 """linear_logprobs and the post-training losses on it (GRPO, DPO-family, CPO, ORPO, KTO), against float64
 references that materialise the logits."""
+import math
+
 import pytest
 import torch
 
@@ -106,7 +108,7 @@ def reference_grpo(logp, adv, mask, old, ref, beta, eps_low, eps_high, loss_type
     return (per_token * mask).sum() / (logp.shape[0] * (logp.shape[1] if max_len is None else max_len))
 
 
-def completions(batch, length, hidden, vocab, dtype, device):
+def completions(batch, length, hidden, vocab, dtype, device, temperature=1.0, clip=(0.2, 0.28)):
     hidden_states = randn(batch, length, hidden, dtype=dtype, device=device, requires_grad=True)
     w = randn(vocab, hidden, dtype=dtype, device=device, scale=0.5, requires_grad=True)
     ids = torch.randint(0, vocab, (batch, length), generator=generator(device), device=device)
@@ -114,8 +116,14 @@ def completions(batch, length, hidden, vocab, dtype, device):
     mask = (torch.arange(length, device=device)[None] < lengths[:, None]).to(torch.int64)
     adv = randn(batch, dtype=torch.float32, device=device)
     with torch.no_grad():
-        logp = reference_logprobs(hidden_states, w, ids).float()
-    old = logp + 0.3 * randn(batch, length, device=device)  # ratios on both sides of the clip range
+        logp = reference_logprobs(hidden_states.double(), w.double(), ids, temperature=temperature).float()
+    # Log-ratios on both sides of the clip range, none within 0.05 of its ends: a low-precision
+    # log-prob that crossed an end would switch that token's gradient on or off.
+    log_ratio = 0.3 * randn(batch, length, device=device)
+    for end in (math.log(1 - clip[0]), math.log(1 + clip[1])):
+        near = (log_ratio - end).abs() < 0.05
+        log_ratio = torch.where(near, end + 0.05 * torch.sign(log_ratio - end + 1e-12), log_ratio)
+    old = logp - log_ratio
     ref = logp + 0.2 * randn(batch, length, device=device)
     return hidden_states, w, ids, mask, adv, old, ref
 
@@ -124,7 +132,7 @@ def completions(batch, length, hidden, vocab, dtype, device):
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo"])
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 def test_grpo_loss_and_gradients_match_float64(device, dtype, loss_type, beta):
-    h, w, ids, mask, adv, old, ref = completions(4, 9, 16, 37, dtype, device)
+    h, w, ids, mask, adv, old, ref = completions(4, 9, 16, 37, dtype, device, temperature=0.9)
     loss_fn = GRPOLoss(beta=beta, epsilon_low=0.2, epsilon_high=0.28, loss_type=loss_type, temperature=0.9,
                        max_completion_length=12)
     loss = loss_fn(h, w, ids, mask, adv, old_logprobs=old, ref_logprobs=ref)
