@@ -595,7 +595,9 @@ def test_rows_ops_match_float64(device, dtype, vocab, softcap):
     if softcap:
         dz = dz * (1 - torch.tanh(z / softcap) ** 2)
     dz[~keep] = 0
-    assert rel_err(logits, dz) <= (1e-12 if dtype == torch.float64 else torch.finfo(dtype).eps)
+    # 16-bit: one rounding to the dtype; float32: a few ulps of exp, tanh and the softcap's product.
+    tol = {torch.float64: 1e-12, torch.float32: 4 * torch.finfo(torch.float32).eps}.get(dtype, torch.finfo(dtype).eps)
+    assert rel_err(logits, dz) <= tol
     assert (logits[~keep.to(device)] == 0).all()
 
 
