@@ -32,6 +32,7 @@ namespace {
 constexpr int64_t kWorkspaceBudget = int64_t{768} << 20;  // bytes: float32 inputs' logits (dz in place)
 constexpr int64_t kDzBudget = int64_t{512} << 20;         // bytes: 16-bit inputs' dz rows
 constexpr int64_t kStagingCap = int64_t{1} << 30;         // bytes: 16-bit inputs' float32 logits, at most
+constexpr int64_t kSmallVocabStaging = int64_t{256} << 20;  // bytes: more rows than that where they fit (small V)
 constexpr int64_t kMaxChunkRows = 8192;
 // Low-precision roundings of grad_W per element before a float32 accumulator (4 V Hs bytes) is used
 // instead: 16 at 512 MiB of dz rows covers 32768 tokens at V = 128256 (Liger-Kernel's fused JSD
@@ -55,10 +56,10 @@ struct Plan {
 // Logit rows a sub-chunk. 16-bit inputs with gradients: 512, or 768 from 16384 tokens on (halved above
 // V = 196608): larger logit products run faster (32768 x 4096 x 128256: 261 rows 265 ms, 512 rows
 // 252-257, 768 rows 240-243), and below 16384 tokens 768 rows would cost more memory than
-// Liger-Kernel's fused JSD takes; at most kStagingCap of logits. Otherwise (float32; no gradients)
-// the workspace budget's rows, a multiple of 128. A super-chunk's dz rows: from kDzBudget, but up to
-// twice that where it keeps grad_W's roundings within kMaxRoundedPasses (no float32 accumulator), a
-// whole number of sub-chunks.
+// Liger-Kernel's fused JSD takes; more rows where 256 MiB holds more (small vocabularies); at most
+// kStagingCap. Otherwise (float32; no gradients) the workspace budget's rows, a multiple of 128.
+// A super-chunk's dz rows: from kDzBudget, but up to twice that where it keeps grad_W's roundings
+// within kMaxRoundedPasses (no float32 accumulator), a whole number of sub-chunks.
 // Development knobs (tests, tuning): FUSEFORGE_JSD_CHUNK_ROWS (sub-chunk), FUSEFORGE_JSD_SUPER_ROWS
 // (super-chunk, rounded down to a multiple of the sub-chunk).
 Plan plan_rows(const Problem& p, bool separate_dz) {
@@ -67,6 +68,7 @@ Plan plan_rows(const Problem& p, bool separate_dz) {
   int64_t fit;
   if (separate_dz) {
     fit = (p.rows >= 16384 ? 768 : 512) / (p.vocab > 196608 ? 2 : 1);
+    fit = std::max(fit, std::min<int64_t>(kSmallVocabStaging / (8 * p.vocab), kMaxChunkRows) / kRowTile * kRowTile);
     fit = std::min<int64_t>(fit, std::max<int64_t>(kStagingCap / (8 * p.vocab), 1));
   } else {
     fit = std::clamp<int64_t>(kWorkspaceBudget / (8 * p.vocab), 1, kMaxChunkRows);
