@@ -141,8 +141,9 @@ SECTIONS = [
      "gate and up and writes out (3); fwdbwd adds the backward's reads of grad_out, gate and up and "
      "writes of grad_gate and grad_up (8 in all). Liger's backward writes its gradients over its saved "
      "inputs, so it gets its own copies of them. The forward+backward rows at I = 2048 and 4096 (0.15-0.6 "
-     "ms) are close to the host's time for an autograd call: every impl's time there has moved up to 2x "
-     "between runs (Liger's 4096 row 0.26 and 0.42 ms, compile's 0.29 and 0.60), at low board power."),
+     "ms) move up to 2x between runs for every impl (Liger's 4096 row 0.26 and 0.42 ms, compile's 0.29 "
+     "and 0.60, fuseforge's 0.26 and 0.33), with the board's power low while they ran (the GPU partly "
+     "idle); the cause is not known."),
     ("e2e", "End to end: a 1.2B Llama with `fuseforge.patch` against Liger-Kernel",
      "`benchmarks/bench_e2e.py --batch 8`: a `transformers` LlamaForCausalLM (hidden 2048, 16 layers, "
      "16 query heads on 4 KV heads of 128, intermediate 5632, vocabulary 128256, untied head), S = "
