@@ -371,15 +371,17 @@ def test_empty(device):
 
 @requires_cuda
 @pytest.mark.parametrize("shape", [(8, 16, 4, 300, 128, 128), (2, 8, 4, 257, 256, 256), (3, 16, 2, 100, 64, 64),
-                                   (1, 1, 1, 5000, 8, 8)], ids=str)
+                                   (1, 1, 1, 5000, 8, 8), (5, 16, 4, 2047, 128, 128)], ids=str)
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
-def test_cuda_model_shapes_match_float64(shape, interleaved):
-    """Blocks of several tokens across batch rows, many trips, one chunk a head; bf16 and fp32."""
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+def test_cuda_model_shapes_match_float64(shape, interleaved, layout):
+    """Blocks of several tokens across batch rows, many trips, one chunk a head, a grid of several
+    waves (the last shape); both layouts (bhsd: the staged kernel's strided copies); bf16 and fp32."""
     batch, heads_q, heads_k, seq, head_dim, rot_dims = shape
     inv_freq = inv_freq_for(rot_dims, device="cuda")
     positions = packed_positions(batch, seq, "cuda")
     for dtype in (torch.bfloat16, torch.float32):
-        q, k = make_qk(batch, heads_q, heads_k, seq, head_dim, dtype, "cuda")
+        q, k = make_qk(batch, heads_q, heads_k, seq, head_dim, dtype, "cuda", layout)
         poison_allocations(q, k)
         q_out, k_out = rotary(q, k, inv_freq, positions, 1.0, interleaved)
         assert_rel_close(q_out, reference(q, inv_freq, positions, 1.0, interleaved), TOL[dtype], "q_out")
