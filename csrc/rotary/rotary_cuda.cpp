@@ -5,8 +5,10 @@
 #include <torch/library.h>
 
 #include <climits>
+#include <string>
 
 #include "common/dispatch.h"
+#include "common/env.h"
 #include "common/vec.cuh"
 #include "rotary/rotary.h"
 #include "rotary/rotary_launch.h"
@@ -68,13 +70,19 @@ void rotary_cuda_typed(const Problem& pr, double scaling, bool interleaved, bool
                           is_aligned(p.k, 16) && is_aligned(p.q_out, 16) && is_aligned(p.k_out, 16) &&
                           strides_multiple_of(pr.q, kChunk) && strides_multiple_of(pr.k, kChunk);
   const int64_t heads = pr.heads_q + pr.heads_k;
+  // Development knob (FUSEFORGE_DEV builds): FUSEFORGE_ROTARY_KERNEL=token|staged|register forces a
+  // kernel where the shape allows it.
+  static const std::string forced = dev_string("FUSEFORGE_ROTARY_KERNEL");
   LaunchPlan plan;
-  if (vectorized)
+  if (vectorized && (forced.empty() || forced == "token"))
+    plan = plan_token(pr.batch, pr.seq, heads, p.chunks_per_head, pr.rot_half);
+  if (vectorized && plan.kernel == KernelKind::kRegister && (forced.empty() || forced == "staged"))
     plan = plan_staged(p.tokens, heads, pr.head_dim, kChunk, p.chunks_per_head, pr.rot_half, sizeof(Tin));
-  const int64_t tokens_per_block = plan.tokens_per_block;
-  if (tokens_per_block == 0) plan = plan_launch(p.tokens, heads, p.chunks_per_head, pr.rot_half);
-  TORCH_CHECK(ceil_div(p.tokens, tokens_per_block > 0 ? tokens_per_block : plan.block.z) <= INT_MAX,
-              "q and k have too many tokens (", p.tokens, ") for the rotary kernel's grid");
+  if (plan.kernel == KernelKind::kRegister) {
+    plan = plan_launch(p.tokens, heads, p.chunks_per_head, pr.rot_half);
+    TORCH_CHECK(ceil_div(p.tokens, plan.block.z) <= INT_MAX, "q and k have too many tokens (", p.tokens,
+                ") for the rotary kernel's grid");
+  }
   launch_rotary<Tin, Tout>(p, plan, interleaved, vectorized);
 }
 

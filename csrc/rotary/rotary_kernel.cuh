@@ -193,7 +193,7 @@ __global__ void __launch_bounds__(kThreads) rotary_kernel(const RotaryParams<Tin
 
 // kN consecutive floats of a cos/sin table in shared memory, 16-byte reads (8-byte for 2). The
 // staged kernel's offsets are multiples of kN (the vector path's R / 2 or R is a multiple of the
-// chunk) and the tables start 16-byte aligned.
+// chunk) and the tables start 16-byte aligned; the token kernel's likewise.
 template <int kN>
 __device__ __forceinline__ void load_table(const float* src, float (&v)[kN]) {
   static_assert(kN % 4 == 0 || kN == 2, "4k or 2 floats");
@@ -204,6 +204,78 @@ __device__ __forceinline__ void load_table(const float* src, float (&v)[kN]) {
 #pragma unroll
     for (int j = 0; j < kAccess; ++j) v[i + j] = t.val[j];
   }
+}
+
+// The token kernel: block (chunks_per_head, Hq + Hk) for token (b = blockIdx.y, s = blockIdx.x); a
+// thread loads its head's chunk (and the half-split partner) straight into registers first, then
+// the block's first rot_half threads compute the token's cos/sin into shared memory under those
+// loads; one barrier; each thread rotates its chunk and stores it. A thread's work and addresses
+// come from its indices alone, as Liger-Kernel's rope (a program a token) does.
+template <typename Tin, typename Tout, bool kInterleaved>
+__global__ void __launch_bounds__(kTokenMaxThreads, kTokenMinBlocks) rotary_token_kernel(const RotaryParams<Tin, Tout> p) {
+  constexpr int kChunk = chunk_elems<Tin>();
+  constexpr int kPairs = kInterleaved ? kChunk / 2 : kChunk;  // pairs a rotary chunk holds
+  extern __shared__ float rotary_tables[];                    // cos, then sin: rot_half each
+  const int64_t s = blockIdx.x, b = blockIdx.y;
+  const int c = threadIdx.x, h = threadIdx.y;
+  const bool is_q = h < p.heads_q;
+  const int hk = h - p.heads_q;
+  const Tin* src = is_q ? p.q + b * p.q_stride_b + s * p.q_stride_s + h * p.q_stride_h
+                        : p.k + b * p.k_stride_b + s * p.k_stride_s + hk * p.k_stride_h;
+  const int64_t token = b * p.seq + s;
+  Tout* dst = is_q ? p.q_out + (token * p.heads_q + h) * p.head_dim : p.k_out + (token * p.heads_k + hk) * p.head_dim;
+  const bool rotary = c < p.rot_chunks;
+  const int first = rotary ? c * kChunk : 2 * p.rot_half + (c - p.rot_chunks) * kChunk;
+  const int partner = kInterleaved ? 0 : p.rot_half;
+  const AlignedVector<Tin, kChunk> x = load_vector<Tin, kChunk>(src + first);
+  AlignedVector<Tin, kChunk> y;
+  if (!kInterleaved && rotary) y = load_vector<Tin, kChunk>(src + first + partner);
+
+  // angle = float(position) * inv_freq in one float32 multiply, as Hugging Face computes it.
+  float* cos_tab = rotary_tables;
+  float* sin_tab = rotary_tables + p.rot_half;
+  const int threads = blockDim.x * blockDim.y;
+  const int tid = h * blockDim.x + c;
+  if (tid < p.rot_half) {
+    const int64_t at = b * p.pos_stride_b + s * p.pos_stride_s;
+    const float position = p.positions_int64 ? static_cast<float>(static_cast<const int64_t*>(p.position_ids)[at])
+                                             : static_cast<float>(static_cast<const int32_t*>(p.position_ids)[at]);
+    for (int i = tid; i < p.rot_half; i += threads) {
+      float sv, cv;
+      sincosf(__fmul_rn(position, p.inv_freq[i]), &sv, &cv);
+      cos_tab[i] = cv * p.cos_scaling;
+      sin_tab[i] = sv * p.sin_scaling;
+    }
+  }
+  __syncthreads();
+
+  float out[kChunk], out_partner[kChunk];
+  if (!rotary) {
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) out[j] = static_cast<float>(x.val[j]);
+  } else {
+    float cos_v[kPairs], sin_v[kPairs];
+    const int freq0 = kInterleaved ? first / 2 : first;
+    load_table<kPairs>(cos_tab + freq0, cos_v);
+    load_table<kPairs>(sin_tab + freq0, sin_v);
+    if constexpr (kInterleaved) {
+#pragma unroll
+      for (int i = 0; i < kPairs; ++i) {
+        const float x1 = static_cast<float>(x.val[2 * i]), x2 = static_cast<float>(x.val[2 * i + 1]);
+        out[2 * i] = x1 * cos_v[i] - x2 * sin_v[i];
+        out[2 * i + 1] = x2 * cos_v[i] + x1 * sin_v[i];
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < kChunk; ++j) {
+        const float x1 = static_cast<float>(x.val[j]), x2 = static_cast<float>(y.val[j]);
+        out[j] = x1 * cos_v[j] - x2 * sin_v[j];
+        out_partner[j] = x2 * cos_v[j] + x1 * sin_v[j];
+      }
+      store_chunk<Tout, kChunk, true>(dst + first + partner, kChunk, out_partner);
+    }
+  }
+  store_chunk<Tout, kChunk, true>(dst + first, kChunk, out);
 }
 
 // A token's (batch, sequence) index.

@@ -1,5 +1,5 @@
 // Instantiates the rotary kernels: 3 x 3 (input, output) types x {half-split, interleaved} x
-// {staged, register vector, register scalar}.
+// {token, staged, register vector, register scalar}.
 #include "common/dispatch.h"
 #include "rotary/rotary_kernel.cuh"
 
@@ -8,7 +8,12 @@ namespace fuseforge::rotary {
 template <typename Tin, typename Tout>
 void launch_rotary(const RotaryParams<Tin, Tout>& params, const LaunchPlan& plan, bool interleaved, bool vectorized) {
   FUSEFORGE_BOOL_SWITCH(interleaved, kInterleaved, [&] {
-    if (plan.tokens_per_block > 0) {
+    if (plan.kernel == KernelKind::kToken) {
+      TORCH_CHECK(vectorized, "rotary: the token kernel takes the vector path only");
+      launch_kernel(rotary_token_kernel<Tin, Tout, kInterleaved>, plan.grid, plan.block, plan.smem_bytes, params);
+      return;
+    }
+    if (plan.kernel == KernelKind::kStaged) {
       TORCH_CHECK(vectorized, "rotary: the staged kernel takes the vector path only");
       launch_kernel(rotary_staged_kernel<Tin, Tout, kInterleaved>, plan.grid, plan.block, plan.smem_bytes, params,
                     plan.tokens_per_block);

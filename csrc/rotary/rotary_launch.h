@@ -39,24 +39,50 @@ struct RotaryParams {
   bool dense_token_rows;  // each token's q heads (k heads) one dense row: token t's at t * heads * head_dim
 };
 
-// The staged kernel (vector path, 16-bit inputs): kThreads threads a block, tokens_per_block
-// tokens' heads staged in shared memory, the stage about kStageBytes (several blocks an SM). A
-// token whose heads and tables exceed kMaxStagedTokenBytes, or a head of more than kThreads chunks,
-// takes the register kernel instead, and so do float32 inputs (4-element chunks: the register
-// kernel keeps as many bytes in flight and measured 6% faster on Llama 8B's shape).
+// The kernels, tried in turn: the token kernel (the vector path where a token's chunks take
+// kTokenMinThreads..kTokenMaxThreads threads: the models' heads), the staged kernel (16-bit inputs
+// on the vector path otherwise: few or small heads), the register kernel (the rest).
+// The staged kernel: kThreads threads a block, tokens_per_block tokens' heads staged in shared
+// memory, the stage about kStageBytes (several blocks an SM). A token whose heads and tables exceed
+// kMaxStagedTokenBytes, or a head of more than kThreads chunks, takes the register kernel instead,
+// and so do float32 inputs (4-element chunks: the register kernel keeps as many bytes in flight
+// and measured 6% faster than the staged one on Llama 8B's shape).
 constexpr int64_t kStageBytes = 32 * 1024;
 constexpr int64_t kMaxStagedTokenBytes = 64 * 1024;
+
+// The token kernel (vector path, any input type): a block a token, a thread a chunk of one head
+// (its half-split partner with it), block (chunks_per_head, Hq + Hk), grid (S, B): each thread's
+// loads go out at once, the block's tables are computed under them, and nothing walks or divides
+// (6% faster than the staged kernel on the Llama shapes, docs/design/rotary.md).
+constexpr int kTokenMinThreads = 128;   // fewer: too few bytes in flight a block (the staged kernel)
+constexpr int kTokenMaxThreads = 1024;  // a block's limit
+constexpr int kTokenMinBlocks = 2;      // 2048 threads an SM: 32 registers
+
+enum class KernelKind { kRegister, kStaged, kToken };
 
 // The register kernel's block is (chunk threads) x (head threads) x (tokens): threadIdx.x walks a
 // head's chunks, threadIdx.y its token's heads (q's, then k's), threadIdx.z the block's tokens. The
 // staged kernel's is kThreads threads in x.
 struct LaunchPlan {
   dim3 grid, block;
-  size_t smem_bytes = 0;     // the tables (register kernel); the stage and the tables (staged)
-  int tokens_per_block = 0;  // > 0: the staged kernel
+  size_t smem_bytes = 0;     // the tables (register, token kernels); the stage and the tables (staged)
+  int tokens_per_block = 0;  // the staged kernel's
+  KernelKind kernel = KernelKind::kRegister;
 };
 
-// The staged kernel's plan, or a plan with tokens_per_block 0 when the shape does not fit it.
+// The token kernel's plan, or kernel kRegister when the shape does not fit it.
+inline LaunchPlan plan_token(int64_t batch, int64_t seq, int64_t heads, int64_t chunks_per_head, int64_t rot_half) {
+  LaunchPlan plan;
+  const int64_t threads = heads * chunks_per_head;
+  if (threads < kTokenMinThreads || threads > kTokenMaxThreads || batch > 65535 || seq > INT32_MAX) return plan;
+  plan.kernel = KernelKind::kToken;
+  plan.block = dim3(static_cast<unsigned>(chunks_per_head), static_cast<unsigned>(heads));
+  plan.grid = dim3(static_cast<unsigned>(seq), static_cast<unsigned>(batch));
+  plan.smem_bytes = static_cast<size_t>(2 * rot_half * static_cast<int64_t>(sizeof(float)));
+  return plan;
+}
+
+// The staged kernel's plan, or kernel kRegister when the shape does not fit it.
 inline LaunchPlan plan_staged(int64_t tokens, int64_t heads, int64_t head_dim, int64_t chunk_elems,
                               int64_t chunks_per_head, int64_t rot_half, int64_t elem_bytes) {
   LaunchPlan plan;
@@ -66,6 +92,7 @@ inline LaunchPlan plan_staged(int64_t tokens, int64_t heads, int64_t head_dim, i
     return plan;
   const int64_t per_block = std::clamp<int64_t>(kStageBytes / token_bytes, 1, std::max<int64_t>(tokens, 1));
   plan.tokens_per_block = static_cast<int>(per_block);
+  plan.kernel = KernelKind::kStaged;
   plan.block = dim3(kThreads);
   plan.grid = dim3(static_cast<unsigned>(ceil_div(tokens, per_block)));
   plan.smem_bytes = static_cast<size_t>(per_block * token_bytes);
