@@ -206,6 +206,30 @@ __device__ __forceinline__ void load_table(const float* src, float (&v)[kN]) {
   }
 }
 
+
+// One rotary chunk x (interleaved pairs, or the half-split's first-half chunk with its partner y)
+// rotated by its kPairs cos/sin, in float32: out (and out_partner, half-split).
+template <bool kInterleaved, typename Tin, int kChunk, int kPairs>
+__device__ __forceinline__ void rotate_chunk(const AlignedVector<Tin, kChunk>& x, const AlignedVector<Tin, kChunk>& y,
+                                             const float (&cos_v)[kPairs], const float (&sin_v)[kPairs],
+                                             float (&out)[kChunk], float (&out_partner)[kChunk]) {
+  if constexpr (kInterleaved) {
+#pragma unroll
+    for (int i = 0; i < kPairs; ++i) {
+      const float x1 = static_cast<float>(x.val[2 * i]), x2 = static_cast<float>(x.val[2 * i + 1]);
+      out[2 * i] = x1 * cos_v[i] - x2 * sin_v[i];
+      out[2 * i + 1] = x2 * cos_v[i] + x1 * sin_v[i];
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) {
+      const float x1 = static_cast<float>(x.val[j]), x2 = static_cast<float>(y.val[j]);
+      out[j] = x1 * cos_v[j] - x2 * sin_v[j];
+      out_partner[j] = x2 * cos_v[j] + x1 * sin_v[j];
+    }
+  }
+}
+
 // The token kernel: block (chunks_per_head, Hq + Hk) for token (b = blockIdx.y, s = blockIdx.x); a
 // thread loads its head's chunk (and the half-split partner) straight into registers first, then
 // the block's first rot_half threads compute the token's cos/sin into shared memory under those
@@ -258,22 +282,8 @@ __global__ void __launch_bounds__(kTokenMaxThreads, kTokenMinBlocks) rotary_toke
     const int freq0 = kInterleaved ? first / 2 : first;
     load_table<kPairs>(cos_tab + freq0, cos_v);
     load_table<kPairs>(sin_tab + freq0, sin_v);
-    if constexpr (kInterleaved) {
-#pragma unroll
-      for (int i = 0; i < kPairs; ++i) {
-        const float x1 = static_cast<float>(x.val[2 * i]), x2 = static_cast<float>(x.val[2 * i + 1]);
-        out[2 * i] = x1 * cos_v[i] - x2 * sin_v[i];
-        out[2 * i + 1] = x2 * cos_v[i] + x1 * sin_v[i];
-      }
-    } else {
-#pragma unroll
-      for (int j = 0; j < kChunk; ++j) {
-        const float x1 = static_cast<float>(x.val[j]), x2 = static_cast<float>(y.val[j]);
-        out[j] = x1 * cos_v[j] - x2 * sin_v[j];
-        out_partner[j] = x2 * cos_v[j] + x1 * sin_v[j];
-      }
-      store_chunk<Tout, kChunk, true>(dst + first + partner, kChunk, out_partner);
-    }
+    rotate_chunk<kInterleaved>(x, y, cos_v, sin_v, out, out_partner);
+    if constexpr (!kInterleaved) store_chunk<Tout, kChunk, true>(dst + first + partner, kChunk, out_partner);
   }
   store_chunk<Tout, kChunk, true>(dst + first, kChunk, out);
 }
@@ -422,20 +432,10 @@ __global__ void __launch_bounds__(kThreads, 8) rotary_staged_kernel(const Rotary
         load_table<kPairs>(cos_tab + w.z * p.rot_half + freq0, cos_v);
         load_table<kPairs>(sin_tab + w.z * p.rot_half + freq0, sin_v);
         if constexpr (kInterleaved) {
-#pragma unroll
-          for (int i = 0; i < kPairs; ++i) {
-            const float x1 = static_cast<float>(x.val[2 * i]), x2 = static_cast<float>(x.val[2 * i + 1]);
-            out[2 * i] = x1 * cos_v[i] - x2 * sin_v[i];
-            out[2 * i + 1] = x2 * cos_v[i] + x1 * sin_v[i];
-          }
+          rotate_chunk<kInterleaved>(x, x, cos_v, sin_v, out, out_partner);
         } else {
           const AlignedVector<Tin, kChunk> y = load_vector<Tin, kChunk>(x_row + partner);
-#pragma unroll
-          for (int j = 0; j < kChunk; ++j) {
-            const float x1 = static_cast<float>(x.val[j]), x2 = static_cast<float>(y.val[j]);
-            out[j] = x1 * cos_v[j] - x2 * sin_v[j];
-            out_partner[j] = x2 * cos_v[j] + x1 * sin_v[j];
-          }
+          rotate_chunk<kInterleaved>(x, y, cos_v, sin_v, out, out_partner);
           store_chunk<Tout, kChunk, true>(dst + partner, kChunk, out_partner);
         }
       }
