@@ -73,6 +73,8 @@ void rotary_cuda_typed(const Problem& pr, double scaling, bool interleaved, bool
   // Development knob (FUSEFORGE_DEV builds): FUSEFORGE_ROTARY_KERNEL=token|staged|register forces a
   // kernel where the shape allows it.
   static const std::string forced = dev_string("FUSEFORGE_ROTARY_KERNEL");
+  TORCH_CHECK(forced.empty() || forced == "token" || forced == "staged" || forced == "register",
+              "FUSEFORGE_ROTARY_KERNEL: expected token, staged or register, got '", forced, "'");
   LaunchPlan plan;
   if (vectorized && (forced.empty() || forced == "token"))
     plan = plan_token(pr.batch, pr.seq, heads, p.chunks_per_head, pr.rot_half);
