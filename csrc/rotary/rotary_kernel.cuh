@@ -77,6 +77,21 @@ __device__ __forceinline__ HeadRows<Tin, Tout> head_rows(const RotaryParams<Tin,
   return {k_row + hk * p.k_stride_h, k_out + static_cast<int64_t>(hk) * p.head_dim};
 }
 
+// Token (b, s)'s position in float32, as Hugging Face's position_ids.float() gives it.
+template <typename P>
+__device__ __forceinline__ float position_of(const P& p, int64_t b, int64_t s) {
+  const int64_t at = b * p.pos_stride_b + s * p.pos_stride_s;
+  return p.positions_int64 ? static_cast<float>(static_cast<const int64_t*>(p.position_ids)[at])
+                           : static_cast<float>(static_cast<const int32_t*>(p.position_ids)[at]);
+}
+
+// A pass-through chunk's elements as floats.
+template <typename Tin, int kChunk>
+__device__ __forceinline__ void chunk_floats(const AlignedVector<Tin, kChunk>& x, float (&out)[kChunk]) {
+#pragma unroll
+  for (int j = 0; j < kChunk; ++j) out[j] = static_cast<float>(x.val[j]);
+}
+
 template <typename Tin, typename Tout, bool kInterleaved, bool kVec>
 __global__ void __launch_bounds__(kThreads) rotary_kernel(const RotaryParams<Tin, Tout> p) {
   constexpr int kChunk = chunk_elems<Tin>();
@@ -127,9 +142,7 @@ __global__ void __launch_bounds__(kThreads) rotary_kernel(const RotaryParams<Tin
   float* cos_tab = rotary_tables + threadIdx.z * p.rot_half;
   float* sin_tab = cos_tab + blockDim.z * p.rot_half;
   if (active) {
-    const int64_t at = b * p.pos_stride_b + s * p.pos_stride_s;
-    const float position = p.positions_int64 ? static_cast<float>(static_cast<const int64_t*>(p.position_ids)[at])
-                                             : static_cast<float>(static_cast<const int32_t*>(p.position_ids)[at]);
+    const float position = position_of(p, b, s);
     for (int i = threadIdx.y * blockDim.x + threadIdx.x; i < p.rot_half; i += blockDim.x * blockDim.y) {
       float sv, cv;
       sincosf(__fmul_rn(position, p.inv_freq[i]), &sv, &cv);
@@ -206,7 +219,6 @@ __device__ __forceinline__ void load_table(const float* src, float (&v)[kN]) {
   }
 }
 
-
 // One rotary chunk x (interleaved pairs, or the half-split's first-half chunk with its partner y)
 // rotated by its kPairs cos/sin, in float32: out (and out_partner, half-split).
 template <bool kInterleaved, typename Tin, int kChunk, int kPairs>
@@ -261,9 +273,7 @@ __global__ void __launch_bounds__(kTokenMaxThreads, kTokenMinBlocks) rotary_toke
   const int threads = blockDim.x * blockDim.y;
   const int tid = h * blockDim.x + c;
   if (tid < p.rot_half) {
-    const int64_t at = b * p.pos_stride_b + s * p.pos_stride_s;
-    const float position = p.positions_int64 ? static_cast<float>(static_cast<const int64_t*>(p.position_ids)[at])
-                                             : static_cast<float>(static_cast<const int32_t*>(p.position_ids)[at]);
+    const float position = position_of(p, b, s);
     for (int i = tid; i < p.rot_half; i += threads) {
       float sv, cv;
       sincosf(__fmul_rn(position, p.inv_freq[i]), &sv, &cv);
@@ -275,8 +285,7 @@ __global__ void __launch_bounds__(kTokenMaxThreads, kTokenMinBlocks) rotary_toke
 
   float out[kChunk], out_partner[kChunk];
   if (!rotary) {
-#pragma unroll
-    for (int j = 0; j < kChunk; ++j) out[j] = static_cast<float>(x.val[j]);
+    chunk_floats(x, out);
   } else {
     float cos_v[kPairs], sin_v[kPairs];
     const int freq0 = kInterleaved ? first / 2 : first;
@@ -395,9 +404,7 @@ __global__ void __launch_bounds__(kThreads, 8) rotary_staged_kernel(const Rotary
   // frequency f) walked by carries like the rows.
   for (RowWalk w(tid, kThreads, p.rot_half); w.z < tokens_here; w.next(p.rot_half)) {
     const TokenIndex t = tokens.at(p, w.z);
-    const int64_t at = t.b * p.pos_stride_b + t.s * p.pos_stride_s;
-    const float position = p.positions_int64 ? static_cast<float>(static_cast<const int64_t*>(p.position_ids)[at])
-                                             : static_cast<float>(static_cast<const int32_t*>(p.position_ids)[at]);
+    const float position = position_of(p, t.b, t.s);
     float sv, cv;
     sincosf(__fmul_rn(position, p.inv_freq[w.h]), &sv, &cv);
     const int i = w.row(p.rot_half);
@@ -425,8 +432,7 @@ __global__ void __launch_bounds__(kThreads, 8) rotary_staged_kernel(const Rotary
       const AlignedVector<Tin, kChunk> x = load_vector<Tin, kChunk>(x_row);
       float out[kChunk], out_partner[kChunk];
       if (!rotary) {
-#pragma unroll
-        for (int j = 0; j < kChunk; ++j) out[j] = static_cast<float>(x.val[j]);
+        chunk_floats(x, out);
       } else {
         float cos_v[kPairs], sin_v[kPairs];
         load_table<kPairs>(cos_tab + w.z * p.rot_half + freq0, cos_v);
