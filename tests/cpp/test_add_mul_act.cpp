@@ -4,6 +4,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <gtest/gtest.h>
 
+#include <cfloat>
 #include <cmath>
 
 #include "common/activation.h"
@@ -27,6 +28,24 @@ TEST(AddMulAct, DerivativesMatchFiniteDifferences) {
   expect_derivative_matches_finite_difference<ff::Activation::kGeluTanh>();
   expect_derivative_matches_finite_difference<ff::Activation::kSilu>();
   expect_derivative_matches_finite_difference<ff::Activation::kSigmoid>();
+}
+
+// gelu_tanh's float form (z * sigmoid(2y), one exp) and its double form (0.5 z (1 + tanh y)) are one
+// function: the float form within a few float ulps of z * sigmoid(2y) in double, forward and
+// derivative; the double form within double rounding of it (absolute: 1 + tanh cancels for z << 0).
+TEST(AddMulAct, GeluTanhFloatAndDoubleFormsAgree) {
+  using G = ff::Act<ff::Activation::kGeluTanh>;
+  for (double z = -9.0; z <= 9.0; z += 1.0 / 64) {
+    const float zf = static_cast<float>(z);
+    const double x = zf, y = G::inner(x);
+    const double s = 1 / (1 + std::exp(-2 * y)), f = x * s, d = s + 2 * x * s * (1 - s) * G::dinner(x);
+    // exp(-2y) carries y's float rounding times 2|y| (the condition number of exp), in both forms.
+    EXPECT_NEAR(G::forward(zf), f, 8 * FLT_EPSILON * std::abs(f) * (1 + 2 * std::abs(y))) << "z=" << z;
+    // The derivative's 1 - s loses float bits where s -> 1 (z >> 0): absolute, scaled by |z|^3.
+    EXPECT_NEAR(G::derivative(zf), d, 8 * FLT_EPSILON * (std::abs(d) + std::abs(x * x * x))) << "z=" << z;
+    EXPECT_NEAR(G::forward(x), f, 8 * DBL_EPSILON * (1 + std::abs(x))) << "z=" << z;
+    EXPECT_NEAR(G::derivative(x), d, 8 * DBL_EPSILON * (1 + std::abs(x * x * x))) << "z=" << z;
+  }
 }
 
 TEST(AddMulAct, ParsesActivationsAndNamesTheBadOne) {
