@@ -35,9 +35,9 @@ if [ "${1:-}" = --baseline ]; then
 fi
 # Logs stay in /tmp/tune/logs, so $OUT holds only what the caller packs.
 LOGS=/tmp/tune/logs; mkdir -p "$LOGS"
-source scripts/device_env.sh
 OP=$1; shift
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python FUSEFORGE_OPS=$OP ADAMW_BENCH_COMPILE=${ADAMW_BENCH_COMPILE:-0}
+source scripts/device_env.sh  # after PYTHONPATH: it appends the peers' wheels (IMPLS=...,liger)
 IMPLS=${IMPLS:-fuseforge}
 BENCH=${BENCH:-$OP}
 lib_of() { ls /tmp/tune/$OP/$1/lib/fuseforge/_C*.so 2>/dev/null; }
