@@ -9,6 +9,8 @@
 - poison_allocations(): fills the CUDA caching allocator's free blocks with NaN bytes, so an output
   element a kernel forgot to write fails the comparison.
 - run_opcheck(), assert_compiles(): torch.library.opcheck and torch.compile(fullgraph=True).
+- assert_double_backward_raises(): an op whose backward is not differentiable refuses a gradient of
+  its gradient with its own error, rather than counting those terms as zero.
 """
 from __future__ import annotations
 
@@ -124,3 +126,23 @@ def assert_compiles_like_eager(fn: Callable, *leaves: torch.Tensor, device: str 
     assert_rel_close(out, eager, tol, "compiled loss")
     for g, e in zip(grads, eager_grads):
         assert_rel_close(g, e, tol, "compiled grad")
+
+
+def assert_double_backward_raises(fn: Callable, *leaves: torch.Tensor, op_name: str) -> None:
+    """fn(*leaves) (a tensor, or a tuple whose first element is differentiated): its gradients taken
+    with create_graph=True match those taken without (to the dtype's TOL: a GPU backward may add in
+    another order), and backpropagating through them raises "fuseforge.<op_name>: double backward is
+    not supported"."""
+    def first(out):
+        return out[0] if isinstance(out, tuple) else out
+    weights = torch.randn(first(fn(*leaves)).shape, dtype=torch.float64, generator=generator("cpu"))
+    def loss():
+        out = first(fn(*leaves))
+        return (out.double() * weights.to(out.device)).sum()
+    plain = torch.autograd.grad(loss(), leaves)
+    grads = torch.autograd.grad(loss(), leaves, create_graph=True)
+    for g, p in zip(grads, plain):
+        assert_rel_close(g.detach(), p, TOL[p.dtype], "first-order gradient with create_graph=True")
+    second = sum((g.double() ** 2).sum() for g in grads)
+    with pytest.raises(RuntimeError, match=f"fuseforge.{op_name}: double backward is not supported"):
+        second.backward()

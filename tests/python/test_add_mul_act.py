@@ -5,8 +5,8 @@ import torch.nn.functional as F
 
 import fuseforge
 from fuseforge.ops.add_mul_act import ACTIVATIONS, add_mul_act, add_mul_act_
-from harness import (HAS_CUDA, TOL, assert_compiles, assert_rel_close, device_dtypes, devices, poison_allocations,
-                     randn, rel_err, requires_cuda, run_opcheck)
+from harness import (HAS_CUDA, TOL, assert_compiles, assert_double_backward_raises, assert_rel_close, device_dtypes,
+                     devices, poison_allocations, randn, rel_err, requires_cuda, run_opcheck)
 
 ops = torch.ops.fuseforge
 
@@ -169,6 +169,12 @@ def test_inplace_matches_out_of_place(device, dtype, activation):
     xt = x.t().contiguous().t()
     add_mul_act_(xt, y, b, 0.25, activation)
     assert torch.equal(xt, expected)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_double_backward_raises(device):
+    x, y, b = make((4, 16), torch.float32, device, requires_grad=True)
+    assert_double_backward_raises(lambda x, y, b: add_mul_act(x, y, b, 0.6, "gelu"), x, y, b, op_name="add_mul_act")
 
 
 def test_gradcheck_float64_cpu():

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 import fuseforge
 from fuseforge.nn.attention import Attention
 from fuseforge.ops.attention import attention
-from harness import assert_compiles, poison_allocations, randn, rel_err, requires_dev_knobs, run_opcheck
+from harness import (assert_compiles, assert_double_backward_raises, devices, poison_allocations, randn, rel_err,
+                     requires_dev_knobs, run_opcheck)
 
 # The attention kernels' own check (a build of other ops only would make harness.HAS_CUDA differ).
 HAS_CUDA = torch.cuda.is_available() and torch._C._dispatch_has_kernel_for_dispatch_key("fuseforge::attention_fwd",
@@ -233,6 +234,12 @@ def test_empty_shapes(device):
         dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
         assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
         assert (dq == 0).all()
+
+
+@pytest.mark.parametrize("device", devices())
+def test_double_backward_raises(device):
+    q, k, v = make_qkv(1, 2, 1, 33, 33, 64, torch.float32, device, requires_grad=True)
+    assert_double_backward_raises(lambda a, b_, c: attention(a, b_, c, causal=True), q, k, v, op_name="attention")
 
 
 def test_gradcheck_cpu_float64():

@@ -12,7 +12,8 @@ import torch
 
 import fuseforge
 from fuseforge.ops.attention import attention, attention_varlen, cu_seqlens_from_lengths, cu_seqlens_from_position_ids
-from harness import assert_compiles, poison_allocations, randn, rel_err, requires_dev_knobs, run_opcheck
+from harness import (assert_compiles, assert_double_backward_raises, devices, poison_allocations, randn, rel_err,
+                     requires_dev_knobs, run_opcheck)
 from test_attention import CPU_DTYPES, CUDA_DTYPES, DEVICE_DTYPES, TOL, make_qkv, reference, reference_with_grads, \
     requires_cuda, sm90a_kernels_runnable
 
@@ -297,6 +298,13 @@ def test_cu_seqlens_from_position_ids():
     assert cu.tolist() == [0, 3, 4, 8, 9] and cu.dtype == torch.int32 and max_len == 4
     with pytest.raises(ValueError, match="start at 0"):
         cu_seqlens_from_position_ids(torch.tensor([1, 2, 0]))
+
+
+@pytest.mark.parametrize("device", devices())
+def test_double_backward_raises(device):
+    q, k, v, cu_q, cu_k, max_q, max_k = varlen_case([3, 0, 5], [4, 2, 5], 2, 2, 64, torch.float32, device)
+    assert_double_backward_raises(lambda a, b_, c: attention_varlen(a, b_, c, cu_q, cu_k, max_q, max_k, causal=True),
+                                  q, k, v, op_name="attention_varlen")
 
 
 def test_gradcheck_cpu_float64_window_softcap_varlen():

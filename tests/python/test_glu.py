@@ -5,8 +5,8 @@ import torch.nn.functional as F
 
 from fuseforge.nn.glu import GLU, GatedMLP
 from fuseforge.ops.glu import ACTIVATIONS, glu
-from harness import (TOL, assert_compiles, assert_rel_close, device_dtypes, devices, poison_allocations, randn,
-                     rel_err, requires_cuda, run_opcheck)
+from harness import (TOL, assert_compiles, assert_double_backward_raises, assert_rel_close, device_dtypes, devices,
+                     poison_allocations, randn, rel_err, requires_cuda, run_opcheck)
 
 ops = torch.ops.fuseforge
 
@@ -193,6 +193,12 @@ def test_gelu_tanh_matches_pytorch_per_element(device, dtype):
     (torch_grad,) = torch.autograd.grad(torch_out, torch_gate, ones)
     assert_matches_per_element(ours_out, torch_out, exact_out, out32, gate, dtype, "forward")
     assert_matches_per_element(ours_grad, torch_grad, exact_grad, grad32, gate, dtype, "backward")
+
+
+@pytest.mark.parametrize("device", devices())
+def test_double_backward_raises(device):
+    gate, up = make((3, 16), torch.float32, device, "separate", requires_grad=True)
+    assert_double_backward_raises(lambda g, u: glu(g, u, "gelu_tanh"), gate, up, op_name="glu")
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)

@@ -12,8 +12,9 @@ import torch.nn.functional as F
 import fuseforge  # noqa: F401  (loads the extension)
 from fuseforge.nn.linear_cross_entropy import LinearCrossEntropyLoss
 from fuseforge.ops.linear_cross_entropy import linear_cross_entropy
-from harness import (assert_compiles_like_eager, assert_rel_close, device_dtypes, devices, generator, poison_allocations, randn,
-                     rel_err, requires_cuda, requires_dev_knobs, run_opcheck)
+from harness import (assert_compiles_like_eager, assert_double_backward_raises, assert_rel_close, device_dtypes,
+                     devices, generator, poison_allocations, randn, rel_err, requires_cuda, requires_dev_knobs,
+                     run_opcheck)
 
 
 ops = torch.ops.fuseforge
@@ -286,6 +287,13 @@ def test_opcheck(device):
     gx, gw, gb = (randn(3, 5, 16, device=device), randn(40, 16, device=device), randn(40, device=device))
     run_opcheck(ops.linear_cross_entropy_scale_grads_,
                 (gx, gw, gb, torch.tensor(2.0, device=device), torch.tensor(0.5, device=device)))
+
+
+@pytest.mark.parametrize("device", devices())
+def test_double_backward_raises(device):
+    x, w, t, b = make_inputs((2, 3), 16, 40, torch.float32, device, bias=True)
+    assert_double_backward_raises(lambda x_, w_, b_: linear_cross_entropy(x_, w_, t, b_, z_loss=0.01), x, w, b,
+                                  op_name="linear_cross_entropy")
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])

@@ -12,8 +12,9 @@ import torch
 import fuseforge
 from fuseforge.nn import LinearJSD
 from fuseforge.ops.linear_jsd import linear_jsd, linear_kl_div
-from harness import (assert_compiles_like_eager, assert_rel_close, device_dtypes, devices, generator, poison_allocations, randn,
-                     rel_err, requires_cuda, requires_dev_knobs, run_opcheck)
+from harness import (assert_compiles_like_eager, assert_double_backward_raises, assert_rel_close, device_dtypes,
+                     devices, generator, poison_allocations, randn, rel_err, requires_cuda, requires_dev_knobs,
+                     run_opcheck)
 
 ops = torch.ops.fuseforge
 IGNORE = -100
@@ -346,6 +347,12 @@ def test_opcheck(device):
                                      IGNORE, "none", True, True))
     run_opcheck(ops.linear_jsd_bwd, (torch.tensor(0.5, device=device), sx.detach(), sw.detach(), tx, tw, None, 0.3,
                                      1.0, IGNORE, "mean", True, False))
+
+
+@pytest.mark.parametrize("device", devices())
+def test_double_backward_raises(device):
+    sx, sw, tx, tw, t = make_inputs((2, 3), 16, 8, 40, torch.float32, device)
+    assert_double_backward_raises(lambda x_, w_: linear_jsd(x_, w_, tx, tw, t, beta=0.5), sx, sw, op_name="linear_jsd")
 
 
 @pytest.mark.parametrize("beta", BETAS, ids=BETA_IDS)

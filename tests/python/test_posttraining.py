@@ -11,7 +11,8 @@ from fuseforge.nn import (CPOLoss, GRPOLoss, KTOLoss, ORPOLoss, PreferenceLoss, 
                           orpo_loss, preference_loss)
 from fuseforge.nn import posttraining as posttraining_module
 from fuseforge.ops import logprobs as logprobs_module
-from harness import TOL, assert_compiles, device_dtypes, devices, generator, randn, rel_err, run_opcheck
+from harness import (TOL, assert_compiles, assert_double_backward_raises, device_dtypes, devices, generator, randn,
+                     rel_err, run_opcheck)
 
 ops = torch.ops.fuseforge
 
@@ -541,6 +542,15 @@ def test_chunked_path_scales_by_grad_output_and_refuses_a_second_backward(chunke
     assert rel_err(g3, 3.0 * g1) <= 1e-14
     with pytest.raises(RuntimeError, match="a second backward through the same graph is not supported"):
         torch.autograd.grad(loss, w)
+
+
+def test_chunked_path_refuses_a_double_backward(chunked_on_cpu):
+    (hc, ic, mc), (hr, ir, mr), w = preference_batch(3, 5, 4, 8, 17, torch.float64, "cpu")
+    ref_c, ref_r = randn(3, dtype=torch.float64), randn(3, dtype=torch.float64)
+    loss_fn = PreferenceLoss(beta=0.3)
+    assert type(loss_fn(hc, hr, w, ic, ir, mc, mr, ref_c, ref_r).grad_fn).__name__ == "_SequenceChunkedLossBackward"
+    assert_double_backward_raises(lambda w_: loss_fn(hc, hr, w_, ic, ir, mc, mr, ref_c, ref_r), w,
+                                  op_name="ops.logprobs.sequence_chunked_loss")
 
 
 def test_the_cpu_keeps_the_per_token_path():

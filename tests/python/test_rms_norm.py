@@ -4,8 +4,8 @@ import torch
 
 from fuseforge.nn.rms_norm import RMSNorm
 from fuseforge.ops.rms_norm import rms_norm
-from harness import (TOL, assert_compiles, assert_rel_close, device_dtypes, devices, poison_allocations, randn,
-                     rel_err, requires_cuda, run_opcheck)
+from harness import (TOL, assert_compiles, assert_double_backward_raises, assert_rel_close, device_dtypes, devices,
+                     poison_allocations, randn, rel_err, requires_cuda, run_opcheck)
 
 ops = torch.ops.fuseforge
 
@@ -210,6 +210,12 @@ def test_non_contiguous_inputs(device):
     rh, rw = torch.autograd.grad(ref, (h64, w64), grad_out.double())
     for got, want, what in ((out, ref, "out"), (gx, rh, "grad_x"), (gr, rh, "grad_residual"), (gw, rw, "grad_weight")):
         assert_rel_close(got, want, 2 * TOL[torch.float32], what)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_double_backward_raises(device):
+    x, w, res, _ = make((4, 16), torch.float32, device, ("llama", 0.0, "x"), True, requires_grad=True)
+    assert_double_backward_raises(lambda x, w, r: rms_norm(x, w, 1e-5, r), x, w, res, op_name="rms_norm")
 
 
 def test_gradcheck_float64_cpu():

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from fuseforge.ops._eager import eager_autograd, plain_eager
+from fuseforge.ops._eager import eager_autograd, once_differentiable, plain_eager
 
 ACTIVATIONS = ("identity", "relu", "gelu", "gelu_tanh", "silu", "sigmoid")
 
@@ -87,6 +87,7 @@ def _fwd_setup_context(ctx, inputs, output):
     ctx.has_bias = bias is not None
 
 
+@once_differentiable("add_mul_act")
 def _fwd_backward(ctx, grad_out, _grad_saved):
     if grad_out is None:  # undefined output gradient (gradcheck's check_undefined_grad passes one)
         return None, None, None, None, None

@@ -8,6 +8,8 @@ from typing import Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from fuseforge.ops._eager import once_differentiable
+
 _ops = torch.ops.fuseforge
 
 Window = Optional[Sequence[Optional[int]]]
@@ -138,6 +140,7 @@ class _AttentionFn(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @once_differentiable("attention")
     def backward(ctx, grad_out, _grad_lse):
         if grad_out is None:  # undefined output gradient (gradcheck's check_undefined_grad passes one)
             return (None,) * 9
@@ -159,6 +162,7 @@ class _AttentionVarlenFn(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @once_differentiable("attention_varlen")
     def backward(ctx, grad_out, _grad_lse):
         if grad_out is None:  # undefined output gradient (gradcheck's check_undefined_grad passes one)
             return (None,) * 13
@@ -209,6 +213,7 @@ def _fwd_setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
+@once_differentiable("attention")
 def _fwd_backward(ctx, grad_out, _grad_lse):
     if grad_out is None:  # undefined output gradient (gradcheck's check_undefined_grad passes one)
         return (None,) * 8
@@ -227,6 +232,7 @@ def _varlen_fwd_setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
+@once_differentiable("attention_varlen")
 def _varlen_fwd_backward(ctx, grad_out, _grad_lse):
     if grad_out is None:  # undefined output gradient (gradcheck's check_undefined_grad passes one)
         return (None,) * 12

@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from fuseforge.ops._eager import eager_autograd, plain_eager
+from fuseforge.ops._eager import eager_autograd, once_differentiable, plain_eager
 
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 
@@ -56,6 +56,7 @@ def _fwd_setup_context(ctx, inputs, output):
     ctx.activation = activation
 
 
+@once_differentiable("glu")
 def _fwd_backward(ctx, grad_out):
     if grad_out is None:
         return None, None, None

@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from fuseforge.ops._eager import eager_autograd, plain_eager
+from fuseforge.ops._eager import eager_autograd, once_differentiable, plain_eager
 
 _ops = torch.ops.fuseforge
 
@@ -177,6 +177,7 @@ def _setup_context(ctx, inputs, output):
 
 
 
+@once_differentiable("linear_cross_entropy")
 def _backward(ctx, grad_loss, _lse, _gx, _gw, _gb, _grad_scale, grad_entropy):
     if grad_loss is None and grad_entropy is None:  # neither the loss nor the entropy got a gradient
         return (None,) * _NUM_INPUTS

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 import fuseforge.ops.linear_cross_entropy  # noqa: F401  (registers linear_cross_entropy_scale_grads_'s fake)
-from fuseforge.ops._eager import eager_autograd, plain_eager
+from fuseforge.ops._eager import eager_autograd, once_differentiable, plain_eager
 from fuseforge.ops.linear_cross_entropy import REDUCTIONS
 
 _ops = torch.ops.fuseforge
@@ -134,6 +134,7 @@ def _setup_context(ctx, inputs, output):
         ctx.save_for_backward(*inputs_to_save)
 
 
+@once_differentiable("linear_jsd")
 def _backward(ctx, grad_loss, *_unused):
     if grad_loss is None:  # the loss got no gradient
         return (None,) * 11

@@ -7,7 +7,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from fuseforge.ops._eager import plain_eager
+from fuseforge.ops._eager import once_differentiable, plain_eager
 from fuseforge.ops.linear_cross_entropy import linear_cross_entropy, per_token_loss_and_entropy
 
 _ops = torch.ops.fuseforge
@@ -162,6 +162,7 @@ class _SequenceChunkedLoss(torch.autograd.Function):
         return total
 
     @staticmethod
+    @once_differentiable("ops.logprobs.sequence_chunked_loss")
     def backward(ctx, grad_loss):
         if ctx.stash is None:
             raise RuntimeError("a chunked sequence loss (fuseforge.nn's preference losses) computes its gradients in "

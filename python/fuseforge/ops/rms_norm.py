@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from fuseforge.ops._eager import eager_autograd, plain_eager
+from fuseforge.ops._eager import eager_autograd, once_differentiable, plain_eager
 
 _ops = torch.ops.fuseforge
 
@@ -77,6 +77,7 @@ def _fwd_setup_context(ctx, inputs, output):
     ctx.weight_offset = weight_offset
 
 
+@once_differentiable("rms_norm")
 def _fwd_backward(ctx, grad_out, grad_residual_out, _grad_rstd):
     need_x, need_weight, need_residual = ctx.needs_input_grad[:3]
     if not ctx.has_residual:
