@@ -71,16 +71,15 @@ struct VecAct<Activation::kGelu> {
 
 template <>
 struct VecAct<Activation::kGeluTanh> {
+  // The tanh form in both math types (common/activation.h's y and y', instantiated for Vec<M>).
   template <typename M> static Vec<M> forward(Vec<M> z) {
-    const Vec<M> inner = Vec<M>(M(0.79788456080286535588)) * (z + Vec<M>(M(0.044715)) * z * z * z);
-    return Vec<M>(M(0.5)) * z * (Vec<M>(M(1)) + inner.tanh());
+    const Vec<M> t = Act<Activation::kGeluTanh>::inner(z).tanh();
+    return Vec<M>(M(0.5)) * z * (Vec<M>(M(1)) + t);
   }
   template <typename M> static Vec<M> derivative(Vec<M> z) {
     const Vec<M> one(M(1)), half(M(0.5));
-    const Vec<M> inner = Vec<M>(M(0.79788456080286535588)) * (z + Vec<M>(M(0.044715)) * z * z * z);
-    const Vec<M> t = inner.tanh();
-    const Vec<M> dinner = Vec<M>(M(0.79788456080286535588)) * (one + Vec<M>(M(3 * 0.044715)) * z * z);
-    return half * (one + t) + half * z * (one - t * t) * dinner;
+    const Vec<M> t = Act<Activation::kGeluTanh>::inner(z).tanh();
+    return half * (one + t) + half * z * (one - t * t) * Act<Activation::kGeluTanh>::dinner(z);
   }
 };
 

@@ -53,12 +53,9 @@ struct VecAct<Activation::kSilu> {
 // 1 + tanh(y) for z << 0). double keeps the tanh form of common/activation.h.
 template <>
 struct VecAct<Activation::kGeluTanh> {
-  template <typename M> static Vec<M> inner(Vec<M> z) {
-    return Vec<M>(M(0.79788456080286535588)) * (z + Vec<M>(M(0.044715)) * z * z * z);
-  }
-  template <typename M> static Vec<M> dinner(Vec<M> z) {
-    return Vec<M>(M(0.79788456080286535588)) * (Vec<M>(M(1)) + Vec<M>(M(3 * 0.044715)) * z * z);
-  }
+  // y and y' on vectors: common/activation.h's polynomials, instantiated for Vec<M>.
+  template <typename M> static Vec<M> inner(Vec<M> z) { return Act<Activation::kGeluTanh>::inner(z); }
+  template <typename M> static Vec<M> dinner(Vec<M> z) { return Act<Activation::kGeluTanh>::dinner(z); }
   template <typename T, typename M> static Vec<M> forward(Vec<M> z) {
     const Vec<M> one(M(1));
     if constexpr (std::is_same_v<M, float>) {
