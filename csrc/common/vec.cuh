@@ -1,9 +1,17 @@
-// 16-byte vector loads and stores for the aligned paths of memory-bound kernels (host code may
-// include this for is_aligned).
+// 16-byte vector loads and stores for the aligned paths of memory-bound kernels, and 16-bit
+// elements packed two to a register (host code may include this for is_aligned).
 #pragma once
 #include <c10/macros/Macros.h>
 
 #include <cstdint>
+#if defined(__CUDACC__)
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <type_traits>
+#endif
 
 namespace fuseforge {
 
@@ -25,5 +33,68 @@ C10_DEVICE __forceinline__ void store_vector(T* ptr, const AlignedVector<T, N>& 
 C10_HOST_DEVICE inline bool is_aligned(const void* ptr, int bytes) {
   return reinterpret_cast<uintptr_t>(ptr) % bytes == 0;
 }
+
+#if defined(__CUDACC__)
+// Elements kept as 32-bit words: two 16-bit elements a word (the first in the low half), or one
+// float. An array of c10::BFloat16 / c10::Half takes a register an element and a PRMT to split
+// each out of its load (two where the load is predicated); as words a bf16 widens to float with
+// one shift or mask, an fp16 with one cvt, and two floats round back into a word with one F2FP.
+template <typename U>
+inline constexpr int kElemsPerWord = 4 / static_cast<int>(sizeof(U));
+
+// Element i (0 or 1 for 16-bit U, 0 for float) of a word, as float.
+template <typename U>
+__device__ __forceinline__ float word_element(uint32_t word, int i) {
+  if constexpr (std::is_same_v<U, float>) {
+    return __uint_as_float(word);
+  } else if constexpr (std::is_same_v<U, c10::BFloat16>) {
+    return __uint_as_float(i == 0 ? word << 16 : word & 0xffff0000u);
+  } else {
+    static_assert(std::is_same_v<U, c10::Half>, "float, c10::BFloat16 or c10::Half");
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(i == 0 ? word : word >> 16)));
+  }
+}
+
+// kElemsPerWord<U> floats rounded to U (to nearest even, as static_cast<U> rounds) into a word.
+template <typename U>
+__device__ __forceinline__ uint32_t floats_to_word(const float* f) {
+  if constexpr (std::is_same_v<U, float>) {
+    return __float_as_uint(f[0]);
+  } else if constexpr (std::is_same_v<U, c10::BFloat16>) {
+    const __nv_bfloat162 pair = __floats2bfloat162_rn(f[0], f[1]);
+    return *reinterpret_cast<const uint32_t*>(&pair);
+  } else {
+    const __half2 pair = __floats2half2_rn(f[0], f[1]);
+    return *reinterpret_cast<const uint32_t*>(&pair);
+  }
+}
+
+// N consecutive elements of U (4, 8 or 16 bytes) as words: one aligned access to load or store.
+template <typename U, int N>
+struct PackedElements {
+  static constexpr int kWords = N / kElemsPerWord<U>;
+  static_assert(N % kElemsPerWord<U> == 0 && (kWords == 1 || kWords == 2 || kWords == 4),
+                "4, 8 or 16 bytes of whole words");
+  AlignedVector<uint32_t, kWords> words;
+
+  __device__ __forceinline__ void load(const U* p) {
+    words = load_vector<uint32_t, kWords>(reinterpret_cast<const uint32_t*>(p));
+  }
+  __device__ __forceinline__ void store(U* p) const {
+    store_vector<uint32_t, kWords>(reinterpret_cast<uint32_t*>(p), words);
+  }
+  __device__ __forceinline__ void set_zero() {
+#pragma unroll
+    for (int w = 0; w < kWords; ++w) words.val[w] = 0u;
+  }
+  __device__ __forceinline__ float get(int j) const {
+    return word_element<U>(words.val[j / kElemsPerWord<U>], j % kElemsPerWord<U>);
+  }
+  __device__ __forceinline__ void set(const float (&f)[N]) {
+#pragma unroll
+    for (int w = 0; w < kWords; ++w) words.val[w] = floats_to_word<U>(f + w * kElemsPerWord<U>);
+  }
+};
+#endif  // __CUDACC__
 
 }  // namespace fuseforge

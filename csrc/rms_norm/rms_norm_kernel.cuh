@@ -49,27 +49,41 @@ __device__ __forceinline__ void with_out_type(Dtype dtype, F&& f) {
   f(TypeTag<T>{});
 }
 
-// N consecutive elements as floats, in accesses of min(16 bytes, the N elements) each.
+// N consecutive elements as floats, in accesses of min(16 bytes, the N elements) each (a 16-bit
+// element alone: one 2-byte access).
 template <int N, typename U>
 __device__ __forceinline__ void load_floats(const U* p, float (&v)[N]) {
-  constexpr int kAccess = 16 / static_cast<int>(sizeof(U)) < N ? 16 / static_cast<int>(sizeof(U)) : N;
+  if constexpr (N % kElemsPerWord<U> != 0) {
 #pragma unroll
-  for (int a = 0; a < N / kAccess; ++a) {
-    const AlignedVector<U, kAccess> chunk = load_vector<U, kAccess>(p + a * kAccess);
+    for (int j = 0; j < N; ++j) v[j] = static_cast<float>(p[j]);
+  } else {
+    constexpr int kAccess = 16 / static_cast<int>(sizeof(U)) < N ? 16 / static_cast<int>(sizeof(U)) : N;
 #pragma unroll
-    for (int j = 0; j < kAccess; ++j) v[a * kAccess + j] = static_cast<float>(chunk.val[j]);
+    for (int a = 0; a < N / kAccess; ++a) {
+      PackedElements<U, kAccess> chunk;
+      chunk.load(p + a * kAccess);
+#pragma unroll
+      for (int j = 0; j < kAccess; ++j) v[a * kAccess + j] = chunk.get(j);
+    }
   }
 }
 
 template <int N, typename U>
 __device__ __forceinline__ void store_floats(U* p, const float (&v)[N]) {
-  constexpr int kAccess = 16 / static_cast<int>(sizeof(U)) < N ? 16 / static_cast<int>(sizeof(U)) : N;
+  if constexpr (N % kElemsPerWord<U> != 0) {
 #pragma unroll
-  for (int a = 0; a < N / kAccess; ++a) {
-    AlignedVector<U, kAccess> chunk;
+    for (int j = 0; j < N; ++j) p[j] = static_cast<U>(v[j]);
+  } else {
+    constexpr int kAccess = 16 / static_cast<int>(sizeof(U)) < N ? 16 / static_cast<int>(sizeof(U)) : N;
 #pragma unroll
-    for (int j = 0; j < kAccess; ++j) chunk.val[j] = static_cast<U>(v[a * kAccess + j]);
-    store_vector<U, kAccess>(p + a * kAccess, chunk);
+    for (int a = 0; a < N / kAccess; ++a) {
+      float part[kAccess];
+#pragma unroll
+      for (int j = 0; j < kAccess; ++j) part[j] = v[a * kAccess + j];
+      PackedElements<U, kAccess> chunk;
+      chunk.set(part);
+      chunk.store(p + a * kAccess);
+    }
   }
 }
 
@@ -165,37 +179,37 @@ __global__ void __launch_bounds__(ForwardRow<T, kShape>::kThreads) forward_rows_
     const int64_t row = first + slot;
     const bool row_ok = row < p.rows;
     const int64_t base = row * p.cols;
-    AlignedVector<T, E> h[R::kVecs];
+    // The row as words (PackedElements): 16-bit elements two to a register.
+    PackedElements<T, E> h[R::kVecs];
 #pragma unroll
     for (int v = 0; v < R::kVecs; ++v) {
       const int64_t vi = static_cast<int64_t>(v) * R::kThreadsPerRow + lane;
       if (row_ok && vi < vectors) {
-        h[v] = load_vector<T, E>(p.x + base + vi * E);
+        h[v].load(p.x + base + vi * E);
       } else {
-#pragma unroll
-        for (int j = 0; j < E; ++j) h[v].val[j] = static_cast<T>(0.f);
+        h[v].set_zero();
       }
     }
     if (p.residual != nullptr) {
-      AlignedVector<T, E> r[R::kVecs];
+      PackedElements<T, E> r[R::kVecs];
 #pragma unroll
       for (int v = 0; v < R::kVecs; ++v) {
         const int64_t vi = static_cast<int64_t>(v) * R::kThreadsPerRow + lane;
         if (row_ok && vi < vectors) {
-          r[v] = load_vector<T, E>(p.residual + base + vi * E);
+          r[v].load(p.residual + base + vi * E);
         } else {
-#pragma unroll
-          for (int j = 0; j < E; ++j) r[v].val[j] = static_cast<T>(0.f);
+          r[v].set_zero();
         }
       }
 #pragma unroll
       for (int v = 0; v < R::kVecs; ++v) {
         // h rounded to T, as the unfused `residual + x` is, before it is squared.
+        float sum[E];
 #pragma unroll
-        for (int j = 0; j < E; ++j)
-          h[v].val[j] = static_cast<T>(static_cast<float>(h[v].val[j]) + static_cast<float>(r[v].val[j]));
+        for (int j = 0; j < E; ++j) sum[j] = h[v].get(j) + r[v].get(j);
+        h[v].set(sum);
         const int64_t vi = static_cast<int64_t>(v) * R::kThreadsPerRow + lane;
-        if (row_ok && vi < vectors) store_vector<T, E>(p.residual_out + base + vi * E, h[v]);
+        if (row_ok && vi < vectors) h[v].store(p.residual_out + base + vi * E);
       }
     }
     float sumsq = 0.f;
@@ -203,7 +217,7 @@ __global__ void __launch_bounds__(ForwardRow<T, kShape>::kThreads) forward_rows_
     for (int v = 0; v < R::kVecs; ++v) {
 #pragma unroll
       for (int j = 0; j < E; ++j) {
-        const float f = static_cast<float>(h[v].val[j]);
+        const float f = h[v].get(j);
         sumsq = fmaf(f, f, sumsq);
       }
     }
@@ -219,7 +233,7 @@ __global__ void __launch_bounds__(ForwardRow<T, kShape>::kThreads) forward_rows_
         float s[E], o[E];
         load_scale<T, E>(p.weight, p.weight_dtype, p.weight_offset, vi * E, s);
 #pragma unroll
-        for (int j = 0; j < E; ++j) o[j] = static_cast<float>(h[v].val[j]) * rstd * s[j];
+        for (int j = 0; j < E; ++j) o[j] = h[v].get(j) * rstd * s[j];
         store_floats<E>(static_cast<O*>(p.out) + base + vi * E, o);
       }
     });
@@ -335,17 +349,16 @@ __global__ void __launch_bounds__(BackwardRow<T, kShape>::kThreads, min_blocks_p
     const int64_t row = first + slot;
     const bool row_ok = row < p.rows;
     const int64_t base = row * p.cols;
-    // g is kept as T (exact: a 16-bit grad_out is T itself, and beside a float32 T any out dtype
-    // converts exactly), so a 16-bit row costs half the registers it would as floats.
-    AlignedVector<T, E> h[R::kVecs], g[R::kVecs], grad_res[R::kVecs];
+    // The rows as words (PackedElements: 16-bit elements two to a register). g is kept as T
+    // (exact: a 16-bit grad_out is T itself, and beside a float32 T any out dtype converts exactly).
+    PackedElements<T, E> h[R::kVecs], g[R::kVecs], grad_res[R::kVecs];
 #pragma unroll
     for (int v = 0; v < R::kVecs; ++v) {
       const int64_t vi = static_cast<int64_t>(v) * R::kThreadsPerRow + lane;
       if (row_ok && vi < vectors) {
-        h[v] = load_vector<T, E>(p.h + base + vi * E);
+        h[v].load(p.h + base + vi * E);
       } else {
-#pragma unroll
-        for (int j = 0; j < E; ++j) h[v].val[j] = static_cast<T>(0.f);
+        h[v].set_zero();
       }
     }
     with_out_type<T>(p.out_dtype, [&](auto tag) {
@@ -354,15 +367,13 @@ __global__ void __launch_bounds__(BackwardRow<T, kShape>::kThreads, min_blocks_p
       for (int v = 0; v < R::kVecs; ++v) {
         const int64_t vi = static_cast<int64_t>(v) * R::kThreadsPerRow + lane;
         if (!row_ok || vi >= vectors) {
-#pragma unroll
-          for (int j = 0; j < E; ++j) g[v].val[j] = static_cast<T>(0.f);
+          g[v].set_zero();
         } else if constexpr (std::is_same_v<O, T>) {
-          g[v] = load_vector<T, E>(static_cast<const T*>(p.grad_out) + base + vi * E);
+          g[v].load(static_cast<const T*>(p.grad_out) + base + vi * E);
         } else {
           float f[E];
           load_floats<E>(static_cast<const O*>(p.grad_out) + base + vi * E, f);
-#pragma unroll
-          for (int j = 0; j < E; ++j) g[v].val[j] = f[j];
+          g[v].set(f);
         }
       }
     });
@@ -370,7 +381,7 @@ __global__ void __launch_bounds__(BackwardRow<T, kShape>::kThreads, min_blocks_p
 #pragma unroll
       for (int v = 0; v < R::kVecs; ++v) {
         const int64_t vi = static_cast<int64_t>(v) * R::kThreadsPerRow + lane;
-        if (row_ok && vi < vectors) grad_res[v] = load_vector<T, E>(p.grad_residual_out + base + vi * E);
+        if (row_ok && vi < vectors) grad_res[v].load(p.grad_residual_out + base + vi * E);
       }
     }
     const float rstd = row_ok ? p.rstd[row] : 0.f;
@@ -382,8 +393,8 @@ __global__ void __launch_bounds__(BackwardRow<T, kShape>::kThreads, min_blocks_p
       load_scale<T, E>(vi < vectors ? p.weight : nullptr, p.weight_dtype, p.weight_offset, vi * E, s);
 #pragma unroll
       for (int j = 0; j < E; ++j) {
-        const float xhat = static_cast<float>(h[v].val[j]) * rstd;
-        const float gf = static_cast<float>(g[v].val[j]);
+        const float xhat = h[v].get(j) * rstd;
+        const float gf = g[v].get(j);
         if (want_weight) {  // zero for masked elements (g = 0)
           float& sum = dw_sums.at(v, j);
           sum = fmaf(gf, xhat, sum);
@@ -400,9 +411,9 @@ __global__ void __launch_bounds__(BackwardRow<T, kShape>::kThreads, min_blocks_p
       load_scale<T, E>(p.weight, p.weight_dtype, p.weight_offset, vi * E, s);  // again: an L1 hit, not registers
 #pragma unroll
       for (int j = 0; j < E; ++j) {
-        const float xhat = static_cast<float>(h[v].val[j]) * rstd;
-        gi[j] = rstd * (static_cast<float>(g[v].val[j]) * s[j] - xhat * mean);
-        if (p.grad_residual_out != nullptr) gi[j] += static_cast<float>(grad_res[v].val[j]);
+        const float xhat = h[v].get(j) * rstd;
+        gi[j] = rstd * (g[v].get(j) * s[j] - xhat * mean);
+        if (p.grad_residual_out != nullptr) gi[j] += grad_res[v].get(j);
       }
       store_floats<E>(p.grad_input + base + vi * E, gi);
     }
