@@ -47,9 +47,7 @@ inline int64_t typical_tile_area(const FwdParams& p, bool local, int block_m, in
 // cycles than 128; with tiles aligned to the start it would be 1.33x and level). Varlen: the mean
 // sequence (the lengths are on the device). FUSEFORGE_ATTENTION_FWD_ROWS=128 or 192 forces one.
 inline int fwd_query_rows_d64(const FwdParams& p, bool local) {
-  const std::string knob = dev_string("FUSEFORGE_ATTENTION_FWD_ROWS");
-  TORCH_CHECK(knob.empty() || knob == "128" || knob == "192",
-              "FUSEFORGE_ATTENTION_FWD_ROWS: expected 128 or 192, got '", knob, "'");
+  const std::string knob = dev_choice("FUSEFORGE_ATTENTION_FWD_ROWS", {"128", "192"});
   if (!knob.empty()) return knob == "128" ? 128 : 192;
   const int64_t area128 = typical_tile_area(p, local, 128, 128, /*bottom=*/true);
   const int64_t area192 = typical_tile_area(p, local, 192, 128, /*bottom=*/true);
@@ -68,9 +66,7 @@ inline int fwd_query_rows_d64(const FwdParams& p, bool local) {
 // wastes more of 80 rows; the lengths are on the device). FUSEFORGE_ATTENTION_BWD_ROWS=64 or 80 forces
 // one (A/B timings, tests).
 inline int bwd_query_rows_d128(const FwdParams& p, bool local) {
-  const std::string knob = dev_string("FUSEFORGE_ATTENTION_BWD_ROWS");
-  TORCH_CHECK(knob.empty() || knob == "64" || knob == "80", "FUSEFORGE_ATTENTION_BWD_ROWS: expected 64 or 80, got '",
-              knob, "'");
+  const std::string knob = dev_choice("FUSEFORGE_ATTENTION_BWD_ROWS", {"64", "80"});
   if (!knob.empty()) return knob == "64" ? 64 : 80;
   if (!local && p.cu_seqlens_q == nullptr) return 80;
   const int64_t area64 = typical_tile_area(p, local, 64, 128);
@@ -81,10 +77,7 @@ inline int bwd_query_rows_d128(const FwdParams& p, bool local) {
 // The 80-query dk/dv tiles start at a key block's first visible row rounded down to 16 rows (KeyBlock).
 // FUSEFORGE_ATTENTION_BWD_ROW_ALIGN=80 rounds down to 80 instead, the tiling before (A/B timings, tests).
 inline int bwd_row_align() {
-  const std::string knob = dev_string("FUSEFORGE_ATTENTION_BWD_ROW_ALIGN");
-  TORCH_CHECK(knob.empty() || knob == "16" || knob == "80",
-              "FUSEFORGE_ATTENTION_BWD_ROW_ALIGN: expected 16 or 80, got '", knob, "'");
-  return knob == "80" ? 80 : 16;
+  return dev_choice("FUSEFORGE_ATTENTION_BWD_ROW_ALIGN", {"16", "80"}) == "80" ? 80 : 16;
 }
 
 // How far ahead (in real blocks: varlen counts only those within their sequence) the dk/dv kernel
@@ -120,9 +113,7 @@ inline bool varlen_longest_first() { return dev_flag("FUSEFORGE_ATTENTION_VARLEN
 // FUSEFORGE_ATTENTION_BWD_KV_SLOWEST=0 or 1 forces the order (A/B timings); without a local mask
 // the kernel has one order only.
 inline bool bwd_kv_block_slowest(bool local, int64_t blocks, int64_t resident, int64_t kv_blocks, int max_waves) {
-  const std::string knob = dev_string("FUSEFORGE_ATTENTION_BWD_KV_SLOWEST");
-  TORCH_CHECK(knob.empty() || knob == "0" || knob == "1",
-              "FUSEFORGE_ATTENTION_BWD_KV_SLOWEST: expected 0 or 1, got '", knob, "'");
+  const std::string knob = dev_choice("FUSEFORGE_ATTENTION_BWD_KV_SLOWEST", {"0", "1"});
   if (!local || kv_blocks > 65535) return false;  // grid z holds the key blocks
   return knob.empty() ? blocks <= max_waves * resident : knob == "1";
 }

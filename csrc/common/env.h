@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <initializer_list>
 #include <string>
 
 namespace fuseforge {
@@ -30,12 +31,24 @@ inline int64_t env_positive_int(const char* name, int64_t fallback) {
   return static_cast<int64_t>(parsed);
 }
 
+// One of `choices`, or "" when unset or empty; a clear error ("expected a, b or c") for anything else.
+inline std::string env_choice(const char* name, std::initializer_list<const char*> choices) {
+  const std::string v = env_string(name);
+  if (v.empty()) return v;
+  std::string listed;
+  size_t i = 0;
+  for (const char* choice : choices) {
+    if (v == choice) return v;
+    listed += (i == 0 ? "" : i + 1 == choices.size() ? " or " : ", ") + std::string(choice);
+    ++i;
+  }
+  TORCH_CHECK(false, name, ": expected ", listed, ", got '", v, "'");
+}
+
 // A 0/1 flag: fallback when unset or empty; a clear error for anything else.
 inline bool env_flag(const char* name, bool fallback) {
-  const std::string v = env_string(name);
-  if (v.empty()) return fallback;
-  TORCH_CHECK(v == "0" || v == "1", name, ": expected 0 or 1, got '", v, "'");
-  return v == "1";
+  const std::string v = env_choice(name, {"0", "1"});
+  return v.empty() ? fallback : v == "1";
 }
 
 #ifdef FUSEFORGE_DEV_KNOBS
@@ -50,5 +63,8 @@ inline int64_t dev_positive_int(const char* name, int64_t fallback) {
   return kDevKnobs ? env_positive_int(name, fallback) : fallback;
 }
 inline bool dev_flag(const char* name, bool fallback) { return kDevKnobs ? env_flag(name, fallback) : fallback; }
+inline std::string dev_choice(const char* name, std::initializer_list<const char*> choices) {
+  return kDevKnobs ? env_choice(name, choices) : std::string();
+}
 
 }  // namespace fuseforge

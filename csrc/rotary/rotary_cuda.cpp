@@ -72,12 +72,7 @@ void rotary_cuda_typed(const Problem& pr, double scaling, bool interleaved, bool
   const int64_t heads = pr.heads_q + pr.heads_k;
   // Development knob (FUSEFORGE_DEV builds): FUSEFORGE_ROTARY_KERNEL=token|staged|register forces a
   // kernel where the shape allows it.
-  static const std::string forced = [] {
-    std::string v = dev_string("FUSEFORGE_ROTARY_KERNEL");
-    TORCH_CHECK(v.empty() || v == "token" || v == "staged" || v == "register",
-                "FUSEFORGE_ROTARY_KERNEL: expected token, staged or register, got '", v, "'");
-    return v;
-  }();
+  static const std::string forced = dev_choice("FUSEFORGE_ROTARY_KERNEL", {"token", "staged", "register"});
   LaunchPlan plan;
   if (vectorized && (forced.empty() || forced == "token"))
     plan = plan_token(pr.batch, pr.seq, heads, p.chunks_per_head, pr.rot_half);

@@ -10,8 +10,11 @@
 #include <utility>
 
 #include "attention/attention_heuristics.h"
+#include "testing.h"
 
 namespace at_ = fuseforge::attention;
+using fuseforge::testing::expect_error_naming;
+using fuseforge::testing::ScopedEnv;
 
 namespace {
 
@@ -40,24 +43,6 @@ int64_t brute_force_area(const at_::FwdParams& p, bool local, int sq, int sk, in
       if (seen) area += static_cast<int64_t>(bm) * bn;
     }
   return area;
-}
-
-// Sets a knob for one scope and unsets it after, also when a failed check returns early.
-struct ScopedEnv {
-  const char* name;
-  ScopedEnv(const char* name_, const char* value) : name(name_) { setenv(name, value, 1); }
-  ~ScopedEnv() { unsetenv(name); }
-};
-
-// Runs `call` and expects it to stop with a c10::Error whose message contains `message`.
-template <class Call>
-void expect_error_naming(const Call& call, const std::string& message) {
-  try {
-    call();
-    ADD_FAILURE() << "expected an error naming: " << message;
-  } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
-  }
 }
 
 // A packed batch as the tile-size rules see it (their varlen rule reads the count and the totals; the

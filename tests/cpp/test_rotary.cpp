@@ -8,6 +8,8 @@
 #include <string>
 #include <tuple>
 
+#include "testing.h"
+
 namespace {
 
 using RotaryFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -50,10 +52,7 @@ TEST(Rotary, RotaryDimsLargerThanHeadDimAreRejected) {
   const auto q = at::randn({1, 2, 3, 4});
   const auto inv_freq = at::ones({3});
   const auto positions = at::arange(3, at::kLong).view({1, 3});
-  try {
-    rotary_op().call(q, q, inv_freq, positions, 1.0, false, false, std::nullopt);
-    FAIL() << "expected an error";
-  } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("R = 6 rotary dims exceed the head dim D = 4"), std::string::npos) << e.what();
-  }
+  fuseforge::testing::expect_error_naming(
+      [&] { rotary_op().call(q, q, inv_freq, positions, 1.0, false, false, std::nullopt); },
+      "R = 6 rotary dims exceed the head dim D = 4");
 }

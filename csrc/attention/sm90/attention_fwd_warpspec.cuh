@@ -503,9 +503,7 @@ inline bool sm90a_kernels_runnable() {
 // =1 makes them a requirement: require_tma raises where they cannot run (so a benchmark knows which
 // kernel it timed); unset takes them where they can.
 inline bool tma_kernels_allowed() {
-  const std::string mode = dev_string("FUSEFORGE_ATTENTION_TMA");
-  TORCH_CHECK(mode.empty() || mode == "0" || mode == "1", "FUSEFORGE_ATTENTION_TMA: expected 0 or 1, got '", mode,
-              "'");
+  const std::string mode = dev_choice("FUSEFORGE_ATTENTION_TMA", {"0", "1"});
   return mode != "0" && sm90a_kernels_runnable();
 }
 inline bool require_tma(bool maps_ok) {
