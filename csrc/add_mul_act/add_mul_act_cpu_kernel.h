@@ -11,6 +11,7 @@
 #include <type_traits>
 
 #include "add_mul_act/add_mul_act_cpu.h"
+#include "common/cpu_activation.h"
 #include "common/cpu_vec.h"
 
 namespace fuseforge::add_mul_act::FUSEFORGE_CPU_NS {
@@ -18,89 +19,6 @@ namespace {
 
 template <typename M>
 using Vec = CpuVec<M>;
-
-// The activations of common/activation.h on vectors (the same formulas, so CPU and CUDA agree).
-template <Activation A>
-struct VecAct;
-
-template <>
-struct VecAct<Activation::kIdentity> {
-  template <typename M> static Vec<M> forward(Vec<M> z) { return z; }
-  template <typename M> static Vec<M> derivative(Vec<M>) { return Vec<M>(M(1)); }
-};
-
-template <>
-struct VecAct<Activation::kRelu> {
-  // z > 0 ? z : 0 (NaN gives 0, as the scalar form)
-  template <typename M> static Vec<M> forward(Vec<M> z) { return Vec<M>::blendv(Vec<M>(M(0)), z, z > Vec<M>(M(0))); }
-  template <typename M> static Vec<M> derivative(Vec<M> z) {
-    return Vec<M>::blendv(Vec<M>(M(0)), Vec<M>(M(1)), z > Vec<M>(M(0)));
-  }
-};
-
-template <>
-struct VecAct<Activation::kGelu> {
-  template <typename M> static Vec<M> forward(Vec<M> z) {
-    const Vec<M> half(M(0.5)), one(M(1));
-    return half * z * (one + accurate_erf(z * Vec<M>(M(0.70710678118654752440))));
-  }
-  template <typename M> static Vec<M> derivative(Vec<M> z) {
-    using V = Vec<M>;
-    const V half(M(0.5)), one(M(1));
-    if constexpr (std::is_same_v<M, float>) {
-      // erf(z / sqrt 2) in the form of at::vec's AVX2/AVX-512 float erf (Abramowitz-Stegun 7.1.26,
-      // |error| < 1.5e-7), whose exp(-z^2 / 2) is also the pdf's: one exp a vector instead of two
-      // (the backward was bound by its two exps).
-      const V x = z * V(M(0.70710678118654752440));
-      const V t = one / at::vec::fmadd(V(M(0.3275911f)), x.abs(), one);
-      V r = at::vec::fmadd(V(M(1.061405429f)), t, V(M(-1.453152027f)));
-      r = at::vec::fmadd(r, t, V(M(1.421413741f)));
-      r = at::vec::fmadd(r, t, V(M(-0.284496736f)));
-      r = at::vec::fmadd(r, t, V(M(0.254829592f)));
-      const V e = (x * x).neg().exp();
-      const V erf_abs = one - r * t * e;
-      const V erf = V::blendv(erf_abs, erf_abs.neg(), x < V(M(0)));
-      return half * (one + erf) + z * (e * V(M(0.39894228040143267794)));
-    } else {
-      const V cdf = half * (one + (z * V(M(0.70710678118654752440))).erf());
-      const V pdf = (V(M(-0.5)) * z * z).exp() * V(M(0.39894228040143267794));
-      return cdf + z * pdf;
-    }
-  }
-};
-
-template <>
-struct VecAct<Activation::kGeluTanh> {
-  // The tanh form in both math types (common/activation.h's y and y', instantiated for Vec<M>).
-  template <typename M> static Vec<M> forward(Vec<M> z) {
-    const Vec<M> t = Act<Activation::kGeluTanh>::inner(z).tanh();
-    return Vec<M>(M(0.5)) * z * (Vec<M>(M(1)) + t);
-  }
-  template <typename M> static Vec<M> derivative(Vec<M> z) {
-    const Vec<M> one(M(1)), half(M(0.5));
-    const Vec<M> t = Act<Activation::kGeluTanh>::inner(z).tanh();
-    return half * (one + t) + half * z * (one - t * t) * Act<Activation::kGeluTanh>::dinner(z);
-  }
-};
-
-template <>
-struct VecAct<Activation::kSigmoid> {
-  template <typename M> static Vec<M> forward(Vec<M> z) { return Vec<M>(M(1)) / (Vec<M>(M(1)) + z.neg().exp()); }
-  template <typename M> static Vec<M> derivative(Vec<M> z) {
-    const Vec<M> s = forward(z);
-    return s * (Vec<M>(M(1)) - s);
-  }
-};
-
-template <>
-struct VecAct<Activation::kSilu> {
-  template <typename M> static Vec<M> forward(Vec<M> z) { return z / (Vec<M>(M(1)) + z.neg().exp()); }
-  template <typename M> static Vec<M> derivative(Vec<M> z) {
-    const Vec<M> one(M(1));
-    const Vec<M> s = one / (one + z.neg().exp());
-    return s * (one + z * (one - s));
-  }
-};
 
 // Columns a step: a multiple of every vector width and of 8 (relu's mask bytes start on a tile).
 constexpr int64_t kTile = kCpuTile;
@@ -130,7 +48,7 @@ void forward_rows(const CpuForwardArgs& a, const typename at::opmath_type<T>* bi
         V z = at::vec::fmadd(alpha, V::loadu(y + i, k), V::loadu(x + i, k));
         if (bias) z = z + V::loadu(bias + c0 + i, k);
         z.store(z_saved + i, k);
-        VecAct<A>::forward(z).store(out + i, k);
+        CpuAct<A>::template forward<T, M>(z).store(out + i, k);
       }
       store_math(out, static_cast<T*>(a.out) + row + c0, n);
       if (a.saved_z) store_math(z_saved, static_cast<T*>(a.saved_z) + row + c0, n);
@@ -173,7 +91,7 @@ void backward_rows(const CpuBackwardArgs& a, int64_t r0, int64_t r1, typename at
       M* gy = a.grad_y ? math_dst(static_cast<T*>(a.grad_y) + row + c0, gyb) : nullptr;
       for (int64_t i = 0; i < n; i += W) {
         const int64_t k = std::min(W, n - i);
-        const V dv = a.mask ? V::loadu(d + i, k) : VecAct<A>::derivative(V::loadu(d + i, k));
+        const V dv = a.mask ? V::loadu(d + i, k) : CpuAct<A>::template derivative<T, M>(V::loadu(d + i, k));
         const V g = V::loadu(go + i, k) * dv;
         g.store(gx + i, k);
         if (gy) (alpha * g).store(gy + i, k);

@@ -81,9 +81,9 @@ struct Act<Activation::kGelu> {
 
 // The tanh approximation: 0.5 z (1 + tanh(y)), y = sqrt(2/pi) (z + 0.044715 z^3). In float it is
 // computed as z * sigmoid(2y) = z / (1 + exp(-2y)), the same function with one exp instead of a
-// tanh (tanhf cost the GPU forward 2%) and no cancellation in 1 + tanh(y) for z << 0, as glu's CPU
-// vector kernel computes it (add_mul_act's keeps the tanh form). double keeps the tanh form (the
-// float64 reference). inner / dinner (y, y') also serve the CPU kernels' vectors as M.
+// tanh (tanhf cost the GPU forward 2%) and no cancellation in 1 + tanh(y) for z << 0, as the CPU
+// vector kernels compute it (common/cpu_activation.h). double keeps the tanh form (the float64
+// reference). inner / dinner (y, y') also serve the CPU kernels' vectors as M.
 template <>
 struct Act<Activation::kGeluTanh> {
   template <typename M> C10_HOST_DEVICE static M inner(M z) {

@@ -1,8 +1,7 @@
 // glu's vectorized CPU kernels, compiled once per CPU build (common/cpu_isa.h): one pass over memory
 // per call, each element act(gate) * up in the math type M (float; double for float64) with
-// at::vec::Vectorized<M>, the functions of common/activation.h (float64: the same formulas; float:
-// gelu_tanh as z * sigmoid(2y) and, for 16-bit outputs, silu's exp to 20 ulp, see VecAct), 16-bit
-// types converted a 256-column tile at a time. Rows are split across threads.
+// at::vec::Vectorized<M>, the activations of common/cpu_activation.h, 16-bit types converted a
+// 256-column tile at a time. Rows are split across threads.
 #pragma once
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -11,6 +10,7 @@
 #include <algorithm>
 #include <type_traits>
 
+#include "common/cpu_activation.h"
 #include "common/cpu_vec.h"
 #include "common/cpu_vec_tile.h"
 #include "glu/glu_cpu.h"
@@ -20,79 +20,6 @@ namespace {
 
 template <typename M>
 using Vec = CpuVec<M>;
-
-// The activations of common/activation.h on vectors: forward<T>(z), and both<T>(z, f, d) giving the
-// value and the derivative from one set of transcendental calls (the backward needs both); T is
-// the storage type the results are rounded to.
-template <Activation A>
-struct VecAct;
-
-// exp for outputs of type T: at::vec's 20-ulp polynomial (exp_u20, what torch.compile's CPU code
-// calls) when T is 16-bit, whose rounding is 2^13 times coarser; SLEEF's 1-ulp exp otherwise.
-template <typename T, typename M>
-Vec<M> exp_for(Vec<M> v) {
-  if constexpr (kIsReducedFloat<T>) return v.exp_u20();
-  else return v.exp();
-}
-
-template <>
-struct VecAct<Activation::kSilu> {
-  template <typename T, typename M> static Vec<M> forward(Vec<M> z) {
-    return z / (Vec<M>(M(1)) + exp_for<T>(z.neg()));
-  }
-  template <typename T, typename M> static void both(Vec<M> z, Vec<M>& f, Vec<M>& d) {
-    const Vec<M> one(M(1));
-    const Vec<M> s = one / (one + exp_for<T>(z.neg()));
-    f = z * s;  // one divide a vector (the forward's z / (1 + exp(-z)) differs by an ulp at most)
-    d = s * (one + z * (one - s));
-  }
-};
-
-// float: 0.5 z (1 + tanh(y)) = z / (1 + exp(-2y)), the same function with one exp a vector instead of
-// a tanh (SLEEF's float tanh cost more than the rest of the op; the exp form has no cancellation in
-// 1 + tanh(y) for z << 0). double keeps the tanh form of common/activation.h.
-template <>
-struct VecAct<Activation::kGeluTanh> {
-  // y and y' on vectors: common/activation.h's polynomials, instantiated for Vec<M>.
-  template <typename M> static Vec<M> inner(Vec<M> z) { return Act<Activation::kGeluTanh>::inner(z); }
-  template <typename M> static Vec<M> dinner(Vec<M> z) { return Act<Activation::kGeluTanh>::dinner(z); }
-  template <typename T, typename M> static Vec<M> forward(Vec<M> z) {
-    const Vec<M> one(M(1));
-    if constexpr (std::is_same_v<M, float>) {
-      return z / (one + (Vec<M>(M(-2)) * inner(z)).exp());
-    } else {
-      return Vec<M>(M(0.5)) * z * (one + inner(z).tanh());
-    }
-  }
-  template <typename T, typename M> static void both(Vec<M> z, Vec<M>& f, Vec<M>& d) {
-    const Vec<M> one(M(1)), half(M(0.5));
-    if constexpr (std::is_same_v<M, float>) {
-      // s = sigmoid(2y) = (1 + tanh y) / 2; d = s + z * 0.5 (1 - tanh^2 y) y' = s + 2 z s (1 - s) y'.
-      const Vec<M> s = one / (one + (Vec<M>(M(-2)) * inner(z)).exp());
-      f = z * s;
-      d = s + Vec<M>(M(2)) * z * s * (one - s) * dinner(z);
-    } else {
-      const Vec<M> t = inner(z).tanh();
-      f = half * z * (one + t);
-      d = half * (one + t) + half * z * (one - t * t) * dinner(z);
-    }
-  }
-};
-
-template <>
-struct VecAct<Activation::kGelu> {
-  template <typename T, typename M> static Vec<M> forward(Vec<M> z) {
-    return Vec<M>(M(0.5)) * z * (Vec<M>(M(1)) + accurate_erf(z * Vec<M>(M(0.70710678118654752440))));
-  }
-  template <typename T, typename M> static void both(Vec<M> z, Vec<M>& f, Vec<M>& d) {
-    const Vec<M> one(M(1)), half(M(0.5));
-    const Vec<M> erf = accurate_erf(z * Vec<M>(M(0.70710678118654752440)));
-    f = half * z * (one + erf);
-    const Vec<M> cdf = half * (one + erf);
-    const Vec<M> pdf = (Vec<M>(M(-0.5)) * z * z).exp() * Vec<M>(M(0.39894228040143267794));
-    d = cdf + z * pdf;
-  }
-};
 
 constexpr int64_t kTile = kCpuTile;
 // Elements a task at least: below this, threads cost more than they save.
@@ -119,10 +46,10 @@ void forward_typed(const CpuForwardArgs& a) {
         T* o_dst = out + r * cols + c0;
         M* o = math_dst(o_dst, ob);
         int64_t i = 0;
-        for (; i + W <= n; i += W) (VecAct<A>::template forward<T, M>(V::loadu(g + i)) * V::loadu(u + i)).store(o + i);
+        for (; i + W <= n; i += W) (CpuAct<A>::template forward<T, M>(V::loadu(g + i)) * V::loadu(u + i)).store(o + i);
         if (i < n) {
           const int64_t k = n - i;
-          (VecAct<A>::template forward<T, M>(V::loadu(g + i, k)) * V::loadu(u + i, k)).store(o + i, k);
+          (CpuAct<A>::template forward<T, M>(V::loadu(g + i, k)) * V::loadu(u + i, k)).store(o + i, k);
         }
         tile_from_math(o, o_dst, n);
       }
@@ -157,7 +84,7 @@ void backward_typed(const CpuBackwardArgs& a) {
           const int64_t k = std::min<int64_t>(V::size(), n - i);
           const V grad = V::loadu(go + i, k);
           V f, d;
-          VecAct<A>::template both<T, M>(V::loadu(g + i, k), f, d);
+          CpuAct<A>::template both<T, M>(V::loadu(g + i, k), f, d);
           (grad * V::loadu(u + i, k) * d).store(gg + i, k);
           (grad * f).store(gu + i, k);
         }
