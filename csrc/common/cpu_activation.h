@@ -64,16 +64,16 @@ struct CpuAct<Activation::kSilu> {
   template <typename T, typename M> static CpuVec<M> forward(CpuVec<M> z) {
     return z / (CpuVec<M>(M(1)) + exp_for<T>(z.neg()));
   }
-  template <typename T, typename M> static CpuVec<M> derivative(CpuVec<M> z) {
-    const CpuVec<M> one(M(1));
-    const CpuVec<M> s = one / (one + exp_for<T>(z.neg()));
-    return s * (one + z * (one - s));
-  }
   template <typename T, typename M> static void both(CpuVec<M> z, CpuVec<M>& f, CpuVec<M>& d) {
     const CpuVec<M> one(M(1));
     const CpuVec<M> s = one / (one + exp_for<T>(z.neg()));
     f = z * s;  // one divide a vector (the forward's z / (1 + exp(-z)) differs by an ulp at most)
     d = s * (one + z * (one - s));
+  }
+  template <typename T, typename M> static CpuVec<M> derivative(CpuVec<M> z) {
+    CpuVec<M> f, d;
+    both<T, M>(z, f, d);
+    return d;
   }
 };
 
