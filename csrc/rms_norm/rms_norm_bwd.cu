@@ -10,7 +10,6 @@ template <typename T>
 LaunchPlan plan_backward(int64_t rows, int64_t cols, bool aligned) {
   return make_plan<T, BackwardRow>(
       rows, cols, aligned, /*one_wave=*/true, [](auto shape) { return backward_rows_kernel<T, decltype(shape)::value>; },
-      [](auto shape) { return weight_sums_bytes<T, BackwardRow<T, decltype(shape)::value>>(); },
       [](bool vectorized) {
         return vectorized ? backward_two_pass_kernel<T, kVecElems<T>> : backward_two_pass_kernel<T, 1>;
       });
@@ -20,7 +19,7 @@ template <typename T>
 void launch_backward(const BackwardParams<T>& params, const LaunchPlan& plan, void* grad_weight) {
   if (plan.row_shape >= 0) {
     with_row_shape(plan.row_shape, [&](auto shape) {
-      launch_kernel(backward_rows_kernel<T, decltype(shape)::value>, plan.grid, plan.block, plan.smem_bytes, params);
+      launch_kernel(backward_rows_kernel<T, decltype(shape)::value>, plan.grid, plan.block, 0, params);
     });
   } else {
     FUSEFORGE_BOOL_SWITCH(plan.vectorized, kVec, [&] {

@@ -9,7 +9,6 @@ template <typename T>
 LaunchPlan plan_forward(int64_t rows, int64_t cols, bool aligned) {
   return make_plan<T, ForwardRow>(
       rows, cols, aligned, /*one_wave=*/false, [](auto shape) { return forward_rows_kernel<T, decltype(shape)::value>; },
-      [](auto) { return size_t{0}; },
       [](bool vectorized) {
         return vectorized ? forward_two_pass_kernel<T, kVecElems<T>> : forward_two_pass_kernel<T, 1>;
       });

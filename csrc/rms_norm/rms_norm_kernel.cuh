@@ -87,6 +87,7 @@ __device__ __forceinline__ void store_floats(U* p, const float (&v)[N]) {
   }
 }
 
+
 // weight_offset + weight for the N columns from col, or 1 without a weight (no scale). The weight
 // is read for every row: it stays in L1/L2 and would cost registers the row needs.
 template <typename T, int N>
@@ -283,44 +284,10 @@ __global__ void __launch_bounds__(1024) forward_two_pass_kernel(const ForwardPar
 // With xhat = h * rstd and s = weight_offset + weight: grad_input = rstd * (g s - xhat * mean(g s
 // xhat)) (+ grad_residual_out); the weight gradient sums g * xhat over the rows.
 
-// A backward thread's weight-gradient sums, kVecs x E floats over all the rows its block takes. The
-// kernels are built for 64 registers (min_blocks_per_sm: four 256-thread blocks an SM, not the two
-// that 89-97 registers allowed, the DRAM idle while a block waits at its row's barrier). For 16-bit T
-// the sums live in shared memory, the thread's own slots at stride kThreads (no bank conflicts, no
-// barrier): in registers under that cap the bf16 kernels stored 84-174 bytes of spills, this way 8-12
-// (16384 x 8192 bf16 forward+backward 0.451 -> 0.390 ms; uncapped, bf16 still takes 90-94
-// registers). float32 fits 64 registers with the sums, and shared memory cost its kernels ~2%.
-template <typename T>
-inline constexpr bool kWeightSumsShared = sizeof(T) == 2;
-
-template <typename T, typename R>
-constexpr size_t weight_sums_bytes() {
-  return kWeightSumsShared<T> ? static_cast<size_t>(R::kThreads) * R::kVecs * R::kElems * sizeof(float) : 0;
-}
-
-template <typename R, bool kShared>
-struct WeightSums {  // in shared memory
-  float* mine;
-  __device__ __forceinline__ explicit WeightSums(float* smem) : mine(smem + threadIdx.x) {
-#pragma unroll
-    for (int i = 0; i < R::kVecs * R::kElems; ++i) mine[i * R::kThreads] = 0.f;
-  }
-  __device__ __forceinline__ float& at(int v, int j) { return mine[(v * R::kElems + j) * R::kThreads]; }
-};
-template <typename R>
-struct WeightSums<R, false> {  // in registers
-  float sums[R::kVecs][R::kElems];
-  __device__ __forceinline__ explicit WeightSums(float*) {
-#pragma unroll
-    for (int v = 0; v < R::kVecs; ++v)
-#pragma unroll
-      for (int j = 0; j < R::kElems; ++j) sums[v][j] = 0.f;
-  }
-  __device__ __forceinline__ float& at(int v, int j) { return sums[v][j]; }
-};
-
 // The backward's resident threads an SM that ptxas must leave room for (a compile-time knob, so
-// scripts/tune_variants.sh can build variants side by side).
+// scripts/tune_variants.sh can build variants side by side): 64 registers, four 256-thread blocks
+// an SM, not the two that 89-97 registers allowed (the DRAM idle while a block waits at its row's
+// barrier).
 #ifndef FUSEFORGE_RMS_NORM_BWD_THREADS_PER_SM
 #define FUSEFORGE_RMS_NORM_BWD_THREADS_PER_SM 1024
 #endif
@@ -337,12 +304,18 @@ __global__ void __launch_bounds__(BackwardRow<T, kShape>::kThreads, min_blocks_p
   constexpr int kExchange = R::kGroups > 1 ? R::kGroups * E * R::kThreadsPerRow : 1;
   __shared__ float red[2 * R::kWarps];
   __shared__ float exchange[kExchange];
-  extern __shared__ float weight_sums_smem[];  // weight_sums_bytes<T, R>()
   const int lane = threadIdx.x % R::kThreadsPerRow;
   const int slot = threadIdx.x / R::kThreadsPerRow;
   const int64_t vectors = p.cols / E;
   const bool want_weight = p.weight_partials != nullptr;  // uniform over the grid
-  WeightSums<R, kWeightSumsShared<T>> dw_sums(weight_sums_smem);
+  // The weight gradient's sums for this thread's columns over all the rows its block takes, in
+  // registers (ptxas fits them in the 64-register cap below without spills since the rows are
+  // packed words; in shared memory they cost 16384 x 8192 bf16 forward + backward 4%).
+  float dw[R::kVecs][E];
+#pragma unroll
+  for (int v = 0; v < R::kVecs; ++v)
+#pragma unroll
+    for (int j = 0; j < E; ++j) dw[v][j] = 0.f;
   int parity = 0;
   for (int64_t first = static_cast<int64_t>(blockIdx.x) * R::kRowsPerIter; first < p.rows;
        first += static_cast<int64_t>(gridDim.x) * R::kRowsPerIter, parity ^= 1) {
@@ -396,8 +369,7 @@ __global__ void __launch_bounds__(BackwardRow<T, kShape>::kThreads, min_blocks_p
         const float xhat = h[v].get(j) * rstd;
         const float gf = g[v].get(j);
         if (want_weight) {  // zero for masked elements (g = 0)
-          float& sum = dw_sums.at(v, j);
-          sum = fmaf(gf, xhat, sum);
+          dw[v][j] = fmaf(gf, xhat, dw[v][j]);
         }
         dot = fmaf(gf * s[j], xhat, dot);
       }
@@ -419,11 +391,6 @@ __global__ void __launch_bounds__(BackwardRow<T, kShape>::kThreads, min_blocks_p
     }
   }
   if (!want_weight) return;
-  float dw[R::kVecs][E];
-#pragma unroll
-  for (int v = 0; v < R::kVecs; ++v)
-#pragma unroll
-    for (int j = 0; j < E; ++j) dw[v][j] = dw_sums.at(v, j);
 
   // This block's weight-gradient partial: first across the row slots of a warp (butterfly: the
   // same sum in every lane of a column), then across groups in order through shared memory.
@@ -530,16 +497,12 @@ decltype(auto) with_row_shape(int index, F&& f) {
   }
 }
 
-// Resident blocks an SM of `kernel` at `threads` threads a block and smem_bytes of dynamic shared
-// memory, asked once a device.
+// Resident blocks an SM of `kernel` at `threads` threads a block, asked once a device.
 template <typename Kernel>
-int resident_blocks(std::atomic<int> (&cache)[kMaxCachedDevices], Kernel kernel, int threads, size_t smem_bytes = 0) {
+int resident_blocks(std::atomic<int> (&cache)[kMaxCachedDevices], Kernel kernel, int threads) {
   return cached_per_device(cache, [&] {
     int blocks = 0;
-    if (smem_bytes > 48 * 1024)
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(smem_bytes)));
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, smem_bytes));
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, 0));
     return blocks;
   });
 }
@@ -548,12 +511,10 @@ int resident_blocks(std::atomic<int> (&cache)[kMaxCachedDevices], Kernel kernel,
 // as few as the grid allows. Otherwise (the forward) a block for each kRowsPerIter rows (a two-pass
 // block for each row): the hardware hands a finished block's place to the next one at once, which
 // a grid-stride loop over a fixed wave does not. RowOf<T, S> is the direction's RowTraits of shape S;
-// row_kernel(std::integral_constant<int, S>) and two_pass_kernel(bool vectorized) name its kernels,
-// row_smem_bytes(std::integral_constant<int, S>) the row kernel's dynamic shared memory.
-template <typename T, template <typename, int> class RowOf, typename RowKernel, typename RowSmemBytes,
-          typename TwoPassKernel>
+// row_kernel(std::integral_constant<int, S>) and two_pass_kernel(bool vectorized) name its kernels.
+template <typename T, template <typename, int> class RowOf, typename RowKernel, typename TwoPassKernel>
 LaunchPlan make_plan(int64_t rows, int64_t cols, bool aligned, bool one_wave, RowKernel row_kernel,
-                     RowSmemBytes row_smem_bytes, TwoPassKernel two_pass_kernel) {
+                     TwoPassKernel two_pass_kernel) {
   constexpr int64_t kMaxGrid = 0x7fffffff;  // gridDim.x's limit; the kernels loop over any further rows
   static std::atomic<int> row_cache[kNumRowShapes][kMaxCachedDevices];
   static std::atomic<int> two_pass_cache[2][6][kMaxCachedDevices];  // by vectorized, log2(threads / 32)
@@ -566,8 +527,7 @@ LaunchPlan make_plan(int64_t rows, int64_t cols, bool aligned, bool one_wave, Ro
     with_row_shape(plan.row_shape, [&](auto shape) {
       constexpr int kShape = decltype(shape)::value;
       using R = RowOf<T, kShape>;
-      plan.smem_bytes = row_smem_bytes(shape);
-      const int64_t resident = resident_blocks(row_cache[kShape], row_kernel(shape), R::kThreads, plan.smem_bytes);
+      const int64_t resident = resident_blocks(row_cache[kShape], row_kernel(shape), R::kThreads);
       plan.block = dim3(R::kThreads);
       const int64_t cap = one_wave ? resident * sms : kMaxGrid;
       plan.grid = dim3(static_cast<unsigned>(std::min(ceil_div(rows, R::kRowsPerIter), cap)));

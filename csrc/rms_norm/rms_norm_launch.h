@@ -89,7 +89,6 @@ struct LaunchPlan {
   int row_shape = -1;       // index into k{Forward,Backward}RowShapes; -1: the two-pass kernel
   bool vectorized = false;  // 16-byte accesses (cols a multiple of a vector, pointers aligned)
   dim3 grid, block;         // grid.x blocks walk the rows in a grid-stride loop: the weight gradient's partials
-  size_t smem_bytes = 0;    // the rows kernel's dynamic shared memory (the backward's weight sums)
 };
 
 // Defined in rms_norm_fwd.cu / rms_norm_bwd.cu for float, at::Half, at::BFloat16. The backward's
