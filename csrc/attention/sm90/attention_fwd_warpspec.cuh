@@ -502,12 +502,10 @@ inline bool sm90a_kernels_runnable() {
 // Whether the TMA kernels may run: sm90a_kernels_runnable() and FUSEFORGE_ATTENTION_TMA not 0.
 // =1 makes them a requirement: require_tma raises where they cannot run (so a benchmark knows which
 // kernel it timed); unset takes them where they can.
-inline bool tma_kernels_allowed() {
-  const std::string mode = dev_choice("FUSEFORGE_ATTENTION_TMA", {"0", "1"});
-  return mode != "0" && sm90a_kernels_runnable();
-}
+inline std::string tma_mode() { return dev_choice("FUSEFORGE_ATTENTION_TMA", {"0", "1"}); }
+inline bool tma_kernels_allowed() { return tma_mode() != "0" && sm90a_kernels_runnable(); }
 inline bool require_tma(bool maps_ok) {
-  if (dev_string("FUSEFORGE_ATTENTION_TMA") == "1") {
+  if (tma_mode() == "1") {
     TORCH_CHECK(sm90a_kernels_runnable(),
                 "FUSEFORGE_ATTENTION_TMA=1: the TMA kernels cannot run here (they need a compute capability 9.0 "
                 "GPU and a build for TORCH_CUDA_ARCH_LIST=9.0a)");
