@@ -87,7 +87,6 @@ __device__ __forceinline__ void store_floats(U* p, const float (&v)[N]) {
   }
 }
 
-
 // weight_offset + weight for the N columns from col, or 1 without a weight (no scale). The weight
 // is read for every row: it stays in L1/L2 and would cost registers the row needs.
 template <typename T, int N>
