@@ -308,7 +308,7 @@ __global__ void __launch_bounds__(BackwardRow<T, kShape>::kThreads, min_blocks_p
   const int64_t vectors = p.cols / E;
   const bool want_weight = p.weight_partials != nullptr;  // uniform over the grid
   // The weight gradient's sums for this thread's columns over all the rows its block takes, in
-  // registers (ptxas fits them in the 64-register cap below without spills since the rows are
+  // registers (ptxas fits them in min_blocks_per_sm's 64 registers without spills since the rows are
   // packed words; in shared memory they cost 16384 x 8192 bf16 forward + backward 4%).
   float dw[R::kVecs][E];
 #pragma unroll
