@@ -1,13 +1,14 @@
 """Profiling tools on the benchmarks' cases and benchmarks/harness.py (a GPU unless noted).
 
-    python3 benchmarks/profiler.py ncu-cycles --cases D128/S16384/causal --impls fuseforge,sdpa_cudnn
+    python3 benchmarks/profiler.py ncu-cycles [--bench attention] --cases D128/S16384/causal --impls fuseforge,sdpa_cudnn
         [--passes fwd,fwdbwd] [--out benchmarks/results] [--traffic]
     python3 benchmarks/profiler.py kernel-times [--bench attention] [--cases D128/S1024/full] [--impls ...]
     python3 benchmarks/profiler.py e2e-attention-ab [--batch 16] [--pairs 12]   (--device cpu: a smoke test)
     python3 benchmarks/profiler.py workload OP ARGS...
 
-ncu-cycles   impls compared in cycles: every kernel of one warmed-up call summed under Nsight
-             Compute, which locks the SM clock (the power cap clocks each kernel by its own draw).
+ncu-cycles   impls compared in cycles: every kernel of one warmed-up call of any benchmark's case
+             summed under Nsight Compute, which locks the SM clock (the power cap clocks each kernel
+             by its own draw).
 kernel-times every kernel one call launches and the device's idle time between them (torch.profiler).
 e2e-attention-ab  what fuseforge attention saves inside a training step: one model, its attention
              alternated with transformers' SDPA in A B B A steps.
@@ -51,9 +52,9 @@ WORKLOAD_DOC = """A few calls of one op at one case, for profilers that wrap a p
    profiler.py workload adamw llama1b fp32|bf16-master
    profiler.py workload attention D128/S4096/full fuseforge|sdpa_flash|sdpa_cudnn
    profiler.py workload attention docs/T32768/H16/D128/causal fuseforge|flex   (bench_attention_varlen's cases)
-   ncu --profile-from-start off python3 benchmarks/profiler.py workload attention_profiled CASE IMPL [fwd|fwdbwd]
-     (one warmed-up forward, or forward+backward, inside cudaProfilerStart / Stop; IMPL cublas_gemm:
-     one matmul with the case's useful FLOPs)
+   ncu --profile-from-start off python3 benchmarks/profiler.py workload profiled BENCH CASE IMPL [fwd|fwdbwd]
+     (one warmed-up pass of bench_BENCH.py's case by one impl inside cudaProfilerStart / Stop; attention's
+     IMPL cublas_gemm: one matmul with the case's useful FLOPs)
    ncu --kernel-name regex:backward_kernel --launch-skip 2 --launch-count 1 python3 benchmarks/profiler.py workload ...
 """
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -141,6 +142,29 @@ def attention_call(case: str, impl: str, pass_: str = "fwdbwd"):
     return lambda: torch.autograd.grad(forward(), qkv, g)
 
 
+def bench_cases(bench: str, keys: str) -> list:
+    """The cases of bench_<bench>.py that comma-separated `keys` name, by a part of the name as the
+    benchmarks' --cases takes it (B1/Hq32: attention's 8B Llama case), or any shape its setup reads."""
+    module = importlib.import_module(f"bench_{bench}")
+    cases = []
+    for key in keys.split(","):
+        matches = [c for c in module.CASES if key in c]
+        cases += matches if matches and key not in module.CASES else [key]
+    return cases
+
+
+def bench_call(bench: str, case: str, impl: str, pass_: str = "fwdbwd"):
+    """A callable running one pass of one impl of a case of any benchmark with a setup(case) (its
+    Bench's fn); attention's cases as attention_call takes them."""
+    if bench == "attention":
+        return attention_call(case, impl, pass_)
+    module = importlib.import_module(f"bench_{bench}")
+    for b in module.setup(case):
+        if b.impl == impl and b.pass_ == pass_:
+            return b.fn
+    sys.exit(f"bench_{bench}.py has no impl {impl!r} with pass {pass_!r} for case {case!r}")
+
+
 def workload_attention(case: str, impl: str) -> None:
     """Forward + backward of one attention benchmark case, by one impl."""
     fwdbwd = attention_call(case, impl)
@@ -148,11 +172,11 @@ def workload_attention(case: str, impl: str) -> None:
         fwdbwd()
 
 
-def workload_attention_profiled(case: str, impl: str, pass_: str = "fwdbwd") -> None:
-    """One forward + backward (or forward: pass_ "fwd"), warmed up, then once more inside
-    cudaProfilerStart / Stop, so `ncu --profile-from-start off` takes every kernel of exactly one call."""
+def workload_profiled(bench: str, case: str, impl: str, pass_: str = "fwdbwd") -> None:
+    """One pass of one impl of a benchmark's case, warmed up, then once more inside cudaProfilerStart /
+    Stop, so `ncu --profile-from-start off` takes every kernel of exactly one call."""
     import torch
-    call = attention_call(case, impl, pass_)
+    call = bench_call(bench, case, impl, pass_)
     for _ in range(2):
         call()
     torch.cuda.synchronize()
@@ -163,7 +187,7 @@ def workload_attention_profiled(case: str, impl: str, pass_: str = "fwdbwd") -> 
 
 
 WORKLOADS = {"add_mul_act": workload_add_mul_act, "adamw": workload_adamw, "attention": workload_attention,
-             "attention_profiled": workload_attention_profiled}
+             "profiled": workload_profiled}
 
 
 def cmd_workload(args) -> None:
@@ -175,16 +199,18 @@ def cmd_workload(args) -> None:
 # ---------------------------------------------------------------------------------------------
 # ncu-cycles: impls compared in cycles at Nsight Compute's locked clock
 
-NCU_DOC = """Every kernel of one attention forward+backward (or forward), per impl, under ncu at its locked
-SM clock: impls compared in cycles, apart from the clock each gets at the power cap.
+NCU_DOC = """Every kernel of one forward+backward (or forward) of a benchmark's case, per impl, under ncu at
+its locked SM clock: impls compared in cycles, apart from the clock each gets at the power cap.
    profiler.py ncu-cycles --cases docs/T32768/H16/D128/causal,window4096/B2/H16/S16384/D128/causal \\
        --impls fuseforge,flex
    profiler.py ncu-cycles --cases D64/S1024/full,D128/S16384/causal --impls fuseforge,sdpa_cudnn \\
        --passes fwd,fwdbwd --out benchmarks/results    (writes attention_ncu_cycles.json / .md there)
-Cases of bench_attention.py ("D128/S16384/causal": impls fuseforge, sdpa_cudnn, sdpa_flash, and
-cublas_gemm: one bf16 matmul with the case's useful FLOPs, the GEMM ceiling at the same clock) or of
-bench_attention_varlen.py (fuseforge, flex). Runs `ncu --profile-from-start off` on
-`profiler.py workload attention_profiled` and prints, per impl and pass, the kernels' summed duration
+   profiler.py ncu-cycles --bench rotary --cases 16x4x128/bf16 --impls fuseforge,liger --passes fwd --traffic
+--bench attention (the default): cases of bench_attention.py ("D128/S16384/causal": impls fuseforge,
+sdpa_cudnn, sdpa_flash, and cublas_gemm: one bf16 matmul with the case's useful FLOPs, the GEMM
+ceiling at the same clock) or of bench_attention_varlen.py (fuseforge, flex). Any other --bench: the
+cases and impls of bench_<bench>.py (a case by a part of its name). Runs `ncu --profile-from-start
+off` on `profiler.py workload profiled` and prints, per impl and pass, the kernels' summed duration
 and elapsed cycles and its five longest kernels, then a table of the peers' ratios (with --out also
 <name>.json, with the GPU, torch and commit, and <name>.md, which benchmarks/report.py renders into
 docs/benchmarks.md). ncu flushes the caches before each kernel and serializes them, so the sums leave
@@ -252,12 +278,12 @@ def parse_ncu_csv(text: str, traffic: tuple = ()) -> dict:
     return kernels
 
 
-def ncu_profile(case: str, impl: str, pass_: str, traffic: tuple = ()) -> Optional[dict]:
-    """parse_ncu_csv of one forward+backward (pass_ "fwdbwd") or forward; None where ncu refused the
-    traffic metrics (the caller then profiles without them)."""
+def ncu_profile(bench: str, case: str, impl: str, pass_: str, traffic: tuple = ()) -> Optional[dict]:
+    """parse_ncu_csv of one pass ("fwd", "fwdbwd") of bench_<bench>.py's case by one impl; None where
+    ncu refused the traffic metrics (the caller then profiles without them)."""
     metrics = ",".join(["gpu__time_duration.sum", "sm__cycles_elapsed.max"] + [t[1] for t in traffic])
     cmd = ["ncu", "--profile-from-start", "off", "--metrics", metrics, "--csv",
-           sys.executable, os.path.abspath(__file__), "workload", "attention_profiled", case, impl, pass_]
+           sys.executable, os.path.abspath(__file__), "workload", "profiled", bench, case, impl, pass_]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     try:
         return parse_ncu_csv(done.stdout, traffic)
@@ -305,6 +331,7 @@ def traffic_table(result: dict) -> str:
 
 
 def cmd_ncu_cycles(args) -> None:
+    args.name = args.name or f"{args.bench}_ncu_cycles"
     result = {"op": args.name, **harness.env_info(), "rows": []}
     path = os.path.join(args.out, args.name + ".json")
     if args.append and os.path.exists(path):
@@ -316,13 +343,14 @@ def cmd_ncu_cycles(args) -> None:
         result["dates"] = earlier.get("dates", [earlier["date"]]) + [result["date"]]  # one per run
     impls = args.impls.split(",")
     traffic = available_traffic() if args.traffic else ()
-    for case in args.cases.split(","):
+    cases = args.cases.split(",") if args.bench == "attention" else bench_cases(args.bench, args.cases)
+    for case in cases:
         for pass_ in args.passes.split(","):
             for impl in impls:
-                kernels = ncu_profile(case, impl, pass_, traffic)
+                kernels = ncu_profile(args.bench, case, impl, pass_, traffic)
                 if kernels is None:  # the cycles still count: this row and the rest without traffic
                     traffic = ()
-                    kernels = ncu_profile(case, impl, pass_)
+                    kernels = ncu_profile(args.bench, case, impl, pass_)
                 kernels = kernels.values()
                 ms, cyc = sum(x["ms"] for x in kernels), sum(x["cycles"] for x in kernels)
                 row = {"case": case, "pass": pass_, "impl": impl, "kernels": len(kernels), "ms": round(ms, 4),
@@ -357,8 +385,8 @@ def cmd_ncu_cycles(args) -> None:
 # ---------------------------------------------------------------------------------------------
 # kernel-times: every kernel of one call and the idle time between kernels
 
-KERNEL_TIMES_DOC = """Device time of every kernel one call launches, per impl, for cases of bench_attention.py or
-bench_attention_varlen.py (torch.profiler, after warm-up; the mean over a few calls). Shows where a
+KERNEL_TIMES_DOC = """Device time of every kernel one call launches, per impl, for cases of a benchmark (--bench:
+bench_<bench>.py, default attention; torch.profiler, after warm-up; the mean over a few calls). Shows where a
 pass's time goes beyond its main kernel (fuseforge's row_dot, dq_accum zeroing and dq convert kernels
 beside cuDNN's) and the device's idle time between consecutive kernels (launch latency and ramp: what
 programmatic dependent launch can hide), by kernel pair.
@@ -403,13 +431,7 @@ def cmd_kernel_times(args) -> None:
     import torch
     bench = importlib.import_module(f"bench_{args.bench}")
     impls = args.impls.split(",")
-    # A case of the benchmark's list by a part of its name, as the benchmarks' --cases takes it
-    # (B1/Hq32: its 8B Llama case), or any shape the benchmark's setup reads.
-    cases = []
-    for key in args.cases.split(","):
-        matches = [c for c in bench.CASES if key in c]
-        cases += matches if matches and key not in bench.CASES else [key]
-    for case in cases:
+    for case in bench_cases(args.bench, args.cases):
         for b in bench.setup(case):
             if b.pass_ != args.pass_ or b.impl not in impls:
                 continue
@@ -674,11 +696,13 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("ncu-cycles", description=NCU_DOC, formatter_class=raw, help="impls compared in cycles under ncu")
+    s.add_argument("--bench", default="attention",
+                   help="the benchmark whose cases and impls run: bench_<bench>.py (default attention)")
     s.add_argument("--cases", default="docs/T32768/H16/D128/causal")
     s.add_argument("--impls", default="fuseforge,flex")
     s.add_argument("--passes", default="fwdbwd", help="comma-separated: fwd, fwdbwd")
     s.add_argument("--out", default="", help="folder for <name>.json / <name>.md")
-    s.add_argument("--name", default="attention_ncu_cycles")
+    s.add_argument("--name", default="", help="default <bench>_ncu_cycles")
     s.add_argument("--append", action="store_true",
                    help="add to the rows of <out>/<name>.json (a grid measured in several runs; same commit only)")
     s.add_argument("--traffic", action="store_true", help="also sum each call's L2 / DRAM / shared-memory traffic")
@@ -686,7 +710,7 @@ def parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("kernel-times", description=KERNEL_TIMES_DOC, formatter_class=raw,
                        help="every kernel of one call and the idle time between them")
-    s.add_argument("--bench", default="attention", choices=["attention", "attention_varlen"])
+    s.add_argument("--bench", default="attention", help="bench_<bench>.py's cases and impls (default attention)")
     s.add_argument("--cases", default="D128/S1024/full,D128/S16384/full")
     s.add_argument("--impls", default="fuseforge,sdpa_cudnn")
     s.add_argument("--pass", dest="pass_", default="fwdbwd")

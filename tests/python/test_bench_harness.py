@@ -160,6 +160,20 @@ def test_ncu_csv_traffic_columns(monkeypatch):
     assert "| c | fwdbwd | fuseforge | 3.5 | 1541 | 32 |" in table and "| l2_MB | l2_red_MB |" in table
 
 
+def test_profiler_takes_any_benchmarks_cases(monkeypatch):
+    """`profiler.py ncu-cycles / kernel-times --bench B`: cases of bench_B.py by a part of their name
+    (or a shape as given), and one pass of one impl as its setup builds it; a missing impl is named."""
+    prof = _profiler(monkeypatch)
+    monkeypatch.delitem(sys.modules, "bench_rotary", raising=False)
+    assert prof.bench_cases("rotary", "16x4x128,2x256/8x2x64/fp32") == ["8x2048/16x4x128/bf16", "2x256/8x2x64/fp32"]
+    call = prof.bench_call("rotary", "2x256/8x2x64/fp32", "fuseforge", "fwd")
+    q_out, k_out = call()
+    assert q_out.shape == (2, 8, 256, 64) and k_out.shape == (2, 2, 256, 64)
+    with pytest.raises(SystemExit, match="no impl 'nope' with pass 'fwd'"):
+        prof.bench_call("rotary", "2x256/8x2x64/fp32", "nope", "fwd")
+    assert prof.parser().parse_args(["ncu-cycles", "--bench", "rotary"]).bench == "rotary"
+
+
 def test_e2e_attention_ab_runs_both_attentions_on_the_cpu(tmp_path):
     """`profiler.py e2e-attention-ab` (the training step's attention A/B) on a tiny Llama on the CPU:
     every fuseforge step ran fuseforge's attention in every layer (the subcommand checks the patch's
