@@ -133,8 +133,8 @@ def attention_call(case: str, impl: str, pass_: str = "fwdbwd"):
         return gemm_call(case, pass_)
     if not case.startswith(("D", "B")):
         import bench_attention_varlen
-        bench_attention_varlen._selected_impls[:] = [impl]
-        return next(b.fn for b in bench_attention_varlen.setup(case) if b.impl == impl and b.pass_ == pass_)
+        bench_attention_varlen._selected_impls[:] = [impl]  # its setup builds only these
+        return bench_call("attention_varlen", case, impl, pass_)
     qkv, forward = attention_case(case, impl)
     if pass_ == "fwd":
         return forward
