@@ -80,19 +80,6 @@ struct PackedElements {
   __device__ __forceinline__ void load(const U* p) {
     words = load_vector<uint32_t, kWords>(reinterpret_cast<const uint32_t*>(p));
   }
-  // The same load with the evict-last priority (ld.global.L1::evict_last; SASS LDG.E.EL, which the
-  // L2 honours too).
-  __device__ __forceinline__ void load_evict_last(const U* p) {
-    if constexpr (kWords == 4) {
-      asm("ld.global.L1::evict_last.v4.u32 {%0, %1, %2, %3}, [%4];"
-                   : "=r"(words.val[0]), "=r"(words.val[1]), "=r"(words.val[2]), "=r"(words.val[3])
-                   : "l"(p));
-    } else if constexpr (kWords == 2) {
-      asm("ld.global.L1::evict_last.v2.u32 {%0, %1}, [%2];" : "=r"(words.val[0]), "=r"(words.val[1]) : "l"(p));
-    } else {
-      asm("ld.global.L1::evict_last.u32 %0, [%1];" : "=r"(words.val[0]) : "l"(p));
-    }
-  }
   __device__ __forceinline__ void store(U* p) const {
     store_vector<uint32_t, kWords>(reinterpret_cast<uint32_t*>(p), words);
   }

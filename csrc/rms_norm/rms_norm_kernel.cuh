@@ -179,14 +179,13 @@ __global__ void __launch_bounds__(ForwardRow<T, kShape>::kThreads) forward_rows_
     const int64_t row = first + slot;
     const bool row_ok = row < p.rows;
     const int64_t base = row * p.cols;
-    // The row as words (PackedElements): 16-bit elements two to a register. Loaded evict-last, as
-    // torch.compile's norm marks its first read of the row (docs/design/rms_norm.md, Tried).
+    // The row as words (PackedElements): 16-bit elements two to a register.
     PackedElements<T, E> h[R::kVecs];
 #pragma unroll
     for (int v = 0; v < R::kVecs; ++v) {
       const int64_t vi = static_cast<int64_t>(v) * R::kThreadsPerRow + lane;
       if (row_ok && vi < vectors) {
-        h[v].load_evict_last(p.x + base + vi * E);
+        h[v].load(p.x + base + vi * E);
       } else {
         h[v].set_zero();
       }
@@ -197,7 +196,7 @@ __global__ void __launch_bounds__(ForwardRow<T, kShape>::kThreads) forward_rows_
       for (int v = 0; v < R::kVecs; ++v) {
         const int64_t vi = static_cast<int64_t>(v) * R::kThreadsPerRow + lane;
         if (row_ok && vi < vectors) {
-          r[v].load_evict_last(p.residual + base + vi * E);
+          r[v].load(p.residual + base + vi * E);
         } else {
           r[v].set_zero();
         }
