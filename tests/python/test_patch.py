@@ -6,6 +6,7 @@ import copy
 import importlib
 import inspect
 import math
+import sys
 import types
 
 import pytest
@@ -72,6 +73,18 @@ def tiny_config(family: str, head_dim: int = 16, **extra):
                                              query_pre_attn_scalar=head_dim, pad_token_id=0, **common)
     if family == "olmo2":  # norms after each block; q / k norms over the whole projections
         return transformers.Olmo2Config(**common)
+    if family == "olmo3":  # OLMo 2's layer with a sliding and a full layer, a rotary table per layer type
+        rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 500000.0}}
+        return transformers.Olmo3Config(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
+                                        rope_parameters=rope, pad_token_id=0, eos_token_id=1, bos_token_id=2, **common)
+    if family == "ministral":  # Mistral's layer with a sliding and a full layer
+        return transformers.MinistralConfig(sliding_window=WINDOW,
+                                            layer_types=["sliding_attention", "full_attention"], **common)
+    if family == "helium":  # interleaved rotary over the whole head
+        return transformers.HeliumConfig(pad_token_id=0, eos_token_id=1, bos_token_id=2, **common)
+    if family == "ernie4_5":  # interleaved rotary over the whole head, tied embeddings
+        return transformers.Ernie4_5Config(pad_token_id=0, eos_token_id=1, bos_token_id=2, **common)
     if family == "granite":  # multipliers on the embedding, the attention, the residual and the logits
         return transformers.GraniteConfig(embedding_multiplier=1.5, attention_multiplier=0.3, residual_multiplier=0.6,
                                           logits_scaling=2.5, **common)
@@ -89,7 +102,9 @@ def tiny_config(family: str, head_dim: int = 16, **extra):
 MODEL_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mistral-swa": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen2-swa": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-                 "olmo2": "Olmo2ForCausalLM", "granite": "GraniteForCausalLM", "glm": "GlmForCausalLM"}
+                 "olmo2": "Olmo2ForCausalLM", "granite": "GraniteForCausalLM", "glm": "GlmForCausalLM",
+                 "olmo3": "Olmo3ForCausalLM", "ministral": "MinistralForCausalLM", "helium": "HeliumForCausalLM",
+                 "ernie4_5": "Ernie4_5ForCausalLM"}
 
 
 def exact_norm_forward(self, x):
@@ -112,18 +127,33 @@ def exact_rotary_forward(self, x, position_ids, layer_type=None):
     return (emb.cos() * scaling).to(x.dtype), (emb.sin() * scaling).to(x.dtype)
 
 
+def exact_interleaved_rotary(q, k, cos, sin, unsqueeze_dim=1):
+    """ERNIE 4.5's apply_rotary_pos_emb in the inputs' dtype: its own computes in float32 whatever the
+    input (the same for float32 inputs)."""
+    cos = cos.unsqueeze(unsqueeze_dim)[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
+    sin = sin.unsqueeze(unsqueeze_dim)[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
+
+    def rotate(x):
+        return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+    return q * cos + rotate(q) * sin, k * cos + rotate(k) * sin
+
+
 def make_model(family: str, dtype=torch.float32, device="cpu", **extra):
     """A tiny random model; in float64 its RMSNorms and rotary embedding compute in float64
     (exact_norm_forward, exact_rotary_forward)."""
     from transformers.modeling_rope_utils import dynamic_rope_update
     from fuseforge.patch.layers import NORMS
-    cls = getattr(transformers, MODEL_CLASSES[family])
+    cls = getattr(transformers, MODEL_CLASSES[family], None)
+    if cls is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {MODEL_CLASSES[family]}")
     torch.manual_seed(0)
     model = cls(tiny_config(family, **extra))
     with torch.no_grad():  # random norms and biases too, so every parameter is exercised
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
     if dtype == torch.float64:
+        if family == "ernie4_5":
+            sys.modules[cls.__module__].apply_rotary_pos_emb = exact_interleaved_rotary
         for m in model.modules():
             if type(m).__name__ in NORMS:
                 m.forward = types.MethodType(exact_norm_forward, m)
@@ -159,11 +189,11 @@ def kernel_calls():
     return stats["fuseforge"], stats["sdpa"], stats["varlen"]
 
 
-SLIDING = ("mistral-swa", "qwen2-swa", "phi3", "gemma2", "gemma3")  # families with a window that binds
+SLIDING = ("mistral-swa", "qwen2-swa", "phi3", "gemma2", "gemma3", "olmo3", "ministral")  # a window that binds
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "mistral-swa", "qwen2-swa", "phi3", "gemma2",
-                                    "gemma3", "olmo2", "granite", "glm"])
+                                    "gemma3", "olmo2", "granite", "glm", "olmo3", "ministral", "helium", "ernie4_5"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 def test_patched_loss_and_gradients_match_unpatched(family, dtype):
     """An unpacked batch (sliding windows and softcapping by the kernel, no fallback)."""
@@ -411,7 +441,7 @@ def test_unsupported_model_is_refused():
 @requires_cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize("family,head_dim", [("llama", 64), ("qwen2", 64), ("qwen3", 128), ("phi3", 96),
-                                             ("gemma3", 256)])
+                                             ("gemma3", 256), ("olmo3", 128), ("ernie4_5", 128)])
 def test_bf16_cuda_matches_unpatched(family, head_dim):
     """The recommended recipe: bf16 weights; each family at a kernel head dim (Phi-3-mini's 96, Gemma 3's
     256, whose backward is sm_90a code: elsewhere the patch sends it to SDPA)."""
@@ -471,7 +501,8 @@ def reference_packed(model, batch):
     return loss, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral-swa", "qwen2-swa", "qwen3", "phi3", "gemma2", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "mistral-swa", "qwen2-swa", "qwen3", "phi3", "gemma2", "gemma3", "olmo3",
+                                    "ministral", "ernie4_5"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 @pytest.mark.parametrize("use_cache", [False, None], ids=["no_cache", "default_cache"])
 def test_packed_batch_matches_unpatched(family, dtype, use_cache):
@@ -687,10 +718,12 @@ def test_packed_bf16_cuda_matches_unpatched(family, head_dim):
 # ----------------------------------------------------------------------------------------------
 # The decoder layers: RMSNorm, rotary, the gated MLP and the residual add (fuseforge.patch.layers)
 
-LAYER_FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "olmo2", "granite", "glm"]
-# Families whose residual add goes into a norm (OLMo 2 normalises before the add, Granite scales the block's
-# output there).
-FUSED_RESIDUAL = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "glm")
+LAYER_FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "olmo2", "granite", "glm", "olmo3",
+                  "ministral", "helium", "ernie4_5"]
+# Families whose residual add goes into a norm (OLMo 2 / 3 normalise before the add, Granite scales the
+# block's output there).
+FUSED_RESIDUAL = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "glm", "ministral", "helium",
+                  "ernie4_5")
 LAYER_FEATURES = ("rms_norm", "rotary", "glu", "fuse_residual")
 
 

@@ -1,5 +1,6 @@
 """`fuseforge.patch(model)` / `fuseforge.unpatch(model)` for Hugging Face Llama-family models (Llama,
-Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3, OLMo 2, Granite, GLM: SUPPORTED_MODELS).
+Mistral, Ministral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3, OLMo 2, OLMo 3, Granite, GLM, Helium,
+ERNIE 4.5: SUPPORTED_MODELS).
 
 patch() does three things to one model instance and nothing else (each can be turned off):
 
@@ -69,10 +70,11 @@ __all__ = ["ATTN_IMPLEMENTATION", "SUPPORTED_MODELS", "KernelMask", "causal_lm_l
            "fuseforge_mask", "is_patched", "patch", "stats", "unpatch"]
 
 SUPPORTED_MODELS = ("LlamaForCausalLM", "LlamaModel", "MistralForCausalLM", "MistralModel",
-                    "Qwen2ForCausalLM", "Qwen2Model", "Qwen3ForCausalLM", "Qwen3Model", "Phi3ForCausalLM",
-                    "Phi3Model", "Gemma2ForCausalLM", "Gemma2Model", "Gemma3ForCausalLM", "Gemma3TextModel",
-                    "Olmo2ForCausalLM", "Olmo2Model", "GraniteForCausalLM", "GraniteModel", "GlmForCausalLM",
-                    "GlmModel")
+                    "MinistralForCausalLM", "MinistralModel", "Qwen2ForCausalLM", "Qwen2Model",
+                    "Qwen3ForCausalLM", "Qwen3Model", "Phi3ForCausalLM", "Phi3Model", "Gemma2ForCausalLM",
+                    "Gemma2Model", "Gemma3ForCausalLM", "Gemma3TextModel", "Olmo2ForCausalLM", "Olmo2Model",
+                    "Olmo3ForCausalLM", "Olmo3Model", "GraniteForCausalLM", "GraniteModel", "GlmForCausalLM",
+                    "GlmModel", "HeliumForCausalLM", "HeliumModel", "Ernie4_5ForCausalLM", "Ernie4_5Model")
 
 _STATE = "_fuseforge_patch"
 
@@ -83,11 +85,10 @@ def is_patched(model: nn.Module) -> bool:
 
 def patch(model: nn.Module, *, attention: bool = True, loss: bool = True, rms_norm: bool = True,
           rotary: bool = True, glu: bool = True, fuse_residual: bool = True) -> nn.Module:
-    """Routes a Llama / Mistral / Qwen2 / Qwen3 / Phi-3 / Gemma 2 / Gemma 3 / OLMo 2 / Granite / GLM model
-    (SUPPORTED_MODELS) through fuseforge: the
-    attention, for the ForCausalLM classes the training loss (linear_cross_entropy), and in the decoder
-    layers RMSNorm, rotary embeddings, the gated MLP's activation and the residual add fused into the
-    next norm (fuseforge.patch.layers). Each keyword turns one of them off. In place; returns the model.
+    """Routes a model of a supported family (SUPPORTED_MODELS) through fuseforge: the attention, for the
+    ForCausalLM classes the training loss (linear_cross_entropy), and in the decoder layers RMSNorm,
+    rotary embeddings, the gated MLP's activation and the residual add fused into the next norm
+    (fuseforge.patch.layers). Each keyword turns one of them off. In place; returns the model.
     Patching a patched model does nothing."""
     from fuseforge.patch.layers import patch_layers
     name = type(model).__name__

@@ -31,20 +31,21 @@ from fuseforge.ops.rms_norm import rms_norm
 from fuseforge.ops.rotary import rotary
 
 # RMSNorm classes and their weight offset: 0 for w * x, 1 for Gemma's (1 + w) * x.
-NORMS = {"LlamaRMSNorm": 0.0, "MistralRMSNorm": 0.0, "Qwen2RMSNorm": 0.0, "Qwen3RMSNorm": 0.0,
-         "Phi3RMSNorm": 0.0, "Olmo2RMSNorm": 0.0, "GraniteRMSNorm": 0.0, "GlmRMSNorm": 0.0,
-         "Gemma2RMSNorm": 1.0, "Gemma3RMSNorm": 1.0}
+NORMS = {"LlamaRMSNorm": 0.0, "MistralRMSNorm": 0.0, "MinistralRMSNorm": 0.0, "Qwen2RMSNorm": 0.0,
+         "Qwen3RMSNorm": 0.0, "Phi3RMSNorm": 0.0, "Olmo2RMSNorm": 0.0, "Olmo3RMSNorm": 0.0, "GraniteRMSNorm": 0.0,
+         "GlmRMSNorm": 0.0, "HeliumRMSNorm": 0.0, "Ernie4_5RMSNorm": 0.0, "Gemma2RMSNorm": 1.0, "Gemma3RMSNorm": 1.0}
 # Hugging Face activation names and glu's.
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
                "gelu_fast": None, "gelu": "gelu"}
 # Decoder layers whose norms sit before each block (Llama) or around it (Gemma 2 / 3's four norms).
 # OLMo 2 normalises after each block, before the add, and Granite scales the block's output before
-# the add: their residual adds stay as they are.
-PRE_NORM_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
-                   "Phi3DecoderLayer", "GlmDecoderLayer")
+# the add (OLMo 3 too): their residual adds stay as they are.
+PRE_NORM_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "MinistralDecoderLayer", "Qwen2DecoderLayer",
+                   "Qwen3DecoderLayer", "Phi3DecoderLayer", "GlmDecoderLayer", "HeliumDecoderLayer",
+                   "Ernie4_5DecoderLayer")
 SANDWICH_LAYERS = ("Gemma2DecoderLayer", "Gemma3DecoderLayer")
 # Attention classes whose rotation pairs dims 2i and 2i + 1 (GLM's) instead of i and i + R / 2.
-INTERLEAVED_ROTARY = ("GlmAttention",)
+INTERLEAVED_ROTARY = ("GlmAttention", "HeliumAttention", "Ernie4_5Attention")
 FEATURES = ("rms_norm", "rotary", "glu", "fuse_residual")
 
 _PATCHED = "_fuseforge_layer_patch"
