@@ -83,6 +83,10 @@ def tiny_config(family: str, head_dim: int = 16, **extra):
                                             layer_types=["sliding_attention", "full_attention"], **common)
     if family == "helium":  # interleaved rotary over the whole head
         return transformers.HeliumConfig(pad_token_id=0, eos_token_id=1, bos_token_id=2, **common)
+    if family == "smollm3":  # layer 1 without rotary (NoPE), layer 0 sliding, tied embeddings
+        return transformers.SmolLM3Config(no_rope_layers=[1, 0], use_sliding_window=True, sliding_window=WINDOW,
+                                          layer_types=["sliding_attention", "full_attention"], pad_token_id=0,
+                                          eos_token_id=1, bos_token_id=2, **common)
     if family == "ernie4_5":  # interleaved rotary over the whole head, tied embeddings
         return transformers.Ernie4_5Config(pad_token_id=0, eos_token_id=1, bos_token_id=2, **common)
     if family == "granite":  # multipliers on the embedding, the attention, the residual and the logits
@@ -104,7 +108,7 @@ MODEL_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "
                  "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
                  "olmo2": "Olmo2ForCausalLM", "granite": "GraniteForCausalLM", "glm": "GlmForCausalLM",
                  "olmo3": "Olmo3ForCausalLM", "ministral": "MinistralForCausalLM", "helium": "HeliumForCausalLM",
-                 "ernie4_5": "Ernie4_5ForCausalLM"}
+                 "ernie4_5": "Ernie4_5ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
 
 
 def exact_norm_forward(self, x):
@@ -189,11 +193,12 @@ def kernel_calls():
     return stats["fuseforge"], stats["sdpa"], stats["varlen"]
 
 
-SLIDING = ("mistral-swa", "qwen2-swa", "phi3", "gemma2", "gemma3", "olmo3", "ministral")  # a window that binds
+SLIDING = ("mistral-swa", "qwen2-swa", "phi3", "gemma2", "gemma3", "olmo3", "ministral", "smollm3")  # windows
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "mistral-swa", "qwen2-swa", "phi3", "gemma2",
-                                    "gemma3", "olmo2", "granite", "glm", "olmo3", "ministral", "helium", "ernie4_5"])
+                                    "gemma3", "olmo2", "granite", "glm", "olmo3", "ministral", "helium", "ernie4_5",
+                                    "smollm3"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 def test_patched_loss_and_gradients_match_unpatched(family, dtype):
     """An unpacked batch (sliding windows and softcapping by the kernel, no fallback)."""
@@ -502,7 +507,7 @@ def reference_packed(model, batch):
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral-swa", "qwen2-swa", "qwen3", "phi3", "gemma2", "gemma3", "olmo3",
-                                    "ministral", "ernie4_5"])
+                                    "ministral", "ernie4_5", "smollm3"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 @pytest.mark.parametrize("use_cache", [False, None], ids=["no_cache", "default_cache"])
 def test_packed_batch_matches_unpatched(family, dtype, use_cache):
@@ -719,11 +724,11 @@ def test_packed_bf16_cuda_matches_unpatched(family, head_dim):
 # The decoder layers: RMSNorm, rotary, the gated MLP and the residual add (fuseforge.patch.layers)
 
 LAYER_FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "olmo2", "granite", "glm", "olmo3",
-                  "ministral", "helium", "ernie4_5"]
+                  "ministral", "helium", "ernie4_5", "smollm3"]
 # Families whose residual add goes into a norm (OLMo 2 / 3 normalise before the add, Granite scales the
 # block's output there).
 FUSED_RESIDUAL = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "glm", "ministral", "helium",
-                  "ernie4_5")
+                  "ernie4_5", "smollm3")
 LAYER_FEATURES = ("rms_norm", "rotary", "glu", "fuse_residual")
 
 
@@ -762,7 +767,9 @@ def test_decoder_layers_run_the_fused_ops_and_match(family, monkeypatch):
     out, got_grads = loss_and_grads(model, input_ids=ids, labels=ids)
     layers = model.config.num_hidden_layers
     assert calls["rms_norm"] == layers * norms_per_layer(model) + 1, calls  # + the final norm
-    assert calls["rotary"] == layers and calls["glu"] == layers, calls
+    rotated = sum(getattr(layer.self_attn, "use_rope", True) for layer in model.model.layers)  # SmolLM3's NoPE
+    assert rotated < layers if family == "smollm3" else rotated == layers
+    assert calls["rotary"] == rotated and calls["glu"] == layers, calls
     assert calls["residual"] == (layers if family in FUSED_RESIDUAL else 0), calls
     assert abs(out.loss.item() - ref_loss.item()) <= 1e-10 * ref_loss.item()
     assert set(got_grads) == set(ref_grads)
