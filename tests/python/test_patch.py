@@ -87,6 +87,10 @@ def tiny_config(family: str, head_dim: int = 16, **extra):
         return transformers.SmolLM3Config(no_rope_layers=[1, 0], use_sliding_window=True, sliding_window=WINDOW,
                                           layer_types=["sliding_attention", "full_attention"], pad_token_id=0,
                                           eos_token_id=1, bos_token_id=2, **common)
+    if family == "seed_oss":  # q / k / v biases; dropouts on each block's output (off here)
+        common.setdefault("attention_dropout", 0.0)
+        common.setdefault("residual_dropout", 0.0)
+        return transformers.SeedOssConfig(pad_token_id=0, eos_token_id=1, bos_token_id=2, **common)
     if family == "ernie4_5":  # interleaved rotary over the whole head, tied embeddings
         return transformers.Ernie4_5Config(pad_token_id=0, eos_token_id=1, bos_token_id=2, **common)
     if family == "granite":  # multipliers on the embedding, the attention, the residual and the logits
@@ -108,7 +112,7 @@ MODEL_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "
                  "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
                  "olmo2": "Olmo2ForCausalLM", "granite": "GraniteForCausalLM", "glm": "GlmForCausalLM",
                  "olmo3": "Olmo3ForCausalLM", "ministral": "MinistralForCausalLM", "helium": "HeliumForCausalLM",
-                 "ernie4_5": "Ernie4_5ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
+                 "ernie4_5": "Ernie4_5ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "seed_oss": "SeedOssForCausalLM"}
 
 
 def exact_norm_forward(self, x):
@@ -198,7 +202,7 @@ SLIDING = ("mistral-swa", "qwen2-swa", "phi3", "gemma2", "gemma3", "olmo3", "min
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "mistral-swa", "qwen2-swa", "phi3", "gemma2",
                                     "gemma3", "olmo2", "granite", "glm", "olmo3", "ministral", "helium", "ernie4_5",
-                                    "smollm3"])
+                                    "smollm3", "seed_oss"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 def test_patched_loss_and_gradients_match_unpatched(family, dtype):
     """An unpacked batch (sliding windows and softcapping by the kernel, no fallback)."""
@@ -724,11 +728,11 @@ def test_packed_bf16_cuda_matches_unpatched(family, head_dim):
 # The decoder layers: RMSNorm, rotary, the gated MLP and the residual add (fuseforge.patch.layers)
 
 LAYER_FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "olmo2", "granite", "glm", "olmo3",
-                  "ministral", "helium", "ernie4_5", "smollm3"]
+                  "ministral", "helium", "ernie4_5", "smollm3", "seed_oss"]
 # Families whose residual add goes into a norm (OLMo 2 / 3 normalise before the add, Granite scales the
 # block's output there).
 FUSED_RESIDUAL = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "glm", "ministral", "helium",
-                  "ernie4_5", "smollm3")
+                  "ernie4_5", "smollm3", "seed_oss")
 LAYER_FEATURES = ("rms_norm", "rotary", "glu", "fuse_residual")
 
 
@@ -790,6 +794,25 @@ def test_each_layer_fusion_can_be_turned_off(family, feature, monkeypatch):
            "glu": ("glu",)}[feature]
     for name, n in calls.items():
         assert (n == 0) == (name in off), (name, calls)
+    assert abs(out.loss.item() - ref_loss.item()) <= 1e-10 * ref_loss.item()
+    for name, g in ref_grads.items():
+        assert_rel_close(got_grads[name], g, 1e-9, f"grad {name}")
+
+
+def test_residual_dropout_is_applied_in_training():
+    """Seed-OSS drops out each block's output in training: the patched modules do too, drawing the same
+    masks in the same order as the unpatched model (the attention itself has no dropout here)."""
+    model = make_model("seed_oss", torch.float64, residual_dropout=0.3)
+    model.train()
+    ids = tokens(2, 17)
+    torch.manual_seed(5)
+    ref_loss, ref_grads = reference_loss_and_grads(model, ids, ids)
+    torch.manual_seed(6)
+    other_loss, _ = reference_loss_and_grads(model, ids, ids)
+    assert abs(other_loss.item() - ref_loss.item()) > 1e-6 * ref_loss.item(), "the dropout must change the loss"
+    patch(model)
+    torch.manual_seed(5)
+    out, got_grads = loss_and_grads(model, input_ids=ids, labels=ids)
     assert abs(out.loss.item() - ref_loss.item()) <= 1e-10 * ref_loss.item()
     for name, g in ref_grads.items():
         assert_rel_close(got_grads[name], g, 1e-9, f"grad {name}")

@@ -34,7 +34,7 @@ from fuseforge.ops.rotary import rotary
 NORMS = {"LlamaRMSNorm": 0.0, "MistralRMSNorm": 0.0, "MinistralRMSNorm": 0.0, "Qwen2RMSNorm": 0.0,
          "Qwen3RMSNorm": 0.0, "Phi3RMSNorm": 0.0, "Olmo2RMSNorm": 0.0, "Olmo3RMSNorm": 0.0, "GraniteRMSNorm": 0.0,
          "GlmRMSNorm": 0.0, "HeliumRMSNorm": 0.0, "Ernie4_5RMSNorm": 0.0, "SmolLM3RMSNorm": 0.0,
-         "Gemma2RMSNorm": 1.0, "Gemma3RMSNorm": 1.0}
+         "SeedOssRMSNorm": 0.0, "Gemma2RMSNorm": 1.0, "Gemma3RMSNorm": 1.0}
 # Hugging Face activation names and glu's.
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
                "gelu_fast": None, "gelu": "gelu"}
@@ -43,7 +43,7 @@ ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"
 # the add (OLMo 3 too): their residual adds stay as they are.
 PRE_NORM_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "MinistralDecoderLayer", "Qwen2DecoderLayer",
                    "Qwen3DecoderLayer", "Phi3DecoderLayer", "GlmDecoderLayer", "HeliumDecoderLayer",
-                   "Ernie4_5DecoderLayer", "SmolLM3DecoderLayer")
+                   "Ernie4_5DecoderLayer", "SmolLM3DecoderLayer", "SeedOssDecoderLayer")
 SANDWICH_LAYERS = ("Gemma2DecoderLayer", "Gemma3DecoderLayer")
 # Attention classes whose rotation pairs dims 2i and 2i + 1 (GLM's) instead of i and i + R / 2.
 INTERLEAVED_ROTARY = ("GlmAttention", "HeliumAttention", "Ernie4_5Attention")
@@ -177,17 +177,24 @@ def _attention_forward(self, hidden_states: Tensor, position_embeddings=None, at
         self, query, key, value, attention_mask, dropout=self.attention_dropout if self.training else 0.0,
         scaling=self.scaling, **extra, **kwargs)
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-    return self.o_proj(attn_output), attn_weights
+    return _residual_dropout(self, self.o_proj(attn_output)), attn_weights
 
 
 # ----------------------------------------------------------------------------------------------
 # MLP
 
 
+def _residual_dropout(module: nn.Module, out: Tensor) -> Tensor:
+    """Seed-OSS's dropout on a block's output (`residual_dropout`), as its own forward applies it."""
+    p = getattr(module, "residual_dropout", 0.0)
+    return nn.functional.dropout(out, p=p, training=module.training) if p else out
+
+
 def _mlp_forward(self, x: Tensor) -> Tensor:
     if hasattr(self, "gate_up_proj"):  # Phi-3: [gate | up] from one projection, read in place
         return self.down_proj(glu(self.gate_up_proj(x), None, self._fuseforge_activation))
-    return self.down_proj(glu(self.gate_proj(x), self.up_proj(x), self._fuseforge_activation))
+    out = self.down_proj(glu(self.gate_proj(x), self.up_proj(x), self._fuseforge_activation))
+    return _residual_dropout(self, out)
 
 
 def _mlp_activation(mlp: nn.Module, config) -> Optional[str]:
