@@ -87,6 +87,9 @@ def tiny_config(family: str, head_dim: int = 16, **extra):
         return transformers.SmolLM3Config(no_rope_layers=[1, 0], use_sliding_window=True, sliding_window=WINDOW,
                                           layer_types=["sliding_attention", "full_attention"], pad_token_id=0,
                                           eos_token_id=1, bos_token_id=2, **common)
+    if family == "exaone4":  # a sliding layer with rotary, a full one without (hybrid); q / k norms per head
+        return transformers.Exaone4Config(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
+                                          pad_token_id=0, eos_token_id=1, bos_token_id=2, **common)
     if family == "seed_oss":  # q / k / v biases; dropouts on each block's output (off here)
         common.setdefault("attention_dropout", 0.0)
         common.setdefault("residual_dropout", 0.0)
@@ -112,7 +115,8 @@ MODEL_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "
                  "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
                  "olmo2": "Olmo2ForCausalLM", "granite": "GraniteForCausalLM", "glm": "GlmForCausalLM",
                  "olmo3": "Olmo3ForCausalLM", "ministral": "MinistralForCausalLM", "helium": "HeliumForCausalLM",
-                 "ernie4_5": "Ernie4_5ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "seed_oss": "SeedOssForCausalLM"}
+                 "ernie4_5": "Ernie4_5ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "seed_oss": "SeedOssForCausalLM",
+                 "exaone4": "Exaone4ForCausalLM"}
 
 
 def exact_norm_forward(self, x):
@@ -197,12 +201,13 @@ def kernel_calls():
     return stats["fuseforge"], stats["sdpa"], stats["varlen"]
 
 
-SLIDING = ("mistral-swa", "qwen2-swa", "phi3", "gemma2", "gemma3", "olmo3", "ministral", "smollm3")  # windows
+SLIDING = ("mistral-swa", "qwen2-swa", "phi3", "gemma2", "gemma3", "olmo3", "ministral", "smollm3",
+           "exaone4")  # families with a window that binds
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "mistral-swa", "qwen2-swa", "phi3", "gemma2",
                                     "gemma3", "olmo2", "granite", "glm", "olmo3", "ministral", "helium", "ernie4_5",
-                                    "smollm3", "seed_oss"])
+                                    "smollm3", "seed_oss", "exaone4"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 def test_patched_loss_and_gradients_match_unpatched(family, dtype):
     """An unpacked batch (sliding windows and softcapping by the kernel, no fallback)."""
@@ -511,7 +516,7 @@ def reference_packed(model, batch):
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral-swa", "qwen2-swa", "qwen3", "phi3", "gemma2", "gemma3", "olmo3",
-                                    "ministral", "ernie4_5", "smollm3"])
+                                    "ministral", "ernie4_5", "smollm3", "exaone4"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 @pytest.mark.parametrize("use_cache", [False, None], ids=["no_cache", "default_cache"])
 def test_packed_batch_matches_unpatched(family, dtype, use_cache):
@@ -728,9 +733,11 @@ def test_packed_bf16_cuda_matches_unpatched(family, head_dim):
 # The decoder layers: RMSNorm, rotary, the gated MLP and the residual add (fuseforge.patch.layers)
 
 LAYER_FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "olmo2", "granite", "glm", "olmo3",
-                  "ministral", "helium", "ernie4_5", "smollm3", "seed_oss"]
-# Families whose residual add goes into a norm (OLMo 2 / 3 normalise before the add, Granite scales the
-# block's output there).
+                  "ministral", "helium", "ernie4_5", "smollm3", "seed_oss", "exaone4"]
+# Families whose residual add goes into a norm (OLMo 2 / 3 and EXAONE 4 normalise before the add, Granite
+# scales the block's output there).
+# Layers without rotary: SmolLM3's NoPE layer, EXAONE 4's full-attention layer of a hybrid model.
+NOPE_LAYERS = {"smollm3": 1, "exaone4": 1}
 FUSED_RESIDUAL = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "glm", "ministral", "helium",
                   "ernie4_5", "smollm3", "seed_oss")
 LAYER_FEATURES = ("rms_norm", "rotary", "glu", "fuse_residual")
@@ -771,9 +778,7 @@ def test_decoder_layers_run_the_fused_ops_and_match(family, monkeypatch):
     out, got_grads = loss_and_grads(model, input_ids=ids, labels=ids)
     layers = model.config.num_hidden_layers
     assert calls["rms_norm"] == layers * norms_per_layer(model) + 1, calls  # + the final norm
-    rotated = sum(getattr(layer.self_attn, "use_rope", True) for layer in model.model.layers)  # SmolLM3's NoPE
-    assert rotated < layers if family == "smollm3" else rotated == layers
-    assert calls["rotary"] == rotated and calls["glu"] == layers, calls
+    assert calls["rotary"] == layers - NOPE_LAYERS.get(family, 0) and calls["glu"] == layers, calls
     assert calls["residual"] == (layers if family in FUSED_RESIDUAL else 0), calls
     assert abs(out.loss.item() - ref_loss.item()) <= 1e-10 * ref_loss.item()
     assert set(got_grads) == set(ref_grads)

@@ -34,19 +34,23 @@ from fuseforge.ops.rotary import rotary
 NORMS = {"LlamaRMSNorm": 0.0, "MistralRMSNorm": 0.0, "MinistralRMSNorm": 0.0, "Qwen2RMSNorm": 0.0,
          "Qwen3RMSNorm": 0.0, "Phi3RMSNorm": 0.0, "Olmo2RMSNorm": 0.0, "Olmo3RMSNorm": 0.0, "GraniteRMSNorm": 0.0,
          "GlmRMSNorm": 0.0, "HeliumRMSNorm": 0.0, "Ernie4_5RMSNorm": 0.0, "SmolLM3RMSNorm": 0.0,
-         "SeedOssRMSNorm": 0.0, "Gemma2RMSNorm": 1.0, "Gemma3RMSNorm": 1.0}
+         "SeedOssRMSNorm": 0.0, "Exaone4RMSNorm": 0.0, "Gemma2RMSNorm": 1.0, "Gemma3RMSNorm": 1.0}
 # Hugging Face activation names and glu's.
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
                "gelu_fast": None, "gelu": "gelu"}
 # Decoder layers whose norms sit before each block (Llama) or around it (Gemma 2 / 3's four norms).
 # OLMo 2 normalises after each block, before the add, and Granite scales the block's output before
-# the add (OLMo 3 too): their residual adds stay as they are.
+# the add (OLMo 3 and EXAONE 4 too): their residual adds stay as they are.
 PRE_NORM_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "MinistralDecoderLayer", "Qwen2DecoderLayer",
                    "Qwen3DecoderLayer", "Phi3DecoderLayer", "GlmDecoderLayer", "HeliumDecoderLayer",
                    "Ernie4_5DecoderLayer", "SmolLM3DecoderLayer", "SeedOssDecoderLayer")
 SANDWICH_LAYERS = ("Gemma2DecoderLayer", "Gemma3DecoderLayer")
 # Attention classes whose rotation pairs dims 2i and 2i + 1 (GLM's) instead of i and i + R / 2.
 INTERLEAVED_ROTARY = ("GlmAttention", "HeliumAttention", "Ernie4_5Attention")
+# Attention classes whose full-attention layers rotate nothing and see the whole sequence when the model
+# also has sliding layers (EXAONE 4's hybrid models: every layer holds sliding_window, is_sliding says
+# which use it).
+HYBRID_NOPE_ATTENTION = ("Exaone4Attention",)
 FEATURES = ("rms_norm", "rotary", "glu", "fuse_residual")
 
 _PATCHED = "_fuseforge_layer_patch"
@@ -126,6 +130,21 @@ def _attention_function(module: nn.Module):
     return ALL_ATTENTION_FUNCTIONS[impl]
 
 
+def _rotates(attn: nn.Module) -> bool:
+    """False for SmolLM3's NoPE layers and a hybrid EXAONE 4's full-attention layers."""
+    if not getattr(attn, "use_rope", True):
+        return False
+    if type(attn).__name__ in HYBRID_NOPE_ATTENTION:
+        return attn.sliding_window is None or attn.is_sliding
+    return True
+
+
+def _layer_window(attn: nn.Module) -> Optional[int]:
+    if type(attn).__name__ in HYBRID_NOPE_ATTENTION and not attn.is_sliding:
+        return None
+    return attn.sliding_window
+
+
 def _attention_forward(self, hidden_states: Tensor, position_embeddings=None, attention_mask=None, **kwargs):
     """Hugging Face's decoder attention with the rotation by fuseforge.rotary. Without position_ids
     (or a rotary module it knows) the module's own forward runs."""
@@ -158,7 +177,7 @@ def _attention_forward(self, hidden_states: Tensor, position_embeddings=None, at
             query = self.q_norm(query.flatten(-2)).view(hidden_shape)
             key = self.k_norm(key.flatten(-2)).view(hidden_shape)
     query, key, value = (t.transpose(1, 2) for t in (query, key, value))
-    if getattr(self, "use_rope", True):  # SmolLM3's NoPE layers rotate nothing
+    if _rotates(self):
         inv_freq = getattr(rotary_emb, freq_name)
         scaling = float(getattr(rotary_emb, scaling_name, 1.0))
         query, key = rotary(query, key, inv_freq.to(device=query.device, dtype=torch.float32),
@@ -172,7 +191,7 @@ def _attention_forward(self, hidden_states: Tensor, position_embeddings=None, at
     if hasattr(self, "attn_logit_softcapping"):
         extra["softcap"] = self.attn_logit_softcapping
     if hasattr(self, "sliding_window"):
-        extra["sliding_window"] = self.sliding_window
+        extra["sliding_window"] = _layer_window(self)
     attn_output, attn_weights = _attention_function(self)(
         self, query, key, value, attention_mask, dropout=self.attention_dropout if self.training else 0.0,
         scaling=self.scaling, **extra, **kwargs)
