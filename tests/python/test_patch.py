@@ -90,6 +90,8 @@ def tiny_config(family: str, head_dim: int = 16, **extra):
     if family == "exaone4":  # a sliding layer with rotary, a full one without (hybrid); q / k norms per head
         return transformers.Exaone4Config(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
                                           pad_token_id=0, eos_token_id=1, bos_token_id=2, **common)
+    if family == "hunyuan":  # per-head q / k norms after the rotation
+        return transformers.HunYuanDenseV1Config(pad_token_id=0, eos_token_id=1, bos_token_id=2, **common)
     if family == "seed_oss":  # q / k / v biases; dropouts on each block's output (off here)
         common.setdefault("attention_dropout", 0.0)
         common.setdefault("residual_dropout", 0.0)
@@ -116,7 +118,7 @@ MODEL_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "
                  "olmo2": "Olmo2ForCausalLM", "granite": "GraniteForCausalLM", "glm": "GlmForCausalLM",
                  "olmo3": "Olmo3ForCausalLM", "ministral": "MinistralForCausalLM", "helium": "HeliumForCausalLM",
                  "ernie4_5": "Ernie4_5ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "seed_oss": "SeedOssForCausalLM",
-                 "exaone4": "Exaone4ForCausalLM"}
+                 "exaone4": "Exaone4ForCausalLM", "hunyuan": "HunYuanDenseV1ForCausalLM"}
 
 
 def exact_norm_forward(self, x):
@@ -207,7 +209,7 @@ SLIDING = ("mistral-swa", "qwen2-swa", "phi3", "gemma2", "gemma3", "olmo3", "min
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "mistral-swa", "qwen2-swa", "phi3", "gemma2",
                                     "gemma3", "olmo2", "granite", "glm", "olmo3", "ministral", "helium", "ernie4_5",
-                                    "smollm3", "seed_oss", "exaone4"])
+                                    "smollm3", "seed_oss", "exaone4", "hunyuan"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 def test_patched_loss_and_gradients_match_unpatched(family, dtype):
     """An unpacked batch (sliding windows and softcapping by the kernel, no fallback)."""
@@ -733,13 +735,13 @@ def test_packed_bf16_cuda_matches_unpatched(family, head_dim):
 # The decoder layers: RMSNorm, rotary, the gated MLP and the residual add (fuseforge.patch.layers)
 
 LAYER_FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "olmo2", "granite", "glm", "olmo3",
-                  "ministral", "helium", "ernie4_5", "smollm3", "seed_oss", "exaone4"]
+                  "ministral", "helium", "ernie4_5", "smollm3", "seed_oss", "exaone4", "hunyuan"]
 # Families whose residual add goes into a norm (OLMo 2 / 3 and EXAONE 4 normalise before the add, Granite
 # scales the block's output there).
 # Layers without rotary: SmolLM3's NoPE layer, EXAONE 4's full-attention layer of a hybrid model.
 NOPE_LAYERS = {"smollm3": 1, "exaone4": 1}
 FUSED_RESIDUAL = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "glm", "ministral", "helium",
-                  "ernie4_5", "smollm3", "seed_oss")
+                  "ernie4_5", "smollm3", "seed_oss", "hunyuan")
 LAYER_FEATURES = ("rms_norm", "rotary", "glu", "fuse_residual")
 
 

@@ -1,6 +1,6 @@
 """`fuseforge.patch(model)` / `fuseforge.unpatch(model)` for Hugging Face Llama-family models (Llama,
 Mistral, Ministral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3, OLMo 2, OLMo 3, Granite, GLM, Helium,
-ERNIE 4.5, SmolLM3, Seed-OSS, EXAONE 4: SUPPORTED_MODELS).
+ERNIE 4.5, SmolLM3, Seed-OSS, EXAONE 4, Hunyuan dense: SUPPORTED_MODELS).
 
 patch() does three things to one model instance and nothing else (each can be turned off):
 
@@ -76,7 +76,7 @@ SUPPORTED_MODELS = ("LlamaForCausalLM", "LlamaModel", "MistralForCausalLM", "Mis
                     "Olmo3ForCausalLM", "Olmo3Model", "GraniteForCausalLM", "GraniteModel", "GlmForCausalLM",
                     "GlmModel", "HeliumForCausalLM", "HeliumModel", "Ernie4_5ForCausalLM", "Ernie4_5Model",
                     "SmolLM3ForCausalLM", "SmolLM3Model", "SeedOssForCausalLM", "SeedOssModel",
-                    "Exaone4ForCausalLM", "Exaone4Model")
+                    "Exaone4ForCausalLM", "Exaone4Model", "HunYuanDenseV1ForCausalLM", "HunYuanDenseV1Model")
 
 _STATE = "_fuseforge_patch"
 

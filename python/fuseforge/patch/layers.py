@@ -34,7 +34,8 @@ from fuseforge.ops.rotary import rotary
 NORMS = {"LlamaRMSNorm": 0.0, "MistralRMSNorm": 0.0, "MinistralRMSNorm": 0.0, "Qwen2RMSNorm": 0.0,
          "Qwen3RMSNorm": 0.0, "Phi3RMSNorm": 0.0, "Olmo2RMSNorm": 0.0, "Olmo3RMSNorm": 0.0, "GraniteRMSNorm": 0.0,
          "GlmRMSNorm": 0.0, "HeliumRMSNorm": 0.0, "Ernie4_5RMSNorm": 0.0, "SmolLM3RMSNorm": 0.0,
-         "SeedOssRMSNorm": 0.0, "Exaone4RMSNorm": 0.0, "Gemma2RMSNorm": 1.0, "Gemma3RMSNorm": 1.0}
+         "SeedOssRMSNorm": 0.0, "Exaone4RMSNorm": 0.0, "HunYuanDenseV1RMSNorm": 0.0, "Gemma2RMSNorm": 1.0,
+         "Gemma3RMSNorm": 1.0}
 # Hugging Face activation names and glu's.
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
                "gelu_fast": None, "gelu": "gelu"}
@@ -43,7 +44,7 @@ ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"
 # the add (OLMo 3 and EXAONE 4 too): their residual adds stay as they are.
 PRE_NORM_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "MinistralDecoderLayer", "Qwen2DecoderLayer",
                    "Qwen3DecoderLayer", "Phi3DecoderLayer", "GlmDecoderLayer", "HeliumDecoderLayer",
-                   "Ernie4_5DecoderLayer", "SmolLM3DecoderLayer", "SeedOssDecoderLayer")
+                   "Ernie4_5DecoderLayer", "SmolLM3DecoderLayer", "SeedOssDecoderLayer", "HunYuanDenseV1DecoderLayer")
 SANDWICH_LAYERS = ("Gemma2DecoderLayer", "Gemma3DecoderLayer")
 # Attention classes whose rotation pairs dims 2i and 2i + 1 (GLM's) instead of i and i + R / 2.
 INTERLEAVED_ROTARY = ("GlmAttention", "HeliumAttention", "Ernie4_5Attention")
@@ -183,6 +184,8 @@ def _attention_forward(self, hidden_states: Tensor, position_embeddings=None, at
         query, key = rotary(query, key, inv_freq.to(device=query.device, dtype=torch.float32),
                             position_ids.to(query.device), scaling,
                             interleaved=type(self).__name__ in INTERLEAVED_ROTARY)
+    if hasattr(self, "query_layernorm"):  # HunYuan's per-head q / k norms, after the rotation
+        query, key = self.query_layernorm(query), self.key_layernorm(key)
     if cache is not None:
         key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
     elif legacy_cache is not None:
