@@ -152,6 +152,18 @@ def exact_interleaved_rotary(q, k, cos, sin, unsqueeze_dim=1):
     return q * cos + rotate(q) * sin, k * cos + rotate(k) * sin
 
 
+def exact_ernie_attention_forward(self, *args, **kwargs):
+    """ERNIE 4.5's attention with exact_interleaved_rotary in place of its own rotation for this call
+    only, so no other model (a bf16 reference) sees the swap."""
+    module = sys.modules[type(self).__module__]
+    own = module.apply_rotary_pos_emb
+    module.apply_rotary_pos_emb = exact_interleaved_rotary
+    try:
+        return type(self).forward(self, *args, **kwargs)
+    finally:
+        module.apply_rotary_pos_emb = own
+
+
 def make_model(family: str, dtype=torch.float32, device="cpu", **extra):
     """A tiny random model; in float64 its RMSNorms and rotary embedding compute in float64
     (exact_norm_forward, exact_rotary_forward)."""
@@ -166,10 +178,10 @@ def make_model(family: str, dtype=torch.float32, device="cpu", **extra):
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
     if dtype == torch.float64:
-        if family == "ernie4_5":
-            sys.modules[cls.__module__].apply_rotary_pos_emb = exact_interleaved_rotary
         for m in model.modules():
-            if type(m).__name__ in NORMS:
+            if type(m).__name__ == "Ernie4_5Attention":
+                m.forward = types.MethodType(exact_ernie_attention_forward, m)
+            elif type(m).__name__ in NORMS:
                 m.forward = types.MethodType(exact_norm_forward, m)
             elif type(m).__name__.endswith("RotaryEmbedding"):
                 m.forward = types.MethodType(dynamic_rope_update(exact_rotary_forward), m)

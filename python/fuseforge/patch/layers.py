@@ -146,6 +146,12 @@ def _layer_window(attn: nn.Module) -> Optional[int]:
     return attn.sliding_window
 
 
+def _residual_dropout(module: nn.Module, out: Tensor) -> Tensor:
+    """Seed-OSS's dropout on a block's output (`residual_dropout`), as its own forward applies it."""
+    p = getattr(module, "residual_dropout", 0.0)
+    return nn.functional.dropout(out, p=p, training=module.training) if p else out
+
+
 def _attention_forward(self, hidden_states: Tensor, position_embeddings=None, attention_mask=None, **kwargs):
     """Hugging Face's decoder attention with the rotation by fuseforge.rotary. Without position_ids
     (or a rotary module it knows) the module's own forward runs."""
@@ -204,12 +210,6 @@ def _attention_forward(self, hidden_states: Tensor, position_embeddings=None, at
 
 # ----------------------------------------------------------------------------------------------
 # MLP
-
-
-def _residual_dropout(module: nn.Module, out: Tensor) -> Tensor:
-    """Seed-OSS's dropout on a block's output (`residual_dropout`), as its own forward applies it."""
-    p = getattr(module, "residual_dropout", 0.0)
-    return nn.functional.dropout(out, p=p, training=module.training) if p else out
 
 
 def _mlp_forward(self, x: Tensor) -> Tensor:
