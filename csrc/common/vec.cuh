@@ -69,6 +69,13 @@ __device__ __forceinline__ uint32_t floats_to_word(const float* f) {
   }
 }
 
+// An L2 policy for load_l2_hint: lines it loads are the last to be evicted (createpolicy, sm_80+).
+__device__ __forceinline__ uint64_t l2_evict_last_policy() {
+  uint64_t policy;
+  asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+
 // N consecutive elements of U (4, 8 or 16 bytes) as words: one aligned access to load or store.
 template <typename U, int N>
 struct PackedElements {
@@ -79,6 +86,13 @@ struct PackedElements {
 
   __device__ __forceinline__ void load(const U* p) {
     words = load_vector<uint32_t, kWords>(reinterpret_cast<const uint32_t*>(p));
+  }
+  // The same 16-byte load under an L2 eviction policy (from l2_evict_last_policy()).
+  __device__ __forceinline__ void load_l2_hint(const U* p, uint64_t policy) {
+    static_assert(kWords == 4, "16-byte accesses");
+    asm("ld.global.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+        : "=r"(words.val[0]), "=r"(words.val[1]), "=r"(words.val[2]), "=r"(words.val[3])
+        : "l"(p), "l"(policy));
   }
   __device__ __forceinline__ void store(U* p) const {
     store_vector<uint32_t, kWords>(reinterpret_cast<uint32_t*>(p), words);
