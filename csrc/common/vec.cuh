@@ -69,10 +69,13 @@ __device__ __forceinline__ uint32_t floats_to_word(const float* f) {
   }
 }
 
-// An L2 policy for load_l2_hint: lines it loads are the last to be evicted (createpolicy, sm_80+).
+// An L2 policy for load_l2_hint: lines it loads are the last to be evicted (createpolicy, sm_80+;
+// before sm_80 both are plain loads).
 __device__ __forceinline__ uint64_t l2_evict_last_policy() {
-  uint64_t policy;
+  uint64_t policy = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+#endif
   return policy;
 }
 
@@ -90,9 +93,13 @@ struct PackedElements {
   // The same 16-byte load under an L2 eviction policy (from l2_evict_last_policy()).
   __device__ __forceinline__ void load_l2_hint(const U* p, uint64_t policy) {
     static_assert(kWords == 4, "16-byte accesses");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     asm("ld.global.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
         : "=r"(words.val[0]), "=r"(words.val[1]), "=r"(words.val[2]), "=r"(words.val[3])
         : "l"(p), "l"(policy));
+#else
+    load(p);
+#endif
   }
   __device__ __forceinline__ void store(U* p) const {
     store_vector<uint32_t, kWords>(reinterpret_cast<uint32_t*>(p), words);
