@@ -5,7 +5,6 @@ windows and softcapping included); unpatch restores the model."""
 import copy
 import importlib
 import inspect
-import math
 import sys
 import types
 
@@ -703,13 +702,15 @@ def test_packed_bf16_cuda_matches_unpatched(family, head_dim):
     """bf16 on CUDA, head_dim 64 (a kernel head dim), and Gemma 2's real 256 (its own kernels, not a
     fallback: the call counts below check that every layer ran the kernel): varlen. Gradients
     are held to a float64 truth (the same bf16 weights in float64, on the CPU): the patched model's
-    error within 1.5x the unpatched bf16 model's own. Gemma 2's bf16 reference (eager attention,
-    softcap 1.0 on the scores, softmax and tanh in bf16) is itself far off: on the CPU, 15-23% on the
-    attention projections' gradients and 7-10% on the embedding's against float64 (Llama, Mistral:
-    1.2-1.4%), the patched model's 0.94-1.05x that, and patched vs reference up to 13%: a fixed bound
-    between the two bf16 models measures the reference's rounding, not the kernel's. Llama and Mistral
-    keep the direct 5e-2 bound as well."""
-    model = make_model(family, torch.bfloat16, "cuda", head_dim=head_dim)
+    error within 1.5x the unpatched bf16 model's own. Gemma 2 (softcaps 1.0 on the scores, 3.0 on the
+    logits) takes weights of std 0.1, where the scores reach the softcap's curve and bf16 stays
+    well conditioned: on the CPU over four token draws the bf16 reference is 1-8% off float64 and the
+    patched model 0.81-0.97x that, while the patched model with a softcap 5% off (1.05) reaches 1.9x
+    and 20% off 6.4x. With the tiny models' std 0.3 both bf16 models are 30-120% off float64 and the
+    ratio of the two errors is noise (0.3-3.8 a parameter on the CPU). Llama and Mistral keep the
+    direct 5e-2 bound against the bf16 reference as well."""
+    extra = {"initializer_range": 0.1} if family == "gemma2" else {}
+    model = make_model(family, torch.bfloat16, "cuda", head_dim=head_dim, **extra)
     batch = packed_batch(lengths=(100, 300, 60), device="cuda")
     exact = copy.deepcopy(model).to(device="cpu", dtype=torch.float64)
     _, exact_grads = reference_packed(exact, {k: v.cpu() if torch.is_tensor(v) else v for k, v in batch.items()})
@@ -720,27 +721,12 @@ def test_packed_bf16_cuda_matches_unpatched(family, head_dim):
     after = kernel_calls()
     assert after[2] - before[2] == model.config.num_hidden_layers and after[1] == before[1]
     assert abs(out.loss.item() - ref_loss.item()) <= 1e-2 * ref_loss.item()
-    ratios = {}
     for name, g in ref_grads.items():
         ref_err = rel_err(g, exact_grads[name])
-        ratios[name] = (rel_err(got_grads[name], exact_grads[name]) + 1e-3) / (ref_err + 1e-3)
+        assert_rel_close(got_grads[name], exact_grads[name], 1.5 * ref_err + 1e-3,
+                         f"grad {name} vs float64 (bf16 reference's own error {ref_err:.3e})")
         if family != "gemma2":
-            assert_rel_close(got_grads[name], exact_grads[name], 1.5 * ref_err + 1e-3,
-                             f"grad {name} vs float64 (bf16 reference's own error {ref_err:.3e})")
             assert_rel_close(got_grads[name], g, 5e-2, f"grad {name}")
-    if family == "gemma2":
-        # Per parameter, the ratio of two errors of 10-40% is itself noisy: measured on the H100 over six
-        # token draws, 0.86-1.38 per parameter and once 2.5 (24.8% vs 9.8%). The geometric mean at head
-        # dim 256 over three draws (the tokens depend on the tests run before this one:
-        # harness.generator's seeds are a counter):
-        # 0.905, 1.181 and 1.306, each the same with the varlen sequences in either order. So: every
-        # parameter within 3x, and the geometric mean within 1.5x; a wrong mask or softcap derivative
-        # puts the patched model's errors near 100% (ratios of 4-10x).
-        worst = max(ratios, key=ratios.get)
-        assert ratios[worst] <= 3.0, f"grad {worst}: {ratios[worst]:.2f}x the bf16 reference's error"
-        geo = math.exp(sum(math.log(r) for r in ratios.values()) / len(ratios))
-        print(f"{family} d{head_dim}: error ratio geometric mean {geo:.3f}, worst {worst} {ratios[worst]:.2f}")
-        assert geo <= 1.5, f"gradient errors {geo:.2f}x the bf16 reference's (geometric mean over parameters)"
 
 
 # ----------------------------------------------------------------------------------------------
