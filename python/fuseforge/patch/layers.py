@@ -131,19 +131,19 @@ def _attention_function(module: nn.Module):
     return ALL_ATTENTION_FUNCTIONS[impl]
 
 
+def _hybrid_full_attention(attn: nn.Module) -> bool:
+    """A hybrid EXAONE 4's full-attention layer: no rotary, no window."""
+    return (type(attn).__name__ in HYBRID_NOPE_ATTENTION and attn.sliding_window is not None
+            and not attn.is_sliding)
+
+
 def _rotates(attn: nn.Module) -> bool:
     """False for SmolLM3's NoPE layers and a hybrid EXAONE 4's full-attention layers."""
-    if not getattr(attn, "use_rope", True):
-        return False
-    if type(attn).__name__ in HYBRID_NOPE_ATTENTION:
-        return attn.sliding_window is None or attn.is_sliding
-    return True
+    return getattr(attn, "use_rope", True) and not _hybrid_full_attention(attn)
 
 
 def _layer_window(attn: nn.Module) -> Optional[int]:
-    if type(attn).__name__ in HYBRID_NOPE_ATTENTION and not attn.is_sliding:
-        return None
-    return attn.sliding_window
+    return None if _hybrid_full_attention(attn) else attn.sliding_window
 
 
 def _residual_dropout(module: nn.Module, out: Tensor) -> Tensor:
