@@ -116,6 +116,14 @@ struct PackedElements {
     for (int w = 0; w < kWords; ++w) words.val[w] = floats_to_word<U>(f + w * kElemsPerWord<U>);
   }
 };
+
+// load_vector's 16-byte load under an L2 eviction policy (PackedElements::load_l2_hint).
+template <typename T, int N>
+__device__ __forceinline__ AlignedVector<T, N> load_vector_l2_hint(const T* p, uint64_t policy) {
+  PackedElements<T, N> packed;
+  packed.load_l2_hint(p, policy);
+  return *reinterpret_cast<const AlignedVector<T, N>*>(&packed.words);
+}
 #endif  // __CUDACC__
 
 }  // namespace fuseforge

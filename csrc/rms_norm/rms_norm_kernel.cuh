@@ -118,10 +118,11 @@ struct RowTraits {
   // row slot (wide rows), held by the first kThreadsPerRow threads of each group.
   static constexpr int kGroupThreads = kThreadsPerRow > 32 ? kThreadsPerRow : 32;
   static constexpr int kGroups = kThreads / kGroupThreads;
-  // The forward reads rows of 4-16 KB under an L2 evict-last policy, as torch.compile's norm marks
-  // its first read of a row (docs/design/rms_norm.md): 16384 x 8192 bf16 0.131 against 0.136 ms;
-  // 32 KB rows (fp32 8192) were slower with it (0.204 against 0.193), narrower rows not measured.
-  static constexpr bool kL2EvictLast = kThreadsPerRow * kVecs >= 256 && kThreadsPerRow * kVecs <= 1024;
+  // The forward reads rows of up to 16 KB under an L2 evict-last policy, as torch.compile's norm
+  // marks its first read of a row (docs/design/rms_norm.md): 16384 x 8192 bf16 0.131 against 0.136
+  // ms, 262144 x 128 bf16 0.038 against 0.039; 32 KB rows (fp32 8192) were slower with it (0.204
+  // against 0.193). The backward's reads under it were slower (8192 bf16 fwd+bwd 0.356 vs 0.349).
+  static constexpr bool kL2EvictLast = kThreadsPerRow * kVecs <= 1024;
   static_assert(kThreadsPerRow <= 32 || kThreadsPerRow % 32 == 0, "wide rows take whole warps");
   static_assert((kThreadsPerRow & (kThreadsPerRow - 1)) == 0, "the shuffles pair lanes by xor");
 };
