@@ -54,13 +54,15 @@ struct Group {
   __device__ __forceinline__ const T& operator[](int j) const { return vec[j / kPerVec].val[j % kPerVec]; }
 };
 
-// kVec: one or two 16-byte loads; otherwise scalar loads of the first n (the rest zero).
+// kVec: one or two 16-byte loads under the L2 policy from l2_evict_last_policy(); otherwise scalar
+// loads of the first n (the rest zero). Evict-last on the streamed inputs measured faster on the
+// H200 (docs/design/add_mul_act.md), as it did for glu.
 template <typename T, bool kVec>
-__device__ __forceinline__ void load_group(const T* p, int n, Group<T>& g) {
+__device__ __forceinline__ void load_group(const T* p, int n, Group<T>& g, uint64_t policy) {
   if constexpr (kVec) {
 #pragma unroll
     for (int k = 0; k < kGroup / Group<T>::kPerVec; ++k)
-      g.vec[k] = load_vector<T, Group<T>::kPerVec>(p + k * Group<T>::kPerVec);
+      g.vec[k] = load_vector_l2_hint<T, Group<T>::kPerVec>(p + k * Group<T>::kPerVec, policy);
   } else {
 #pragma unroll
     for (int j = 0; j < kGroup; ++j) g[j] = j < n ? p[j] : T(0);
@@ -90,10 +92,11 @@ __global__ void __launch_bounds__(kThreads, FUSEFORGE_AMA_MIN_BLOCKS) forward_ke
   if (group >= p.groups_per_row) return;
   const int64_t col0 = group * kGroup;
   const int n = static_cast<int>(min(static_cast<int64_t>(kGroup), p.cols - col0));
+  const uint64_t policy = l2_evict_last_policy();
   Group<T> bias_raw;
   float b[kGroup] = {};
   if (p.bias) {
-    load_group<T, kVec>(p.bias + col0, n, bias_raw);
+    load_group<T, kVec>(p.bias + col0, n, bias_raw, policy);
 #pragma unroll
     for (int j = 0; j < kGroup; ++j) b[j] = static_cast<float>(bias_raw[j]);
   }
@@ -105,8 +108,8 @@ __global__ void __launch_bounds__(kThreads, FUSEFORGE_AMA_MIN_BLOCKS) forward_ke
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t row = r + static_cast<int64_t>(u) * blockDim.y;
       if (row < row_end) {
-        load_group<T, kVec>(p.x + row * p.cols + col0, n, xg[u]);
-        load_group<T, kVec>(p.y + row * p.cols + col0, n, yg[u]);
+        load_group<T, kVec>(p.x + row * p.cols + col0, n, xg[u], policy);
+        load_group<T, kVec>(p.y + row * p.cols + col0, n, yg[u], policy);
       }
     }
 #pragma unroll
@@ -140,16 +143,16 @@ struct BackwardTrip {
 
 template <typename T, Activation A, bool kVec, int kUnroll>
 __device__ __forceinline__ void load_trip(const BackwardParams<T>& p, int64_t r, int64_t row_end, int64_t group,
-                                          int n, BackwardTrip<T, kUnroll>& t) {
+                                          int n, uint64_t policy, BackwardTrip<T, kUnroll>& t) {
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
     const int64_t row = r + static_cast<int64_t>(u) * blockDim.y;
     if (row < row_end) {
-      load_group<T, kVec>(p.grad_out + row * p.cols + group * kGroup, n, t.grad[u]);
+      load_group<T, kVec>(p.grad_out + row * p.cols + group * kGroup, n, t.grad[u], policy);
       if constexpr (saves_mask(A)) {
         t.mask[u] = p.saved_mask[row * p.groups_per_row + group];
       } else {
-        load_group<T, kVec>(p.saved_z + row * p.cols + group * kGroup, n, t.z[u]);
+        load_group<T, kVec>(p.saved_z + row * p.cols + group * kGroup, n, t.z[u], policy);
       }
     }
   }
@@ -200,12 +203,13 @@ __global__ void __launch_bounds__(kThreads, FUSEFORGE_AMA_BWD_MIN_BLOCKS) backwa
   const int n = active ? static_cast<int>(min(static_cast<int64_t>(kGroup), p.cols - group * kGroup)) : 0;
   float acc[kGroup] = {};
   if (active) {
+    const uint64_t policy = l2_evict_last_policy();
     const int64_t trip_rows = static_cast<int64_t>(blockDim.y) * kUnroll;
     const int64_t stride = gridDim.y * trip_rows;
     for (int64_t t0 = blockIdx.y * trip_rows; t0 < p.rows; t0 += stride) {
       BackwardTrip<T, kUnroll> cur;
       const int64_t r = t0 + threadIdx.y, row_end = min(p.rows, t0 + trip_rows);
-      load_trip<T, A, kVec, kUnroll>(p, r, row_end, group, n, cur);
+      load_trip<T, A, kVec, kUnroll>(p, r, row_end, group, n, policy, cur);
       finish_trip<T, A, kVec, kUnroll>(p, r, row_end, group, n, cur, acc);
     }
   }
