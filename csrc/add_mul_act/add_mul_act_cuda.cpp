@@ -20,14 +20,18 @@ bool aligned16(const void* p) { return p == nullptr || is_aligned(p, 16); }
 // SM: at 3 blocks the backward (two tensors written for each one read) stalled at 2.2 TB/s, warps
 // waiting on the load/store queue (ncu). On the H100 the cap took fp32 fwdbwd relu 1.297 -> 1.151 ms,
 // gelu 1.81 -> 1.671, silu 1.74 -> 1.665 (the forward's cap adds gelu's 1.742 -> 1.671 when it saves z);
-// for bf16 it cost 3-18%, so 16-bit types run uncapped (docs/design/add_mul_act.md). Development knobs
+// for bf16 it cost 3-18%, so 16-bit types run uncapped (docs/design/add_mul_act.md). The one
+// exception: erf-GELU's float32 forward that saves nothing (inference, or no grad) is bound by its
+// arithmetic and runs at 2 blocks an SM (H200, 16384 x 8192: 0.376 against 0.424 ms; ReLU and SiLU
+// lost 1-4% at 2, and with z saved 2 blocks cost forward+backward 7%). Development knobs
 // FUSEFORGE_AMA_{FWD,BWD}_BLOCKS_PER_SM override it (a large value: no cap).
-int64_t blocks_per_sm_cap(bool backward, size_t type_bytes) {
+int64_t blocks_per_sm_cap(bool backward, size_t type_bytes, Activation act, bool saves) {
   static const int64_t fwd_knob = dev_positive_int("FUSEFORGE_AMA_FWD_BLOCKS_PER_SM", 0);
   static const int64_t bwd_knob = dev_positive_int("FUSEFORGE_AMA_BWD_BLOCKS_PER_SM", 0);
   const int64_t knob = backward ? bwd_knob : fwd_knob;
   if (knob > 0) return knob;
-  return type_bytes >= 4 ? 1 : 0;
+  if (type_bytes < 4) return 0;
+  return !backward && !saves && act == Activation::kGelu ? 2 : 1;
 }
 
 template <typename T>
@@ -46,7 +50,7 @@ void forward_cuda(const ForwardArgs& a, double alpha, at::Tensor& out, at::Tenso
   const bool vec = a.shape.cols % kGroup == 0 && aligned16(p.x) && aligned16(p.y) && aligned16(p.bias) &&
                    aligned16(p.out) && aligned16(p.saved_z);
   LaunchPlan plan = plan_launch(a.shape, /*bias_blocks_per_sm=*/0);
-  plan.smem_bytes = smem_capping_blocks_per_sm(blocks_per_sm_cap(false, sizeof(T)), 0);
+  plan.smem_bytes = smem_capping_blocks_per_sm(blocks_per_sm_cap(false, sizeof(T), a.act, saved != nullptr), 0);
   launch_forward<T>(p, a.act, plan, vec);
 }
 
@@ -71,7 +75,7 @@ void backward_cuda(const BackwardArgs& a, double alpha, Gradients& g) {
   const bool vec = a.shape.cols % kGroup == 0 && aligned16(p.grad_out) && aligned16(p.saved_z) &&
                    aligned16(p.grad_x) && aligned16(p.grad_y);
   const bool reduce_bias = g.grad_bias.numel() > 0;
-  const size_t smem = smem_capping_blocks_per_sm(blocks_per_sm_cap(true, sizeof(T)), kBackwardStaticSmem);
+  const size_t smem = smem_capping_blocks_per_sm(blocks_per_sm_cap(true, sizeof(T), a.act, false), kBackwardStaticSmem);
   // One wave (measured against the former plan of 8 blocks an SM, i.e. 2-3 waves: bf16 relu fwd+bwd
   // 0.5929 -> 0.5846 ms, gelu 0.7684 -> 0.7561, fp32 relu 1.139 -> 1.128).
   const int64_t resident = reduce_bias ? backward_blocks_per_sm<T>(a.act, vec, smem) : 0;
