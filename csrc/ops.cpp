@@ -146,6 +146,9 @@ TORCH_LIBRARY(fuseforge, m) {
   // (rows,) float32 (float64 for float64 inputs).
   m.def("rms_norm_fwd(Tensor x, Tensor? weight, Tensor? residual, float eps, float weight_offset,"
         " ScalarType? out_dtype=None) -> (Tensor out, Tensor residual_out, Tensor rstd)");
+  // The forward without rstd, for calls that need no gradient (inference): the same outputs bit for bit.
+  m.def("rms_norm(Tensor x, Tensor? weight, Tensor? residual, float eps, float weight_offset,"
+        " ScalarType? out_dtype=None) -> (Tensor out, Tensor residual_out)");
   // Gradients from h (the forward's residual_out, or x) and rstd: grad_input = d(loss)/dh, which is also
   // the residual's gradient, including grad_residual_out (the gradient reaching residual_out) when
   // given; grad_input has h's dtype. grad_weight (weight's dtype, reduced in fp32 deterministically) only

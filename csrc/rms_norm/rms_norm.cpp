@@ -103,11 +103,11 @@ BackwardArgs prepare_backward(const at::Tensor& grad_out, const std::optional<at
   return a;
 }
 
-ForwardOutputs allocate_forward(const ForwardArgs& a) {
+ForwardOutputs allocate_forward(const ForwardArgs& a, bool need_rstd) {
   ForwardOutputs o;
   o.out = at::empty(a.x.sizes(), a.x.options().dtype(a.out_dtype));
   o.residual_out = a.residual.defined() ? at::empty(a.x.sizes(), a.x.options()) : at::empty({0}, a.x.options());
-  o.rstd = at::empty({a.rows}, a.x.options().dtype(stat_dtype(a.x.scalar_type())));
+  if (need_rstd) o.rstd = at::empty({a.rows}, a.x.options().dtype(stat_dtype(a.x.scalar_type())));
   return o;
 }
 
@@ -132,7 +132,7 @@ void forward_cpu(const ForwardArgs& a, ForwardOutputs& o) {
   k.eps = a.eps;
   k.out = o.out.mutable_data_ptr();
   k.residual_out = a.residual.defined() ? o.residual_out.mutable_data_ptr() : nullptr;
-  k.rstd = o.rstd.mutable_data_ptr();
+  k.rstd = o.rstd.defined() ? o.rstd.mutable_data_ptr() : nullptr;
   k.rows = a.rows;
   k.cols = a.cols;
   k.dtype = a.x.scalar_type();
@@ -163,6 +163,7 @@ void backward_cpu(const BackwardArgs& a, Gradients& g) {
 TORCH_LIBRARY_IMPL(fuseforge, CPU, m) {
   // float64 is allowed on the CPU (gradcheck).
   m.impl("rms_norm_fwd", &rms_norm_fwd_op<forward_cpu, true>);
+  m.impl("rms_norm", &rms_norm_op<forward_cpu, true>);
   m.impl("rms_norm_bwd", &rms_norm_bwd_op<backward_cpu, true>);
 }
 

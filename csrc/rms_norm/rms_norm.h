@@ -19,7 +19,7 @@ struct ForwardArgs {
 };
 
 struct ForwardOutputs {
-  at::Tensor out, residual_out, rstd;  // residual_out is empty without a residual
+  at::Tensor out, residual_out, rstd;  // residual_out is empty without a residual; rstd undefined when not asked for
 };
 
 struct BackwardArgs {
@@ -41,23 +41,41 @@ BackwardArgs prepare_backward(const at::Tensor& grad_out, const std::optional<at
                               const at::Tensor& h, const std::optional<at::Tensor>& weight, const at::Tensor& rstd,
                               double weight_offset, bool need_grad_weight, bool allow_double);
 
-ForwardOutputs allocate_forward(const ForwardArgs& a);
+ForwardOutputs allocate_forward(const ForwardArgs& a, bool need_rstd);
 Gradients allocate_gradients(const BackwardArgs& a);
 
 using ForwardRunner = void (*)(const ForwardArgs&, ForwardOutputs&);
 using BackwardRunner = void (*)(const BackwardArgs&, Gradients&);
 
 template <ForwardRunner kRunForward, bool kAllowDouble>
+ForwardOutputs run_forward(const at::Tensor& x, const std::optional<at::Tensor>& weight,
+                           const std::optional<at::Tensor>& residual, double eps, double weight_offset,
+                           std::optional<at::ScalarType> out_dtype, bool need_rstd) {
+  const ForwardArgs a = prepare_forward(x, weight, residual, eps, weight_offset, out_dtype, kAllowDouble);
+  ForwardOutputs o = allocate_forward(a, need_rstd);
+  if (need_rstd && a.rows > 0 && a.cols == 0) o.rstd.fill_(1.0 / std::sqrt(eps));  // the mean of no squares is 0
+  if (a.rows > 0 && a.cols > 0) kRunForward(a, o);
+  return o;
+}
+
+// rms_norm_fwd: the training forward (rstd for the backward).
+template <ForwardRunner kRunForward, bool kAllowDouble>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_fwd_op(const at::Tensor& x,
                                                                const std::optional<at::Tensor>& weight,
                                                                const std::optional<at::Tensor>& residual, double eps,
                                                                double weight_offset,
                                                                std::optional<at::ScalarType> out_dtype) {
-  const ForwardArgs a = prepare_forward(x, weight, residual, eps, weight_offset, out_dtype, kAllowDouble);
-  ForwardOutputs o = allocate_forward(a);
-  if (a.rows > 0 && a.cols == 0) o.rstd.fill_(1.0 / std::sqrt(eps));  // the mean of no squares is 0
-  if (a.rows > 0 && a.cols > 0) kRunForward(a, o);
+  ForwardOutputs o = run_forward<kRunForward, kAllowDouble>(x, weight, residual, eps, weight_offset, out_dtype, true);
   return {o.out, o.residual_out, o.rstd};
+}
+
+// rms_norm: the forward that stores no rstd (no gradient wanted).
+template <ForwardRunner kRunForward, bool kAllowDouble>
+std::tuple<at::Tensor, at::Tensor> rms_norm_op(const at::Tensor& x, const std::optional<at::Tensor>& weight,
+                                               const std::optional<at::Tensor>& residual, double eps,
+                                               double weight_offset, std::optional<at::ScalarType> out_dtype) {
+  ForwardOutputs o = run_forward<kRunForward, kAllowDouble>(x, weight, residual, eps, weight_offset, out_dtype, false);
+  return {o.out, o.residual_out};
 }
 
 template <BackwardRunner kRunBackward, bool kAllowDouble>

@@ -17,7 +17,7 @@ struct CpuForwardArgs {
   double weight_offset, eps;
   void* out;           // out_dtype
   void* residual_out;  // h = x + residual (dtype), nullptr without a residual
-  void* rstd;
+  void* rstd;          // nullptr: not stored (no gradient wanted)
   int64_t rows, cols;
   c10::ScalarType dtype, out_dtype;
 };

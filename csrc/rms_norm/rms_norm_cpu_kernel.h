@@ -100,7 +100,7 @@ void forward_typed(const CpuForwardArgs& a) {
         });
       }
       const M rs = rstd_of(sumsq.total(), cols, eps);
-      rstd[r] = rs;
+      if (rstd) rstd[r] = rs;
       const V rsv(rs);
       const T* hrow = h_out ? h_out + base : x + base;
       for (int64_t c0 = 0; c0 < cols; c0 += kTile) {

@@ -28,7 +28,7 @@ void forward_cuda(const ForwardArgs& a, ForwardOutputs& o) {
   p.weight = data_or_null(a.weight);
   p.residual_out = a.residual.defined() ? o.residual_out.mutable_data_ptr<T>() : nullptr;
   p.out = o.out.mutable_data_ptr();
-  p.rstd = o.rstd.mutable_data_ptr<float>();
+  p.rstd = o.rstd.defined() ? o.rstd.mutable_data_ptr<float>() : nullptr;
   p.rows = a.rows;
   p.cols = a.cols;
   p.eps = static_cast<float>(a.eps);
@@ -84,6 +84,7 @@ void backward_dispatch(const BackwardArgs& a, Gradients& g) {
 TORCH_LIBRARY_IMPL(fuseforge, CUDA, m) {
   // No float64 kernels on the GPU (the error says it is CPU-only).
   m.impl("rms_norm_fwd", &rms_norm_fwd_op<forward_dispatch, false>);
+  m.impl("rms_norm", &rms_norm_op<forward_dispatch, false>);
   m.impl("rms_norm_bwd", &rms_norm_bwd_op<backward_dispatch, false>);
 }
 

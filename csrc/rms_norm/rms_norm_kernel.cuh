@@ -236,7 +236,7 @@ __global__ void __launch_bounds__(ForwardRow<T, kShape>::kThreads) forward_rows_
     }
     sumsq = row_sum<R>(sumsq, red, parity);
     const float rstd = 1.f / sqrtf(sumsq / static_cast<float>(p.cols) + p.eps);
-    if (row_ok && lane == 0) p.rstd[row] = rstd;
+    if (p.rstd != nullptr && row_ok && lane == 0) p.rstd[row] = rstd;
     with_out_type<T>(p.out_dtype, [&](auto tag) {
       using O = typename decltype(tag)::type;
 #pragma unroll
@@ -277,7 +277,7 @@ __global__ void __launch_bounds__(1024) forward_two_pass_kernel(const ForwardPar
     }
     sumsq = block_sum(sumsq, red);
     const float rstd = 1.f / sqrtf(sumsq / static_cast<float>(p.cols) + p.eps);
-    if (threadIdx.x == 0) p.rstd[row] = rstd;
+    if (p.rstd != nullptr && threadIdx.x == 0) p.rstd[row] = rstd;
     with_out_type<T>(p.out_dtype, [&](auto tag) {
       using O = typename decltype(tag)::type;
       for (int64_t i = threadIdx.x; i < accesses; i += blockDim.x) {

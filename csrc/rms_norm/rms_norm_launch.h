@@ -30,7 +30,7 @@ struct ForwardParams {
   const void* weight;  // nullable: no scale
   T* residual_out;     // h = x + residual; set exactly when residual is
   void* out;
-  float* rstd;
+  float* rstd;         // nullable: not stored (no gradient wanted)
   int64_t rows, cols;
   float eps, weight_offset;
   Dtype weight_dtype, out_dtype;

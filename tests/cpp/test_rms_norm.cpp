@@ -38,6 +38,22 @@ TEST(RmsNorm, GemmaForwardWithResidualMatchesAten) {
   EXPECT_LT((out - h_ref * rstd_ref * (1.0 + w)).abs().max().item<double>(), 1e-12);
 }
 
+TEST(RmsNorm, ForwardWithoutRstdMatchesTrainingForward) {
+  using Op = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const std::optional<at::Tensor>&,
+                                                const std::optional<at::Tensor>&, double, double,
+                                                std::optional<at::ScalarType>);
+  auto op = c10::Dispatcher::singleton().findSchemaOrThrow("fuseforge::rms_norm", "").typed<Op>();
+  at::manual_seed(6);
+  const auto x = at::randn({9, 300});
+  const auto r = at::randn({9, 300});
+  const auto w = at::randn({300});
+  auto [out, h] = op.call(x, w, r, 1e-6, 0.0, at::kBFloat16);
+  auto [out_fwd, h_fwd, rstd] = fwd_op().call(x, w, r, 1e-6, 0.0, at::kBFloat16);
+  EXPECT_EQ(out.scalar_type(), at::kBFloat16);
+  EXPECT_TRUE(at::equal(out, out_fwd));
+  EXPECT_TRUE(at::equal(h, h_fwd));
+}
+
 TEST(RmsNorm, BackwardMatchesAutograd) {
   auto bwd = c10::Dispatcher::singleton().findSchemaOrThrow("fuseforge::rms_norm_bwd", "").typed<BwdOp>();
   at::manual_seed(9);

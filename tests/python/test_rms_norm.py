@@ -73,9 +73,28 @@ def test_forward_matches_float64(device, dtype, hidden, weight_case, with_residu
     assert_rel_close(out, reference(h_of(x, res), w, eps, offset), TOL[dtype], "out")
     if with_residual:
         assert torch.equal(h, x + res), "residual_out must be the eager add, bit for bit"
-    rstd = ops.rms_norm_fwd(x, w, res, eps, offset)[2]
+    out_fwd, h_fwd, rstd = ops.rms_norm_fwd(x, w, res, eps, offset)
     assert rstd.shape == (x.numel() // hidden,)
     assert rstd.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    # rms_norm (called above: nothing requires grad) skips only the rstd store.
+    assert torch.equal(out, out_fwd), "the forward without rstd must match the training forward"
+    if with_residual:
+        assert torch.equal(h, h_fwd)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_forward_without_grad_stores_no_rstd(device, monkeypatch):
+    """rms_norm takes the rstd-free op exactly when no gradient is wanted."""
+    called = []
+    op = ops.rms_norm
+    monkeypatch.setattr(torch.ops.fuseforge, "rms_norm", lambda *a, **k: called.append(1) or op(*a, **k))
+    x, w, res, _ = make((3, 40), torch.float32, device, ("llama", 0.0, "x"), True, requires_grad=True)
+    with torch.no_grad():
+        rms_norm(x, w, 1e-6, res)
+    rms_norm(x.detach(), w.detach(), 1e-6, res.detach())
+    assert len(called) == 2
+    out, h = rms_norm(x, w, 1e-6, res)
+    assert len(called) == 2 and out.grad_fn is not None and h.grad_fn is not None
 
 
 @pytest.mark.parametrize("device,dtype", device_dtypes())
@@ -193,6 +212,9 @@ def test_weight_gradient_only_when_needed(device):
 @pytest.mark.parametrize("shape", [(0, 64), (2, 0, 16), (4, 0)], ids=str)
 def test_empty(device, shape):
     x, w, res, _ = make(shape, torch.float32, device, ("llama", 0.0, "x"), True, requires_grad=True)
+    with torch.no_grad():
+        out, h = rms_norm(x, w, 1e-6, res)
+    assert out.shape == x.shape and h.shape == x.shape
     out, h = rms_norm(x, w, 1e-6, res)
     assert out.shape == x.shape and h.shape == x.shape
     gx, gr, gw = torch.autograd.grad((out, h), (x, res, w), (torch.ones_like(out), torch.ones_like(h)))
@@ -249,8 +271,10 @@ def test_opcheck(device):
                                            1.0, True))
             run_opcheck(ops.rms_norm_bwd, (randn(5, 24, dtype=torch.bfloat16, device=device), None, h, w, rstd,
                                            1.0, False))
+            run_opcheck(ops.rms_norm, (x, w, res, 1e-6, 1.0))
     x32 = randn(4, 16, device=device)
     run_opcheck(ops.rms_norm_fwd, (x32, randn(16, device=device), None, 1e-6, 0.0), {"out_dtype": torch.bfloat16})
+    run_opcheck(ops.rms_norm, (x32, randn(16, device=device), None, 1e-6, 0.0), {"out_dtype": torch.bfloat16})
 
 
 @pytest.mark.parametrize("device", devices())
@@ -266,6 +290,8 @@ def test_compiles_fullgraph(device):
     assert_rel_close(got, want, 1e-5)
     for a, b in zip(torch.autograd.grad(got, (x, w, res)), torch.autograd.grad(want, (x, w, res))):
         assert_rel_close(a, b, 1e-5)
+    with torch.no_grad():  # the rstd-free op
+        assert_rel_close(assert_compiles(fn, x, w, res, device=device), want, 1e-5)
 
 
 @pytest.mark.parametrize("device,dtype", device_dtypes(cpu_dtypes=(torch.float32, torch.bfloat16),
@@ -339,6 +365,9 @@ def test_cuda_small_for_sanitizer(shape):
     backward, the weight gradient's column sum) on small shapes."""
     for dtype, wdtype in ((torch.bfloat16, torch.float32), (torch.float32, "x")):
         x, w, res, _ = make(shape, dtype, "cuda", ("w", 0.0, wdtype), True, requires_grad=True)
+        with torch.no_grad():  # the forward without rstd
+            rms_norm(x, w, 1e-6, res)
+            rms_norm(x, w, 1e-6)
         out, h = rms_norm(x, w, 1e-6, res)
         gx, gw = torch.autograd.grad((out, h), (x, w), (torch.randn_like(out), torch.randn_like(h)))
         torch.cuda.synchronize()
