@@ -321,6 +321,8 @@ def test_bad_inputs_raise_clear_errors(device):
     x, w, res, _ = make((4, 8), torch.float32, device, ("llama", 0.0, "x"), True)
     with pytest.raises(RuntimeError, match=r"weight must have shape \(8,\)"):
         rms_norm(x, w[:5])
+    with pytest.raises(RuntimeError, match=r"weight must have shape \(8,\)"):  # the training forward
+        rms_norm(x.clone().requires_grad_(), w[:5])
     with pytest.raises(RuntimeError, match=r"weight must have shape"):
         rms_norm(x, w.reshape(2, 4))
     with pytest.raises(RuntimeError, match=r"weight must have the dtype of x \(Float\) or float32"):
