@@ -1,5 +1,5 @@
 // Instantiates the add_mul_act forward kernels: 3 dtypes x 6 activations x {vector, scalar}, and the
-// 16-bit SiLU forward that saves no z at its own rows a trip.
+// 16-bit SiLU forward that saves no z at its own rows a trip (rows_unroll).
 #include "add_mul_act/add_mul_act_kernel.cuh"
 #include "common/dispatch.h"
 
@@ -8,17 +8,13 @@ namespace fuseforge::add_mul_act {
 template <typename T>
 void launch_forward(ForwardParams<T> params, Activation act, const LaunchPlan& plan, bool vectorized) {
   params.rows_per_block = plan.rows_per_block;
+  const bool saves = params.saved_z != nullptr || params.saved_mask != nullptr;
   FUSEFORGE_ACTIVATION_SWITCH(act, kAct, [&] {
     FUSEFORGE_BOOL_SWITCH(vectorized, kVec, [&] {
-      if constexpr (kAct == Activation::kSilu && sizeof(T) == 2 &&
-                    FUSEFORGE_AMA_ROWS_16BIT_SILU_NO_SAVE != rows_unroll<T, kAct>()) {
-        if (params.saved_z == nullptr && params.saved_mask == nullptr) {
-          launch_kernel(forward_kernel<T, kAct, kVec, FUSEFORGE_AMA_ROWS_16BIT_SILU_NO_SAVE>, plan.grid, plan.block,
-                        plan.smem_bytes, params);
-          return;
-        }
-      }
-      launch_kernel(forward_kernel<T, kAct, kVec>, plan.grid, plan.block, plan.smem_bytes, params);
+      FUSEFORGE_BOOL_SWITCH(saves, kSaves, [&] {
+        launch_kernel(forward_kernel<T, kAct, kVec, rows_unroll<T, kAct, kSaves>()>, plan.grid, plan.block,
+                      plan.smem_bytes, params);
+      });
     });
   });
 }

@@ -31,7 +31,8 @@ namespace fuseforge::add_mul_act {
 #define FUSEFORGE_AMA_ROWS_16BIT_GELU 1
 #endif
 // SiLU's 16-bit forward that saves no z (inference) takes one row a trip too (0.193 against 0.203
-// ms); the forward that saves z keeps 4 (one row: forward+backward 0.538 against 0.531).
+// ms); the forward that saves z keeps 4 (one row: forward+backward 0.538 against 0.531). Where the
+// two forwards' rows agree (every other case), they are one kernel.
 #ifndef FUSEFORGE_AMA_ROWS_16BIT_SILU_NO_SAVE
 #define FUSEFORGE_AMA_ROWS_16BIT_SILU_NO_SAVE 1
 #endif
@@ -49,10 +50,13 @@ namespace fuseforge::add_mul_act {
 #ifndef FUSEFORGE_AMA_BWD_MIN_BLOCKS
 #define FUSEFORGE_AMA_BWD_MIN_BLOCKS FUSEFORGE_AMA_MIN_BLOCKS
 #endif
-template <typename T, Activation A>
+// The forward's rows a trip; kSaves: it stores z or the relu mask for the backward.
+template <typename T, Activation A, bool kSaves>
 constexpr int rows_unroll() {
   if constexpr (sizeof(T) >= 4) return FUSEFORGE_AMA_ROWS_32BIT;
-  return A == Activation::kGelu ? FUSEFORGE_AMA_ROWS_16BIT_GELU : FUSEFORGE_AMA_ROWS_16BIT;
+  if constexpr (A == Activation::kGelu) return FUSEFORGE_AMA_ROWS_16BIT_GELU;
+  if constexpr (A == Activation::kSilu && !kSaves) return FUSEFORGE_AMA_ROWS_16BIT_SILU_NO_SAVE;
+  return FUSEFORGE_AMA_ROWS_16BIT;
 }
 template <typename T>
 constexpr int backward_rows_unroll() {
@@ -100,7 +104,7 @@ __device__ __forceinline__ void store_group(T* p, int n, const float (&v)[kGroup
   }
 }
 
-template <typename T, Activation A, bool kVec, int kUnroll = rows_unroll<T, A>()>
+template <typename T, Activation A, bool kVec, int kUnroll>
 __global__ void __launch_bounds__(kThreads, FUSEFORGE_AMA_MIN_BLOCKS) forward_kernel(const ForwardParams<T> p) {
   const int64_t group = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (group >= p.groups_per_row) return;

@@ -11,7 +11,7 @@ namespace fuseforge::add_mul_act {
 
 constexpr int kGroup = 8;      // columns a thread owns = bits of one mask byte
 constexpr int kThreads = 256;  // threads a block
-constexpr int kRowUnroll = 8;  // the most rows a thread loads before it computes (rows_unroll<T, A>)
+constexpr int kRowUnroll = 8;  // the most rows a thread loads before it computes (rows_unroll)
 // The backward kernel's static shared memory: fp32 bias partials, kGroup per thread.
 constexpr size_t kBackwardStaticSmem = kGroup * kThreads * sizeof(float);
 
