@@ -223,13 +223,13 @@ __global__ void __launch_bounds__(kThreads) rotary_kernel(const RotaryParams<Tin
   }
 }
 
-// kN consecutive floats of a cos/sin table in shared memory, 16-byte reads (8-byte for 2). The
+// kN consecutive floats of a cos/sin table in shared memory, 16-byte reads (8-byte for 2, 4 for 1). The
 // staged kernel's offsets are multiples of kN (the vector path's R / 2 or R is a multiple of the
 // chunk) and the tables start 16-byte aligned; the token kernel's likewise.
 template <int kN>
 __device__ __forceinline__ void load_table(const float* src, float (&v)[kN]) {
-  static_assert(kN % 4 == 0 || kN == 2, "4k or 2 floats");
-  constexpr int kAccess = kN == 2 ? 2 : 4;
+  static_assert(kN % 4 == 0 || kN <= 2, "4k, 2 or 1 floats");
+  constexpr int kAccess = kN <= 2 ? kN : 4;
 #pragma unroll
   for (int i = 0; i < kN; i += kAccess) {
     const AlignedVector<float, kAccess> t = load_vector<float, kAccess>(src + i);
@@ -261,6 +261,22 @@ __device__ __forceinline__ void rotate_chunk(const AlignedVector<Tin, kChunk>& x
   }
 }
 
+// Token (b, s)'s cos/sin table, computed by the block's threads tid < rot_half (threads in all). It
+// is computed for position s while the token's position_ids entry loads (an unpacked batch's
+// positions are arange(S)), so that load is not on the way to the barrier (Llama 1B forward 0.0473
+// -> 0.0463 ms); a token whose position differs (packed batches) computes it again.
+template <typename Tin, typename Tout>
+__device__ __forceinline__ void token_table(const RotaryParams<Tin, Tout>& p, int64_t b, int64_t s, int tid,
+                                            int threads, float* cos_tab, float* sin_tab) {
+  if (tid >= p.rot_half) return;
+  const int64_t position = position_index(p, b, s);
+  fill_token_table(static_cast<float>(s), p.inv_freq, p.rot_half, p.cos_scaling, p.sin_scaling, tid, threads,
+                   cos_tab, sin_tab);
+  if (position != s)
+    refill_token_table(static_cast<float>(position), p.inv_freq, p.rot_half, p.cos_scaling, p.sin_scaling, tid,
+                       threads, cos_tab, sin_tab);
+}
+
 // The token kernel: block (chunks_per_head, Hq + Hk) for token (b = blockIdx.y, s = blockIdx.x); a
 // thread loads its head's chunk (and the half-split partner) straight into registers first, then
 // the block's first rot_half threads compute the token's cos/sin into shared memory under those
@@ -286,21 +302,9 @@ __global__ void __launch_bounds__(kTokenMaxThreads, kTokenMinBlocks) rotary_toke
   AlignedVector<Tin, kChunk> y;
   if (!kInterleaved && rotary) y = load_vector<Tin, kChunk>(src + first + partner);
 
-  // The table is computed for position s while the token's position_ids entry loads (an unpacked
-  // batch's positions are arange(S)), so that load is not on the way to the barrier (Llama 1B
-  // forward 0.0473 -> 0.0463 ms); a token whose position differs (packed batches) computes it again.
   float* cos_tab = rotary_tables;
   float* sin_tab = rotary_tables + p.rot_half;
-  const int threads = blockDim.x * blockDim.y;
-  const int tid = h * blockDim.x + c;
-  if (tid < p.rot_half) {
-    const int64_t position = position_index(p, b, s);
-    fill_token_table(static_cast<float>(s), p.inv_freq, p.rot_half, p.cos_scaling, p.sin_scaling, tid, threads,
-                     cos_tab, sin_tab);
-    if (position != s)
-      refill_token_table(static_cast<float>(position), p.inv_freq, p.rot_half, p.cos_scaling, p.sin_scaling, tid,
-                         threads, cos_tab, sin_tab);
-  }
+  token_table(p, b, s, h * blockDim.x + c, blockDim.x * blockDim.y, cos_tab, sin_tab);
   __syncthreads();
 
   float out[kChunk], out_partner[kChunk];
@@ -315,6 +319,55 @@ __global__ void __launch_bounds__(kTokenMaxThreads, kTokenMinBlocks) rotary_toke
     if constexpr (!kInterleaved) store_chunk<Tout, kChunk, true>(dst + first + partner, kChunk, out_partner);
   }
   store_chunk<Tout, kChunk, true>(dst + first, kChunk, out);
+}
+
+// The grouped-query token kernel (16-bit q and k of one type, half-split, every dim rotary, Hq = r
+// Hk for r = 2, 4, 8): block (chunks_per_head, Hq) for token (b = blockIdx.y, s = blockIdx.x). Thread
+// (c, h) takes q head h's chunk c with its partner, as the token kernel, and a slice of kKElems =
+// kChunk / r elements of k head h / r's first half (with its partners): the r q heads of a k head
+// share its r x chunks_per_head slices. So k takes no threads of its own: a thread keeps 32 + 4
+// kKElems bytes in flight, and at Llama's 4:1 a block is 128 threads (16 tokens an SM, Liger's
+// rope's shape) instead of the token kernel's 160 (12 tokens an SM, 32 bytes a thread).
+template <typename T, int kKElems>
+__global__ void __launch_bounds__(kTokenMaxThreads, kTokenMinBlocks)
+    rotary_token_gqa_kernel(const RotaryParams<T, T> p) {
+  constexpr int kChunk = chunk_elems<T>();
+  constexpr int kRatio = kChunk / kKElems;  // q heads a k head
+  extern __shared__ float rotary_tables[];
+  const int64_t s = blockIdx.x, b = blockIdx.y;
+  const int c = threadIdx.x, h = threadIdx.y;
+  const int hk = h / kRatio;
+  const int k_first = ((h - hk * kRatio) * p.chunks_per_head + c) * kKElems;
+  const int q_first = c * kChunk;
+  const T* q_src = p.q + b * p.q_stride_b + s * p.q_stride_s + h * p.q_stride_h + q_first;
+  const T* k_src = p.k + b * p.k_stride_b + s * p.k_stride_s + hk * p.k_stride_h + k_first;
+  const AlignedVector<T, kChunk> qx = load_vector<T, kChunk>(q_src);
+  const AlignedVector<T, kChunk> qy = load_vector<T, kChunk>(q_src + p.rot_half);
+  const AlignedVector<T, kKElems> kx = load_vector<T, kKElems>(k_src);
+  const AlignedVector<T, kKElems> ky = load_vector<T, kKElems>(k_src + p.rot_half);
+
+  float* cos_tab = rotary_tables;
+  float* sin_tab = rotary_tables + p.rot_half;
+  token_table(p, b, s, h * blockDim.x + c, blockDim.x * blockDim.y, cos_tab, sin_tab);
+  __syncthreads();
+
+  const int64_t token = b * p.seq + s;
+  {
+    T* dst = p.k_out + (token * p.heads_k + hk) * p.head_dim + k_first;
+    float cos_v[kKElems], sin_v[kKElems], out[kKElems], out_partner[kKElems];
+    load_table<kKElems>(cos_tab + k_first, cos_v);
+    load_table<kKElems>(sin_tab + k_first, sin_v);
+    rotate_chunk<false>(kx, ky, cos_v, sin_v, out, out_partner);
+    store_chunk<T, kKElems, true>(dst, kKElems, out);
+    store_chunk<T, kKElems, true>(dst + p.rot_half, kKElems, out_partner);
+  }
+  T* dst = p.q_out + (token * p.heads_q + h) * p.head_dim + q_first;
+  float cos_v[kChunk], sin_v[kChunk], out[kChunk], out_partner[kChunk];
+  load_table<kChunk>(cos_tab + q_first, cos_v);
+  load_table<kChunk>(sin_tab + q_first, sin_v);
+  rotate_chunk<false>(qx, qy, cos_v, sin_v, out, out_partner);
+  store_chunk<T, kChunk, true>(dst, kChunk, out);
+  store_chunk<T, kChunk, true>(dst + p.rot_half, kChunk, out_partner);
 }
 
 // A token's (batch, sequence) index.

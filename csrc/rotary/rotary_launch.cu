@@ -1,5 +1,8 @@
 // Instantiates the rotary kernels: 3 x 3 (input, output) types x {half-split, interleaved} x
-// {token, staged, register vector, register scalar}.
+// {token, staged, register vector, register scalar}, and the grouped-query token kernel for bf16 and
+// fp16 (in and out) x 3 head ratios.
+#include <type_traits>
+
 #include "common/dispatch.h"
 #include "rotary/rotary_kernel.cuh"
 
@@ -11,6 +14,25 @@ void launch_rotary(const RotaryParams<Tin, Tout>& params, const LaunchPlan& plan
     if (plan.kernel == KernelKind::kToken) {
       TORCH_CHECK(vectorized, "rotary: the token kernel takes the vector path only");
       launch_kernel(rotary_token_kernel<Tin, Tout, kInterleaved>, plan.grid, plan.block, plan.smem_bytes, params);
+      return;
+    }
+    if (plan.kernel == KernelKind::kTokenGqa) {
+      // Only where it can be planned: 16-bit, one type in and out, half-split (rotary_cuda.cpp).
+      if constexpr (sizeof(Tin) == 2 && std::is_same_v<Tin, Tout>) {
+        TORCH_CHECK(vectorized && !kInterleaved, "rotary: the grouped-query token kernel takes the half-split vector path only");
+        constexpr int kChunk = chunk_elems<Tin>();
+        const int ratio = params.heads_q / params.heads_k;
+        auto launch = [&](auto k_elems) {
+          launch_kernel(rotary_token_gqa_kernel<Tin, decltype(k_elems)::value>, plan.grid, plan.block, plan.smem_bytes,
+                        params);
+        };
+        if (ratio == 2) launch(std::integral_constant<int, kChunk / 2>{});
+        else if (ratio == 4) launch(std::integral_constant<int, kChunk / 4>{});
+        else if (ratio == 8) launch(std::integral_constant<int, kChunk / 8>{});
+        else TORCH_CHECK(false, "rotary: the grouped-query token kernel takes Hq / Hk = 2, 4 or 8, not ", ratio);
+      } else {
+        TORCH_CHECK(false, "rotary: the grouped-query token kernel takes 16-bit inputs of the output's type");
+      }
       return;
     }
     if (plan.kernel == KernelKind::kStaged) {

@@ -39,9 +39,10 @@ struct RotaryParams {
   bool dense_token_rows;  // each token's q heads (k heads) one dense row: token t's at t * heads * head_dim
 };
 
-// The kernels, tried in turn: the token kernel (the vector path where a token's chunks take
-// kTokenMinThreads..kTokenMaxThreads threads: the models' heads), the staged kernel (16-bit inputs
-// on the vector path otherwise: few or small heads), the register kernel (the rest).
+// The kernels, tried in turn: the grouped-query token kernel (below), the token kernel (the vector
+// path where a token's chunks take kTokenMinThreads..kTokenMaxThreads threads: the models' heads),
+// the staged kernel (16-bit inputs on the vector path otherwise: few or small heads), the register
+// kernel (the rest).
 // The staged kernel: kThreads threads a block, tokens_per_block tokens' heads staged in shared
 // memory, the stage about kStageBytes (several blocks an SM). A token whose heads and tables exceed
 // kMaxStagedTokenBytes, or a head of more than kThreads chunks, takes the register kernel instead,
@@ -58,7 +59,7 @@ constexpr int kTokenMinThreads = 128;   // fewer: too few bytes in flight a bloc
 constexpr int kTokenMaxThreads = 1024;  // a block's limit
 constexpr int kTokenMinBlocks = 2;      // 2048 threads an SM: 32 registers
 
-enum class KernelKind { kRegister, kStaged, kToken };
+enum class KernelKind { kRegister, kStaged, kToken, kTokenGqa };
 
 // The register kernel's block is (chunk threads) x (head threads) x (tokens): threadIdx.x walks a
 // head's chunks, threadIdx.y its token's heads (q's, then k's), threadIdx.z the block's tokens. The
@@ -79,6 +80,20 @@ inline LaunchPlan plan_token(int64_t batch, int64_t seq, int64_t heads, int64_t 
   plan.block = dim3(static_cast<unsigned>(chunks_per_head), static_cast<unsigned>(heads));
   plan.grid = dim3(static_cast<unsigned>(seq), static_cast<unsigned>(batch));
   plan.smem_bytes = static_cast<size_t>(2 * rot_half * static_cast<int64_t>(sizeof(float)));
+  return plan;
+}
+
+// The grouped-query token kernel (rotary_token_gqa_kernel): 16-bit q and k of the output's type,
+// half-split, every dim rotary, Hq = r Hk for r = 2, 4 or 8, Hq x chunks_per_head threads a token
+// (the token kernel's range). Its plan, or kernel kRegister when the shape does not fit it.
+inline bool gqa_ratio_supported(int64_t ratio) { return ratio == 2 || ratio == 4 || ratio == 8; }
+
+inline LaunchPlan plan_token_gqa(int64_t batch, int64_t seq, int64_t heads_q, int64_t heads_k, int64_t chunks_per_head,
+                                 int64_t rot_half) {
+  LaunchPlan plan;
+  if (heads_k == 0 || heads_q % heads_k != 0 || !gqa_ratio_supported(heads_q / heads_k)) return plan;
+  plan = plan_token(batch, seq, heads_q, chunks_per_head, rot_half);
+  if (plan.kernel == KernelKind::kToken) plan.kernel = KernelKind::kTokenGqa;
   return plan;
 }
 

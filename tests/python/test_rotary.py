@@ -378,19 +378,20 @@ def test_empty(device):
 
 @requires_cuda
 @pytest.mark.parametrize("shape", [(8, 16, 4, 300, 128, 128), (2, 8, 4, 257, 256, 256), (3, 16, 2, 100, 64, 64),
-                                   (1, 1, 1, 5000, 8, 8), (5, 16, 4, 2047, 128, 128), (2, 16, 4, 33, 128, 64)],
+                                   (1, 1, 1, 5000, 8, 8), (5, 16, 4, 2047, 128, 128), (2, 16, 4, 33, 128, 64),
+                                   (2, 16, 2, 65, 128, 128), (1, 16, 16, 40, 128, 128)],
                          ids=str)
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
 @pytest.mark.parametrize("layout", ["bshd", "bhsd"])
 def test_cuda_model_shapes_match_float64(shape, interleaved, layout):
-    """The token kernel (a block a token: the 128- and 256-dim heads, partial rotary in the last
-    shape) and the staged one (D = 64 with 18 heads, D = 8: blocks of several tokens across batch
-    rows, many trips, one chunk a head); a grid of several waves; both layouts (bhsd: strided
-    heads); bf16 and fp32."""
+    """The grouped-query token kernel (16-bit, half-split, Hq / Hk = 4, 2, 8), the token kernel (a
+    block a token: fp32, interleaved, partial rotary, Hq = Hk) and the staged one (D = 64 with 18
+    heads, D = 8: blocks of several tokens across batch rows, many trips, one chunk a head); a grid
+    of several waves; both layouts (bhsd: strided heads); bf16, fp16 and fp32."""
     batch, heads_q, heads_k, seq, head_dim, rot_dims = shape
     inv_freq = inv_freq_for(rot_dims, device="cuda")
     positions = packed_positions(batch, seq, "cuda")
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
         q, k = make_qk(batch, heads_q, heads_k, seq, head_dim, dtype, "cuda", layout)
         poison_allocations(q, k)
         q_out, k_out = rotary(q, k, inv_freq, positions, 1.0, interleaved)
@@ -401,11 +402,13 @@ def test_cuda_model_shapes_match_float64(shape, interleaved, layout):
 @requires_cuda
 @pytest.mark.sanitize
 @pytest.mark.parametrize("shape", [(2, 4, 2, 9, 16, 16), (1, 3, 1, 7, 6, 4), (2, 3, 1, 6, 80, 32),
-                                   (1, 40, 30, 2, 256, 128), (2, 16, 4, 3, 128, 64)], ids=str)
+                                   (1, 40, 30, 2, 256, 128), (2, 16, 4, 3, 128, 64), (2, 16, 2, 3, 128, 128)],
+                         ids=str)
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
 def test_cuda_small_for_sanitizer(shape, interleaved):
-    """Every kernel path (token, staged, register vector and scalar; half-split and interleaved;
-    rotary and pass-through chunks; bf16 output from fp32) on small shapes, forward and backward."""
+    """Every kernel path (grouped-query token, token, staged, register vector and scalar;
+    half-split and interleaved; rotary and pass-through chunks; bf16 output from fp32) on small
+    shapes, forward and backward."""
     batch, heads_q, heads_k, seq, head_dim, rot_dims = shape
     inv_freq = inv_freq_for(rot_dims, device="cuda")
     positions = packed_positions(batch, seq, "cuda", torch.int32)
@@ -420,11 +423,12 @@ def test_cuda_small_for_sanitizer(shape, interleaved):
 @requires_cuda
 @pytest.mark.slow
 def test_more_than_2_to_31_elements():
-    """int64 offsets: q of 2^31 + 2^20 bf16 elements (about 4.3 GB); tokens at both ends checked."""
+    """int64 offsets: q of 2^31 + 2^20 bf16 elements (about 4.3 GB; the grouped-query token kernel,
+    32 / 4 heads); tokens at both ends checked."""
     heads_q, head_dim = 32, 128
     seq = (2**31 + 2**20) // (heads_q * head_dim)
     q = torch.randn(1, seq, heads_q, head_dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
-    k = torch.randn(1, seq, 1, head_dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    k = torch.randn(1, seq, 4, head_dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
     inv_freq = inv_freq_for(head_dim, device="cuda")
     positions = torch.arange(seq, device="cuda")[None]
     q_out, k_out = rotary(q, k, inv_freq, positions)
