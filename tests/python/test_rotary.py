@@ -379,15 +379,17 @@ def test_empty(device):
 @requires_cuda
 @pytest.mark.parametrize("shape", [(8, 16, 4, 300, 128, 128), (2, 8, 4, 257, 256, 256), (3, 16, 2, 100, 64, 64),
                                    (1, 1, 1, 5000, 8, 8), (5, 16, 4, 2047, 128, 128), (2, 16, 4, 33, 128, 64),
-                                   (2, 16, 2, 65, 128, 128), (1, 16, 16, 40, 128, 128)],
+                                   (2, 16, 2, 65, 128, 128), (1, 16, 16, 40, 128, 128), (2, 32, 8, 70, 128, 128),
+                                   (1, 64, 8, 9, 128, 128)],
                          ids=str)
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
 @pytest.mark.parametrize("layout", ["bshd", "bhsd"])
 def test_cuda_model_shapes_match_float64(shape, interleaved, layout):
-    """The grouped-query token kernel (16-bit, half-split, Hq / Hk = 4, 2, 8), the token kernel (a
-    block a token: fp32, interleaved, partial rotary, Hq = Hk) and the staged one (D = 64 with 18
-    heads, D = 8: blocks of several tokens across batch rows, many trips, one chunk a head); a grid
-    of several waves; both layouts (bhsd: strided heads); bf16, fp16 and fp32."""
+    """The grouped-query token kernel (16-bit, half-split, Hq / Hk = 4, 2, 8; two q heads a thread
+    at 32 x 8 and 64 x 8), the token kernel (a block a token: fp32, interleaved, partial rotary,
+    Hq = Hk) and the staged one (D = 64 with 18 heads, D = 8: blocks of several tokens across batch
+    rows, many trips, one chunk a head); a grid of several waves; both layouts (bhsd: strided heads);
+    bf16, fp16 and fp32."""
     batch, heads_q, heads_k, seq, head_dim, rot_dims = shape
     inv_freq = inv_freq_for(rot_dims, device="cuda")
     positions = packed_positions(batch, seq, "cuda")
@@ -402,7 +404,8 @@ def test_cuda_model_shapes_match_float64(shape, interleaved, layout):
 @requires_cuda
 @pytest.mark.sanitize
 @pytest.mark.parametrize("shape", [(2, 4, 2, 9, 16, 16), (1, 3, 1, 7, 6, 4), (2, 3, 1, 6, 80, 32),
-                                   (1, 40, 30, 2, 256, 128), (2, 16, 4, 3, 128, 64), (2, 16, 2, 3, 128, 128)],
+                                   (1, 40, 30, 2, 256, 128), (2, 16, 4, 3, 128, 64), (2, 16, 2, 3, 128, 128),
+                                   (1, 32, 8, 2, 128, 128)],
                          ids=str)
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
 def test_cuda_small_for_sanitizer(shape, interleaved):
