@@ -71,15 +71,13 @@ void rotary_cuda_typed(const Problem& pr, double scaling, bool interleaved, bool
                           is_aligned(p.k, 16) && is_aligned(p.q_out, 16) && is_aligned(p.k_out, 16) &&
                           strides_multiple_of(pr.q, kChunk) && strides_multiple_of(pr.k, kChunk);
   const int64_t heads = pr.heads_q + pr.heads_k;
-  // Development knob (FUSEFORGE_DEV builds): FUSEFORGE_ROTARY_KERNEL=gqa|gqa1|token|staged|register
-  // forces a kernel where the shape allows it (gqa1: the grouped-query kernel, one q head a thread).
-  static const std::string forced =
-      dev_choice("FUSEFORGE_ROTARY_KERNEL", {"gqa", "gqa1", "token", "staged", "register"});
+  // Development knob (FUSEFORGE_DEV builds): FUSEFORGE_ROTARY_KERNEL=gqa|token|staged|register forces
+  // a kernel where the shape allows it.
+  static const std::string forced = dev_choice("FUSEFORGE_ROTARY_KERNEL", {"gqa", "token", "staged", "register"});
   LaunchPlan plan;
   if (vectorized && sizeof(Tin) == 2 && std::is_same_v<Tin, Tout> && !interleaved &&
-      pr.rot_dims() == pr.head_dim && (forced.empty() || forced == "gqa" || forced == "gqa1"))
-    plan = plan_token_gqa(pr.batch, pr.seq, pr.heads_q, pr.heads_k, p.chunks_per_head, pr.rot_half,
-                          forced == "gqa1" ? 1 : 2);
+      pr.rot_dims() == pr.head_dim && (forced.empty() || forced == "gqa"))
+    plan = plan_token_gqa(pr.batch, pr.seq, pr.heads_q, pr.heads_k, p.chunks_per_head, pr.rot_half);
   if (vectorized && plan.kernel == KernelKind::kRegister && (forced.empty() || forced == "token"))
     plan = plan_token(pr.batch, pr.seq, heads, p.chunks_per_head, pr.rot_half);
   if (vectorized && plan.kernel == KernelKind::kRegister && (forced.empty() || forced == "staged"))

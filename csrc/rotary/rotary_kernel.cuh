@@ -322,40 +322,33 @@ __global__ void __launch_bounds__(kTokenMaxThreads, kTokenMinBlocks) rotary_toke
 }
 
 // The grouped-query token kernel (16-bit q and k of one type, half-split, every dim rotary, Hq = r
-// Hk for r = 2, 4, 8): block (chunks_per_head, Hq / kQHeads) for token (b = blockIdx.y, s =
-// blockIdx.x). Thread (c, y) takes chunk c (with its partner) of q heads y kQHeads ..
-// y kQHeads + kQHeads - 1, and a slice of kKElems = kChunk kQHeads / r elements of their k head's
-// first half (with its partners): the r / kQHeads thread rows of a k head's q heads share its
-// slices. So k takes no threads of its own: a Llama 1B token (16 x 4 heads of 128) is 128 threads of
-// 40 bytes in flight, 16 tokens an SM, where the token kernel takes 160 threads of 32 bytes, 12
-// tokens an SM. Two q heads a thread (Llama 8B's and 70B's): half the threads, 80 bytes each, and
-// each cos/sin read from shared memory serves both heads.
-template <typename T, int kKElems, int kQHeads>
-__global__ void __launch_bounds__(kQHeads == 1 ? kTokenMaxThreads : kGqaPairMaxThreads,
-                                  kQHeads == 1 ? kTokenMinBlocks : kGqaPairMinBlocks)
+// Hk for r = 2, 4, 8): block (chunks_per_head, Hq) for token (b = blockIdx.y, s = blockIdx.x). Thread
+// (c, h) takes q head h's chunk c with its partner, as the token kernel, and a slice of kKElems =
+// kChunk / r elements of k head h / r's first half (with its partners): the r q heads of a k head
+// share its r x chunks_per_head slices. So k takes no threads of its own: a thread keeps 32 + 4
+// kKElems bytes in flight, and at Llama's 4:1 a block is 128 threads (16 tokens an SM, Liger's
+// rope's shape) instead of the token kernel's 160 (12 tokens an SM, 32 bytes a thread).
+template <typename T, int kKElems>
+__global__ void __launch_bounds__(kTokenMaxThreads, kTokenMinBlocks)
     rotary_token_gqa_kernel(const RotaryParams<T, T> p) {
   constexpr int kChunk = chunk_elems<T>();
-  constexpr int kRowsPerKHead = kChunk / kKElems;  // thread rows (of kQHeads q heads each) a k head
+  constexpr int kRatio = kChunk / kKElems;  // q heads a k head
   extern __shared__ float rotary_tables[];
   const int64_t s = blockIdx.x, b = blockIdx.y;
-  const int c = threadIdx.x, y = threadIdx.y;
-  const int hk = y / kRowsPerKHead;
-  const int k_first = ((y - hk * kRowsPerKHead) * p.chunks_per_head + c) * kKElems;
+  const int c = threadIdx.x, h = threadIdx.y;
+  const int hk = h / kRatio;
+  const int k_first = ((h - hk * kRatio) * p.chunks_per_head + c) * kKElems;
   const int q_first = c * kChunk;
-  const T* q_src = p.q + b * p.q_stride_b + s * p.q_stride_s + y * kQHeads * p.q_stride_h + q_first;
+  const T* q_src = p.q + b * p.q_stride_b + s * p.q_stride_s + h * p.q_stride_h + q_first;
   const T* k_src = p.k + b * p.k_stride_b + s * p.k_stride_s + hk * p.k_stride_h + k_first;
-  AlignedVector<T, kChunk> qx[kQHeads], qy[kQHeads];
-#pragma unroll
-  for (int i = 0; i < kQHeads; ++i) {
-    qx[i] = load_vector<T, kChunk>(q_src + i * p.q_stride_h);
-    qy[i] = load_vector<T, kChunk>(q_src + i * p.q_stride_h + p.rot_half);
-  }
+  const AlignedVector<T, kChunk> qx = load_vector<T, kChunk>(q_src);
+  const AlignedVector<T, kChunk> qy = load_vector<T, kChunk>(q_src + p.rot_half);
   const AlignedVector<T, kKElems> kx = load_vector<T, kKElems>(k_src);
   const AlignedVector<T, kKElems> ky = load_vector<T, kKElems>(k_src + p.rot_half);
 
   float* cos_tab = rotary_tables;
   float* sin_tab = rotary_tables + p.rot_half;
-  token_table(p, b, s, y * blockDim.x + c, blockDim.x * blockDim.y, cos_tab, sin_tab);
+  token_table(p, b, s, h * blockDim.x + c, blockDim.x * blockDim.y, cos_tab, sin_tab);
   __syncthreads();
 
   const int64_t token = b * p.seq + s;
@@ -368,17 +361,13 @@ __global__ void __launch_bounds__(kQHeads == 1 ? kTokenMaxThreads : kGqaPairMaxT
     store_chunk<T, kKElems, true>(dst, kKElems, out);
     store_chunk<T, kKElems, true>(dst + p.rot_half, kKElems, out_partner);
   }
-  T* dst = p.q_out + (token * p.heads_q + y * kQHeads) * p.head_dim + q_first;
-  float cos_v[kChunk], sin_v[kChunk];
+  T* dst = p.q_out + (token * p.heads_q + h) * p.head_dim + q_first;
+  float cos_v[kChunk], sin_v[kChunk], out[kChunk], out_partner[kChunk];
   load_table<kChunk>(cos_tab + q_first, cos_v);
   load_table<kChunk>(sin_tab + q_first, sin_v);
-#pragma unroll
-  for (int i = 0; i < kQHeads; ++i) {
-    float out[kChunk], out_partner[kChunk];
-    rotate_chunk<false>(qx[i], qy[i], cos_v, sin_v, out, out_partner);
-    store_chunk<T, kChunk, true>(dst + i * p.head_dim, kChunk, out);
-    store_chunk<T, kChunk, true>(dst + i * p.head_dim + p.rot_half, kChunk, out_partner);
-  }
+  rotate_chunk<false>(qx, qy, cos_v, sin_v, out, out_partner);
+  store_chunk<T, kChunk, true>(dst, kChunk, out);
+  store_chunk<T, kChunk, true>(dst + p.rot_half, kChunk, out_partner);
 }
 
 // A token's (batch, sequence) index.

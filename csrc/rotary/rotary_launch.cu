@@ -1,6 +1,6 @@
 // Instantiates the rotary kernels: 3 x 3 (input, output) types x {half-split, interleaved} x
 // {token, staged, register vector, register scalar}, and the grouped-query token kernel for bf16 and
-// fp16 (in and out) x (3 head ratios with a q head a thread, 2 with two).
+// fp16 (in and out) x 3 head ratios.
 #include <type_traits>
 
 #include "common/dispatch.h"
@@ -22,17 +22,13 @@ void launch_rotary(const RotaryParams<Tin, Tout>& params, const LaunchPlan& plan
         TORCH_CHECK(vectorized && !kInterleaved, "rotary: the grouped-query token kernel takes the half-split vector path only");
         constexpr int kChunk = chunk_elems<Tin>();
         const int ratio = params.heads_q / params.heads_k;
-        auto launch = [&](auto k_elems, auto q_heads) {
-          launch_kernel(rotary_token_gqa_kernel<Tin, decltype(k_elems)::value, decltype(q_heads)::value>, plan.grid,
-                        plan.block, plan.smem_bytes, params);
+        auto launch = [&](auto k_elems) {
+          launch_kernel(rotary_token_gqa_kernel<Tin, decltype(k_elems)::value>, plan.grid, plan.block, plan.smem_bytes,
+                        params);
         };
-        using One = std::integral_constant<int, 1>;
-        using Two = std::integral_constant<int, 2>;
-        if (plan.q_heads_per_thread == 2 && ratio == 4) launch(std::integral_constant<int, kChunk / 2>{}, Two{});
-        else if (plan.q_heads_per_thread == 2 && ratio == 8) launch(std::integral_constant<int, kChunk / 4>{}, Two{});
-        else if (ratio == 2) launch(std::integral_constant<int, kChunk / 2>{}, One{});
-        else if (ratio == 4) launch(std::integral_constant<int, kChunk / 4>{}, One{});
-        else if (ratio == 8) launch(std::integral_constant<int, kChunk / 8>{}, One{});
+        if (ratio == 2) launch(std::integral_constant<int, kChunk / 2>{});
+        else if (ratio == 4) launch(std::integral_constant<int, kChunk / 4>{});
+        else if (ratio == 8) launch(std::integral_constant<int, kChunk / 8>{});
         else TORCH_CHECK(false, "rotary: the grouped-query token kernel takes Hq / Hk = 2, 4 or 8, not ", ratio);
       } else {
         TORCH_CHECK(false, "rotary: the grouped-query token kernel takes 16-bit inputs of the output's type");

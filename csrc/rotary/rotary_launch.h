@@ -68,7 +68,6 @@ struct LaunchPlan {
   dim3 grid, block;
   size_t smem_bytes = 0;     // the tables (register, token kernels); the stage and the tables (staged)
   int tokens_per_block = 0;  // the staged kernel's
-  int q_heads_per_thread = 1;  // the grouped-query token kernel's
   KernelKind kernel = KernelKind::kRegister;
 };
 
@@ -85,31 +84,16 @@ inline LaunchPlan plan_token(int64_t batch, int64_t seq, int64_t heads, int64_t 
 }
 
 // The grouped-query token kernel (rotary_token_gqa_kernel): 16-bit q and k of the output's type,
-// half-split, every dim rotary, Hq = r Hk for r = 2, 4 or 8, kGqaMinThreads..kTokenMaxThreads
-// threads a token. Two q heads a thread where that leaves a token kGqaMinThreads or more (and r >= 4:
-// a k slice of at most 4 elements). Its plan, or kernel kRegister when the shape does not fit it.
-constexpr int kGqaMinThreads = 128;
-constexpr int kGqaPairMaxThreads = 256;  // two q heads a thread: at most 256 threads a token,
-#ifndef FUSEFORGE_ROTARY_GQA_PAIR_MIN_BLOCKS
-#define FUSEFORGE_ROTARY_GQA_PAIR_MIN_BLOCKS 5
-#endif
-constexpr int kGqaPairMinBlocks = FUSEFORGE_ROTARY_GQA_PAIR_MIN_BLOCKS;  // 1280 threads an SM: 48 registers
+// half-split, every dim rotary, Hq = r Hk for r = 2, 4 or 8, Hq x chunks_per_head threads a token
+// (the token kernel's range). Its plan, or kernel kRegister when the shape does not fit it.
 inline bool gqa_ratio_supported(int64_t ratio) { return ratio == 2 || ratio == 4 || ratio == 8; }
 
 inline LaunchPlan plan_token_gqa(int64_t batch, int64_t seq, int64_t heads_q, int64_t heads_k, int64_t chunks_per_head,
-                                 int64_t rot_half, int max_q_heads_per_thread) {
+                                 int64_t rot_half) {
   LaunchPlan plan;
   if (heads_k == 0 || heads_q % heads_k != 0 || !gqa_ratio_supported(heads_q / heads_k)) return plan;
-  const int q_heads = max_q_heads_per_thread >= 2 && heads_q / heads_k >= 4 &&
-                              heads_q / 2 * chunks_per_head >= kGqaMinThreads ? 2 : 1;
-  const int64_t threads = heads_q / q_heads * chunks_per_head;
-  if (threads < kGqaMinThreads || threads > (q_heads == 1 ? kTokenMaxThreads : kGqaPairMaxThreads) || batch > 65535 || seq > INT32_MAX)
-    return plan;
-  plan.kernel = KernelKind::kTokenGqa;
-  plan.q_heads_per_thread = q_heads;
-  plan.block = dim3(static_cast<unsigned>(chunks_per_head), static_cast<unsigned>(heads_q / q_heads));
-  plan.grid = dim3(static_cast<unsigned>(seq), static_cast<unsigned>(batch));
-  plan.smem_bytes = static_cast<size_t>(2 * rot_half * static_cast<int64_t>(sizeof(float)));
+  plan = plan_token(batch, seq, heads_q, chunks_per_head, rot_half);
+  if (plan.kernel == KernelKind::kToken) plan.kernel = KernelKind::kTokenGqa;
   return plan;
 }
 

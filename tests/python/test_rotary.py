@@ -385,8 +385,8 @@ def test_empty(device):
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
 @pytest.mark.parametrize("layout", ["bshd", "bhsd"])
 def test_cuda_model_shapes_match_float64(shape, interleaved, layout):
-    """The grouped-query token kernel (16-bit, half-split, Hq / Hk = 4, 2, 8; two q heads a thread
-    at 32 x 8 and 64 x 8), the token kernel (a block a token: fp32, interleaved, partial rotary,
+    """The grouped-query token kernel (16-bit, half-split, Hq / Hk = 4, 2, 8; 128 to 512 threads a
+    token), the token kernel (a block a token: fp32, interleaved, partial rotary,
     Hq = Hk) and the staged one (D = 64 with 18 heads, D = 8: blocks of several tokens across batch
     rows, many trips, one chunk a head); a grid of several waves; both layouts (bhsd: strided heads);
     bf16, fp16 and fp32."""
