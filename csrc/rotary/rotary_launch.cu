@@ -19,7 +19,8 @@ void launch_rotary(const RotaryParams<Tin, Tout>& params, const LaunchPlan& plan
     if (plan.kernel == KernelKind::kTokenGqa) {
       // Only where it can be planned: 16-bit, one type in and out, half-split (rotary_cuda.cpp).
       if constexpr (sizeof(Tin) == 2 && std::is_same_v<Tin, Tout>) {
-        TORCH_CHECK(vectorized && !kInterleaved, "rotary: the grouped-query token kernel takes the half-split vector path only");
+        TORCH_CHECK(vectorized && !kInterleaved,
+                    "rotary: the grouped-query token kernel takes the half-split vector path only");
         constexpr int kChunk = chunk_elems<Tin>();
         const int ratio = params.heads_q / params.heads_k;
         auto launch = [&](auto k_elems) {
