@@ -77,8 +77,7 @@ void rotary_cuda_typed(const Problem& pr, double scaling, bool interleaved, bool
   LaunchPlan plan;
   if (vectorized && sizeof(Tin) == 2 && std::is_same_v<Tin, Tout> && !interleaved &&
       pr.rot_dims() == pr.head_dim && (forced.empty() || forced == "gqa"))
-    plan = plan_token_gqa(pr.batch, pr.seq, pr.heads_q, pr.heads_k, p.chunks_per_head, pr.rot_half,
-                          dev_positive_int("FUSEFORGE_ROTARY_GQA_THREADS", kGqaBlockThreads));
+    plan = plan_token_gqa(pr.batch, pr.seq, pr.heads_q, pr.heads_k, p.chunks_per_head, pr.rot_half);
   if (vectorized && plan.kernel == KernelKind::kRegister && (forced.empty() || forced == "token"))
     plan = plan_token(pr.batch, pr.seq, heads, p.chunks_per_head, pr.rot_half);
   if (vectorized && plan.kernel == KernelKind::kRegister && (forced.empty() || forced == "staged"))

@@ -322,8 +322,7 @@ __global__ void __launch_bounds__(kTokenMaxThreads, kTokenMinBlocks) rotary_toke
 }
 
 // The grouped-query token kernel (16-bit q and k of one type, half-split, every dim rotary, Hq = r
-// Hk for r = 2, 4, 8): block (chunks_per_head, Hq / G) for token (b = blockIdx.y, s = blockIdx.x)
-// and head group blockIdx.z of G (each group a whole number of k heads, its own table). Thread
+// Hk for r = 2, 4, 8): block (chunks_per_head, Hq) for token (b = blockIdx.y, s = blockIdx.x). Thread
 // (c, h) takes q head h's chunk c with its partner, as the token kernel, and a slice of kKElems =
 // kChunk / r elements of k head h / r's first half (with its partners): the r q heads of a k head
 // share its r x chunks_per_head slices. So k takes no threads of its own: a thread keeps 32 + 4
@@ -336,7 +335,7 @@ __global__ void __launch_bounds__(kTokenMaxThreads, kTokenMinBlocks)
   constexpr int kRatio = kChunk / kKElems;  // q heads a k head
   extern __shared__ float rotary_tables[];
   const int64_t s = blockIdx.x, b = blockIdx.y;
-  const int c = threadIdx.x, h = blockIdx.z * blockDim.y + threadIdx.y;  // blockIdx.z: the token's head group
+  const int c = threadIdx.x, h = threadIdx.y;
   const int hk = h / kRatio;
   const int k_first = ((h - hk * kRatio) * p.chunks_per_head + c) * kKElems;
   const int q_first = c * kChunk;
@@ -349,7 +348,7 @@ __global__ void __launch_bounds__(kTokenMaxThreads, kTokenMinBlocks)
 
   float* cos_tab = rotary_tables;
   float* sin_tab = rotary_tables + p.rot_half;
-  token_table(p, b, s, threadIdx.y * blockDim.x + c, blockDim.x * blockDim.y, cos_tab, sin_tab);
+  token_table(p, b, s, h * blockDim.x + c, blockDim.x * blockDim.y, cos_tab, sin_tab);
   __syncthreads();
 
   const int64_t token = b * p.seq + s;

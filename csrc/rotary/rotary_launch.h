@@ -85,23 +85,15 @@ inline LaunchPlan plan_token(int64_t batch, int64_t seq, int64_t heads, int64_t 
 
 // The grouped-query token kernel (rotary_token_gqa_kernel): 16-bit q and k of the output's type,
 // half-split, every dim rotary, Hq = r Hk for r = 2, 4 or 8, Hq x chunks_per_head threads a token
-// (the token kernel's range). A token's q heads are split into G groups, a block each (grid z), while
-// a group keeps more than max_block_threads threads and whole k heads. Its plan, or kernel kRegister
-// when the shape does not fit it.
-constexpr int kGqaBlockThreads = 1024;
+// (the token kernel's range). Its plan, or kernel kRegister when the shape does not fit it.
 inline bool gqa_ratio_supported(int64_t ratio) { return ratio == 2 || ratio == 4 || ratio == 8; }
 
 inline LaunchPlan plan_token_gqa(int64_t batch, int64_t seq, int64_t heads_q, int64_t heads_k, int64_t chunks_per_head,
-                                 int64_t rot_half, int64_t max_block_threads) {
+                                 int64_t rot_half) {
   LaunchPlan plan;
   if (heads_k == 0 || heads_q % heads_k != 0 || !gqa_ratio_supported(heads_q / heads_k)) return plan;
   plan = plan_token(batch, seq, heads_q, chunks_per_head, rot_half);
-  if (plan.kernel != KernelKind::kToken) return plan;
-  plan.kernel = KernelKind::kTokenGqa;
-  int64_t groups = 1;
-  while (heads_q / groups * chunks_per_head > max_block_threads && heads_k % (2 * groups) == 0) groups *= 2;
-  plan.block = dim3(static_cast<unsigned>(chunks_per_head), static_cast<unsigned>(heads_q / groups));
-  plan.grid.z = static_cast<unsigned>(groups);
+  if (plan.kernel == KernelKind::kToken) plan.kernel = KernelKind::kTokenGqa;
   return plan;
 }
 
