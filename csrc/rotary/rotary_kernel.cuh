@@ -321,6 +321,20 @@ __global__ void __launch_bounds__(kTokenMaxThreads, kTokenMinBlocks) rotary_toke
   store_chunk<Tout, kChunk, true>(dst + first, kChunk, out);
 }
 
+// kN elements x of a half-split head from its first dim `first` on, and their partners y, rotated
+// by the table's entries first.. and stored at dst and dst + rot_half.
+template <typename T, int kN>
+__device__ __forceinline__ void rotate_store_half_split(const AlignedVector<T, kN>& x, const AlignedVector<T, kN>& y,
+                                                        const float* cos_tab, const float* sin_tab, int first,
+                                                        int rot_half, T* dst) {
+  float cos_v[kN], sin_v[kN], out[kN], out_partner[kN];
+  load_table<kN>(cos_tab + first, cos_v);
+  load_table<kN>(sin_tab + first, sin_v);
+  rotate_chunk<false>(x, y, cos_v, sin_v, out, out_partner);
+  store_chunk<T, kN, true>(dst, kN, out);
+  store_chunk<T, kN, true>(dst + rot_half, kN, out_partner);
+}
+
 // The grouped-query token kernel (16-bit q and k of one type, half-split, every dim rotary, Hq = r
 // Hk for r = 2, 4, 8): block (chunks_per_head, Hq) for token (b = blockIdx.y, s = blockIdx.x). Thread
 // (c, h) takes q head h's chunk c with its partner, as the token kernel, and a slice of kKElems =
@@ -352,22 +366,10 @@ __global__ void __launch_bounds__(kTokenMaxThreads, kTokenMinBlocks)
   __syncthreads();
 
   const int64_t token = b * p.seq + s;
-  {
-    T* dst = p.k_out + (token * p.heads_k + hk) * p.head_dim + k_first;
-    float cos_v[kKElems], sin_v[kKElems], out[kKElems], out_partner[kKElems];
-    load_table<kKElems>(cos_tab + k_first, cos_v);
-    load_table<kKElems>(sin_tab + k_first, sin_v);
-    rotate_chunk<false>(kx, ky, cos_v, sin_v, out, out_partner);
-    store_chunk<T, kKElems, true>(dst, kKElems, out);
-    store_chunk<T, kKElems, true>(dst + p.rot_half, kKElems, out_partner);
-  }
-  T* dst = p.q_out + (token * p.heads_q + h) * p.head_dim + q_first;
-  float cos_v[kChunk], sin_v[kChunk], out[kChunk], out_partner[kChunk];
-  load_table<kChunk>(cos_tab + q_first, cos_v);
-  load_table<kChunk>(sin_tab + q_first, sin_v);
-  rotate_chunk<false>(qx, qy, cos_v, sin_v, out, out_partner);
-  store_chunk<T, kChunk, true>(dst, kChunk, out);
-  store_chunk<T, kChunk, true>(dst + p.rot_half, kChunk, out_partner);
+  rotate_store_half_split(kx, ky, cos_tab, sin_tab, k_first, p.rot_half,
+                          p.k_out + (token * p.heads_k + hk) * p.head_dim + k_first);
+  rotate_store_half_split(qx, qy, cos_tab, sin_tab, q_first, p.rot_half,
+                          p.q_out + (token * p.heads_q + h) * p.head_dim + q_first);
 }
 
 // A token's (batch, sequence) index.
