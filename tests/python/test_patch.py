@@ -102,6 +102,20 @@ def tiny_config(family: str, head_dim: int = 16, **extra):
                                           logits_scaling=2.5, **common)
     if family == "glm":  # interleaved rotary on half of each head, one gate_up projection
         return transformers.GlmConfig(partial_rotary_factor=0.5, pad_token_id=0, eos_token_id=1, **common)
+    if family == "gemma":  # (1 + w) * x norms, GeGLU, no softcaps
+        return transformers.GemmaConfig(hidden_activation="gelu_pytorch_tanh", pad_token_id=0, **common)
+    # The experts as loops of matrix products (torch's grouped GEMM has no float64).
+    moe = dict(num_experts_per_tok=common.pop("num_experts_per_tok", 2),
+               experts_implementation=common.pop("experts_implementation", "eager"))
+    if family == "mixtral":  # experts with no shared expert; the experts keep the model's code
+        return transformers.MixtralConfig(num_local_experts=4, **moe, **common)
+    if family == "qwen2_moe":  # a shared expert (a gated MLP, which takes glu) beside 4 routed ones
+        return transformers.Qwen2MoeConfig(num_experts=4, moe_intermediate_size=24, shared_expert_intermediate_size=40,
+                                           **moe, **common)
+    if family == "qwen3_moe":  # q / k norms per head, 4 experts
+        return transformers.Qwen3MoeConfig(num_experts=4, moe_intermediate_size=24, **moe, **common)
+    if family == "olmoe":  # q / k norms over the whole projections, 4 experts
+        return transformers.OlmoeConfig(num_experts=4, pad_token_id=0, eos_token_id=1, bos_token_id=2, **moe, **common)
     if family == "gemma2":
         # transformers' Gemma 2 has no SDPA support (no softcapping there): eager is its reference.
         common.update(attn_implementation="exact_eager", initializer_range=0.3)
@@ -117,7 +131,9 @@ MODEL_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "
                  "olmo2": "Olmo2ForCausalLM", "granite": "GraniteForCausalLM", "glm": "GlmForCausalLM",
                  "olmo3": "Olmo3ForCausalLM", "ministral": "MinistralForCausalLM", "helium": "HeliumForCausalLM",
                  "ernie4_5": "Ernie4_5ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "seed_oss": "SeedOssForCausalLM",
-                 "exaone4": "Exaone4ForCausalLM", "hunyuan": "HunYuanDenseV1ForCausalLM"}
+                 "exaone4": "Exaone4ForCausalLM", "hunyuan": "HunYuanDenseV1ForCausalLM", "gemma": "GemmaForCausalLM",
+                 "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "olmoe": "OlmoeForCausalLM"}
 
 
 def exact_norm_forward(self, x):
@@ -220,7 +236,8 @@ SLIDING = ("mistral-swa", "qwen2-swa", "phi3", "gemma2", "gemma3", "olmo3", "min
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "mistral-swa", "qwen2-swa", "phi3", "gemma2",
                                     "gemma3", "olmo2", "granite", "glm", "olmo3", "ministral", "helium", "ernie4_5",
-                                    "smollm3", "seed_oss", "exaone4", "hunyuan"])
+                                    "smollm3", "seed_oss", "exaone4", "hunyuan", "gemma", "mixtral", "qwen2_moe",
+                                    "qwen3_moe", "olmoe"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 def test_patched_loss_and_gradients_match_unpatched(family, dtype):
     """An unpacked batch (sliding windows and softcapping by the kernel, no fallback)."""
@@ -468,7 +485,7 @@ def test_unsupported_model_is_refused():
 @requires_cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize("family,head_dim", [("llama", 64), ("qwen2", 64), ("qwen3", 128), ("phi3", 96),
-                                             ("gemma3", 256), ("olmo3", 128), ("ernie4_5", 128)])
+                                             ("gemma3", 256), ("olmo3", 128), ("ernie4_5", 128), ("gemma", 256)])
 def test_bf16_cuda_matches_unpatched(family, head_dim):
     """The recommended recipe: bf16 weights; each family at a kernel head dim (Phi-3-mini's 96, Gemma 3's
     256, whose backward is sm_90a code: elsewhere the patch sends it to SDPA)."""
@@ -482,6 +499,26 @@ def test_bf16_cuda_matches_unpatched(family, head_dim):
     out, got_grads = loss_and_grads(model, input_ids=ids, labels=ids)
     assert kernel_calls()[0] - before[0] == model.config.num_hidden_layers
     assert out.logits is None
+    assert abs(out.loss.item() - ref.loss.item()) <= 1e-2 * ref.loss.item()
+    for name, g in ref_grads.items():
+        assert_rel_close(got_grads[name], g, 5e-2, f"grad {name}")
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("family,head_dim", [("mixtral", 64), ("qwen2_moe", 128), ("qwen3_moe", 128), ("olmoe", 64)])
+def test_moe_bf16_cuda_matches_unpatched(family, head_dim):
+    """Mixture-of-experts models in bf16 on CUDA, with the router loss: every expert in every token's
+    top k (top 4 of 4), so that the two models' bf16 roundings cannot route a token differently."""
+    model = make_model(family, torch.bfloat16, "cuda", head_dim=head_dim, num_experts_per_tok=4)
+    ids = tokens(2, 160, "cuda")
+    ref, ref_grads = loss_and_grads(model, input_ids=ids, labels=ids, output_router_logits=True)
+    patch(model)
+    before = kernel_calls()
+    out, got_grads = loss_and_grads(model, input_ids=ids, labels=ids, output_router_logits=True)
+    assert kernel_calls()[0] - before[0] == model.config.num_hidden_layers
+    assert out.logits is None and out.aux_loss is not None
+    assert abs(out.aux_loss.item() - ref.aux_loss.item()) <= 1e-2 * ref.aux_loss.item()
     assert abs(out.loss.item() - ref.loss.item()) <= 1e-2 * ref.loss.item()
     for name, g in ref_grads.items():
         assert_rel_close(got_grads[name], g, 5e-2, f"grad {name}")
@@ -734,13 +771,17 @@ def test_packed_bf16_cuda_matches_unpatched(family, head_dim):
 # The decoder layers: RMSNorm, rotary, the gated MLP and the residual add (fuseforge.patch.layers)
 
 LAYER_FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "olmo2", "granite", "glm", "olmo3",
-                  "ministral", "helium", "ernie4_5", "smollm3", "seed_oss", "exaone4", "hunyuan"]
+                  "ministral", "helium", "ernie4_5", "smollm3", "seed_oss", "exaone4", "hunyuan", "gemma", "mixtral",
+                  "qwen2_moe", "qwen3_moe", "olmoe"]
+# Gated MLPs a layer that run glu: none in Mixtral's, Qwen3-MoE's and OLMoE's expert blocks (the experts keep
+# the model's code), Qwen2-MoE's shared expert.
+GLU_PER_LAYER = {"mixtral": 0, "qwen3_moe": 0, "olmoe": 0}
 # Families whose residual add goes into a norm (OLMo 2 / 3 and EXAONE 4 normalise before the add, Granite
 # scales the block's output there).
 # Layers without rotary: SmolLM3's NoPE layer, EXAONE 4's full-attention layer of a hybrid model.
 NOPE_LAYERS = {"smollm3": 1, "exaone4": 1}
 FUSED_RESIDUAL = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "glm", "ministral", "helium",
-                  "ernie4_5", "smollm3", "seed_oss", "hunyuan")
+                  "ernie4_5", "smollm3", "seed_oss", "hunyuan", "gemma", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 LAYER_FEATURES = ("rms_norm", "rotary", "glu", "fuse_residual")
 
 
@@ -779,7 +820,8 @@ def test_decoder_layers_run_the_fused_ops_and_match(family, monkeypatch):
     out, got_grads = loss_and_grads(model, input_ids=ids, labels=ids)
     layers = model.config.num_hidden_layers
     assert calls["rms_norm"] == layers * norms_per_layer(model) + 1, calls  # + the final norm
-    assert calls["rotary"] == layers - NOPE_LAYERS.get(family, 0) and calls["glu"] == layers, calls
+    assert calls["rotary"] == layers - NOPE_LAYERS.get(family, 0), calls
+    assert calls["glu"] == layers * GLU_PER_LAYER.get(family, 1), calls
     assert calls["residual"] == (layers if family in FUSED_RESIDUAL else 0), calls
     assert abs(out.loss.item() - ref_loss.item()) <= 1e-10 * ref_loss.item()
     assert set(got_grads) == set(ref_grads)
@@ -800,6 +842,48 @@ def test_each_layer_fusion_can_be_turned_off(family, feature, monkeypatch):
            "glu": ("glu",)}[feature]
     for name, n in calls.items():
         assert (n == 0) == (name in off), (name, calls)
+    assert abs(out.loss.item() - ref_loss.item()) <= 1e-10 * ref_loss.item()
+    for name, g in ref_grads.items():
+        assert_rel_close(got_grads[name], g, 1e-9, f"grad {name}")
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+def test_moe_router_loss_is_added(family):
+    """output_router_logits: the patched forward adds the router load-balancing loss as the model's own
+    forward does, returns it and the router logits, and its gradients (the routers' included) match."""
+    model = make_model(family, torch.float64)
+    ids = tokens(2, 19)
+    model.zero_grad(set_to_none=True)
+    ref = model(input_ids=ids, labels=ids, output_router_logits=True)
+    ref.loss.backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert ref.aux_loss is not None and ref.aux_loss.item() > 0
+    patch(model)
+    out, got_grads = loss_and_grads(model, input_ids=ids, labels=ids, output_router_logits=True)
+    assert out.logits is None
+    assert abs(out.aux_loss.item() - ref.aux_loss.item()) <= 1e-10 * ref.aux_loss.item()
+    # transformers' cross-entropy runs on float32 logits (a float64 model's too)
+    assert abs(out.loss.item() - ref.loss.item()) <= 1e-6 * ref.loss.item()
+    assert len(out.router_logits) == len(ref.router_logits)
+    assert set(got_grads) == set(ref_grads)
+    router = [n for n in ref_grads if "gate" in n and "proj" not in n]
+    assert router, "the routers must get gradients (from the load-balancing loss)"
+    for name, g in ref_grads.items():
+        assert_rel_close(got_grads[name], g, 1e-5, f"grad {name}")
+    out = model(input_ids=ids, labels=ids)  # the config's default (False): no router loss
+    assert out.aux_loss is None
+
+
+def test_olmoe_clip_qkv_keeps_the_model_attention(monkeypatch):
+    """OLMoE's clip_qkv clamps the projections: its attention modules run their own forward (no
+    fuseforge rotary), the norms and the loss stay fused, and the result matches."""
+    model = make_model("olmoe", torch.float64, clip_qkv=0.05)
+    ids = tokens(2, 17)
+    ref_loss, ref_grads = reference_loss_and_grads(model, ids, ids)
+    calls = count_layer_ops(monkeypatch)
+    patch(model)
+    out, got_grads = loss_and_grads(model, input_ids=ids, labels=ids)
+    assert calls["rotary"] == 0 and calls["rms_norm"] > 0, calls
     assert abs(out.loss.item() - ref_loss.item()) <= 1e-10 * ref_loss.item()
     for name, g in ref_grads.items():
         assert_rel_close(got_grads[name], g, 1e-9, f"grad {name}")

@@ -1,6 +1,7 @@
 """`fuseforge.patch(model)` / `fuseforge.unpatch(model)` for Hugging Face Llama-family models (Llama,
-Mistral, Ministral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3, OLMo 2, OLMo 3, Granite, GLM, Helium,
-ERNIE 4.5, SmolLM3, Seed-OSS, EXAONE 4, Hunyuan dense: SUPPORTED_MODELS).
+Mistral, Ministral, Qwen2, Qwen3, Phi-3, Gemma, Gemma 2, Gemma 3, OLMo 2, OLMo 3, Granite, GLM,
+Helium, ERNIE 4.5, SmolLM3, Seed-OSS, EXAONE 4, Hunyuan dense; and the mixture-of-experts Mixtral,
+Qwen2-MoE, Qwen3-MoE and OLMoE, whose experts keep the model's code: SUPPORTED_MODELS).
 
 patch() does three things to one model instance and nothing else (each can be turned off):
 
@@ -44,7 +45,8 @@ patch() does three things to one model instance and nothing else (each can be tu
    `logits_to_keep` set, the model's own forward runs. The loss is computed inside a call of the
    `lm_head` module (its instance forward takes the labels), so wrappers that act on that call see
    it: FSDP2 gathers a separately `fully_shard`-ed head's weight for it and reduce-scatters its
-   gradient.
+   gradient. A mixture-of-experts model's router load-balancing loss (`output_router_logits`) is
+   added as its own forward adds it.
 
 3. The decoder layers' RMSNorm, rotary embedding, gated-MLP activation and the residual add before
    the second norm run fuseforge's rms_norm, rotary and glu ops (`fuseforge.patch.layers`).
@@ -76,7 +78,9 @@ SUPPORTED_MODELS = ("LlamaForCausalLM", "LlamaModel", "MistralForCausalLM", "Mis
                     "Olmo3ForCausalLM", "Olmo3Model", "GraniteForCausalLM", "GraniteModel", "GlmForCausalLM",
                     "GlmModel", "HeliumForCausalLM", "HeliumModel", "Ernie4_5ForCausalLM", "Ernie4_5Model",
                     "SmolLM3ForCausalLM", "SmolLM3Model", "SeedOssForCausalLM", "SeedOssModel",
-                    "Exaone4ForCausalLM", "Exaone4Model", "HunYuanDenseV1ForCausalLM", "HunYuanDenseV1Model")
+                    "Exaone4ForCausalLM", "Exaone4Model", "HunYuanDenseV1ForCausalLM", "HunYuanDenseV1Model",
+                    "GemmaForCausalLM", "GemmaModel", "MixtralForCausalLM", "MixtralModel", "Qwen2MoeForCausalLM",
+                    "Qwen2MoeModel", "Qwen3MoeForCausalLM", "Qwen3MoeModel", "OlmoeForCausalLM", "OlmoeModel")
 
 _STATE = "_fuseforge_patch"
 

@@ -9,7 +9,8 @@ What is replaced, each an instance `forward` (the classes are untouched, so othe
   linear, dynamic and long-rope scaling are Hugging Face's own), then the attention function the model is
   set to, and the output projection;
 - the MLP: `fuseforge.glu` on the gate and up projections (or on Phi-3's fused gate_up projection) for
-  SiLU, tanh-GELU and GELU;
+  SiLU, tanh-GELU and GELU (a mixture-of-experts block's experts keep the model's code; its dense
+  and shared-expert MLPs take glu);
 - the decoder layer: the residual add after attention goes into the next norm (`norm(h, residual=r)`
   returns the normalised output and `h + r` in one pass).
 
@@ -34,8 +35,9 @@ from fuseforge.ops.rotary import rotary
 NORMS = {"LlamaRMSNorm": 0.0, "MistralRMSNorm": 0.0, "MinistralRMSNorm": 0.0, "Qwen2RMSNorm": 0.0,
          "Qwen3RMSNorm": 0.0, "Phi3RMSNorm": 0.0, "Olmo2RMSNorm": 0.0, "Olmo3RMSNorm": 0.0, "GraniteRMSNorm": 0.0,
          "GlmRMSNorm": 0.0, "HeliumRMSNorm": 0.0, "Ernie4_5RMSNorm": 0.0, "SmolLM3RMSNorm": 0.0,
-         "SeedOssRMSNorm": 0.0, "Exaone4RMSNorm": 0.0, "HunYuanDenseV1RMSNorm": 0.0, "Gemma2RMSNorm": 1.0,
-         "Gemma3RMSNorm": 1.0}
+         "SeedOssRMSNorm": 0.0, "Exaone4RMSNorm": 0.0, "HunYuanDenseV1RMSNorm": 0.0, "MixtralRMSNorm": 0.0,
+         "Qwen2MoeRMSNorm": 0.0, "Qwen3MoeRMSNorm": 0.0, "OlmoeRMSNorm": 0.0, "GemmaRMSNorm": 1.0,
+         "Gemma2RMSNorm": 1.0, "Gemma3RMSNorm": 1.0}
 # Hugging Face activation names and glu's.
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
                "gelu_fast": None, "gelu": "gelu"}
@@ -44,7 +46,9 @@ ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"
 # the add (OLMo 3 and EXAONE 4 too): their residual adds stay as they are.
 PRE_NORM_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "MinistralDecoderLayer", "Qwen2DecoderLayer",
                    "Qwen3DecoderLayer", "Phi3DecoderLayer", "GlmDecoderLayer", "HeliumDecoderLayer",
-                   "Ernie4_5DecoderLayer", "SmolLM3DecoderLayer", "SeedOssDecoderLayer", "HunYuanDenseV1DecoderLayer")
+                   "Ernie4_5DecoderLayer", "SmolLM3DecoderLayer", "SeedOssDecoderLayer", "HunYuanDenseV1DecoderLayer",
+                   "GemmaDecoderLayer", "MixtralDecoderLayer", "Qwen2MoeDecoderLayer", "Qwen3MoeDecoderLayer",
+                   "OlmoeDecoderLayer")
 SANDWICH_LAYERS = ("Gemma2DecoderLayer", "Gemma3DecoderLayer")
 # Attention classes whose rotation pairs dims 2i and 2i + 1 (GLM's) instead of i and i + R / 2.
 INTERLEAVED_ROTARY = ("GlmAttention", "HeliumAttention", "Ernie4_5Attention")
@@ -156,7 +160,8 @@ def _attention_forward(self, hidden_states: Tensor, position_embeddings=None, at
     """Hugging Face's decoder attention with the rotation by fuseforge.rotary. Without position_ids
     (or a rotary module it knows) the module's own forward runs."""
     position_ids = kwargs.get("position_ids")
-    if position_ids is None or self._fuseforge_rope is None:
+    # OLMoE's clip_qkv clamps the projections, which this forward does not.
+    if position_ids is None or self._fuseforge_rope is None or getattr(self.config, "clip_qkv", None) is not None:
         return type(self).forward(self, hidden_states, position_embeddings=position_embeddings,
                                   attention_mask=attention_mask, **kwargs)
     # The cache keyword: `cache`, or `past_key_values` before transformers renamed it (training with

@@ -2,6 +2,7 @@
 states and lm_head's weight, inside a call of the lm_head module."""
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
 import torch
@@ -53,9 +54,17 @@ def _lm_head_forward(self, hidden_states: Tensor, loss_labels: Optional[Tensor] 
 def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
                        labels=None, use_cache=None, logits_to_keep=0, **kwargs):
     """The Llama-family ForCausalLM forward with the loss from linear_cross_entropy. The cache travels
-    in kwargs under the caller's name (`cache`, or `past_key_values` before transformers renamed it)."""
+    in kwargs under the caller's name (`cache`, or `past_key_values` before transformers renamed it).
+    A mixture-of-experts model (one with `router_aux_loss_coef`) adds its router load-balancing loss
+    as its own forward does, when `output_router_logits` (the argument, else the config's) asks."""
     original = type(self).forward
     keep_all = isinstance(logits_to_keep, int) and logits_to_keep == 0
+    moe = hasattr(self, "router_aux_loss_coef")
+    if moe and labels is not None and keep_all:
+        router_logits_wanted = kwargs.pop("output_router_logits", None)
+        if router_logits_wanted is None:
+            router_logits_wanted = self.config.output_router_logits
+        kwargs["output_router_logits"] = router_logits_wanted
     # Without position_ids, a mask or varlen arguments, every row is one sequence (masks._whole_rows).
     whole_rows = position_ids is None and attention_mask is None and kwargs.get("cu_seq_lens_q") is None
     previous = set_whole_rows(whole_rows)
@@ -71,15 +80,24 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
                           **kwargs)
     finally:
         set_whole_rows(previous)
-    from transformers.modeling_outputs import CausalLMOutputWithPast
+    from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
     loss = self.lm_head(outputs.last_hidden_state, loss_labels=labels, shift_labels=kwargs.get("shift_labels"),
                         num_items_in_batch=kwargs.get("num_items_in_batch"),
                         softcap=getattr(self.config, "final_logit_softcapping", None),
                         logits_scaling=getattr(self.config, "logits_scaling", None))
     # the cache field is `cache` since transformers renamed `past_key_values` (the old name warns)
     cache_field = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
-    out = CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=outputs.hidden_states,
-                                 attentions=outputs.attentions, **{cache_field: getattr(outputs, cache_field, None)})
+    fields = dict(logits=None, hidden_states=outputs.hidden_states, attentions=outputs.attentions,
+                  **{cache_field: getattr(outputs, cache_field, None)})
+    if moe:
+        aux_loss = None
+        if kwargs["output_router_logits"]:
+            balance = sys.modules[type(self).__module__].load_balancing_loss_func
+            aux_loss = balance(outputs.router_logits, self.num_experts, self.num_experts_per_tok, attention_mask)
+            loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
+        out = MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, router_logits=outputs.router_logits, **fields)
+    else:
+        out = CausalLMOutputWithPast(loss=loss, **fields)
     if return_dict is False or (return_dict is None and not getattr(self.config, "return_dict", True)):
         return out.to_tuple()
     return out
