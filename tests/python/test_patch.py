@@ -132,8 +132,8 @@ MODEL_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "
                  "olmo3": "Olmo3ForCausalLM", "ministral": "MinistralForCausalLM", "helium": "HeliumForCausalLM",
                  "ernie4_5": "Ernie4_5ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "seed_oss": "SeedOssForCausalLM",
                  "exaone4": "Exaone4ForCausalLM", "hunyuan": "HunYuanDenseV1ForCausalLM", "gemma": "GemmaForCausalLM",
-                 "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                 "olmoe": "OlmoeForCausalLM"}
+                 "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
 
 
 def exact_norm_forward(self, x):
