@@ -116,6 +116,21 @@ def tiny_config(family: str, head_dim: int = 16, **extra):
         return transformers.Qwen3MoeConfig(num_experts=4, moe_intermediate_size=24, **moe, **common)
     if family == "olmoe":  # q / k norms over the whole projections, 4 experts
         return transformers.OlmoeConfig(num_experts=4, pad_token_id=0, eos_token_id=1, bos_token_id=2, **moe, **common)
+    if family == "ernie4_5_moe":  # ERNIE 4.5's interleaved rotary; layer 0 dense, layer 1 experts and a shared one
+        return transformers.Ernie4_5_MoeConfig(moe_num_experts=4, moe_k=moe.pop("num_experts_per_tok"),
+                                               moe_intermediate_size=24, moe_num_shared_experts=1,
+                                               moe_layer_start_index=1, pad_token_id=0, eos_token_id=1,
+                                               bos_token_id=2, **moe, **common)
+    if family == "hunyuan_moe":  # per-head q / k norms after the rotation; experts and a shared MLP
+        return transformers.HunYuanMoEV1Config(num_experts=4, moe_topk=moe.pop("num_experts_per_tok"),
+                                               pad_token_id=0, eos_token_id=1, bos_token_id=2, **moe, **common)
+    if family == "granite_moe":  # Granite's multipliers, experts
+        return transformers.GraniteMoeConfig(num_local_experts=4, embedding_multiplier=1.5, attention_multiplier=0.3,
+                                             residual_multiplier=0.6, logits_scaling=2.5, **moe, **common)
+    if family == "glm4_moe":  # half the head rotated (half-split), per-head q / k norms; layer 0 dense
+        return transformers.Glm4MoeConfig(n_routed_experts=4, moe_intermediate_size=24, n_shared_experts=1,
+                                          first_k_dense_replace=1, use_qk_norm=True, n_group=1, topk_group=1,
+                                          pad_token_id=0, eos_token_id=1, **moe, **common)
     if family == "gemma2":
         # transformers' Gemma 2 has no SDPA support (no softcapping there): eager is its reference.
         common.update(attn_implementation="exact_eager", initializer_range=0.3)
@@ -133,7 +148,9 @@ MODEL_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "
                  "ernie4_5": "Ernie4_5ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "seed_oss": "SeedOssForCausalLM",
                  "exaone4": "Exaone4ForCausalLM", "hunyuan": "HunYuanDenseV1ForCausalLM", "gemma": "GemmaForCausalLM",
                  "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
+                 "ernie4_5_moe": "Ernie4_5_MoeForCausalLM", "hunyuan_moe": "HunYuanMoEV1ForCausalLM",
+                 "granite_moe": "GraniteMoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
 
 
 def exact_norm_forward(self, x):
@@ -194,7 +211,7 @@ def make_model(family: str, dtype=torch.float32, device="cpu", **extra):
             p.add_(torch.randn_like(p) * 0.02)
     if dtype == torch.float64:
         for m in model.modules():
-            if type(m).__name__ == "Ernie4_5Attention":
+            if type(m).__name__ in ("Ernie4_5Attention", "Ernie4_5_MoeAttention"):
                 m.forward = types.MethodType(exact_ernie_attention_forward, m)
             elif type(m).__name__ in NORMS:
                 m.forward = types.MethodType(exact_norm_forward, m)
@@ -237,7 +254,7 @@ SLIDING = ("mistral-swa", "qwen2-swa", "phi3", "gemma2", "gemma3", "olmo3", "min
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "mistral-swa", "qwen2-swa", "phi3", "gemma2",
                                     "gemma3", "olmo2", "granite", "glm", "olmo3", "ministral", "helium", "ernie4_5",
                                     "smollm3", "seed_oss", "exaone4", "hunyuan", "gemma", "mixtral", "qwen2_moe",
-                                    "qwen3_moe", "olmoe"])
+                                    "qwen3_moe", "olmoe", "ernie4_5_moe", "hunyuan_moe", "granite_moe", "glm4_moe"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 def test_patched_loss_and_gradients_match_unpatched(family, dtype):
     """An unpacked batch (sliding windows and softcapping by the kernel, no fallback)."""
@@ -772,16 +789,17 @@ def test_packed_bf16_cuda_matches_unpatched(family, head_dim):
 
 LAYER_FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "olmo2", "granite", "glm", "olmo3",
                   "ministral", "helium", "ernie4_5", "smollm3", "seed_oss", "exaone4", "hunyuan", "gemma", "mixtral",
-                  "qwen2_moe", "qwen3_moe", "olmoe"]
-# Gated MLPs a layer that run glu: none in Mixtral's, Qwen3-MoE's and OLMoE's expert blocks (the experts keep
-# the model's code), Qwen2-MoE's shared expert.
-GLU_PER_LAYER = {"mixtral": 0, "qwen3_moe": 0, "olmoe": 0}
+                  "qwen2_moe", "qwen3_moe", "olmoe", "ernie4_5_moe", "hunyuan_moe", "granite_moe", "glm4_moe"]
+# Gated MLPs a layer that run glu: none in Mixtral's, Qwen3-MoE's, OLMoE's and Granite MoE's expert blocks (the
+# experts keep the model's code); one for a shared expert or a dense layer.
+GLU_PER_LAYER = {"mixtral": 0, "qwen3_moe": 0, "olmoe": 0, "granite_moe": 0}
 # Families whose residual add goes into a norm (OLMo 2 / 3 and EXAONE 4 normalise before the add, Granite
 # scales the block's output there).
 # Layers without rotary: SmolLM3's NoPE layer, EXAONE 4's full-attention layer of a hybrid model.
 NOPE_LAYERS = {"smollm3": 1, "exaone4": 1}
 FUSED_RESIDUAL = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "glm", "ministral", "helium",
-                  "ernie4_5", "smollm3", "seed_oss", "hunyuan", "gemma", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+                  "ernie4_5", "smollm3", "seed_oss", "hunyuan", "gemma", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
+                  "ernie4_5_moe", "hunyuan_moe", "glm4_moe")
 LAYER_FEATURES = ("rms_norm", "rotary", "glu", "fuse_residual")
 
 
@@ -847,7 +865,7 @@ def test_each_layer_fusion_can_be_turned_off(family, feature, monkeypatch):
         assert_rel_close(got_grads[name], g, 1e-9, f"grad {name}")
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "ernie4_5_moe", "granite_moe"])
 def test_moe_router_loss_is_added(family):
     """output_router_logits: the patched forward adds the router load-balancing loss as the model's own
     forward does, returns it and the router logits, and its gradients (the routers' included) match."""
@@ -866,7 +884,7 @@ def test_moe_router_loss_is_added(family):
     assert abs(out.loss.item() - ref.loss.item()) <= 1e-6 * ref.loss.item()
     assert len(out.router_logits) == len(ref.router_logits)
     assert set(got_grads) == set(ref_grads)
-    router = [n for n in ref_grads if "gate" in n and "proj" not in n]
+    router = [n for n in ref_grads if ("gate" in n or "router" in n) and "proj" not in n]
     assert router, "the routers must get gradients (from the load-balancing loss)"
     for name, g in ref_grads.items():
         assert_rel_close(got_grads[name], g, 1e-5, f"grad {name}")

@@ -1,7 +1,8 @@
 """`fuseforge.patch(model)` / `fuseforge.unpatch(model)` for Hugging Face Llama-family models (Llama,
 Mistral, Ministral, Qwen2, Qwen3, Phi-3, Gemma, Gemma 2, Gemma 3, OLMo 2, OLMo 3, Granite, GLM,
 Helium, ERNIE 4.5, SmolLM3, Seed-OSS, EXAONE 4, Hunyuan dense; and the mixture-of-experts Mixtral,
-Qwen2-MoE, Qwen3-MoE and OLMoE, whose experts keep the model's code: SUPPORTED_MODELS).
+Qwen2-MoE, Qwen3-MoE, OLMoE, ERNIE 4.5 MoE, Hunyuan MoE, Granite MoE and GLM-4 MoE, whose experts
+keep the model's code: SUPPORTED_MODELS).
 
 patch() does three things to one model instance and nothing else (each can be turned off):
 
@@ -80,7 +81,9 @@ SUPPORTED_MODELS = ("LlamaForCausalLM", "LlamaModel", "MistralForCausalLM", "Mis
                     "SmolLM3ForCausalLM", "SmolLM3Model", "SeedOssForCausalLM", "SeedOssModel",
                     "Exaone4ForCausalLM", "Exaone4Model", "HunYuanDenseV1ForCausalLM", "HunYuanDenseV1Model",
                     "GemmaForCausalLM", "GemmaModel", "MixtralForCausalLM", "MixtralModel", "Qwen2MoeForCausalLM",
-                    "Qwen2MoeModel", "Qwen3MoeForCausalLM", "Qwen3MoeModel", "OlmoeForCausalLM", "OlmoeModel")
+                    "Qwen2MoeModel", "Qwen3MoeForCausalLM", "Qwen3MoeModel", "OlmoeForCausalLM", "OlmoeModel",
+                    "Ernie4_5_MoeForCausalLM", "Ernie4_5_MoeModel", "HunYuanMoEV1ForCausalLM", "HunYuanMoEV1Model",
+                    "GraniteMoeForCausalLM", "GraniteMoeModel", "Glm4MoeForCausalLM", "Glm4MoeModel")
 
 _STATE = "_fuseforge_patch"
 

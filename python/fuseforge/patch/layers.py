@@ -36,7 +36,8 @@ NORMS = {"LlamaRMSNorm": 0.0, "MistralRMSNorm": 0.0, "MinistralRMSNorm": 0.0, "Q
          "Qwen3RMSNorm": 0.0, "Phi3RMSNorm": 0.0, "Olmo2RMSNorm": 0.0, "Olmo3RMSNorm": 0.0, "GraniteRMSNorm": 0.0,
          "GlmRMSNorm": 0.0, "HeliumRMSNorm": 0.0, "Ernie4_5RMSNorm": 0.0, "SmolLM3RMSNorm": 0.0,
          "SeedOssRMSNorm": 0.0, "Exaone4RMSNorm": 0.0, "HunYuanDenseV1RMSNorm": 0.0, "MixtralRMSNorm": 0.0,
-         "Qwen2MoeRMSNorm": 0.0, "Qwen3MoeRMSNorm": 0.0, "OlmoeRMSNorm": 0.0, "GemmaRMSNorm": 1.0,
+         "Qwen2MoeRMSNorm": 0.0, "Qwen3MoeRMSNorm": 0.0, "OlmoeRMSNorm": 0.0, "Ernie4_5_MoeRMSNorm": 0.0,
+         "HunYuanMoEV1RMSNorm": 0.0, "GraniteMoeRMSNorm": 0.0, "Glm4MoeRMSNorm": 0.0, "GemmaRMSNorm": 1.0,
          "Gemma2RMSNorm": 1.0, "Gemma3RMSNorm": 1.0}
 # Hugging Face activation names and glu's.
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
@@ -48,10 +49,10 @@ PRE_NORM_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "MinistralDecoder
                    "Qwen3DecoderLayer", "Phi3DecoderLayer", "GlmDecoderLayer", "HeliumDecoderLayer",
                    "Ernie4_5DecoderLayer", "SmolLM3DecoderLayer", "SeedOssDecoderLayer", "HunYuanDenseV1DecoderLayer",
                    "GemmaDecoderLayer", "MixtralDecoderLayer", "Qwen2MoeDecoderLayer", "Qwen3MoeDecoderLayer",
-                   "OlmoeDecoderLayer")
+                   "OlmoeDecoderLayer", "Ernie4_5_MoeDecoderLayer", "HunYuanMoEV1DecoderLayer", "Glm4MoeDecoderLayer")
 SANDWICH_LAYERS = ("Gemma2DecoderLayer", "Gemma3DecoderLayer")
 # Attention classes whose rotation pairs dims 2i and 2i + 1 (GLM's) instead of i and i + R / 2.
-INTERLEAVED_ROTARY = ("GlmAttention", "HeliumAttention", "Ernie4_5Attention")
+INTERLEAVED_ROTARY = ("GlmAttention", "HeliumAttention", "Ernie4_5Attention", "Ernie4_5_MoeAttention")
 # Attention classes whose full-attention layers rotate nothing and see the whole sequence when the model
 # also has sliding layers (EXAONE 4's hybrid models: every layer holds sliding_window, is_sliding says
 # which use it).
