@@ -8,6 +8,7 @@
 
 #include "common/checks.h"
 #include "common/cpu_isa.h"
+#include "common/not_differentiable.h"
 
 namespace fuseforge::add_mul_act {
 
@@ -124,6 +125,11 @@ TORCH_LIBRARY_IMPL(fuseforge, CPU, m) {
   m.impl("add_mul_act_fwd", &add_mul_act_fwd_op<forward_cpu_dispatch, true>);
   m.impl("add_mul_act_bwd", &add_mul_act_bwd_op<backward_cpu_dispatch, true>);
   m.impl("add_mul_act_", &add_mul_act_inplace_op<forward_cpu_dispatch, true>);
+}
+
+// The backward ops have no backward of their own (common/not_differentiable.h).
+TORCH_LIBRARY_IMPL(fuseforge, Autograd, m) {
+  m.impl("add_mul_act_bwd", fuseforge::not_differentiable());
 }
 
 }  // namespace fuseforge::add_mul_act

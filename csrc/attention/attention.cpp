@@ -12,6 +12,7 @@
 #include "attention/cpu/attention_cpu.h"
 #include "common/checks.h"
 #include "common/cpu_isa.h"
+#include "common/not_differentiable.h"
 
 namespace fuseforge::attention {
 
@@ -341,4 +342,10 @@ TORCH_LIBRARY_IMPL(fuseforge, CPU, m) {
   m.impl("attention_bwd", &fuseforge::attention::attention_bwd_cpu);
   m.impl("attention_varlen_fwd", &fuseforge::attention::attention_varlen_fwd_cpu);
   m.impl("attention_varlen_bwd", &fuseforge::attention::attention_varlen_bwd_cpu);
+}
+
+// The backward ops have no backward of their own (common/not_differentiable.h).
+TORCH_LIBRARY_IMPL(fuseforge, Autograd, m) {
+  m.impl("attention_bwd", fuseforge::not_differentiable());
+  m.impl("attention_varlen_bwd", fuseforge::not_differentiable());
 }

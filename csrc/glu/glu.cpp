@@ -11,6 +11,7 @@
 
 #include "common/checks.h"
 #include "common/cpu_isa.h"
+#include "common/not_differentiable.h"
 
 namespace fuseforge::glu {
 
@@ -173,6 +174,11 @@ TORCH_LIBRARY_IMPL(fuseforge, CPU, m) {
   // float64 is allowed on the CPU (gradcheck).
   m.impl("glu_fwd", &glu_fwd_op<forward_cpu, true>);
   m.impl("glu_bwd", &glu_bwd_op<backward_cpu, true>);
+}
+
+// The backward ops have no backward of their own (common/not_differentiable.h).
+TORCH_LIBRARY_IMPL(fuseforge, Autograd, m) {
+  m.impl("glu_bwd", fuseforge::not_differentiable());
 }
 
 }  // namespace fuseforge::glu

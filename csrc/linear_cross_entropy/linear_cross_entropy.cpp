@@ -12,6 +12,7 @@
 #include "common/checks.h"
 #include "common/cpu_isa.h"
 #include "common/env.h"
+#include "common/not_differentiable.h"
 #include "linear_cross_entropy/linear_cross_entropy_cpu.h"
 
 namespace fuseforge::linear_cross_entropy {
@@ -469,6 +470,11 @@ TORCH_LIBRARY_IMPL(fuseforge, CPU, m) {
   m.impl("linear_cross_entropy_fwd", &fwd_cpu);
   m.impl("linear_cross_entropy_bwd", &bwd_cpu);
   m.impl("linear_cross_entropy_scale_grads_", &scale_grads_cpu);
+}
+
+// The backward ops have no backward of their own (common/not_differentiable.h).
+TORCH_LIBRARY_IMPL(fuseforge, Autograd, m) {
+  m.impl("linear_cross_entropy_bwd", fuseforge::not_differentiable());
 }
 
 }  // namespace fuseforge::linear_cross_entropy

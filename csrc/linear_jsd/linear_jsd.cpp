@@ -14,6 +14,7 @@
 #include "common/checks.h"
 #include "common/cpu_isa.h"
 #include "common/env.h"
+#include "common/not_differentiable.h"
 #include "linear_jsd/linear_jsd_cpu.h"
 
 namespace fuseforge::linear_jsd {
@@ -263,6 +264,11 @@ std::tuple<at::Tensor, at::Tensor> bwd_cpu(const at::Tensor& grad_loss, const at
 TORCH_LIBRARY_IMPL(fuseforge, CPU, m) {
   m.impl("linear_jsd_fwd", &fwd_cpu);
   m.impl("linear_jsd_bwd", &bwd_cpu);
+}
+
+// The backward ops have no backward of their own (common/not_differentiable.h).
+TORCH_LIBRARY_IMPL(fuseforge, Autograd, m) {
+  m.impl("linear_jsd_bwd", fuseforge::not_differentiable());
 }
 
 }  // namespace fuseforge::linear_jsd

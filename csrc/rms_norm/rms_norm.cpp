@@ -10,6 +10,7 @@
 
 #include "common/checks.h"
 #include "common/cpu_isa.h"
+#include "common/not_differentiable.h"
 
 namespace fuseforge::rms_norm {
 
@@ -165,6 +166,11 @@ TORCH_LIBRARY_IMPL(fuseforge, CPU, m) {
   m.impl("rms_norm_fwd", &rms_norm_fwd_op<forward_cpu, true>);
   m.impl("rms_norm", &rms_norm_op<forward_cpu, true>);
   m.impl("rms_norm_bwd", &rms_norm_bwd_op<backward_cpu, true>);
+}
+
+// The backward ops have no backward of their own (common/not_differentiable.h).
+TORCH_LIBRARY_IMPL(fuseforge, Autograd, m) {
+  m.impl("rms_norm_bwd", fuseforge::not_differentiable());
 }
 
 }  // namespace fuseforge::rms_norm

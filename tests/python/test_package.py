@@ -4,6 +4,7 @@ import importlib.util
 import os
 import re
 import types
+import warnings
 
 import pytest
 import torch
@@ -118,3 +119,38 @@ def test_development_knobs_are_read_only_in_a_developer_build(monkeypatch):
             _cpu_loss(7)
     else:
         assert torch.equal(_cpu_loss(7), expected)
+
+
+BACKWARD_OPS = ("add_mul_act_bwd", "attention_bwd", "attention_varlen_bwd", "glu_bwd", "linear_cross_entropy_bwd",
+                "linear_jsd_bwd", "rms_norm_bwd")
+
+
+def test_every_backward_op_has_an_autograd_kernel():
+    """No op is left to torch's deprecated fallback for ops without an autograd kernel (a node that
+    warns when reached and passes no gradient on): the backward ops register one that runs below
+    autograd."""
+    names = {n.split("::")[1] for n in torch._C._dispatch_get_all_op_names()
+             if n.startswith("fuseforge::") and n.endswith("_bwd")}
+    assert names == set(BACKWARD_OPS)
+    for name in BACKWARD_OPS:
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"fuseforge::{name}", "Autograd"), name
+
+
+def test_backward_op_outputs_do_not_require_grad():
+    """A backward op called on inputs that require grad gives outputs that do not (no warning), and a
+    gradient through them fails with autograd's own error rather than reading as zero."""
+    x = torch.randn(6, 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(16, dtype=torch.float64, requires_grad=True)
+    out, h, rstd = torch.ops.fuseforge.rms_norm_fwd(x, weight, None, 1e-6, 0.0, None)
+    assert rstd.requires_grad  # through rms_norm_fwd's autograd
+    grad_out = torch.randn_like(out)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        grad_x, grad_w = torch.ops.fuseforge.rms_norm_bwd(grad_out, None, x, weight, rstd, 0.0, True)
+    assert not grad_x.requires_grad and not grad_w.requires_grad
+    # The same values as without grad.
+    ref_x, ref_w = torch.ops.fuseforge.rms_norm_bwd(grad_out, None, x.detach(), weight.detach(), rstd.detach(), 0.0,
+                                                    True)
+    assert torch.equal(grad_x, ref_x) and torch.equal(grad_w, ref_w)
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        grad_x.sum().backward()
