@@ -2,6 +2,7 @@
 Gemma 3 models:
 patched and unpatched losses, gradients, logits and generations agree (packed batches, sliding
 windows and softcapping included); unpatch restores the model."""
+import contextlib
 import copy
 import importlib
 import inspect
@@ -534,7 +535,8 @@ def test_moe_bf16_cuda_matches_unpatched(family, head_dim):
     extra = dict(output_router_logits=True) if router_loss else {}
     model = make_model(family, torch.bfloat16, "cuda", head_dim=head_dim, num_experts_per_tok=4)
     ids = tokens(2, 160, "cuda")
-    ref, ref_grads = loss_and_grads(model, input_ids=ids, labels=ids, **extra)
+    with router_loss_of_this_transformers(model):
+        ref, ref_grads = loss_and_grads(model, input_ids=ids, labels=ids, **extra)
     patch(model)
     before = kernel_calls()
     out, got_grads = loss_and_grads(model, input_ids=ids, labels=ids, **extra)
@@ -872,6 +874,21 @@ def test_each_layer_fusion_can_be_turned_off(family, feature, monkeypatch):
         assert_rel_close(got_grads[name], g, 1e-9, f"grad {name}")
 
 
+@contextlib.contextmanager
+def router_loss_of_this_transformers(model):
+    """Skips where the unpatched model's own forward cannot add its router loss: some transformers
+    releases' GraniteMoe records no router logits, and its forward then fails on the int 0 that
+    load_balancing_loss_func returns for them (the patched forward, which adds the loss the same way,
+    fails alike)."""
+    try:
+        yield
+    except AttributeError as e:
+        if "'int' object has no attribute 'to'" not in str(e):
+            raise
+        pytest.skip(f"transformers {transformers.__version__}: {type(model).__name__}'s own forward cannot add "
+                    "its router loss (no router logits recorded)")
+
+
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "ernie4_5_moe", "granite_moe"])
 def test_moe_router_loss_is_added(family):
     """output_router_logits: the patched forward adds the router load-balancing loss as the model's own
@@ -879,7 +896,8 @@ def test_moe_router_loss_is_added(family):
     model = make_model(family, torch.float64)
     ids = tokens(2, 19)
     model.zero_grad(set_to_none=True)
-    ref = model(input_ids=ids, labels=ids, output_router_logits=True)
+    with router_loss_of_this_transformers(model):
+        ref = model(input_ids=ids, labels=ids, output_router_logits=True)
     ref.loss.backward()
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     assert ref.aux_loss is not None and ref.aux_loss.item() > 0
