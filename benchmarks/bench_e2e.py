@@ -6,8 +6,11 @@ Cases (--config): ``1b`` (Llama: hidden 2048, 16 layers, 16 / 4 heads, intermedi
 128256), ``qwen2`` (Qwen2-shaped: 16 / 2 heads, intermediate 11008, vocab 151936, tied embeddings),
 ``gemma2`` (Gemma-2-shaped: 12 layers, 8 / 4 heads of 256, intermediate 8192, vocab 256000, softcaps,
 GeGLU, a 4096 window), ``8b-layers`` (four Llama-3-8B layers: hidden 4096, intermediate 14336, 32 / 8
-heads). Sequence 2048; the batch given, or chosen to fit eager (--batch auto: the largest that keeps
-eager's peak under 88% of the GPU); labels = inputs.
+heads), ``qwen3-moe-layers`` (four Qwen3-30B-A3B layers: hidden 2048, 32 / 4 heads of 128, 128
+experts of 768 with 8 a token, vocab 151936; the experts run transformers' grouped-GEMM code in every
+impl but liger, which patches them with its fused MoE kernel). Sequence 2048; the batch given, or
+chosen to fit eager (--batch auto: the largest that keeps eager's peak under 88% of the GPU); labels =
+inputs.
 
 impls (one recipe for all but fuseforge_bf16: fp32 weights, bf16 autocast)
 - eager: transformers' SDPA attention, torch.optim.AdamW(fused=True).
@@ -72,6 +75,10 @@ CONFIGS = {
     # Llama-3-8B-shaped layers (4 of its 32), its vocabulary.
     "8b-layers": dict(family="llama", hidden_size=4096, num_hidden_layers=4, num_attention_heads=32,
                       num_key_value_heads=8, intermediate_size=14336, vocab_size=128256),
+    # Qwen3-30B-A3B-shaped layers (4 of its 48): 128 experts of 768, 8 a token; its vocabulary.
+    "qwen3-moe-layers": dict(family="qwen3_moe", hidden_size=2048, num_hidden_layers=4, num_attention_heads=32,
+                             num_key_value_heads=4, head_dim=128, intermediate_size=6144, moe_intermediate_size=768,
+                             num_experts=128, num_experts_per_tok=8, vocab_size=151936),
     "tiny": dict(family="llama", hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=512, vocab_size=1000),
 }
@@ -79,6 +86,7 @@ FAMILIES = {  # family: (transformers config class, model class, Liger-Kernel's 
     "llama": ("LlamaConfig", "LlamaForCausalLM", "apply_liger_kernel_to_llama"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", "apply_liger_kernel_to_qwen2"),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", "apply_liger_kernel_to_gemma2"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", "apply_liger_kernel_to_qwen3_moe"),
 }
 DEFAULT_IMPLS = "eager,liger,fuseforge,fuseforge_bf16,compile,fuseforge_compile"
 WARMUP_STEPS = 5
@@ -106,9 +114,10 @@ FUSEFORGE_IMPLS = {
 
 def case_name(cfg: dict, seq: int, batch: int) -> str:
     head_dim = cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+    mlp = (f"e{cfg['num_experts']}x{cfg['moe_intermediate_size']}-top{cfg['num_experts_per_tok']}"
+           if "num_experts" in cfg else f"i{cfg['intermediate_size']}")
     return (f"{cfg['family']}-hf/h{cfg['hidden_size']}-l{cfg['num_hidden_layers']}-q{cfg['num_attention_heads']}"
-            f"-kv{cfg['num_key_value_heads']}-d{head_dim}-i{cfg['intermediate_size']}-v{cfg['vocab_size']}"
-            f"-s{seq}-b{batch}")
+            f"-kv{cfg['num_key_value_heads']}-d{head_dim}-{mlp}-v{cfg['vocab_size']}-s{seq}-b{batch}")
 
 
 def build_model(cfg: dict, seq: int, device, seed: int = 0):
@@ -245,11 +254,16 @@ def probe_batch(cfg: dict, seq: int, device) -> int:
 
 
 def model_flops(cfg: dict, seq: int, tokens: int) -> float:
-    """6 * (matmul parameters) * tokens + causal attention (QK^T and PV, forward and backward)."""
+    """6 * (matmul parameters a token uses) * tokens + causal attention (QK^T and PV, forward and
+    backward). A mixture-of-experts layer counts its router and the experts a token is sent to."""
     h, layers, inter, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"], cfg["vocab_size"]
     head_dim = cfg.get("head_dim", h // cfg["num_attention_heads"])
     q, kv = head_dim * cfg["num_attention_heads"], head_dim * cfg["num_key_value_heads"]
-    per_layer = h * q * 2 + h * kv * 2 + 3 * h * inter
+    if "num_experts" in cfg:
+        mlp = 3 * h * cfg["moe_intermediate_size"] * cfg["num_experts_per_tok"] + h * cfg["num_experts"]
+    else:
+        mlp = 3 * h * inter
+    per_layer = h * q * 2 + h * kv * 2 + mlp
     matmul_params = layers * per_layer + vocab * h  # lm_head; the embedding is a lookup
     return 6 * matmul_params * tokens + 6 * layers * seq * q * tokens
 
