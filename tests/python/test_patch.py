@@ -527,13 +527,16 @@ def test_bf16_cuda_matches_unpatched(family, head_dim):
 @pytest.mark.parametrize("family,head_dim", [("mixtral", 64), ("qwen2_moe", 128), ("qwen3_moe", 128), ("olmoe", 64),
                                              ("ernie4_5_moe", 128), ("granite_moe", 64), ("hunyuan_moe", 128),
                                              ("glm4_moe", 128)])
-def test_moe_bf16_cuda_matches_unpatched(family, head_dim):
+@pytest.mark.parametrize("experts", ["eager", "grouped_mm"])
+def test_moe_bf16_cuda_matches_unpatched(family, head_dim, experts):
     """Mixture-of-experts models in bf16 on CUDA, with the router loss where the model has one: every
     expert in every token's top k (top 4 of 4), so that the two models' bf16 roundings cannot route a
-    token differently."""
+    token differently. The experts as loops (eager) and as transformers' grouped GEMMs, whose gate
+    runs glu."""
     router_loss = family not in ("hunyuan_moe", "glm4_moe")  # these two have none
     extra = dict(output_router_logits=True) if router_loss else {}
-    model = make_model(family, torch.bfloat16, "cuda", head_dim=head_dim, num_experts_per_tok=4)
+    model = make_model(family, torch.bfloat16, "cuda", head_dim=head_dim, num_experts_per_tok=4,
+                       experts_implementation=experts)
     ids = tokens(2, 160, "cuda")
     with router_loss_of_this_transformers(model):
         ref, ref_grads = loss_and_grads(model, input_ids=ids, labels=ids, **extra)
@@ -915,6 +918,34 @@ def test_moe_router_loss_is_added(family):
         assert_rel_close(got_grads[name], g, 1e-5, f"grad {name}")
     out = model(input_ids=ids, labels=ids)  # the config's default (False): no router loss
     assert out.aux_loss is None
+
+
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "ernie4_5_moe", "hunyuan_moe", "granite_moe", "glm4_moe")
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_grouped_experts_gate_runs_glu(family, monkeypatch):
+    """With transformers' grouped-GEMM experts (its default implementation), each experts block's
+    act(gate) * up runs glu on the [gate | up] rows; the loss and every gradient match the unpatched
+    model (float32), and unpatch gives the experts their own gate back."""
+    model = make_model(family, torch.float32, experts_implementation="grouped_mm")
+    experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
+    assert experts
+    ids = tokens(2, 19)
+    ref_loss, ref_grads = reference_loss_and_grads(model, ids, ids)
+    calls = count_layer_ops(monkeypatch)
+    patch(model)
+    out, got_grads = loss_and_grads(model, input_ids=ids, labels=ids)
+    assert all("_apply_gate" in e.__dict__ for e in experts)
+    mlps = sum(getattr(m, "_fuseforge_activation", None) is not None and type(m).__name__.endswith("MLP")
+               for m in model.modules())
+    assert calls["glu"] == len(experts) + mlps, calls
+    assert abs(out.loss.item() - ref_loss.item()) <= 2e-5 * ref_loss.item()
+    assert set(got_grads) == set(ref_grads)
+    for name, g in ref_grads.items():
+        assert_rel_close(got_grads[name], g, 4e-4, f"grad {name}")
+    unpatch(model)
+    assert not any("_apply_gate" in e.__dict__ for e in experts)
 
 
 def test_olmoe_clip_qkv_keeps_the_model_attention(monkeypatch):

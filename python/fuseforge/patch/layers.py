@@ -9,8 +9,9 @@ What is replaced, each an instance `forward` (the classes are untouched, so othe
   linear, dynamic and long-rope scaling are Hugging Face's own), then the attention function the model is
   set to, and the output projection;
 - the MLP: `fuseforge.glu` on the gate and up projections (or on Phi-3's fused gate_up projection) for
-  SiLU, tanh-GELU and GELU (a mixture-of-experts block's experts keep the model's code; its dense
-  and shared-expert MLPs take glu);
+  SiLU, tanh-GELU and GELU; a mixture-of-experts block's dense and shared-expert MLPs too, and its
+  experts' gate (`act(gate) * up` on the grouped [gate | up] projection, in transformers' experts
+  implementations) while their routing and matrix products stay the model's code;
 - the decoder layer: the residual add after attention goes into the next norm (`norm(h, residual=r)`
   returns the normalised output and `h + r` in one pass).
 
@@ -225,6 +226,26 @@ def _mlp_forward(self, x: Tensor) -> Tensor:
     return _residual_dropout(self, out)
 
 
+def _experts_gate(self, gate_up: Tensor) -> Tensor:
+    """transformers' experts' `_apply_gate`: act(gate) * up of the [gate | up] rows, read in place."""
+    return glu(gate_up, None, self._fuseforge_activation)
+
+
+def _experts_activation(experts: nn.Module, config) -> Optional[str]:
+    """glu's activation for experts that gate with transformers' default `_apply_gate` (act(gate) * up
+    of concatenated [gate | up] rows), else None (an interleaved layout, a model's own gate)."""
+    try:
+        from transformers.integrations.moe import _default_apply_gate
+    except ImportError:
+        return None
+    if getattr(type(experts), "_apply_gate", None) is not _default_apply_gate or "_apply_gate" in experts.__dict__:
+        return None
+    if not getattr(experts, "has_gate", False) or not getattr(experts, "is_concatenated", False):
+        return None
+    name = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+    return ACTIVATIONS.get(name) if isinstance(name, str) else None
+
+
 def _mlp_activation(mlp: nn.Module, config) -> Optional[str]:
     name = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
     if not isinstance(name, str) or not (hasattr(mlp, "gate_up_proj") or hasattr(mlp, "gate_proj")):
@@ -273,10 +294,10 @@ def _no_residual_dropout(layer: nn.Module) -> bool:
 # Patching
 
 
-def _set_forward(module: nn.Module, fn, patched: list) -> None:
-    # An instance forward set before (another wrapper's) comes back at unpatch.
-    patched.append((module, module.__dict__.get("forward")))
-    module.forward = types.MethodType(fn, module)
+def _set_forward(module: nn.Module, fn, patched: list, name: str = "forward") -> None:
+    # An instance method set before (another wrapper's) comes back at unpatch.
+    patched.append((module, module.__dict__.get(name), name))
+    setattr(module, name, types.MethodType(fn, module))
 
 
 def patch_layers(model: nn.Module, features=FEATURES) -> list:
@@ -299,6 +320,11 @@ def patch_layers(model: nn.Module, features=FEATURES) -> list:
             if act is not None:
                 module._fuseforge_activation = act
                 _set_forward(module, _mlp_forward, patched)
+        elif "glu" in features and cls.endswith("Experts"):
+            act = _experts_activation(module, config)
+            if act is not None:
+                module._fuseforge_activation = act
+                _set_forward(module, _experts_gate, patched, name="_apply_gate")
         elif "rotary" in features and cls.endswith("Attention") and hasattr(module, "o_proj") \
                 and rotary_emb is not None and hasattr(module, "layer_idx"):
             source = _rope_source(rotary_emb, config, module.layer_idx)
@@ -313,11 +339,11 @@ def patch_layers(model: nn.Module, features=FEATURES) -> list:
 
 
 def unpatch_layers(patched: list) -> None:
-    for module, previous in patched:
+    for module, previous, name in patched:
         if previous is not None:
-            module.forward = previous
-        elif "forward" in module.__dict__:
-            del module.forward
+            setattr(module, name, previous)
+        elif name in module.__dict__:
+            delattr(module, name)
         for attr in ("_fuseforge_weight_offset", "_fuseforge_activation", "_fuseforge_rope"):
             if attr in module.__dict__:
                 delattr(module, attr)
