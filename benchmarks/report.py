@@ -183,6 +183,18 @@ SECTIONS = [
      "(hidden 4096, 32 query heads on 8 KV heads of 128, intermediate 14336) with its vocabulary "
      "(128256, untied head); S = 2048, batch 16; Liger's patch is `apply_liger_kernel_to_llama`. Recipe, "
      "steps and impls as in the 1.2B Llama section."),
+    ("e2e_qwen3_moe_layers", "End to end: four Qwen3-30B-A3B layers (mixture of experts)",
+     "`bench_e2e.py --config qwen3-moe-layers --batch 8 --impls eager,liger,fuseforge`: 4 of Qwen3-30B-A3B's "
+     "48 layers (hidden 2048, 32 query heads on 4 KV heads of 128, q/k norms, 128 experts of 768 with 8 a "
+     "token, no shared expert) with its vocabulary (151936, untied head); S = 2048, batch 8. The experts "
+     "run transformers' grouped-GEMM implementation (its default) in `eager` and `fuseforge`; Liger's "
+     "`apply_liger_kernel_to_qwen3_moe` replaces them with its fused MoE kernel. This run predates the "
+     "experts' gate on `glu` (the next table). Recipe and steps as in the 1.2B Llama section."),
+    ("e2e_qwen3_moe_glu_ab", "End to end: the experts' gate on glu",
+     "`bench_e2e.py --config qwen3-moe-layers --batch 8 --impls eager,fuseforge,fuseforge_no_glu`: the "
+     "model above with the experts' `act(gate) * up` (transformers' `_apply_gate` on the grouped "
+     "[gate | up] rows) on `glu` (`fuseforge`) and left to transformers (`fuseforge_no_glu`, which also "
+     "leaves the dense MLPs, of which this model has none)."),
     ("e2e_attention_ab", "End to end: what fuseforge attention saves inside the training step",
      "`benchmarks/profiler.py e2e-attention-ab`: one patched model alternates its attention between fuseforge's and "
      "transformers' SDPA (cuDNN's kernels) step by step in A B B A order, beside the two attention calls "
@@ -235,6 +247,8 @@ HEADLINE = [
     ("e2e_gemma2", "fuseforge", "eager", "", "Gemma-2-shaped step, patched"),
     ("e2e_8b_layers", "fuseforge", "liger", "", "4 Llama-3-8B layers step, patched"),
     ("e2e_8b_layers", "fuseforge", "eager", "", "4 Llama-3-8B layers step, patched"),
+    ("e2e_qwen3_moe_layers", "fuseforge", "liger", "", "4 Qwen3-30B-A3B layers (MoE) step, patched"),
+    ("e2e_qwen3_moe_layers", "fuseforge", "eager", "", "4 Qwen3-30B-A3B layers (MoE) step, patched"),
     ("fsdp", "fuseforge", "eager", "llama", "1.2B Llama step, FSDP2 x 2"),
     ("fsdp", "fuseforge", "torch_fused", "adamw", "AdamW step on FSDP2 shards"),
 ]
