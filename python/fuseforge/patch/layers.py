@@ -242,15 +242,19 @@ def _experts_activation(experts: nn.Module, config) -> Optional[str]:
         return None
     if not getattr(experts, "has_gate", False) or not getattr(experts, "is_concatenated", False):
         return None
+    return _config_activation(config)
+
+
+def _config_activation(config) -> Optional[str]:
+    """glu's name for the model's gated activation, or None where glu has no kernel for it."""
     name = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
     return ACTIVATIONS.get(name) if isinstance(name, str) else None
 
 
 def _mlp_activation(mlp: nn.Module, config) -> Optional[str]:
-    name = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
-    if not isinstance(name, str) or not (hasattr(mlp, "gate_up_proj") or hasattr(mlp, "gate_proj")):
+    if not (hasattr(mlp, "gate_up_proj") or hasattr(mlp, "gate_proj")):
         return None
-    return ACTIVATIONS.get(name)
+    return _config_activation(config)
 
 
 # ----------------------------------------------------------------------------------------------
