@@ -155,6 +155,18 @@ TORCH_LIBRARY(fuseforge, m) {
   // when need_grad_weight, else empty.
   m.def("rms_norm_bwd(Tensor grad_out, Tensor? grad_residual_out, Tensor h, Tensor? weight, Tensor rstd,"
         " float weight_offset, bool need_grad_weight) -> (Tensor grad_input, Tensor grad_weight)");
+  // LayerNorm on the same kernels: h as above; out = (h - mean) * rstd * weight + bias, mean = mean(h),
+  // rstd = 1 / sqrt(mean((h - mean)^2) + eps) (fp32; fp64 for fp64); weight and bias (x's dtype or
+  // float32) optional. mean and rstd are (rows,).
+  m.def("layer_norm_fwd(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, float eps,"
+        " ScalarType? out_dtype=None) -> (Tensor out, Tensor residual_out, Tensor mean, Tensor rstd)");
+  m.def("layer_norm(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, float eps,"
+        " ScalarType? out_dtype=None) -> (Tensor out, Tensor residual_out)");
+  // grad_input as rms_norm_bwd's; grad_weight (weight's dtype) when need_grad_weight; grad_bias (the
+  // column sums of grad_out, in the statistics' dtype) when need_grad_bias; else empty.
+  m.def("layer_norm_bwd(Tensor grad_out, Tensor? grad_residual_out, Tensor h, Tensor? weight, Tensor mean,"
+        " Tensor rstd, bool need_grad_weight, bool need_grad_bias)"
+        " -> (Tensor grad_input, Tensor grad_weight, Tensor grad_bias)");
   // ---- end rms_norm -----------------------------------------------------------------------------
 
   // ---- rotary -----------------------------------------------------------------------------------

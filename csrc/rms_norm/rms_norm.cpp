@@ -30,12 +30,21 @@ bool allowed_out_dtype(at::ScalarType input, at::ScalarType out) {
   return out == input || (input == at::kFloat && (out == at::kBFloat16 || out == at::kHalf));
 }
 
-void check_weight(const at::Tensor& ref, const char* ref_name, const at::Tensor& w, int64_t cols) {
-  check_same_device(ref, ref_name, w, "weight");
-  TORCH_CHECK(w.scalar_type() == ref.scalar_type() || w.scalar_type() == at::kFloat, "weight must have the dtype of ",
+// weight (and LayerNorm's bias): ref's dtype or float32, shape (cols,).
+void check_weight(const at::Tensor& ref, const char* ref_name, const at::Tensor& w, int64_t cols,
+                  const char* name = "weight") {
+  check_same_device(ref, ref_name, w, name);
+  TORCH_CHECK(w.scalar_type() == ref.scalar_type() || w.scalar_type() == at::kFloat, name, " must have the dtype of ",
               ref_name, " (", ref.scalar_type(), ") or float32, got ", w.scalar_type());
-  TORCH_CHECK(w.dim() == 1 && w.size(0) == cols, "weight must have shape (", cols, ",) (the last dim of ", ref_name,
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == cols, name, " must have shape (", cols, ",) (the last dim of ", ref_name,
               "), got ", w.sizes());
+}
+
+void check_row_stat(const at::Tensor& h, const at::Tensor& stat, const char* name, int64_t rows) {
+  check_same_device(h, "h", stat, name);
+  TORCH_CHECK(stat.scalar_type() == stat_dtype(h.scalar_type()) && stat.dim() == 1 && stat.size(0) == rows, name,
+              " must be the forward's (", rows, ",) ", stat_dtype(h.scalar_type()), " tensor, got ",
+              stat.scalar_type(), " of shape ", stat.sizes());
 }
 
 const at::Tensor* present(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined() ? &*t : nullptr; }
@@ -43,9 +52,11 @@ const at::Tensor* present(const std::optional<at::Tensor>& t) { return t.has_val
 }  // namespace
 
 ForwardArgs prepare_forward(const at::Tensor& x, const std::optional<at::Tensor>& weight,
-                            const std::optional<at::Tensor>& residual, double eps, double weight_offset,
-                            std::optional<at::ScalarType> out_dtype, bool allow_double) {
+                            const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& residual,
+                            double eps, double weight_offset, std::optional<at::ScalarType> out_dtype,
+                            bool allow_double, bool centered) {
   ForwardArgs a;
+  a.centered = centered;
   check_dtype_supported(x, "x", allow_double);
   TORCH_CHECK(x.dim() >= 1, "x must have at least one dimension (the hidden dim), got a 0-dim tensor");
   a.cols = x.size(-1);
@@ -60,6 +71,10 @@ ForwardArgs prepare_forward(const at::Tensor& x, const std::optional<at::Tensor>
     check_weight(x, "x", *w, a.cols);
     a.weight = w->contiguous();
   }
+  if (const at::Tensor* b = present(bias)) {
+    check_weight(x, "x", *b, a.cols, "bias");
+    a.bias = b->contiguous();
+  }
   a.out_dtype = out_dtype.value_or(x.scalar_type());
   TORCH_CHECK(allowed_out_dtype(x.scalar_type(), a.out_dtype), "out_dtype must be the dtype of x (",
               x.scalar_type(), ") or, for a float32 x, bfloat16 or float16; got ", a.out_dtype);
@@ -70,9 +85,11 @@ ForwardArgs prepare_forward(const at::Tensor& x, const std::optional<at::Tensor>
 }
 
 BackwardArgs prepare_backward(const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_residual_out,
-                              const at::Tensor& h, const std::optional<at::Tensor>& weight, const at::Tensor& rstd,
-                              double weight_offset, bool need_grad_weight, bool allow_double) {
+                              const at::Tensor& h, const std::optional<at::Tensor>& weight,
+                              const std::optional<at::Tensor>& mean, const at::Tensor& rstd, double weight_offset,
+                              bool need_grad_weight, bool need_grad_bias, bool allow_double, bool centered) {
   BackwardArgs a;
+  a.centered = centered;
   check_dtype_supported(h, "h", allow_double);
   TORCH_CHECK(h.dim() >= 1, "h must have at least one dimension (the hidden dim), got a 0-dim tensor");
   a.cols = h.size(-1);
@@ -92,15 +109,19 @@ BackwardArgs prepare_backward(const at::Tensor& grad_out, const std::optional<at
     check_weight(h, "h", *w, a.cols);
     a.weight = w->contiguous();
   }
-  check_same_device(h, "h", rstd, "rstd");
-  TORCH_CHECK(rstd.scalar_type() == stat_dtype(h.scalar_type()) && rstd.dim() == 1 && rstd.size(0) == a.rows,
-              "rstd must be the forward's (", a.rows, ",) ", stat_dtype(h.scalar_type()), " tensor, got ",
-              rstd.scalar_type(), " of shape ", rstd.sizes());
+  check_row_stat(h, rstd, "rstd", a.rows);
+  if (centered) {
+    const at::Tensor* m = present(mean);
+    TORCH_CHECK(m != nullptr, "mean must be given (the forward's row means)");
+    check_row_stat(h, *m, "mean", a.rows);
+    a.mean = m->contiguous();
+  }
   a.grad_out = grad_out.contiguous();
   a.h = h.contiguous();
   a.rstd = rstd.contiguous();
   a.weight_offset = weight_offset;
   a.need_grad_weight = need_grad_weight && a.weight.defined();
+  a.need_grad_bias = centered && need_grad_bias;
   return a;
 }
 
@@ -109,6 +130,7 @@ ForwardOutputs allocate_forward(const ForwardArgs& a, bool need_rstd) {
   o.out = at::empty(a.x.sizes(), a.x.options().dtype(a.out_dtype));
   o.residual_out = a.residual.defined() ? at::empty(a.x.sizes(), a.x.options()) : at::empty({0}, a.x.options());
   if (need_rstd) o.rstd = at::empty({a.rows}, a.x.options().dtype(stat_dtype(a.x.scalar_type())));
+  if (need_rstd && a.centered) o.mean = at::empty_like(o.rstd);
   return o;
 }
 
@@ -117,6 +139,9 @@ Gradients allocate_gradients(const BackwardArgs& a) {
   g.grad_input = at::empty(a.h.sizes(), a.h.options());
   const auto grad_weight_options = a.weight.defined() ? a.weight.options() : a.h.options();
   g.grad_weight = at::empty({a.need_grad_weight ? a.cols : 0}, grad_weight_options);
+  // grad_bias in the statistics' dtype (float32; float64 for float64): the bias is not an input of the
+  // backward, and its caller casts these cols values to the bias's dtype.
+  g.grad_bias = at::empty({a.need_grad_bias ? a.cols : 0}, a.h.options().dtype(stat_dtype(a.h.scalar_type())));
   return g;
 }
 
@@ -129,9 +154,13 @@ void forward_cpu(const ForwardArgs& a, ForwardOutputs& o) {
   k.residual = a.residual.defined() ? a.residual.const_data_ptr() : nullptr;
   k.weight = a.weight.defined() ? a.weight.const_data_ptr() : nullptr;
   k.weight_dtype = a.weight.defined() ? a.weight.scalar_type() : a.x.scalar_type();
+  k.bias = a.bias.defined() ? a.bias.const_data_ptr() : nullptr;
+  k.bias_dtype = a.bias.defined() ? a.bias.scalar_type() : a.x.scalar_type();
+  k.centered = a.centered;
   k.weight_offset = a.weight_offset;
   k.eps = a.eps;
   k.out = o.out.mutable_data_ptr();
+  k.mean = o.mean.defined() ? o.mean.mutable_data_ptr() : nullptr;
   k.residual_out = a.residual.defined() ? o.residual_out.mutable_data_ptr() : nullptr;
   k.rstd = o.rstd.defined() ? o.rstd.mutable_data_ptr() : nullptr;
   k.rows = a.rows;
@@ -150,8 +179,10 @@ void backward_cpu(const BackwardArgs& a, Gradients& g) {
   k.weight_dtype = a.weight.defined() ? a.weight.scalar_type() : a.h.scalar_type();
   k.weight_offset = a.weight_offset;
   k.rstd = a.rstd.const_data_ptr();
+  k.mean = a.centered ? a.mean.const_data_ptr() : nullptr;
   k.grad_input = g.grad_input.mutable_data_ptr();
   k.grad_weight = a.need_grad_weight ? g.grad_weight.mutable_data_ptr() : nullptr;
+  k.grad_bias = a.need_grad_bias ? g.grad_bias.mutable_data_ptr() : nullptr;
   k.rows = a.rows;
   k.cols = a.cols;
   k.dtype = a.h.scalar_type();
@@ -166,11 +197,15 @@ TORCH_LIBRARY_IMPL(fuseforge, CPU, m) {
   m.impl("rms_norm_fwd", &rms_norm_fwd_op<forward_cpu, true>);
   m.impl("rms_norm", &rms_norm_op<forward_cpu, true>);
   m.impl("rms_norm_bwd", &rms_norm_bwd_op<backward_cpu, true>);
+  m.impl("layer_norm_fwd", &layer_norm_fwd_op<forward_cpu, true>);
+  m.impl("layer_norm", &layer_norm_op<forward_cpu, true>);
+  m.impl("layer_norm_bwd", &layer_norm_bwd_op<backward_cpu, true>);
 }
 
 // The backward ops have no backward of their own (common/not_differentiable.h).
 TORCH_LIBRARY_IMPL(fuseforge, Autograd, m) {
   m.impl("rms_norm_bwd", fuseforge::not_differentiable());
+  m.impl("layer_norm_bwd", fuseforge::not_differentiable());
 }
 
 }  // namespace fuseforge::rms_norm

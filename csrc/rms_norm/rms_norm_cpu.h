@@ -9,14 +9,18 @@
 
 namespace fuseforge::rms_norm {
 
-// Every tensor rows x cols and contiguous; rstd (rows,) float (double for float64).
+// Every tensor rows x cols and contiguous; mean and rstd (rows,) float (double for float64).
 struct CpuForwardArgs {
   const void *x, *residual;  // residual nullptr when absent
   const void* weight;        // nullptr when absent; weight_dtype: dtype's or float32
   c10::ScalarType weight_dtype;
+  const void* bias;  // LayerNorm's, nullptr when absent; bias_dtype: dtype's or float32
+  c10::ScalarType bias_dtype;
+  bool centered;     // LayerNorm: (h - mean) * rstd * w + b, rstd from the variance
   double weight_offset, eps;
   void* out;           // out_dtype
   void* residual_out;  // h = x + residual (dtype), nullptr without a residual
+  void* mean;          // LayerNorm's row means; nullptr: not stored (RMSNorm, or no gradient wanted)
   void* rstd;          // nullptr: not stored (no gradient wanted)
   int64_t rows, cols;
   c10::ScalarType dtype, out_dtype;
@@ -30,8 +34,10 @@ struct CpuBackwardArgs {
   c10::ScalarType weight_dtype;
   double weight_offset;
   const void* rstd;
+  const void* mean;  // LayerNorm's (then the backward is LayerNorm's); nullptr for RMSNorm
   void* grad_input;
   void* grad_weight;  // weight_dtype, nullptr when not wanted
+  void* grad_bias;    // the statistics' type (float; double for float64), nullptr when not wanted
   int64_t rows, cols;
   c10::ScalarType dtype, grad_out_dtype;
 };

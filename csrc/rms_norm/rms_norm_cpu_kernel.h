@@ -1,5 +1,6 @@
-// rms_norm's vectorized CPU kernels, compiled once per CPU build (common/cpu_isa.h). A row's sum of
-// squares (and the backward's dot product) goes into 256 bytes of lanes (64 floats, 32 doubles)
+// rms_norm's (and layer_norm's: kCentered) vectorized CPU kernels, compiled once per CPU build
+// (common/cpu_isa.h). A row's sum of squares (and the backward's dot product; LayerNorm's row sum, then
+// its sum of squared deviations) goes into 256 bytes of lanes (64 floats, 32 doubles)
 // by element index, whatever the vector width, and the lanes are added in a fixed tree: the same
 // result in every build, and far closer to the exact sum than one sequential float sum. Elementwise
 // arithmetic in the math type M (float; double for float64), 16-bit types converted a 256-column
@@ -49,21 +50,29 @@ const M* scale_of(const void* weight, c10::ScalarType weight_dtype, double weigh
   return buf;
 }
 
+// LayerNorm's bias in M (cols of them), or nullptr without one.
+template <typename T, typename M>
+const M* bias_of(const void* bias, c10::ScalarType bias_dtype, int64_t cols, M* buf) {
+  return scale_of<T, M>(bias, bias_dtype, 0.0, cols, buf);
+}
+
 // 1 / sqrt(mean + eps), the mean of the row's squares from their sum (as the scalar reference did).
 template <typename M>
 M rstd_of(M sumsq, int64_t cols, M eps) {
   return M(1) / std::sqrt(static_cast<M>(static_cast<double>(sumsq) / static_cast<double>(cols)) + eps);
 }
 
-template <typename T, typename To>
+template <typename T, typename To, bool kCentered>
 void forward_typed(const CpuForwardArgs& a) {
   using M = at::opmath_type<T>;
   using V = Vec<M>;
   using Lanes = LaneSum<M>;
   constexpr int64_t W = V::size();
   const int64_t cols = a.cols;
-  Buffer<M> scale_buf(a.weight ? cols : 0);
+  Buffer<M> scale_buf(a.weight ? cols : 0), bias_buf(a.bias ? cols : 0);
   const M* scale = scale_of<T, M>(a.weight, a.weight_dtype, a.weight_offset, cols, scale_buf.data());
+  const M* bias = bias_of<T, M>(a.bias, a.bias_dtype, cols, bias_buf.data());
+  M* mean_out = static_cast<M*>(a.mean);
   const T* x = static_cast<const T*>(a.x);
   const T* res = static_cast<const T*>(a.residual);
   T* h_out = static_cast<T*>(a.residual_out);
@@ -76,7 +85,7 @@ void forward_typed(const CpuForwardArgs& a) {
     M* hrow_math = std::is_same_v<T, M> ? nullptr : thread_scratch<M>(cols);
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t base = r * cols;
-      Lanes sumsq;
+      Lanes sumsq, sum;  // sum: LayerNorm's first pass
       for (int64_t c0 = 0; c0 < cols; c0 += kTile) {
         const int64_t n = std::min(kTile, cols - c0);
         const M* h;
@@ -94,15 +103,34 @@ void forward_typed(const CpuForwardArgs& a) {
         } else {
           h = tile_to_math(x + base + c0, hrow_math + c0, n);
         }
-        sumsq.add_tile(n, [&](int64_t i, int64_t k) {
-          const V v = V::loadu(h + i, k);
-          return v * v;
-        });
+        if constexpr (kCentered) {
+          sum.add_tile(n, [&](int64_t i, int64_t k) { return V::loadu(h + i, k); });
+        } else {
+          sumsq.add_tile(n, [&](int64_t i, int64_t k) {
+            const V v = V::loadu(h + i, k);
+            return v * v;
+          });
+        }
+      }
+      const T* hrow = h_out ? h_out + base : x + base;
+      M mu = M(0);
+      if constexpr (kCentered) {
+        // The variance from the deviations (a second pass over the row: exact where mean >> std).
+        mu = static_cast<M>(static_cast<double>(sum.total()) / static_cast<double>(cols));
+        const V muv(mu), zero(M(0));
+        for (int64_t c0 = 0; c0 < cols; c0 += kTile) {
+          const int64_t n = std::min(kTile, cols - c0);
+          const M* h = hrow_math ? hrow_math + c0 : tile_to_math(hrow + c0, xb, n);
+          sumsq.add_tile(n, [&](int64_t i, int64_t k) {
+            const V d = V::set(zero, V::loadu(h + i, k) - muv, k);  // lanes past k: 0, not -mean
+            return d * d;
+          });
+        }
+        if (mean_out) mean_out[r] = mu;
       }
       const M rs = rstd_of(sumsq.total(), cols, eps);
       if (rstd) rstd[r] = rs;
-      const V rsv(rs);
-      const T* hrow = h_out ? h_out + base : x + base;
+      const V rsv(rs), muv(mu);
       for (int64_t c0 = 0; c0 < cols; c0 += kTile) {
         const int64_t n = std::min(kTile, cols - c0);
         const M* h = hrow_math ? hrow_math + c0 : tile_to_math(hrow + c0, xb, n);
@@ -110,8 +138,10 @@ void forward_typed(const CpuForwardArgs& a) {
         M* o = math_dst(o_dst, ob);
         for (int64_t i = 0; i < n; i += W) {
           const int64_t k = std::min<int64_t>(V::size(), n - i);
-          const V xhat = V::loadu(h + i, k) * rsv;
-          (scale ? xhat * V::loadu(scale + c0 + i, k) : xhat).store(o + i, k);
+          const V xhat = kCentered ? (V::loadu(h + i, k) - muv) * rsv : V::loadu(h + i, k) * rsv;
+          V v = scale ? xhat * V::loadu(scale + c0 + i, k) : xhat;
+          if (kCentered && bias) v = v + V::loadu(bias + c0 + i, k);
+          v.store(o + i, k);
         }
         tile_from_math(o, o_dst, n);
       }
@@ -119,10 +149,12 @@ void forward_typed(const CpuForwardArgs& a) {
   });
 }
 
-// Rows r0..r1 of the backward; with dw, their weight gradient added to dw (M, cols long).
-template <typename T, typename To>
+// Rows r0..r1 of the backward; with dw / db, their weight / bias gradient added to it (M, cols long).
+// LayerNorm (kCentered): xhat = (h - mean) * rstd and grad = rstd * (g s - mean(g s) - xhat * mean(g s
+// xhat)); RMSNorm: xhat = h * rstd and grad = rstd * (g s - xhat * mean(g s xhat)).
+template <typename T, typename To, bool kCentered>
 void backward_rows(const CpuBackwardArgs& a, const at::opmath_type<T>* scale, int64_t r0, int64_t r1,
-                   at::opmath_type<T>* dw) {
+                   at::opmath_type<T>* dw, at::opmath_type<T>* db) {
   using M = at::opmath_type<T>;
   using V = Vec<M>;
   using Lanes = LaneSum<M>;
@@ -132,25 +164,35 @@ void backward_rows(const CpuBackwardArgs& a, const at::opmath_type<T>* scale, in
   const T* grad_res = static_cast<const T*>(a.grad_residual_out);
   const T* hp = static_cast<const T*>(a.h);
   const M* rstd = static_cast<const M*>(a.rstd);
+  const M* row_mean = static_cast<const M*>(a.mean);
   T* grad_input = static_cast<T*>(a.grad_input);
   alignas(64) M gob[kTile], hb[kTile], grb[kTile], gib[kTile];
   for (int64_t r = r0; r < r1; ++r) {
     const int64_t base = r * cols;
     const V rs(rstd[r]);
-    Lanes dot;
+    const V mu(kCentered ? row_mean[r] : M(0));
+    Lanes dot, gsum;
     for (int64_t c0 = 0; c0 < cols; c0 += kTile) {
       const int64_t n = std::min(kTile, cols - c0);
       const M* go = tile_to_math(grad_out + base + c0, gob, n);
       const M* h = tile_to_math(hp + base + c0, hb, n);
       dot.add_tile(n, [&](int64_t i, int64_t k) {
         const V g = V::loadu(go + i, k);
-        const V xhat = V::loadu(h + i, k) * rs;
+        const V xhat = kCentered ? (V::loadu(h + i, k) - mu) * rs : V::loadu(h + i, k) * rs;
         if (dw) (V::loadu(dw + c0 + i, k) + g * xhat).store(dw + c0 + i, k);
+        if (kCentered && db) (V::loadu(db + c0 + i, k) + g).store(db + c0 + i, k);
         const V gw = scale ? g * V::loadu(scale + c0 + i, k) : g;
-        return gw * xhat;
+        return gw * xhat;  // 0 past k (g is)
       });
+      if constexpr (kCentered) {
+        gsum.add_tile(n, [&](int64_t i, int64_t k) {
+          const V g = V::loadu(go + i, k);
+          return scale ? g * V::loadu(scale + c0 + i, k) : g;
+        });
+      }
     }
     const V mean(static_cast<M>(static_cast<double>(dot.total()) / static_cast<double>(cols)));
+    const V gmean(kCentered ? static_cast<M>(static_cast<double>(gsum.total()) / static_cast<double>(cols)) : M(0));
     for (int64_t c0 = 0; c0 < cols; c0 += kTile) {
       const int64_t n = std::min(kTile, cols - c0);
       const M* go = tile_to_math(grad_out + base + c0, gob, n);
@@ -161,9 +203,9 @@ void backward_rows(const CpuBackwardArgs& a, const at::opmath_type<T>* scale, in
       for (int64_t i = 0; i < n; i += W) {
         const int64_t k = std::min<int64_t>(V::size(), n - i);
         const V g = V::loadu(go + i, k);
-        const V xhat = V::loadu(h + i, k) * rs;
+        const V xhat = kCentered ? (V::loadu(h + i, k) - mu) * rs : V::loadu(h + i, k) * rs;
         const V gw = scale ? g * V::loadu(scale + c0 + i, k) : g;
-        V v = rs * (gw - xhat * mean);
+        V v = kCentered ? rs * (gw - gmean - xhat * mean) : rs * (gw - xhat * mean);
         if (gr) v = v + V::loadu(gr + i, k);
         v.store(gi + i, k);
       }
@@ -172,7 +214,7 @@ void backward_rows(const CpuBackwardArgs& a, const at::opmath_type<T>* scale, in
   }
 }
 
-template <typename T, typename To>
+template <typename T, typename To, bool kCentered>
 void backward_typed(const CpuBackwardArgs& a) {
   using M = at::opmath_type<T>;
   using V = Vec<M>;
@@ -180,31 +222,45 @@ void backward_typed(const CpuBackwardArgs& a) {
   const int64_t cols = a.cols;
   Buffer<M> scale_buf(a.weight ? cols : 0);
   const M* scale = scale_of<T, M>(a.weight, a.weight_dtype, a.weight_offset, cols, scale_buf.data());
-  if (!a.grad_weight) {
-    at::parallel_for(0, a.rows, grain_rows(cols),
-                     [&](int64_t r0, int64_t r1) { backward_rows<T, To>(a, scale, r0, r1, nullptr); });
+  const bool want_bias = kCentered && a.grad_bias;
+  if (!a.grad_weight && !want_bias) {
+    at::parallel_for(0, a.rows, grain_rows(cols), [&](int64_t r0, int64_t r1) {
+      backward_rows<T, To, kCentered>(a, scale, r0, r1, nullptr, nullptr);
+    });
     return;
   }
   const int64_t blocks = std::min(a.rows, kWeightGradBlocks);
   const int64_t rows_per_block = (a.rows + blocks - 1) / blocks;
   const int64_t used = (a.rows + rows_per_block - 1) / rows_per_block;  // blocks that hold rows
-  M* partial = thread_scratch<M>(used * cols);
+  // Each block's partial rows: the weight's (used x cols), then the bias's.
+  M* partial = thread_scratch<M>(2 * used * cols);
+  M* bias_partial = partial + used * cols;
   const int64_t grain_blocks = std::max<int64_t>(1, kGrainElems / (rows_per_block * cols));
   at::parallel_for(0, used, grain_blocks, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
-      M* dw = partial + b * cols;
-      fill(dw, cols, M(0));
-      backward_rows<T, To>(a, scale, b * rows_per_block, std::min(a.rows, (b + 1) * rows_per_block), dw);
+      M* dw = a.grad_weight ? partial + b * cols : nullptr;
+      M* db = want_bias ? bias_partial + b * cols : nullptr;
+      if (dw) fill(dw, cols, M(0));
+      if (db) fill(db, cols, M(0));
+      backward_rows<T, To, kCentered>(a, scale, b * rows_per_block, std::min(a.rows, (b + 1) * rows_per_block), dw,
+                                      db);
     }
   });
-  // Over the blocks in order (deterministic), a vector of columns at a time.
-  at::parallel_for(0, cols, 1024, [&](int64_t c0, int64_t c1) {
-    alignas(64) M buf[W];
-    for (int64_t c = c0; c < c1; c += W) {
-      const int64_t k = std::min<int64_t>(V::size(), c1 - c);
-      V s(M(0));
-      for (int64_t b = 0; b < used; ++b) s = s + V::loadu(partial + b * cols + c, k);
-      s.store(buf, k);
+  // Over the blocks in order (deterministic), a vector of columns at a time; store(c, k, values).
+  auto sum_blocks = [&](const M* parts, auto&& store) {
+    at::parallel_for(0, cols, 1024, [&](int64_t c0, int64_t c1) {
+      alignas(64) M buf[W];
+      for (int64_t c = c0; c < c1; c += W) {
+        const int64_t k = std::min<int64_t>(V::size(), c1 - c);
+        V s(M(0));
+        for (int64_t b = 0; b < used; ++b) s = s + V::loadu(parts + b * cols + c, k);
+        s.store(buf, k);
+        store(c, k, buf);
+      }
+    });
+  };
+  if (a.grad_weight) {
+    sum_blocks(partial, [&](int64_t c, int64_t k, const M* buf) {
       if (a.weight_dtype == c10::ScalarType::Float) {
         float* gw = static_cast<float*>(a.grad_weight);
         for (int64_t j = 0; j < k; ++j) gw[c + j] = static_cast<float>(buf[j]);
@@ -212,8 +268,14 @@ void backward_typed(const CpuBackwardArgs& a) {
         T* gw = static_cast<T*>(a.grad_weight);
         for (int64_t j = 0; j < k; ++j) gw[c + j] = static_cast<T>(buf[j]);
       }
-    }
-  });
+    });
+  }
+  if (want_bias) {
+    sum_blocks(bias_partial, [&](int64_t c, int64_t k, const M* buf) {
+      M* gb = static_cast<M*>(a.grad_bias);
+      for (int64_t j = 0; j < k; ++j) gb[c + j] = buf[j];
+    });
+  }
 }
 
 // Calls f(T{}, To{}) for the (input, output) dtype pairs the op takes: the input's, or bf16/fp16
@@ -238,14 +300,22 @@ void dispatch_types(c10::ScalarType in, c10::ScalarType out, F&& f) {
 void forward(const CpuForwardArgs& a) {
   if (a.rows == 0 || a.cols == 0) return;
   dispatch_types(a.dtype, a.out_dtype, [&](auto in, auto out) {
-    forward_typed<decltype(in), decltype(out)>(a);
+    if (a.centered) {
+      forward_typed<decltype(in), decltype(out), true>(a);
+    } else {
+      forward_typed<decltype(in), decltype(out), false>(a);
+    }
   });
 }
 
 void backward(const CpuBackwardArgs& a) {
   if (a.rows == 0 || a.cols == 0) return;
   dispatch_types(a.dtype, a.grad_out_dtype, [&](auto in, auto out) {
-    backward_typed<decltype(in), decltype(out)>(a);
+    if (a.mean) {
+      backward_typed<decltype(in), decltype(out), true>(a);
+    } else {
+      backward_typed<decltype(in), decltype(out), false>(a);
+    }
   });
 }
 

@@ -18,6 +18,7 @@ from fuseforge.ops.add_mul_act import ACTIVATIONS, add_mul_act, add_mul_act_  # 
 from fuseforge.ops.attention import (attention, attention_varlen, cu_seqlens_from_lengths,  # noqa: E402
                                      cu_seqlens_from_position_ids)
 from fuseforge.ops.glu import glu  # noqa: E402
+from fuseforge.ops.layer_norm import layer_norm  # noqa: E402
 from fuseforge.ops.linear_cross_entropy import linear_cross_entropy  # noqa: E402
 from fuseforge.ops.linear_jsd import linear_jsd, linear_kl_div  # noqa: E402
 from fuseforge.ops.logprobs import linear_logprobs  # noqa: E402
@@ -28,5 +29,6 @@ from fuseforge.optim import AdamW  # noqa: E402
 from fuseforge.patch import patch, unpatch  # noqa: E402
 
 __all__ = ["ACTIVATIONS", "AdamW", "add_mul_act", "add_mul_act_", "attention", "attention_varlen", "cuda_built",
-           "cu_seqlens_from_lengths", "cu_seqlens_from_position_ids", "glu", "linear_cross_entropy", "linear_jsd",
+           "cu_seqlens_from_lengths", "cu_seqlens_from_position_ids", "glu", "layer_norm", "linear_cross_entropy",
+           "linear_jsd",
            "linear_kl_div", "linear_logprobs", "nn", "optim", "patch", "rms_norm", "rotary", "unpatch"]

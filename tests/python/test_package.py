@@ -121,8 +121,8 @@ def test_development_knobs_are_read_only_in_a_developer_build(monkeypatch):
         assert torch.equal(_cpu_loss(7), expected)
 
 
-BACKWARD_OPS = ("add_mul_act_bwd", "attention_bwd", "attention_varlen_bwd", "glu_bwd", "linear_cross_entropy_bwd",
-                "linear_jsd_bwd", "rms_norm_bwd")
+BACKWARD_OPS = ("add_mul_act_bwd", "attention_bwd", "attention_varlen_bwd", "glu_bwd", "layer_norm_bwd",
+                "linear_cross_entropy_bwd", "linear_jsd_bwd", "rms_norm_bwd")
 
 
 def test_every_backward_op_has_an_autograd_kernel():
