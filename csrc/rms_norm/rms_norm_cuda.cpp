@@ -1,5 +1,5 @@
-// rms_norm CUDA implementation, host side: device guard, kernel parameters, the weight gradient's
-// partials, launches. No host sync. Compiled by the C++ compiler, not nvcc (CONTRIBUTING.md, Layout).
+// rms_norm and layer_norm CUDA implementation, host side: device guard, kernel parameters, the weight
+// (and bias) gradient's partials, launches. No host sync. Compiled by the C++ compiler, not nvcc (CONTRIBUTING.md, Layout).
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
@@ -26,18 +26,25 @@ void forward_cuda(const ForwardArgs& a, ForwardOutputs& o) {
   p.x = a.x.const_data_ptr<T>();
   p.residual = typed_or_null<T>(a.residual);
   p.weight = data_or_null(a.weight);
+  p.bias = data_or_null(a.bias);
   p.residual_out = a.residual.defined() ? o.residual_out.mutable_data_ptr<T>() : nullptr;
   p.out = o.out.mutable_data_ptr();
+  p.mean = o.mean.defined() ? o.mean.mutable_data_ptr<float>() : nullptr;
   p.rstd = o.rstd.defined() ? o.rstd.mutable_data_ptr<float>() : nullptr;
   p.rows = a.rows;
   p.cols = a.cols;
   p.eps = static_cast<float>(a.eps);
   p.weight_offset = static_cast<float>(a.weight_offset);
   p.weight_dtype = a.weight.defined() ? dtype_of(a.weight.scalar_type()) : Dtype::kFloat;
+  p.bias_dtype = a.bias.defined() ? dtype_of(a.bias.scalar_type()) : Dtype::kFloat;
   p.out_dtype = dtype_of(a.out_dtype);
-  const bool aligned = aligned16(a.x) && aligned16(a.residual) && aligned16(a.weight) && aligned16(o.out) &&
-                       (!a.residual.defined() || aligned16(o.residual_out));
-  launch_forward<T>(p, plan_forward<T>(a.rows, a.cols, aligned));
+  const bool aligned = aligned16(a.x) && aligned16(a.residual) && aligned16(a.weight) && aligned16(a.bias) &&
+                       aligned16(o.out) && (!a.residual.defined() || aligned16(o.residual_out));
+  if (a.centered) {
+    launch_forward<T, true>(p, plan_forward<T, true>(a.rows, a.cols, aligned));
+  } else {
+    launch_forward<T, false>(p, plan_forward<T, false>(a.rows, a.cols, aligned));
+  }
 }
 
 void forward_dispatch(const ForwardArgs& a, ForwardOutputs& o) {
@@ -52,6 +59,7 @@ void backward_cuda(const BackwardArgs& a, Gradients& g) {
   p.grad_residual_out = typed_or_null<T>(a.grad_residual_out);
   p.h = a.h.const_data_ptr<T>();
   p.weight = data_or_null(a.weight);
+  p.mean = a.centered ? a.mean.const_data_ptr<float>() : nullptr;
   p.rstd = a.rstd.const_data_ptr<float>();
   p.grad_input = g.grad_input.mutable_data_ptr<T>();
   p.rows = a.rows;
@@ -61,17 +69,31 @@ void backward_cuda(const BackwardArgs& a, Gradients& g) {
   p.out_dtype = dtype_of(a.grad_out.scalar_type());
   const bool aligned = aligned16(a.grad_out) && aligned16(a.grad_residual_out) && aligned16(a.h) &&
                        aligned16(a.weight) && aligned16(g.grad_input);
-  const LaunchPlan plan = plan_backward<T>(a.rows, a.cols, aligned);
-  at::Tensor partials;
-  if (a.need_grad_weight) {
-    // One fp32 row a block. The rows kernels write every column of theirs; the two-pass kernels add
-    // into theirs.
+  const LaunchPlan plan =
+      a.centered ? plan_backward<T, true>(a.rows, a.cols, aligned) : plan_backward<T, false>(a.rows, a.cols, aligned);
+  // One fp32 row a block. The rows kernels write every column of theirs; the two-pass kernels add into
+  // theirs.
+  auto partial_rows = [&] {
     const auto options = a.h.options().dtype(at::kFloat);
     const int64_t blocks = plan.grid.x;
-    partials = plan.row_shape >= 0 ? at::empty({blocks, a.cols}, options) : at::zeros({blocks, a.cols}, options);
-    p.weight_partials = partials.mutable_data_ptr<float>();
+    return plan.row_shape >= 0 ? at::empty({blocks, a.cols}, options) : at::zeros({blocks, a.cols}, options);
+  };
+  at::Tensor weight_partials, bias_partials;
+  if (a.need_grad_weight) {
+    weight_partials = partial_rows();
+    p.weight_partials = weight_partials.mutable_data_ptr<float>();
   }
-  launch_backward<T>(p, plan, a.need_grad_weight ? g.grad_weight.mutable_data_ptr() : nullptr);
+  if (a.need_grad_bias) {
+    bias_partials = partial_rows();
+    p.bias_partials = bias_partials.mutable_data_ptr<float>();
+  }
+  void* grad_weight = a.need_grad_weight ? g.grad_weight.mutable_data_ptr() : nullptr;
+  float* grad_bias = a.need_grad_bias ? g.grad_bias.mutable_data_ptr<float>() : nullptr;
+  if (a.centered) {
+    launch_backward<T, true>(p, plan, grad_weight, grad_bias);
+  } else {
+    launch_backward<T, false>(p, plan, grad_weight, grad_bias);
+  }
 }
 
 void backward_dispatch(const BackwardArgs& a, Gradients& g) {
@@ -86,6 +108,9 @@ TORCH_LIBRARY_IMPL(fuseforge, CUDA, m) {
   m.impl("rms_norm_fwd", &rms_norm_fwd_op<forward_dispatch, false>);
   m.impl("rms_norm", &rms_norm_op<forward_dispatch, false>);
   m.impl("rms_norm_bwd", &rms_norm_bwd_op<backward_dispatch, false>);
+  m.impl("layer_norm_fwd", &layer_norm_fwd_op<forward_dispatch, false>);
+  m.impl("layer_norm", &layer_norm_op<forward_dispatch, false>);
+  m.impl("layer_norm_bwd", &layer_norm_bwd_op<backward_dispatch, false>);
 }
 
 }  // namespace fuseforge::rms_norm

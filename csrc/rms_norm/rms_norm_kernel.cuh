@@ -14,7 +14,9 @@
 #include <atomic>
 #include <type_traits>
 
+#include "common/column_sum.cuh"
 #include "common/cuda_utils.h"
+#include "common/dispatch.h"
 #include "common/launch.cuh"
 #include "common/vec.cuh"
 #include "rms_norm/rms_norm_launch.h"
@@ -168,8 +170,10 @@ __device__ __forceinline__ float block_sum(float v, float* red /* [32] */) {
 }
 
 // ---- forward ----------------------------------------------------------------------------------
+// kCentered (LayerNorm): mean = the row's mean, rstd from the mean of (h - mean)^2 (a second reduction
+// over the row in registers: exact where the mean dwarfs the deviations), out = (h - mean) * rstd * w + b.
 
-template <typename T, int kShape>
+template <typename T, int kShape, bool kCentered>
 __global__ void __launch_bounds__(ForwardRow<T, kShape>::kThreads) forward_rows_kernel(const ForwardParams<T> p) {
   using R = ForwardRow<T, kShape>;
   constexpr int E = R::kElems;
@@ -225,12 +229,25 @@ __global__ void __launch_bounds__(ForwardRow<T, kShape>::kThreads) forward_rows_
         if (row_ok && vi < vectors) h[v].store(p.residual_out + base + vi * E);
       }
     }
+    float mean = 0.f;
+    if constexpr (kCentered) {
+      float sum = 0.f;
+#pragma unroll
+      for (int v = 0; v < R::kVecs; ++v)
+#pragma unroll
+        for (int j = 0; j < E; ++j) sum += h[v].get(j);
+      mean = row_sum<R>(sum, red, parity) / static_cast<float>(p.cols);
+      parity ^= 1;  // the next reduction takes the other buffer (and the loop's toggle brings this one back)
+      if (p.mean != nullptr && row_ok && lane == 0) p.mean[row] = mean;
+    }
     float sumsq = 0.f;
 #pragma unroll
     for (int v = 0; v < R::kVecs; ++v) {
+      const int64_t vi = static_cast<int64_t>(v) * R::kThreadsPerRow + lane;
+      if (kCentered && vi >= vectors) continue;  // a zeroed vector is no deviation of 0 from the mean
 #pragma unroll
       for (int j = 0; j < E; ++j) {
-        const float f = h[v].get(j);
+        const float f = h[v].get(j) - mean;
         sumsq = fmaf(f, f, sumsq);
       }
     }
@@ -246,14 +263,20 @@ __global__ void __launch_bounds__(ForwardRow<T, kShape>::kThreads) forward_rows_
         float s[E], o[E];
         load_scale<T, E>(p.weight, p.weight_dtype, p.weight_offset, vi * E, s);
 #pragma unroll
-        for (int j = 0; j < E; ++j) o[j] = h[v].get(j) * rstd * s[j];
+        for (int j = 0; j < E; ++j) o[j] = (h[v].get(j) - mean) * rstd * s[j];
+        if (kCentered && p.bias != nullptr) {
+          float b[E];
+          load_scale<T, E>(p.bias, p.bias_dtype, 0.f, vi * E, b);
+#pragma unroll
+          for (int j = 0; j < E; ++j) o[j] += b[j];
+        }
         store_floats<E>(static_cast<O*>(p.out) + base + vi * E, o);
       }
     });
   }
 }
 
-template <typename T, int N>
+template <typename T, int N, bool kCentered>
 __global__ void __launch_bounds__(1024) forward_two_pass_kernel(const ForwardParams<T> p) {
   __shared__ float red[32];
   const int64_t accesses = p.cols / N;
@@ -273,9 +296,23 @@ __global__ void __launch_bounds__(1024) forward_two_pass_kernel(const ForwardPar
         store_floats<N>(p.residual_out + base + i * N, h);
       }
 #pragma unroll
-      for (int j = 0; j < N; ++j) sumsq = fmaf(h[j], h[j], sumsq);
+      for (int j = 0; j < N; ++j) sumsq = kCentered ? sumsq + h[j] : fmaf(h[j], h[j], sumsq);  // centered: the sum
     }
     sumsq = block_sum(sumsq, red);
+    float mean = 0.f;
+    if constexpr (kCentered) {
+      // A second read of the row for the deviations' squares (an L2 hit mostly).
+      mean = sumsq / static_cast<float>(p.cols);
+      if (p.mean != nullptr && threadIdx.x == 0) p.mean[row] = mean;
+      sumsq = 0.f;
+      for (int64_t i = threadIdx.x; i < accesses; i += blockDim.x) {
+        float h[N];
+        load_floats<N>(h_src + base + i * N, h);
+#pragma unroll
+        for (int j = 0; j < N; ++j) sumsq = fmaf(h[j] - mean, h[j] - mean, sumsq);
+      }
+      sumsq = block_sum(sumsq, red);
+    }
     const float rstd = 1.f / sqrtf(sumsq / static_cast<float>(p.cols) + p.eps);
     if (p.rstd != nullptr && threadIdx.x == 0) p.rstd[row] = rstd;
     with_out_type<T>(p.out_dtype, [&](auto tag) {
@@ -285,7 +322,13 @@ __global__ void __launch_bounds__(1024) forward_two_pass_kernel(const ForwardPar
         load_floats<N>(h_src + base + i * N, h);
         load_scale<T, N>(p.weight, p.weight_dtype, p.weight_offset, i * N, s);
 #pragma unroll
-        for (int j = 0; j < N; ++j) o[j] = h[j] * rstd * s[j];
+        for (int j = 0; j < N; ++j) o[j] = (h[j] - mean) * rstd * s[j];
+        if (kCentered && p.bias != nullptr) {
+          float b[N];
+          load_scale<T, N>(p.bias, p.bias_dtype, 0.f, i * N, b);
+#pragma unroll
+          for (int j = 0; j < N; ++j) o[j] += b[j];
+        }
         store_floats<N>(static_cast<O*>(p.out) + base + i * N, o);
       }
     });
@@ -294,7 +337,9 @@ __global__ void __launch_bounds__(1024) forward_two_pass_kernel(const ForwardPar
 
 // ---- backward ---------------------------------------------------------------------------------
 // With xhat = h * rstd and s = weight_offset + weight: grad_input = rstd * (g s - xhat * mean(g s
-// xhat)) (+ grad_residual_out); the weight gradient sums g * xhat over the rows.
+// xhat)) (+ grad_residual_out); the weight gradient sums g * xhat over the rows. kCentered
+// (LayerNorm): xhat = (h - mean) * rstd, grad_input = rstd * (g s - mean(g s) - xhat * mean(g s xhat)),
+// and the bias gradient sums g over the rows.
 
 // The backward's resident threads an SM that ptxas must leave room for (a compile-time knob, so
 // scripts/tune_variants.sh can build variants side by side): 64 registers, four 256-thread blocks
@@ -303,13 +348,16 @@ __global__ void __launch_bounds__(1024) forward_two_pass_kernel(const ForwardPar
 #ifndef FUSEFORGE_RMS_NORM_BWD_THREADS_PER_SM
 #define FUSEFORGE_RMS_NORM_BWD_THREADS_PER_SM 1024
 #endif
-template <typename R>
+// LayerNorm's backward keeps the bias gradient's sums too: half the resident threads (128 registers).
+template <typename R, bool kCentered>
 constexpr int min_blocks_per_sm() {
-  return R::kThreads >= FUSEFORGE_RMS_NORM_BWD_THREADS_PER_SM ? 1 : FUSEFORGE_RMS_NORM_BWD_THREADS_PER_SM / R::kThreads;
+  constexpr int kThreadsPerSm = FUSEFORGE_RMS_NORM_BWD_THREADS_PER_SM / (kCentered ? 2 : 1);
+  return R::kThreads >= kThreadsPerSm ? 1 : kThreadsPerSm / R::kThreads;
 }
 
-template <typename T, int kShape>
-__global__ void __launch_bounds__(BackwardRow<T, kShape>::kThreads, min_blocks_per_sm<BackwardRow<T, kShape>>())
+template <typename T, int kShape, bool kCentered>
+__global__ void __launch_bounds__(BackwardRow<T, kShape>::kThreads,
+                                  min_blocks_per_sm<BackwardRow<T, kShape>, kCentered>())
     backward_rows_kernel(const BackwardParams<T> p) {
   using R = BackwardRow<T, kShape>;
   constexpr int E = R::kElems;
@@ -320,14 +368,19 @@ __global__ void __launch_bounds__(BackwardRow<T, kShape>::kThreads, min_blocks_p
   const int slot = threadIdx.x / R::kThreadsPerRow;
   const int64_t vectors = p.cols / E;
   const bool want_weight = p.weight_partials != nullptr;  // uniform over the grid
-  // The weight gradient's sums for this thread's columns over all the rows its block takes, in
-  // registers (ptxas fits them in min_blocks_per_sm's 64 registers without spills since the rows are
-  // packed words; in shared memory they cost 16384 x 8192 bf16 forward + backward 4%).
+  const bool want_bias = kCentered && p.bias_partials != nullptr;
+  // The weight (and bias) gradient's sums for this thread's columns over all the rows its block takes,
+  // in registers (ptxas fits the weight's in min_blocks_per_sm's 64 registers without spills since the
+  // rows are packed words; in shared memory they cost 16384 x 8192 bf16 forward + backward 4%).
   float dw[R::kVecs][E];
+  float db[kCentered ? R::kVecs : 1][E];
 #pragma unroll
   for (int v = 0; v < R::kVecs; ++v)
 #pragma unroll
-    for (int j = 0; j < E; ++j) dw[v][j] = 0.f;
+    for (int j = 0; j < E; ++j) {
+      dw[v][j] = 0.f;
+      if constexpr (kCentered) db[v][j] = 0.f;
+    }
   int parity = 0;
   for (int64_t first = static_cast<int64_t>(blockIdx.x) * R::kRowsPerIter; first < p.rows;
        first += static_cast<int64_t>(gridDim.x) * R::kRowsPerIter, parity ^= 1) {
@@ -370,7 +423,8 @@ __global__ void __launch_bounds__(BackwardRow<T, kShape>::kThreads, min_blocks_p
       }
     }
     const float rstd = row_ok ? p.rstd[row] : 0.f;
-    float dot = 0.f;
+    const float mu = kCentered && row_ok ? p.mean[row] : 0.f;
+    float dot = 0.f, gsum = 0.f;
 #pragma unroll
     for (int v = 0; v < R::kVecs; ++v) {
       const int64_t vi = static_cast<int64_t>(v) * R::kThreadsPerRow + lane;
@@ -378,13 +432,22 @@ __global__ void __launch_bounds__(BackwardRow<T, kShape>::kThreads, min_blocks_p
       load_scale<T, E>(vi < vectors ? p.weight : nullptr, p.weight_dtype, p.weight_offset, vi * E, s);
 #pragma unroll
       for (int j = 0; j < E; ++j) {
-        const float xhat = h[v].get(j) * rstd;
+        const float xhat = (h[v].get(j) - mu) * rstd;
         const float gf = g[v].get(j);
         if (want_weight) {  // zero for masked elements (g = 0)
           dw[v][j] = fmaf(gf, xhat, dw[v][j]);
         }
+        if constexpr (kCentered) {
+          if (want_bias) db[v][j] += gf;
+          gsum = fmaf(gf, s[j], gsum);
+        }
         dot = fmaf(gf * s[j], xhat, dot);
       }
+    }
+    float gmean = 0.f;
+    if constexpr (kCentered) {
+      gmean = row_sum<R>(gsum, red, parity) / static_cast<float>(p.cols);
+      parity ^= 1;  // as the forward: the next reduction takes the other buffer
     }
     const float mean = row_sum<R>(dot, red, parity) / static_cast<float>(p.cols);
 #pragma unroll
@@ -395,76 +458,89 @@ __global__ void __launch_bounds__(BackwardRow<T, kShape>::kThreads, min_blocks_p
       load_scale<T, E>(p.weight, p.weight_dtype, p.weight_offset, vi * E, s);  // again: an L1 hit, not registers
 #pragma unroll
       for (int j = 0; j < E; ++j) {
-        const float xhat = h[v].get(j) * rstd;
-        gi[j] = rstd * (g[v].get(j) * s[j] - xhat * mean);
+        const float xhat = (h[v].get(j) - mu) * rstd;
+        gi[j] = rstd * (g[v].get(j) * s[j] - gmean - xhat * mean);
         if (p.grad_residual_out != nullptr) gi[j] += grad_res[v].get(j);
       }
       store_floats<E>(p.grad_input + base + vi * E, gi);
     }
   }
-  if (!want_weight) return;
 
-  // This block's weight-gradient partial: first across the row slots of a warp (butterfly: the
-  // same sum in every lane of a column), then across groups in order through shared memory.
-  if constexpr (R::kThreadsPerRow < 32) {
-#pragma unroll
-    for (int v = 0; v < R::kVecs; ++v)
-#pragma unroll
-      for (int j = 0; j < E; ++j)
-#pragma unroll
-        for (int o = R::kThreadsPerRow; o < 32; o <<= 1) dw[v][j] += __shfl_xor_sync(0xffffffffu, dw[v][j], o);
-  }
+  // This block's weight-gradient (bias-gradient) partial: first across the row slots of a warp
+  // (butterfly: the same sum in every lane of a column), then across groups in order through shared
+  // memory.
   const int group = threadIdx.x / R::kGroupThreads;
   const bool holder = threadIdx.x % R::kGroupThreads < R::kThreadsPerRow;
-  float* partial = p.weight_partials + static_cast<int64_t>(blockIdx.x) * p.cols;
+  auto store_partial = [&](float (&acc)[R::kVecs][E], float* partials) {
+    if constexpr (R::kThreadsPerRow < 32) {
 #pragma unroll
-  for (int v = 0; v < R::kVecs; ++v) {
-    const int64_t vi = static_cast<int64_t>(v) * R::kThreadsPerRow + lane;
-    if constexpr (R::kGroups == 1) {
-      if (vi < vectors) store_floats<E>(partial + vi * E, dw[v]);
-    } else {
-      // [group][element][lane]: a warp's stores hit consecutive banks.
-      if (holder) {
+      for (int v = 0; v < R::kVecs; ++v)
 #pragma unroll
-        for (int j = 0; j < E; ++j) exchange[(group * E + j) * R::kThreadsPerRow + lane] = dw[v][j];
-      }
-      __syncthreads();
-      if (group == 0 && holder && vi < vectors) {
-        float sum[E];
+        for (int j = 0; j < E; ++j)
 #pragma unroll
-        for (int j = 0; j < E; ++j) sum[j] = 0.f;
-        for (int k = 0; k < R::kGroups; ++k)
-#pragma unroll
-          for (int j = 0; j < E; ++j) sum[j] += exchange[(k * E + j) * R::kThreadsPerRow + lane];
-        store_floats<E>(partial + vi * E, sum);
-      }
-      __syncthreads();
+          for (int o = R::kThreadsPerRow; o < 32; o <<= 1) acc[v][j] += __shfl_xor_sync(0xffffffffu, acc[v][j], o);
     }
+    float* partial = partials + static_cast<int64_t>(blockIdx.x) * p.cols;
+#pragma unroll
+    for (int v = 0; v < R::kVecs; ++v) {
+      const int64_t vi = static_cast<int64_t>(v) * R::kThreadsPerRow + lane;
+      if constexpr (R::kGroups == 1) {
+        if (vi < vectors) store_floats<E>(partial + vi * E, acc[v]);
+      } else {
+        // [group][element][lane]: a warp's stores hit consecutive banks.
+        if (holder) {
+#pragma unroll
+          for (int j = 0; j < E; ++j) exchange[(group * E + j) * R::kThreadsPerRow + lane] = acc[v][j];
+        }
+        __syncthreads();
+        if (group == 0 && holder && vi < vectors) {
+          float sum[E];
+#pragma unroll
+          for (int j = 0; j < E; ++j) sum[j] = 0.f;
+          for (int k = 0; k < R::kGroups; ++k)
+#pragma unroll
+            for (int j = 0; j < E; ++j) sum[j] += exchange[(k * E + j) * R::kThreadsPerRow + lane];
+          store_floats<E>(partial + vi * E, sum);
+        }
+        __syncthreads();
+      }
+    }
+  };
+  if (want_weight) store_partial(dw, p.weight_partials);
+  if constexpr (kCentered) {
+    if (want_bias) store_partial(db, p.bias_partials);
   }
 }
 
 // weight_partials (when set) is zeroed by the host: each block adds its rows into its own row, each
 // thread into the columns only it touches.
-template <typename T, int N>
+template <typename T, int N, bool kCentered>
 __global__ void __launch_bounds__(1024) backward_two_pass_kernel(const BackwardParams<T> p) {
   __shared__ float red[32];
   const int64_t accesses = p.cols / N;
   float* partial = p.weight_partials ? p.weight_partials + static_cast<int64_t>(blockIdx.x) * p.cols : nullptr;
+  float* bias_partial =
+      kCentered && p.bias_partials ? p.bias_partials + static_cast<int64_t>(blockIdx.x) * p.cols : nullptr;
   for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
     const int64_t base = row * p.cols;
     const float rstd = p.rstd[row];
+    const float mu = kCentered ? p.mean[row] : 0.f;
     with_out_type<T>(p.out_dtype, [&](auto tag) {
       using O = typename decltype(tag)::type;
       const O* grad_out = static_cast<const O*>(p.grad_out) + base;
-      float dot = 0.f;  // sum of g s h; times rstd below
+      float dot = 0.f, gsum = 0.f;  // sums of g s (h - mean) (times rstd below) and of g s
       for (int64_t i = threadIdx.x; i < accesses; i += blockDim.x) {
         float g[N], h[N], s[N];
         load_floats<N>(grad_out + i * N, g);
         load_floats<N>(p.h + base + i * N, h);
         load_scale<T, N>(p.weight, p.weight_dtype, p.weight_offset, i * N, s);
 #pragma unroll
-        for (int j = 0; j < N; ++j) dot = fmaf(g[j] * s[j], h[j], dot);
+        for (int j = 0; j < N; ++j) {
+          dot = fmaf(g[j] * s[j], h[j] - mu, dot);
+          if constexpr (kCentered) gsum = fmaf(g[j], s[j], gsum);
+        }
       }
+      const float gmean = kCentered ? block_sum(gsum, red) / static_cast<float>(p.cols) : 0.f;
       const float mean = block_sum(dot, red) * rstd / static_cast<float>(p.cols);
       for (int64_t i = threadIdx.x; i < accesses; i += blockDim.x) {
         float g[N], h[N], s[N], gi[N];
@@ -481,12 +557,19 @@ __global__ void __launch_bounds__(1024) backward_two_pass_kernel(const BackwardP
         if (partial) load_floats<N>(partial + i * N, dw);
 #pragma unroll
         for (int j = 0; j < N; ++j) {
-          const float xhat = h[j] * rstd;
-          gi[j] += rstd * (g[j] * s[j] - xhat * mean);
+          const float xhat = (h[j] - mu) * rstd;
+          gi[j] += rstd * (g[j] * s[j] - gmean - xhat * mean);
           dw[j] = fmaf(g[j], xhat, dw[j]);
         }
         store_floats<N>(p.grad_input + base + i * N, gi);
         if (partial) store_floats<N>(partial + i * N, dw);
+        if (bias_partial) {
+          float db[N];
+          load_floats<N>(bias_partial + i * N, db);
+#pragma unroll
+          for (int j = 0; j < N; ++j) db[j] += g[j];
+          store_floats<N>(bias_partial + i * N, db);
+        }
       }
     });
   }
@@ -558,5 +641,83 @@ LaunchPlan make_plan(int64_t rows, int64_t cols, bool aligned, bool one_wave, Ro
   }
   return plan;
 }
+
+// ---- launchers (instantiated in rms_norm_{fwd,bwd}.cu and layer_norm_{fwd,bwd}.cu) ------------
+
+template <typename T, bool kCentered>
+LaunchPlan plan_forward(int64_t rows, int64_t cols, bool aligned) {
+  return make_plan<T, ForwardRow>(
+      rows, cols, aligned, /*one_wave=*/false,
+      [](auto shape) { return forward_rows_kernel<T, decltype(shape)::value, kCentered>; },
+      [](bool vectorized) {
+        return vectorized ? forward_two_pass_kernel<T, kVecElems<T>, kCentered>
+                          : forward_two_pass_kernel<T, 1, kCentered>;
+      });
+}
+
+template <typename T, bool kCentered>
+void launch_forward(const ForwardParams<T>& params, const LaunchPlan& plan) {
+  if (plan.row_shape >= 0) {
+    with_row_shape(plan.row_shape, [&](auto shape) {
+      launch_kernel(forward_rows_kernel<T, decltype(shape)::value, kCentered>, plan.grid, plan.block, 0, params);
+    });
+  } else {
+    FUSEFORGE_BOOL_SWITCH(plan.vectorized, kVec, [&] {
+      launch_kernel(forward_two_pass_kernel<T, kVec ? kVecElems<T> : 1, kCentered>, plan.grid, plan.block, 0, params);
+    });
+  }
+}
+
+template <typename T, bool kCentered>
+LaunchPlan plan_backward(int64_t rows, int64_t cols, bool aligned) {
+  return make_plan<T, BackwardRow>(
+      rows, cols, aligned, /*one_wave=*/true,
+      [](auto shape) { return backward_rows_kernel<T, decltype(shape)::value, kCentered>; },
+      [](bool vectorized) {
+        return vectorized ? backward_two_pass_kernel<T, kVecElems<T>, kCentered>
+                          : backward_two_pass_kernel<T, 1, kCentered>;
+      });
+}
+
+template <typename T, bool kCentered>
+void launch_backward(const BackwardParams<T>& params, const LaunchPlan& plan, void* grad_weight, float* grad_bias) {
+  if (plan.row_shape >= 0) {
+    with_row_shape(plan.row_shape, [&](auto shape) {
+      launch_kernel(backward_rows_kernel<T, decltype(shape)::value, kCentered>, plan.grid, plan.block, 0, params);
+    });
+  } else {
+    FUSEFORGE_BOOL_SWITCH(plan.vectorized, kVec, [&] {
+      launch_kernel(backward_two_pass_kernel<T, kVec ? kVecElems<T> : 1, kCentered>, plan.grid, plan.block, 0,
+                    params);
+    });
+  }
+  if (params.weight_partials != nullptr) {  // the weight is T or float32
+    if (params.weight_dtype == Dtype::kFloat) {
+      launch_column_sum(params.weight_partials, plan.grid.x, params.cols, static_cast<float*>(grad_weight));
+    } else {
+      launch_column_sum(params.weight_partials, plan.grid.x, params.cols, static_cast<T*>(grad_weight));
+    }
+  }
+  if (kCentered && params.bias_partials != nullptr)
+    launch_column_sum(params.bias_partials, plan.grid.x, params.cols, grad_bias);
+}
+
+// One direction's planner and launcher for the three dtypes (a file a direction and form, built in parallel).
+#define FUSEFORGE_NORM_INSTANTIATE_FORWARD(CENTERED)                                                   \
+  template LaunchPlan plan_forward<float, CENTERED>(int64_t, int64_t, bool);                          \
+  template LaunchPlan plan_forward<at::Half, CENTERED>(int64_t, int64_t, bool);                       \
+  template LaunchPlan plan_forward<at::BFloat16, CENTERED>(int64_t, int64_t, bool);                   \
+  template void launch_forward<float, CENTERED>(const ForwardParams<float>&, const LaunchPlan&);      \
+  template void launch_forward<at::Half, CENTERED>(const ForwardParams<at::Half>&, const LaunchPlan&); \
+  template void launch_forward<at::BFloat16, CENTERED>(const ForwardParams<at::BFloat16>&, const LaunchPlan&);
+#define FUSEFORGE_NORM_INSTANTIATE_BACKWARD(CENTERED)                                                            \
+  template LaunchPlan plan_backward<float, CENTERED>(int64_t, int64_t, bool);                                   \
+  template LaunchPlan plan_backward<at::Half, CENTERED>(int64_t, int64_t, bool);                                \
+  template LaunchPlan plan_backward<at::BFloat16, CENTERED>(int64_t, int64_t, bool);                            \
+  template void launch_backward<float, CENTERED>(const BackwardParams<float>&, const LaunchPlan&, void*, float*); \
+  template void launch_backward<at::Half, CENTERED>(const BackwardParams<at::Half>&, const LaunchPlan&, void*,    \
+                                                    float*);                                                    \
+  template void launch_backward<at::BFloat16, CENTERED>(const BackwardParams<at::BFloat16>&, const LaunchPlan&,   \
+                                                        void*, float*);
 
 }  // namespace fuseforge::rms_norm

@@ -28,12 +28,14 @@ struct ForwardParams {
   const T* x;
   const T* residual;   // nullable
   const void* weight;  // nullable: no scale
+  const void* bias;    // LayerNorm's; nullable: no shift
   T* residual_out;     // h = x + residual; set exactly when residual is
   void* out;
+  float* mean;         // LayerNorm's row means; nullable: not stored
   float* rstd;         // nullable: not stored (no gradient wanted)
   int64_t rows, cols;
   float eps, weight_offset;
-  Dtype weight_dtype, out_dtype;
+  Dtype weight_dtype, bias_dtype, out_dtype;
 };
 
 template <typename T>
@@ -42,9 +44,11 @@ struct BackwardParams {
   const T* grad_residual_out;    // nullable
   const T* h;
   const void* weight;            // nullable
+  const float* mean;             // LayerNorm's (the centered kernels read it)
   const float* rstd;
   T* grad_input;
   float* weight_partials;        // nullable: (grid, cols) fp32 partial sums of grad_out * xhat
+  float* bias_partials;          // LayerNorm's, nullable: (grid, cols) fp32 partial sums of grad_out
   int64_t rows, cols;
   float weight_offset;
   Dtype weight_dtype, out_dtype;
@@ -91,18 +95,19 @@ struct LaunchPlan {
   dim3 grid, block;         // grid.x blocks walk the rows in a grid-stride loop: the weight gradient's partials
 };
 
-// Defined in rms_norm_fwd.cu / rms_norm_bwd.cu for float, at::Half, at::BFloat16. The backward's
-// planner asks the occupancy calculator (cached per device) for one wave of resident blocks, the
-// forward's plans a block for each row group; the launchers run on the current stream and never
-// synchronize. launch_backward also sums params.weight_partials (plan.grid.x rows) into grad_weight
-// when they are set.
-template <typename T>
+// Defined for float, at::Half, at::BFloat16 in rms_norm_fwd.cu / rms_norm_bwd.cu (kCentered false:
+// RMSNorm) and layer_norm_fwd.cu / layer_norm_bwd.cu (true: LayerNorm). The backward's planner asks
+// the occupancy calculator (cached per device) for one wave of resident blocks, the forward's plans a
+// block for each row group; the launchers run on the current stream and never synchronize.
+// launch_backward also sums params.weight_partials / bias_partials (plan.grid.x rows) into
+// grad_weight / grad_bias (float32) when they are set.
+template <typename T, bool kCentered>
 LaunchPlan plan_forward(int64_t rows, int64_t cols, bool aligned);
-template <typename T>
+template <typename T, bool kCentered>
 void launch_forward(const ForwardParams<T>& params, const LaunchPlan& plan);
-template <typename T>
+template <typename T, bool kCentered>
 LaunchPlan plan_backward(int64_t rows, int64_t cols, bool aligned);
-template <typename T>
-void launch_backward(const BackwardParams<T>& params, const LaunchPlan& plan, void* grad_weight);
+template <typename T, bool kCentered>
+void launch_backward(const BackwardParams<T>& params, const LaunchPlan& plan, void* grad_weight, float* grad_bias);
 
 }  // namespace fuseforge::rms_norm

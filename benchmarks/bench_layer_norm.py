@@ -1,0 +1,124 @@
+"""layer_norm vs eager PyTorch (torch.nn.functional.layer_norm, ATen's fused kernel), torch.compile
+and Liger-Kernel's LayerNorm.
+
+Cases `ROWSxHIDDEN/DTYPE/KIND`: DTYPE bf16 (x, weight, bias and out bf16) or fp32_bf16out (fp32 x and
+parameters, bf16 out: the autocast recipe); KIND norm (out = norm(x)) or add_norm (h = x + residual,
+out = norm(h), both returned: a pre-norm block's add and the next norm; eager, compile and Liger add
+then norm). Liger's LayerNorm returns x's dtype, cast to bf16 after it as its caller would.
+
+Bytes counted (the minimum a pass must move; the parameters are not counted): fwd reads x (and the
+residual) and writes out (and h); fwdbwd adds the backward's reads of grad_out and h (and of h's own
+gradient, add_norm) and its write of grad_input.
+
+Three rounds (harness.time_interleaved), the median kept, as bench_rms_norm.py.
+"""
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
+
+import harness  # noqa: E402
+from harness import Bench  # noqa: E402
+
+import fuseforge  # noqa: E402,F401  (loads the extension)
+from fuseforge.ops.layer_norm import layer_norm  # noqa: E402
+
+try:
+    from liger_kernel.ops.layer_norm import LigerLayerNormFunction
+except ImportError:
+    LigerLayerNormFunction = None
+
+EPS = 1e-5
+DTYPES = {"bf16": (torch.bfloat16, torch.bfloat16), "fp32_bf16out": (torch.float32, torch.bfloat16)}
+
+CASES = ([f"16384x{h}/{d}/norm" for h in (1024, 2048, 4096, 8192) for d in ("bf16", "fp32_bf16out")]
+         + [f"16384x{h}/bf16/add_norm" for h in (2048, 4096)])
+CPU_CASES = ["1024x512/bf16/add_norm", "1024x768/fp32_bf16out/norm"]
+
+
+def eager_fn(out_dtype):
+    def fn(x, w, b, res):
+        h = res + x if res is not None else x
+        out = torch.nn.functional.layer_norm(h, h.shape[-1:], w, b, EPS).to(out_dtype)
+        return (out, h) if res is not None else out
+    return fn
+
+
+def fuseforge_fn(out_dtype):
+    def fn(x, w, b, res):
+        return layer_norm(x, w, b, EPS, res, out_dtype)
+    return fn
+
+
+def liger_fn(out_dtype):
+    def fn(x, w, b, res):
+        h = res + x if res is not None else x
+        out = LigerLayerNormFunction.apply(h, w, b, EPS).to(out_dtype)
+        return (out, h) if res is not None else out
+    return fn
+
+
+def setup(case):
+    torch._dynamo.reset()
+    shape, dtype_name, kind = case.split("/")
+    rows, hidden = (int(v) for v in shape.split("x"))
+    dtype, out_dtype = DTYPES[dtype_name]
+    with_residual = kind == "add_norm"
+    dev = harness.bench_device()
+    x = torch.randn(rows, hidden, device=dev, dtype=dtype) + 1.0
+    w = (1 + 0.1 * torch.randn(hidden, device=dev)).to(dtype)
+    b = (0.1 * torch.randn(hidden, device=dev)).to(dtype)
+    res = torch.randn(rows, hidden, device=dev, dtype=dtype) if with_residual else None
+    grad_out = torch.randn(rows, hidden, device=dev, dtype=out_dtype)
+    grad_h = torch.randn(rows, hidden, device=dev, dtype=dtype) if with_residual else None
+    impls = {"fuseforge": fuseforge_fn(out_dtype), "eager": eager_fn(out_dtype),
+             "compile": torch.compile(eager_fn(out_dtype), dynamic=False)}
+    if LigerLayerNormFunction is not None and dev == "cuda":
+        impls["liger"] = liger_fn(out_dtype)
+
+    elems = rows * hidden
+    in_b, out_b = elems * x.element_size(), elems * torch.empty((), dtype=out_dtype).element_size()
+    fwd_bytes = in_b * (3 if with_residual else 1) + out_b
+    fwdbwd_bytes = fwd_bytes + out_b + in_b * (3 if with_residual else 2)
+
+    leaves = [t.clone().requires_grad_() for t in (x, w, b)] + ([res.clone().requires_grad_()] if with_residual
+                                                               else [])
+    xg, wg, bg = leaves[:3]
+    rg = leaves[3] if with_residual else None
+    grads_in = (grad_out, grad_h) if with_residual else (grad_out,)
+
+    def outputs(got):
+        return got if isinstance(got, tuple) else (got,)
+
+    # Accuracy of fuseforge against float64 (forward and every gradient).
+    leaves64 = [t.detach().double().requires_grad_() for t in leaves]
+    h64 = leaves64[0] + leaves64[3] if with_residual else leaves64[0]
+    ref = torch.nn.functional.layer_norm(h64, h64.shape[-1:], leaves64[1], leaves64[2], EPS)
+    got = outputs(fuseforge_fn(out_dtype)(xg, wg, bg, rg))
+    fwd_err = harness.rel_err(got[0], ref)
+    grads = torch.autograd.grad(got, leaves, grads_in)
+    ref_grads = torch.autograd.grad((ref, h64) if with_residual else (ref,), leaves64,
+                                    tuple(g.double() for g in grads_in))
+    bwd_err = max([fwd_err] + [harness.rel_err(g, r) for g, r in zip(grads, ref_grads)])
+    del leaves64, h64, ref, got, grads, ref_grads
+
+    benches = []
+    for pass_ in ("fwd", "fwdbwd"):
+        for name, fn in impls.items():
+            if pass_ == "fwd":
+                run = (lambda fn=fn: fn(x, w, b, res))
+                nbytes = fwd_bytes
+            else:
+                def run(fn=fn):
+                    return torch.autograd.grad(outputs(fn(xg, wg, bg, rg)), leaves, grads_in)
+                nbytes = fwdbwd_bytes
+            err = (fwd_err if pass_ == "fwd" else bwd_err) if name == "fuseforge" else None
+            benches.append(Bench(case, pass_, name, run, bytes=nbytes, rel_err=err))
+    return benches
+
+
+if __name__ == "__main__":
+    harness.run("layer_norm", CASES, setup, description=__doc__, cpu_cases=CPU_CASES, rounds=3)
