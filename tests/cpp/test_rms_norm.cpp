@@ -74,3 +74,32 @@ TEST(RmsNorm, WrongWeightShapeNamesTheArgument) {
   fuseforge::testing::expect_error_naming(
       [&] { fwd_op().call(x, at::randn({5}), std::nullopt, 1e-6, 0.0, std::nullopt); }, "weight must have shape (8,)");
 }
+
+TEST(LayerNorm, ForwardAndBackwardMatchAten) {
+  using LnFwdOp = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+      const at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+      const std::optional<at::Tensor>&, double, std::optional<at::ScalarType>);
+  using LnBwdOp = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+      const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, const std::optional<at::Tensor>&,
+      const at::Tensor&, const at::Tensor&, bool, bool);
+  auto& dispatcher = c10::Dispatcher::singleton();
+  auto fwd = dispatcher.findSchemaOrThrow("fuseforge::layer_norm_fwd", "").typed<LnFwdOp>();
+  auto bwd = dispatcher.findSchemaOrThrow("fuseforge::layer_norm_bwd", "").typed<LnBwdOp>();
+  at::manual_seed(11);
+  const auto x = (at::randn({7, 37}, at::kDouble) + 3.0).requires_grad_();
+  const auto w = at::randn({37}, at::kDouble).requires_grad_();
+  const auto b = at::randn({37}, at::kDouble).requires_grad_();
+  const auto g = at::randn({7, 37}, at::kDouble);
+  const auto ref = at::layer_norm(x, {37}, w, b, 1e-5);
+  ref.backward(g);
+  auto [out, h, mean, rstd] = fwd.call(x.detach(), w.detach(), b.detach(), std::nullopt, 1e-5, std::nullopt);
+  EXPECT_LT((out - ref.detach()).abs().max().item<double>(), 1e-12);
+  EXPECT_LT((mean - x.detach().mean(-1)).abs().max().item<double>(), 1e-12);
+  auto [gx, gw, gb] = bwd.call(g, std::nullopt, x.detach(), w.detach(), mean, rstd, true, true);
+  EXPECT_LT((gx - x.grad()).abs().max().item<double>(), 1e-12);
+  EXPECT_LT((gw - w.grad()).abs().max().item<double>(), 1e-12);
+  EXPECT_LT((gb - b.grad()).abs().max().item<double>(), 1e-12);
+  fuseforge::testing::expect_error_naming(
+      [&] { fwd.call(x.detach(), w.detach(), at::randn({5}, at::kDouble), std::nullopt, 1e-5, std::nullopt); },
+      "bias must have shape (37,)");
+}
