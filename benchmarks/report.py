@@ -107,6 +107,14 @@ SECTIONS = [
      "weight left out: fwd reads x (and the residual) and writes out (and h); fwdbwd adds the "
      "backward's reads of grad_out and h (and of h's own gradient, add_norm) and its write of "
      "grad_input (one tensor: x's and the residual's gradients are equal)."),
+    ("layer_norm", "layer_norm: LayerNorm and the residual add before it",
+     "`benchmarks/bench_layer_norm.py`: fuseforge's `layer_norm` (rms_norm's kernels, centered, with a "
+     "bias) against eager PyTorch (`torch.nn.functional.layer_norm`, ATen's fused kernel), "
+     "`torch.compile` of it and Liger-Kernel's LayerNorm. Cases `ROWSxHIDDEN/DTYPE/KIND` as rms_norm's: "
+     "16384 rows at hidden 1024 to 8192, `bf16` or `fp32_bf16out` (Liger's output cast to bf16 after "
+     "it), `norm` or `add_norm` (eager, compile and Liger add then norm). GB/s counts what rms_norm's "
+     "does. The 1024- and 2048-wide forward+backward rows run ~0.1-0.3 ms a call, where every impl's "
+     "host time shows (fuseforge's autograd runs in Python): those rows move with the machine's CPU."),
     ("rotary", "rotary: rope of q and k from position_ids",
      "`benchmarks/bench_rotary.py`: fuseforge's `rotary` (cos/sin computed in the kernel) against "
      "Hugging Face's eager code (LlamaRotaryEmbedding.forward, then apply_rotary_pos_emb), "
@@ -228,6 +236,8 @@ HEADLINE = [
     ("add_mul_act", "fuseforge", "eager", "16384x8192", "add_mul_act, 16384 x 8192"),
     ("rms_norm", "fuseforge", "liger", "", "rms_norm"),
     ("rms_norm", "fuseforge", "compile", "", "rms_norm"),
+    ("layer_norm", "fuseforge", "liger", "", "layer_norm"),
+    ("layer_norm", "fuseforge", "compile", "", "layer_norm"),
     ("rotary", "fuseforge", "liger", "", "rotary"),
     ("rotary", "fuseforge", "compile", "", "rotary"),
     ("glu", "fuseforge", "liger", "", "glu"),
@@ -348,8 +358,8 @@ def headline_table(results: dict, link_prefix: str) -> str:
 def plots(results: dict, link_prefix: str) -> str:
     """One plot per op, the newest GPU run's."""
     out = []
-    for bench in ("attention", "attention_varlen", "linear_cross_entropy", "add_mul_act", "rms_norm", "rotary", "glu",
-                  "adamw", "adamw_convergence", "posttraining", "e2e"):
+    for bench in ("attention", "attention_varlen", "linear_cross_entropy", "add_mul_act", "rms_norm", "layer_norm",
+                  "rotary", "glu", "adamw", "adamw_convergence", "posttraining", "e2e"):
         runs = {t: v for t, v in results.get(bench, {}).items() if t != "cpu"}
         if not runs:
             continue
