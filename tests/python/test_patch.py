@@ -103,6 +103,14 @@ def tiny_config(family: str, head_dim: int = 16, **extra):
                                           logits_scaling=2.5, **common)
     if family == "glm":  # interleaved rotary on half of each head, one gate_up projection
         return transformers.GlmConfig(partial_rotary_factor=0.5, pad_token_id=0, eos_token_id=1, **common)
+    if family == "olmo":  # parameter-free LayerNorms, Llama's layer
+        return transformers.OlmoConfig(pad_token_id=0, eos_token_id=1, bos_token_id=2, **common)
+    if family in ("stablelm", "stablelm-parallel"):  # LayerNorms with biases, a quarter of each head rotated,
+        # per-head q / k LayerNorms; -parallel: attention and MLP from one norm, x + attn + mlp
+        common.pop("head_dim")  # hidden_size / num_attention_heads
+        return transformers.StableLmConfig(partial_rotary_factor=0.25, qk_layernorm=True, use_qkv_bias=True,
+                                           use_parallel_residual=family == "stablelm-parallel",
+                                           eos_token_id=1, bos_token_id=2, **common)
     if family == "gemma":  # (1 + w) * x norms, GeGLU, no softcaps
         return transformers.GemmaConfig(hidden_activation="gelu_pytorch_tanh", pad_token_id=0, **common)
     # The experts as loops of matrix products (torch's grouped GEMM has no float64).
@@ -151,7 +159,8 @@ MODEL_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "
                  "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
                  "ernie4_5_moe": "Ernie4_5_MoeForCausalLM", "hunyuan_moe": "HunYuanMoEV1ForCausalLM",
-                 "granite_moe": "GraniteMoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
+                 "granite_moe": "GraniteMoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM", "olmo": "OlmoForCausalLM",
+                 "stablelm": "StableLmForCausalLM", "stablelm-parallel": "StableLmForCausalLM"}
 
 
 def exact_norm_forward(self, x):
@@ -161,6 +170,11 @@ def exact_norm_forward(self, x):
     eps = getattr(self, "variance_epsilon", None)
     eps = self.eps if eps is None else eps
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (NORMS[type(self).__name__] + self.weight)
+
+
+def exact_olmo_norm_forward(self, x):
+    """OLMo's parameter-free LayerNorm in the input's dtype (its own computes in float32)."""
+    return torch.nn.functional.layer_norm(x, self.normalized_shape, None, None, eps=1e-5)
 
 
 def exact_rotary_forward(self, x, position_ids, layer_type=None):
@@ -216,6 +230,8 @@ def make_model(family: str, dtype=torch.float32, device="cpu", **extra):
                 m.forward = types.MethodType(exact_ernie_attention_forward, m)
             elif type(m).__name__ in NORMS:
                 m.forward = types.MethodType(exact_norm_forward, m)
+            elif type(m).__name__ == "OlmoLayerNorm":
+                m.forward = types.MethodType(exact_olmo_norm_forward, m)
             elif type(m).__name__.endswith("RotaryEmbedding"):
                 m.forward = types.MethodType(dynamic_rope_update(exact_rotary_forward), m)
     return model.to(device=device, dtype=dtype)
@@ -255,7 +271,8 @@ SLIDING = ("mistral-swa", "qwen2-swa", "phi3", "gemma2", "gemma3", "olmo3", "min
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "mistral-swa", "qwen2-swa", "phi3", "gemma2",
                                     "gemma3", "olmo2", "granite", "glm", "olmo3", "ministral", "helium", "ernie4_5",
                                     "smollm3", "seed_oss", "exaone4", "hunyuan", "gemma", "mixtral", "qwen2_moe",
-                                    "qwen3_moe", "olmoe", "ernie4_5_moe", "hunyuan_moe", "granite_moe", "glm4_moe"])
+                                    "qwen3_moe", "olmoe", "ernie4_5_moe", "hunyuan_moe", "granite_moe", "glm4_moe",
+                                    "olmo", "stablelm", "stablelm-parallel"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 def test_patched_loss_and_gradients_match_unpatched(family, dtype):
     """An unpacked batch (sliding windows and softcapping by the kernel, no fallback)."""
@@ -387,10 +404,12 @@ def test_base_model_attention_only():
     assert model.config._attn_implementation == "sdpa"
 
 
-def test_fp32_weights_under_autocast_cpu():
+@pytest.mark.parametrize("family", ["llama", "olmo", "stablelm"])
+def test_fp32_weights_under_autocast_cpu(family):
     """Autocast (here the CPU's bf16 autocast, the same code path as CUDA's): q and k leave the rotary
-    embedding in fp32 while v is bf16; the kernel still runs, on bf16 inputs."""
-    model = make_model("llama")
+    embedding in fp32 while v is bf16; the kernel still runs, on bf16 inputs. The LayerNorm families:
+    autocast runs torch's layer_norm in fp32, the patched one returns bf16 for the projections."""
+    model = make_model(family)
     ids = tokens(2, 24)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ref, ref_grads = loss_and_grads(model, input_ids=ids, labels=ids)
@@ -404,9 +423,10 @@ def test_fp32_weights_under_autocast_cpu():
         assert_rel_close(got_grads[name], g, 8e-2, f"grad {name}")
 
 
-def test_bf16_weights_cpu():
+@pytest.mark.parametrize("family", ["mistral", "stablelm"])
+def test_bf16_weights_cpu(family):
     """bf16 weights (the recommended recipe) on the CPU: the kernels take bf16 and compute in fp32."""
-    model = make_model("mistral", torch.bfloat16)
+    model = make_model(family, torch.bfloat16)
     ids = tokens(2, 24)
     ref, ref_grads = loss_and_grads(model, input_ids=ids, labels=ids)
     patch(model)
@@ -503,7 +523,8 @@ def test_unsupported_model_is_refused():
 @requires_cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize("family,head_dim", [("llama", 64), ("qwen2", 64), ("qwen3", 128), ("phi3", 96),
-                                             ("gemma3", 256), ("olmo3", 128), ("ernie4_5", 128), ("gemma", 256)])
+                                             ("gemma3", 256), ("olmo3", 128), ("ernie4_5", 128), ("gemma", 256),
+                                             ("olmo", 128), ("stablelm", 64)])
 def test_bf16_cuda_matches_unpatched(family, head_dim):
     """The recommended recipe: bf16 weights; each family at a kernel head dim (Phi-3-mini's 96, Gemma 3's
     256, whose backward is sm_90a code: elsewhere the patch sends it to SDPA)."""
@@ -801,28 +822,30 @@ def test_packed_bf16_cuda_matches_unpatched(family, head_dim):
 
 LAYER_FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "olmo2", "granite", "glm", "olmo3",
                   "ministral", "helium", "ernie4_5", "smollm3", "seed_oss", "exaone4", "hunyuan", "gemma", "mixtral",
-                  "qwen2_moe", "qwen3_moe", "olmoe", "ernie4_5_moe", "hunyuan_moe", "granite_moe", "glm4_moe"]
+                  "qwen2_moe", "qwen3_moe", "olmoe", "ernie4_5_moe", "hunyuan_moe", "granite_moe", "glm4_moe",
+                  "olmo", "stablelm", "stablelm-parallel"]
 # Gated MLPs a layer that run glu: none in Mixtral's, Qwen3-MoE's, OLMoE's and Granite MoE's expert blocks (the
 # experts keep the model's code); one for a shared expert or a dense layer.
 GLU_PER_LAYER = {"mixtral": 0, "qwen3_moe": 0, "olmoe": 0, "granite_moe": 0}
 # Families whose residual add goes into a norm (OLMo 2 / 3 and EXAONE 4 normalise before the add, Granite
-# scales the block's output there).
+# scales the block's output there, StableLM's parallel layer adds both blocks to the input).
 # Layers without rotary: SmolLM3's NoPE layer, EXAONE 4's full-attention layer of a hybrid model.
 NOPE_LAYERS = {"smollm3": 1, "exaone4": 1}
 FUSED_RESIDUAL = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "glm", "ministral", "helium",
                   "ernie4_5", "smollm3", "seed_oss", "hunyuan", "gemma", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
-                  "ernie4_5_moe", "hunyuan_moe", "glm4_moe")
+                  "ernie4_5_moe", "hunyuan_moe", "glm4_moe", "olmo", "stablelm")
 LAYER_FEATURES = ("rms_norm", "rotary", "glu", "fuse_residual")
 
 
 def count_layer_ops(monkeypatch):
-    """Counts the calls of the functional ops the patched decoder modules make."""
+    """Counts the calls of the functional ops the patched decoder modules make (rms_norm: RMSNorm's and
+    LayerNorm's)."""
     layers = importlib.import_module("fuseforge.patch.layers")  # fuseforge.patch is also the function
     calls = {"rms_norm": 0, "rotary": 0, "glu": 0, "residual": 0}
-    for name in ("rms_norm", "rotary", "glu"):
+    for name in ("rms_norm", "layer_norm", "rotary", "glu"):
         original = getattr(layers, name)
 
-        def counted(*args, _original=original, _name=name, **kwargs):
+        def counted(*args, _original=original, _name=name.replace("layer_norm", "rms_norm"), **kwargs):
             calls[_name] += 1
             if _name == "rms_norm" and kwargs.get("residual") is not None:
                 calls["residual"] += 1
@@ -832,9 +855,8 @@ def count_layer_ops(monkeypatch):
 
 
 def norms_per_layer(model) -> int:
-    from fuseforge.patch.layers import NORMS
-    layer = model.model.layers[0]
-    return sum(type(m).__name__ in NORMS for m in layer.modules())
+    """The patched norms of a layer (after patch)."""
+    return sum(getattr(m, "_fuseforge_norm", False) for m in model.model.layers[0].modules())
 
 
 @pytest.mark.parametrize("family", LAYER_FAMILIES)
@@ -849,6 +871,7 @@ def test_decoder_layers_run_the_fused_ops_and_match(family, monkeypatch):
     patch(model)
     out, got_grads = loss_and_grads(model, input_ids=ids, labels=ids)
     layers = model.config.num_hidden_layers
+    assert norms_per_layer(model) > 0
     assert calls["rms_norm"] == layers * norms_per_layer(model) + 1, calls  # + the final norm
     assert calls["rotary"] == layers - NOPE_LAYERS.get(family, 0), calls
     assert calls["glu"] == layers * GLU_PER_LAYER.get(family, 1), calls
@@ -963,10 +986,12 @@ def test_olmoe_clip_qkv_keeps_the_model_attention(monkeypatch):
         assert_rel_close(got_grads[name], g, 1e-9, f"grad {name}")
 
 
-def test_residual_dropout_is_applied_in_training():
-    """Seed-OSS drops out each block's output in training: the patched modules do too, drawing the same
-    masks in the same order as the unpatched model (the attention itself has no dropout here)."""
-    model = make_model("seed_oss", torch.float64, residual_dropout=0.3)
+@pytest.mark.parametrize("family,dropout", [("seed_oss", {"residual_dropout": 0.3}), ("stablelm", {"hidden_dropout": 0.3})])
+def test_residual_dropout_is_applied_in_training(family, dropout):
+    """Seed-OSS drops out each block's output in training, StableLM the MLP's: the patched modules do too,
+    drawing the same masks in the same order as the unpatched model (the attention itself has no dropout
+    here)."""
+    model = make_model(family, torch.float64, **dropout)
     model.train()
     ids = tokens(2, 17)
     torch.manual_seed(5)
@@ -1023,7 +1048,7 @@ def test_packed_positions_rotate_per_document():
 
 
 @requires_cuda
-@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3", "gemma2", "olmo", "stablelm"])
 def test_fp32_weights_under_cuda_autocast(family):
     """The benchmarks' recipe on the GPU: fp32 weights, bf16 autocast. Against a float64 copy of the
     model, every gradient of the patched model is within twice the unpatched model's own bf16 error

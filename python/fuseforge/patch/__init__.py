@@ -1,6 +1,7 @@
 """`fuseforge.patch(model)` / `fuseforge.unpatch(model)` for Hugging Face Llama-family models (Llama,
 Mistral, Ministral, Qwen2, Qwen3, Phi-3, Gemma, Gemma 2, Gemma 3, OLMo 2, OLMo 3, Granite, GLM,
-Helium, ERNIE 4.5, SmolLM3, Seed-OSS, EXAONE 4, Hunyuan dense; and the mixture-of-experts Mixtral,
+Helium, ERNIE 4.5, SmolLM3, Seed-OSS, EXAONE 4, Hunyuan dense, and the LayerNorm families OLMo and
+StableLM; and the mixture-of-experts Mixtral,
 Qwen2-MoE, Qwen3-MoE, OLMoE, ERNIE 4.5 MoE, Hunyuan MoE, Granite MoE and GLM-4 MoE, whose experts
 keep the model's code: SUPPORTED_MODELS).
 
@@ -49,8 +50,9 @@ patch() does three things to one model instance and nothing else (each can be tu
    gradient. A mixture-of-experts model's router load-balancing loss (`output_router_logits`) is
    added as its own forward adds it.
 
-3. The decoder layers' RMSNorm, rotary embedding, gated-MLP activation and the residual add before
-   the second norm run fuseforge's rms_norm, rotary and glu ops (`fuseforge.patch.layers`).
+3. The decoder layers' RMSNorm (or LayerNorm), rotary embedding, gated-MLP activation and the residual
+   add before the second norm run fuseforge's rms_norm (layer_norm), rotary and glu ops
+   (`fuseforge.patch.layers`).
 
 unpatch() restores the attention implementation, the forwards and the decoder modules. Both return the model.
 
@@ -83,7 +85,8 @@ SUPPORTED_MODELS = ("LlamaForCausalLM", "LlamaModel", "MistralForCausalLM", "Mis
                     "GemmaForCausalLM", "GemmaModel", "MixtralForCausalLM", "MixtralModel", "Qwen2MoeForCausalLM",
                     "Qwen2MoeModel", "Qwen3MoeForCausalLM", "Qwen3MoeModel", "OlmoeForCausalLM", "OlmoeModel",
                     "Ernie4_5_MoeForCausalLM", "Ernie4_5_MoeModel", "HunYuanMoEV1ForCausalLM", "HunYuanMoEV1Model",
-                    "GraniteMoeForCausalLM", "GraniteMoeModel", "Glm4MoeForCausalLM", "Glm4MoeModel")
+                    "GraniteMoeForCausalLM", "GraniteMoeModel", "Glm4MoeForCausalLM", "Glm4MoeModel",
+                    "OlmoForCausalLM", "OlmoModel", "StableLmForCausalLM", "StableLmModel")
 
 _STATE = "_fuseforge_patch"
 
@@ -95,8 +98,8 @@ def is_patched(model: nn.Module) -> bool:
 def patch(model: nn.Module, *, attention: bool = True, loss: bool = True, rms_norm: bool = True,
           rotary: bool = True, glu: bool = True, fuse_residual: bool = True) -> nn.Module:
     """Routes a model of a supported family (SUPPORTED_MODELS) through fuseforge: the attention, for the
-    ForCausalLM classes the training loss (linear_cross_entropy), and in the decoder layers RMSNorm,
-    rotary embeddings, the gated MLP's activation and the residual add fused into the next norm
+    ForCausalLM classes the training loss (linear_cross_entropy), and in the decoder layers RMSNorm
+    (and LayerNorm: `rms_norm=` turns the norms on or off), rotary embeddings, the gated MLP's activation and the residual add fused into the next norm
     (fuseforge.patch.layers). Each keyword turns one of them off. In place; returns the model.
     Patching a patched model does nothing."""
     from fuseforge.patch.layers import patch_layers

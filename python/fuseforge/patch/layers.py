@@ -1,9 +1,10 @@
-"""The decoder half of `fuseforge.patch`: RMSNorm, rotary embeddings, the gated MLP's activation and
-the residual add, routed through fuseforge's ops on one model instance.
+"""The decoder half of `fuseforge.patch`: RMSNorm / LayerNorm, rotary embeddings, the gated MLP's
+activation and the residual add, routed through fuseforge's ops on one model instance.
 
 What is replaced, each an instance `forward` (the classes are untouched, so other models are not):
 - every RMSNorm module of a family in NORMS: `fuseforge.rms_norm` (Llama's `w * x` or Gemma's
-  `(1 + w) * x`), taking an optional `residual=` so that the add before it is the same pass;
+  `(1 + w) * x`), and every LayerNorm over the hidden size (LAYER_NORMS: OLMo's, StableLM's):
+  `fuseforge.layer_norm`; each takes an optional `residual=` so that the add before it is the same pass;
 - the attention module: the projections, the q / k norms where the family has them (Qwen3, Gemma 3),
   `fuseforge.rotary` from `position_ids` and the rotary module's current `inv_freq` (so Llama 3, YaRN,
   linear, dynamic and long-rope scaling are Hugging Face's own), then the attention function the model is
@@ -15,7 +16,7 @@ What is replaced, each an instance `forward` (the classes are untouched, so othe
 - the decoder layer: the residual add after attention goes into the next norm (`norm(h, residual=r)`
   returns the normalised output and `h + r` in one pass).
 
-Under autocast an RMSNorm whose input is float32 (the residual stream of float32 weights) returns the
+Under autocast a norm whose input is float32 (the residual stream of float32 weights) returns the
 autocast dtype directly: its consumers are matrix products that would cast it, so the values are the
 ones eager computes, in half the bytes. Anything the kernels do not take (an activation or a dtype
 without a kernel, attention without position_ids) runs the module's own forward.
@@ -29,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from fuseforge.ops.glu import glu
+from fuseforge.ops.layer_norm import layer_norm
 from fuseforge.ops.rms_norm import rms_norm
 from fuseforge.ops.rotary import rotary
 
@@ -40,6 +42,9 @@ NORMS = {"LlamaRMSNorm": 0.0, "MistralRMSNorm": 0.0, "MinistralRMSNorm": 0.0, "Q
          "Qwen2MoeRMSNorm": 0.0, "Qwen3MoeRMSNorm": 0.0, "OlmoeRMSNorm": 0.0, "Ernie4_5_MoeRMSNorm": 0.0,
          "HunYuanMoEV1RMSNorm": 0.0, "GraniteMoeRMSNorm": 0.0, "Glm4MoeRMSNorm": 0.0, "GemmaRMSNorm": 1.0,
          "Gemma2RMSNorm": 1.0, "Gemma3RMSNorm": 1.0}
+# LayerNorm classes: OLMo's (no weight or bias, eps 1e-5) and torch.nn.LayerNorm (StableLM), the
+# ones over the hidden size only (StableLM's per-head q / k norms keep their own code).
+LAYER_NORMS = ("OlmoLayerNorm", "LayerNorm")
 # Hugging Face activation names and glu's.
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
                "gelu_fast": None, "gelu": "gelu"}
@@ -50,7 +55,8 @@ PRE_NORM_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "MinistralDecoder
                    "Qwen3DecoderLayer", "Phi3DecoderLayer", "GlmDecoderLayer", "HeliumDecoderLayer",
                    "Ernie4_5DecoderLayer", "SmolLM3DecoderLayer", "SeedOssDecoderLayer", "HunYuanDenseV1DecoderLayer",
                    "GemmaDecoderLayer", "MixtralDecoderLayer", "Qwen2MoeDecoderLayer", "Qwen3MoeDecoderLayer",
-                   "OlmoeDecoderLayer", "Ernie4_5_MoeDecoderLayer", "HunYuanMoEV1DecoderLayer", "Glm4MoeDecoderLayer")
+                   "OlmoeDecoderLayer", "Ernie4_5_MoeDecoderLayer", "HunYuanMoEV1DecoderLayer", "Glm4MoeDecoderLayer",
+                   "OlmoDecoderLayer", "StableLmDecoderLayer")
 SANDWICH_LAYERS = ("Gemma2DecoderLayer", "Gemma3DecoderLayer")
 # Attention classes whose rotation pairs dims 2i and 2i + 1 (GLM's) instead of i and i + R / 2.
 INTERLEAVED_ROTARY = ("GlmAttention", "HeliumAttention", "Ernie4_5Attention", "Ernie4_5_MoeAttention")
@@ -64,7 +70,7 @@ _PATCHED = "_fuseforge_layer_patch"
 
 
 # ----------------------------------------------------------------------------------------------
-# RMSNorm
+# RMSNorm and LayerNorm
 
 
 def _norm_out_dtype(x: Tensor) -> torch.dtype:
@@ -99,9 +105,32 @@ def _norm_forward(self, hidden_states: Tensor, residual: Optional[Tensor] = None
     return rms_norm(x, weight, eps, residual=residual, weight_offset=offset, out_dtype=out_dtype)
 
 
+def _layer_norm_forward(self, hidden_states: Tensor, residual: Optional[Tensor] = None):
+    """The patched LayerNorm: `norm(x)`, or with a residual `(norm(x + residual), x + residual)`."""
+    weight, bias = getattr(self, "weight", None), getattr(self, "bias", None)
+    x = hidden_states
+    if residual is not None and residual.dtype != x.dtype:
+        wide = torch.promote_types(x.dtype, residual.dtype)
+        x, residual = x.to(wide), residual.to(wide)
+    if any(p is not None and p.dtype not in (x.dtype, torch.float32) for p in (weight, bias)):
+        h = x if residual is None else x + residual
+        out = type(self).forward(self, h)
+        return out if residual is None else (out, h)
+    # OLMo's norm has no eps attribute: its forward passes layer_norm's default, 1e-5.
+    return layer_norm(x, weight, bias, getattr(self, "eps", 1e-5), residual=residual, out_dtype=_norm_out_dtype(x))
+
+
+def _patched_layer_norm(module: nn.Module, config) -> bool:
+    cls = type(module).__name__
+    if cls == "OlmoLayerNorm":
+        return True
+    return cls == "LayerNorm" and isinstance(module, nn.LayerNorm) and \
+        tuple(module.normalized_shape) == (config.hidden_size,)
+
+
 def _norm_with_residual(norm: nn.Module, x: Tensor, residual: Tensor):
     """(norm(x + residual), x + residual), in one pass when `norm` is patched."""
-    if getattr(norm, "_fuseforge_weight_offset", None) is not None:
+    if getattr(norm, "_fuseforge_norm", False):
         return norm(x, residual=residual)
     h = residual + x
     return norm(h), h
@@ -191,6 +220,8 @@ def _attention_forward(self, hidden_states: Tensor, position_embeddings=None, at
             query = self.q_norm(query.flatten(-2)).view(hidden_shape)
             key = self.k_norm(key.flatten(-2)).view(hidden_shape)
     query, key, value = (t.transpose(1, 2) for t in (query, key, value))
+    if getattr(self, "qk_layernorm", False):  # StableLM's per-head LayerNorms, on (B, H, S, D)
+        query, key = self.q_layernorm(query), self.k_layernorm(key)
     if _rotates(self):
         inv_freq = getattr(rotary_emb, freq_name)
         scaling = float(getattr(rotary_emb, scaling_name, 1.0))
@@ -269,7 +300,10 @@ def _pre_norm_layer_forward(self, hidden_states: Tensor, *args, **kwargs) -> Ten
     hidden_states = self.input_layernorm(hidden_states)
     hidden_states, _ = self.self_attn(hidden_states=hidden_states, **kwargs)
     hidden_states, residual = _norm_with_residual(self.post_attention_layernorm, hidden_states, residual)
-    return residual + self.mlp(hidden_states)
+    out = self.mlp(hidden_states)
+    if isinstance(getattr(self, "dropout", None), nn.Dropout):  # StableLM's, on the MLP's output
+        out = self.dropout(out)
+    return residual + out
 
 
 def _sandwich_layer_forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
@@ -318,7 +352,11 @@ def patch_layers(model: nn.Module, features=FEATURES) -> list:
         cls = type(module).__name__
         if "rms_norm" in features and cls in NORMS:
             module._fuseforge_weight_offset = NORMS[cls]
+            module._fuseforge_norm = True
             _set_forward(module, _norm_forward, patched)
+        elif "rms_norm" in features and cls in LAYER_NORMS and _patched_layer_norm(module, config):
+            module._fuseforge_norm = True
+            _set_forward(module, _layer_norm_forward, patched)
         elif "glu" in features and cls.endswith("MLP"):
             act = _mlp_activation(module, config)
             if act is not None:
@@ -335,7 +373,7 @@ def patch_layers(model: nn.Module, features=FEATURES) -> list:
             module._fuseforge_rope = None if source is None else (rotary_emb, *source)
             _set_forward(module, _attention_forward, patched)
         elif "fuse_residual" in features and "rms_norm" in features and _no_residual_dropout(module):
-            if cls in PRE_NORM_LAYERS:
+            if cls in PRE_NORM_LAYERS and not getattr(module, "use_parallel_residual", False):
                 _set_forward(module, _pre_norm_layer_forward, patched)
             elif cls in SANDWICH_LAYERS:
                 _set_forward(module, _sandwich_layer_forward, patched)
@@ -348,6 +386,6 @@ def unpatch_layers(patched: list) -> None:
             setattr(module, name, previous)
         elif name in module.__dict__:
             delattr(module, name)
-        for attr in ("_fuseforge_weight_offset", "_fuseforge_activation", "_fuseforge_rope"):
+        for attr in ("_fuseforge_weight_offset", "_fuseforge_norm", "_fuseforge_activation", "_fuseforge_rope"):
             if attr in module.__dict__:
                 delattr(module, attr)
