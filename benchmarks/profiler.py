@@ -3,6 +3,7 @@
     python3 benchmarks/profiler.py ncu-cycles [--bench attention] --cases D128/S16384/causal --impls fuseforge,sdpa_cudnn
         [--passes fwd,fwdbwd] [--out benchmarks/results] [--traffic]
     python3 benchmarks/profiler.py kernel-times [--bench attention] [--cases D128/S1024/full] [--impls ...]
+    python3 benchmarks/profiler.py e2e-kernels [--config qwen3-moe-layers] [--batch 8] [--impls fuseforge,liger]
     python3 benchmarks/profiler.py e2e-attention-ab [--batch 16] [--pairs 12]   (--device cpu: a smoke test)
     python3 benchmarks/profiler.py workload OP ARGS...
 
@@ -10,6 +11,7 @@ ncu-cycles   impls compared in cycles: every kernel of one warmed-up call of any
              summed under Nsight Compute, which locks the SM clock (the power cap clocks each kernel
              by its own draw).
 kernel-times every kernel one call launches and the device's idle time between them (torch.profiler).
+e2e-kernels  where a training step's device time goes, by kernel, per impl of bench_e2e.py.
 e2e-attention-ab  what fuseforge attention saves inside a training step: one model, its attention
              alternated with transformers' SDPA in A B B A steps.
 workload     a few calls of one op at one case, for a profiler that wraps a process (ncu,
@@ -445,6 +447,47 @@ def cmd_kernel_times(args) -> None:
         torch.cuda.empty_cache()
 
 
+E2E_KERNELS_DOC = """Where one training step's device time goes, per impl of bench_e2e.py: every kernel of a step
+(torch.profiler after three warm-up steps, the mean over --steps steps), summed by kernel name, the
+device's idle time between kernels, and the step's wall time. For a step that trails a peer (e.g.
+--config qwen3-moe-layers --impls fuseforge,liger): which kernels its time is in.
+
+    PYTHONPATH=python python3 benchmarks/profiler.py e2e-kernels --config qwen3-moe-layers --batch 8 --impls fuseforge,liger
+"""
+
+
+def cmd_e2e_kernels(args) -> None:
+    import torch
+    bench_e2e = importlib.import_module("bench_e2e")
+    cfg = bench_e2e.CONFIGS[args.config]
+    device = torch.device("cuda")
+    ids = torch.randint(0, cfg["vocab_size"], (args.batch, args.seq), device=device,
+                        generator=torch.Generator(device).manual_seed(0))
+    for impl in args.impls.split(","):
+        bench_e2e.free()
+        model, opt, autocast, scope = bench_e2e.make_impl(impl, cfg, args.seq, device)
+        with scope:
+            def step():
+                bench_e2e.train_step(model, opt, autocast, ids, device)
+            rows, gaps = kernel_times(step, args.steps)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                step()
+            torch.cuda.synchronize()
+            wall_ms = (time.perf_counter() - t0) * 1000 / args.steps
+        del model, opt
+        by_name, launches = defaultdict(float), defaultdict(int)
+        for name, ms, n in rows:
+            by_name[short_kernel_name(name)] += ms
+            launches[short_kernel_name(name)] += n
+        total = sum(by_name.values())
+        print(f"\n== {args.config} batch {args.batch} {impl}: step {wall_ms:.1f} ms wall, {total:.1f} ms of kernels, "
+              f"{sum(g[1] for g in gaps) / 1000:.1f} ms idle between them, {sum(launches.values())} launches")
+        for name, ms in sorted(by_name.items(), key=lambda kv: -kv[1])[:args.top]:
+            print(f"  {ms:9.2f} ms {100 * ms / total:5.1f}%  x{launches[name]:<5d} {name[:120]}")
+
+
 # ---------------------------------------------------------------------------------------------
 # e2e-attention-ab: what fuseforge attention saves inside a training step
 
@@ -716,6 +759,16 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--pass", dest="pass_", default="fwdbwd")
     s.add_argument("--calls", type=int, default=5)
     s.set_defaults(func=cmd_kernel_times)
+
+    s = sub.add_parser("e2e-kernels", description=E2E_KERNELS_DOC, formatter_class=raw,
+                       help="where a training step's device time goes, by kernel, per impl")
+    s.add_argument("--config", default="1b", help="a bench_e2e.py config")
+    s.add_argument("--seq", type=int, default=2048)
+    s.add_argument("--batch", type=int, default=8)
+    s.add_argument("--impls", default="fuseforge,liger")
+    s.add_argument("--steps", type=int, default=3)
+    s.add_argument("--top", type=int, default=25, help="kernels listed an impl")
+    s.set_defaults(func=cmd_e2e_kernels)
 
     s = sub.add_parser("e2e-attention-ab", description=AB_DOC, formatter_class=raw,
                        help="what fuseforge attention saves inside a training step")
