@@ -971,6 +971,46 @@ def test_grouped_experts_gate_runs_glu(family, monkeypatch):
     assert not any("_apply_gate" in e.__dict__ for e in experts)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "glm4_moe"])
+def test_grouped_experts_multiply_in_the_autocast_dtype(family, device, monkeypatch):
+    """Under autocast with float32 weights transformers' grouped experts multiply in float32 (they cast
+    their input to the weights' dtype); patched, in the autocast dtype, as every other matrix product of
+    the model, with the gradients on the float32 weights; `experts=False` and unpatch leave them as they
+    were. The loss and gradients stay within autocast's own error of the unpatched model's."""
+    model = make_model(family, torch.float32, device, experts_implementation="grouped_mm")
+    grouped_mm, seen = torch.nn.functional.grouped_mm, []
+
+    def spy(a, b, **kwargs):
+        seen.append((a.dtype, b.dtype))
+        return grouped_mm(a, b, **kwargs)
+    monkeypatch.setattr(torch.nn.functional, "grouped_mm", spy)
+    ids = tokens(2, 19, device)
+
+    def step():
+        seen.clear()
+        with torch.autocast(device, dtype=torch.bfloat16):
+            return loss_and_grads(model, input_ids=ids, labels=ids)
+    ref, ref_grads = step()
+    assert seen and set(seen) == {(torch.float32, torch.float32)}
+    patch(model, experts=False)
+    step()
+    assert set(seen) == {(torch.float32, torch.float32)}
+    unpatch(model)
+    patch(model)
+    out, got_grads = step()
+    assert seen and set(seen) == {(torch.bfloat16, torch.bfloat16)}
+    assert abs(out.loss.item() - ref.loss.item()) <= 2e-2 * ref.loss.item()
+    assert set(got_grads) == set(ref_grads)
+    for name, g in ref_grads.items():
+        assert got_grads[name].dtype == torch.float32
+        assert_rel_close(got_grads[name], g, 8e-2, f"grad {name}")
+    unpatch(model)
+    assert not [m for m in model.modules() if "forward" in vars(m) or "_fuseforge_casting" in vars(m)]
+    step()
+    assert set(seen) == {(torch.float32, torch.float32)}
+
+
 def test_olmoe_clip_qkv_keeps_the_model_attention(monkeypatch):
     """OLMoE's clip_qkv clamps the projections: its attention modules run their own forward (no
     fuseforge rotary), the norms and the loss stay fused, and the result matches."""

@@ -51,7 +51,8 @@ patch() does three things to one model instance and nothing else (each can be tu
    added as its own forward adds it.
 
 3. The decoder layers' RMSNorm (or LayerNorm), rotary embedding, gated-MLP activation and the residual
-   add before the second norm run fuseforge's rms_norm (layer_norm), rotary and glu ops
+   add before the second norm run fuseforge's rms_norm (layer_norm), rotary and glu ops; under
+   autocast, a mixture-of-experts model's grouped experts multiply in the autocast dtype
    (`fuseforge.patch.layers`).
 
 unpatch() restores the attention implementation, the forwards and the decoder modules. Both return the model.
@@ -96,12 +97,13 @@ def is_patched(model: nn.Module) -> bool:
 
 
 def patch(model: nn.Module, *, attention: bool = True, loss: bool = True, rms_norm: bool = True,
-          rotary: bool = True, glu: bool = True, fuse_residual: bool = True) -> nn.Module:
+          rotary: bool = True, glu: bool = True, fuse_residual: bool = True, experts: bool = True) -> nn.Module:
     """Routes a model of a supported family (SUPPORTED_MODELS) through fuseforge: the attention, for the
     ForCausalLM classes the training loss (linear_cross_entropy), and in the decoder layers RMSNorm
-    (and LayerNorm: `rms_norm=` turns the norms on or off), rotary embeddings, the gated MLP's activation and the residual add fused into the next norm
-    (fuseforge.patch.layers). Each keyword turns one of them off. In place; returns the model.
-    Patching a patched model does nothing."""
+    (and LayerNorm: `rms_norm=` turns the norms on or off), rotary embeddings, the gated MLP's
+    activation, the residual add fused into the next norm and, under autocast, the experts' matrix
+    products in the autocast dtype (fuseforge.patch.layers). Each keyword turns one of them off. In
+    place; returns the model. Patching a patched model does nothing."""
     from fuseforge.patch.layers import patch_layers
     name = type(model).__name__
     if name not in SUPPORTED_MODELS:
@@ -119,7 +121,7 @@ def patch(model: nn.Module, *, attention: bool = True, loss: bool = True, rms_no
         model.lm_head.forward = types.MethodType(_lm_head_forward, model.lm_head)
         state["forward"] = True
     features = [f for f, on in (("rms_norm", rms_norm), ("rotary", rotary), ("glu", glu),
-                                ("fuse_residual", fuse_residual)) if on]
+                                ("fuse_residual", fuse_residual), ("experts", experts)) if on]
     state["layers"] = patch_layers(model, features)
     setattr(model, _STATE, state)
     return model

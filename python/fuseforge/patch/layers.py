@@ -12,7 +12,10 @@ What is replaced, each an instance `forward` (the classes are untouched, so othe
 - the MLP: `fuseforge.glu` on the gate and up projections (or on Phi-3's fused gate_up projection) for
   SiLU, tanh-GELU and GELU; a mixture-of-experts block's dense and shared-expert MLPs too, and its
   experts' gate (`act(gate) * up` on the grouped [gate | up] projection, in transformers' experts
-  implementations) while their routing and matrix products stay the model's code;
+  implementations) while their routing and matrix products stay the model's code; under autocast with
+  float32 weights, the grouped and batched experts' matrix products in the autocast dtype, as autocast
+  runs every other matrix product of the model (transformers casts their input to the weights' dtype,
+  which runs them in float32);
 - the decoder layer: the residual add after attention goes into the next norm (`norm(h, residual=r)`
   returns the normalised output and `h + r` in one pass).
 
@@ -64,7 +67,9 @@ INTERLEAVED_ROTARY = ("GlmAttention", "HeliumAttention", "Ernie4_5Attention", "E
 # also has sliding layers (EXAONE 4's hybrid models: every layer holds sliding_window, is_sliding says
 # which use it).
 HYBRID_NOPE_ATTENTION = ("Exaone4Attention",)
-FEATURES = ("rms_norm", "rotary", "glu", "fuse_residual")
+FEATURES = ("rms_norm", "rotary", "glu", "fuse_residual", "experts")
+# transformers' experts implementations that cast their input to the weights' dtype.
+CASTING_EXPERTS = ("grouped_mm", "batched_mm")
 
 _PATCHED = "_fuseforge_layer_patch"
 
@@ -262,6 +267,25 @@ def _experts_gate(self, gate_up: Tensor) -> Tensor:
     return glu(gate_up, None, self._fuseforge_activation)
 
 
+def _experts_forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
+    """The experts with float32 weights under autocast: the model's forward on the weights cast to the
+    autocast dtype (the casts are differentiable: the gradients reach the float32 weights), so its
+    grouped GEMMs run in that dtype."""
+    device = hidden_states.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    implementation = getattr(getattr(self, "config", None), "_experts_implementation", None)
+    params = dict(self.named_parameters(recurse=False))
+    if self._fuseforge_casting or implementation not in CASTING_EXPERTS or dtype not in (torch.float16, torch.bfloat16) \
+            or not any(p.dtype == torch.float32 for p in params.values()):
+        return type(self).forward(self, hidden_states, *args, **kwargs)
+    cast = {name: p.to(dtype) if p.dtype == torch.float32 else p for name, p in params.items()}
+    self._fuseforge_casting = True  # functional_call calls this forward again: the model's runs there
+    try:
+        return torch.func.functional_call(self, cast, (hidden_states, *args), kwargs)
+    finally:
+        self._fuseforge_casting = False
+
+
 def _experts_activation(experts: nn.Module, config) -> Optional[str]:
     """glu's activation for experts that gate with transformers' default `_apply_gate` (act(gate) * up
     of concatenated [gate | up] rows), else None (an interleaved layout, a model's own gate)."""
@@ -362,11 +386,14 @@ def patch_layers(model: nn.Module, features=FEATURES) -> list:
             if act is not None:
                 module._fuseforge_activation = act
                 _set_forward(module, _mlp_forward, patched)
-        elif "glu" in features and cls.endswith("Experts"):
-            act = _experts_activation(module, config)
+        elif cls.endswith("Experts"):
+            act = _experts_activation(module, config) if "glu" in features else None
             if act is not None:
                 module._fuseforge_activation = act
                 _set_forward(module, _experts_gate, patched, name="_apply_gate")
+            if "experts" in features:
+                module._fuseforge_casting = False
+                _set_forward(module, _experts_forward, patched)
         elif "rotary" in features and cls.endswith("Attention") and hasattr(module, "o_proj") \
                 and rotary_emb is not None and hasattr(module, "layer_idx"):
             source = _rope_source(rotary_emb, config, module.layer_idx)
@@ -386,6 +413,7 @@ def unpatch_layers(patched: list) -> None:
             setattr(module, name, previous)
         elif name in module.__dict__:
             delattr(module, name)
-        for attr in ("_fuseforge_weight_offset", "_fuseforge_norm", "_fuseforge_activation", "_fuseforge_rope"):
+        for attr in ("_fuseforge_weight_offset", "_fuseforge_norm", "_fuseforge_activation", "_fuseforge_rope",
+                     "_fuseforge_casting"):
             if attr in module.__dict__:
                 delattr(module, attr)
