@@ -21,7 +21,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
 
 import harness  # noqa: E402
-from harness import Bench  # noqa: E402
 
 import fuseforge  # noqa: E402,F401  (loads the extension)
 from fuseforge.ops.layer_norm import layer_norm  # noqa: E402
@@ -40,7 +39,7 @@ CPU_CASES = ["1024x512/bf16/add_norm", "1024x768/fp32_bf16out/norm"]
 
 
 def eager_fn(out_dtype):
-    def fn(x, w, b, res):
+    def fn(x, w, b, res=None):
         h = res + x if res is not None else x
         out = torch.nn.functional.layer_norm(h, h.shape[-1:], w, b, EPS).to(out_dtype)
         return (out, h) if res is not None else out
@@ -48,13 +47,13 @@ def eager_fn(out_dtype):
 
 
 def fuseforge_fn(out_dtype):
-    def fn(x, w, b, res):
+    def fn(x, w, b, res=None):
         return layer_norm(x, w, b, EPS, res, out_dtype)
     return fn
 
 
 def liger_fn(out_dtype):
-    def fn(x, w, b, res):
+    def fn(x, w, b, res=None):
         h = res + x if res is not None else x
         out = LigerLayerNormFunction.apply(h, w, b, EPS).to(out_dtype)
         return (out, h) if res is not None else out
@@ -84,40 +83,16 @@ def setup(case):
     fwd_bytes = in_b * (3 if with_residual else 1) + out_b
     fwdbwd_bytes = fwd_bytes + out_b + in_b * (3 if with_residual else 2)
 
-    leaves = [t.clone().requires_grad_() for t in (x, w, b)] + ([res.clone().requires_grad_()] if with_residual
-                                                               else [])
-    xg, wg, bg = leaves[:3]
-    rg = leaves[3] if with_residual else None
+    leaves = [t.clone().requires_grad_() for t in (x, w, b) + ((res,) if with_residual else ())]
     grads_in = (grad_out, grad_h) if with_residual else (grad_out,)
 
-    def outputs(got):
-        return got if isinstance(got, tuple) else (got,)
-
-    # Accuracy of fuseforge against float64 (forward and every gradient).
-    leaves64 = [t.detach().double().requires_grad_() for t in leaves]
-    h64 = leaves64[0] + leaves64[3] if with_residual else leaves64[0]
-    ref = torch.nn.functional.layer_norm(h64, h64.shape[-1:], leaves64[1], leaves64[2], EPS)
-    got = outputs(fuseforge_fn(out_dtype)(xg, wg, bg, rg))
-    fwd_err = harness.rel_err(got[0], ref)
-    grads = torch.autograd.grad(got, leaves, grads_in)
-    ref_grads = torch.autograd.grad((ref, h64) if with_residual else (ref,), leaves64,
-                                    tuple(g.double() for g in grads_in))
-    bwd_err = max([fwd_err] + [harness.rel_err(g, r) for g, r in zip(grads, ref_grads)])
-    del leaves64, h64, ref, got, grads, ref_grads
-
-    benches = []
-    for pass_ in ("fwd", "fwdbwd"):
-        for name, fn in impls.items():
-            if pass_ == "fwd":
-                run = (lambda fn=fn: fn(x, w, b, res))
-                nbytes = fwd_bytes
-            else:
-                def run(fn=fn):
-                    return torch.autograd.grad(outputs(fn(xg, wg, bg, rg)), leaves, grads_in)
-                nbytes = fwdbwd_bytes
-            err = (fwd_err if pass_ == "fwd" else bwd_err) if name == "fuseforge" else None
-            benches.append(Bench(case, pass_, name, run, bytes=nbytes, rel_err=err))
-    return benches
+    def reference(x, w, b, res=None):
+        h = x + res if res is not None else x
+        out = torch.nn.functional.layer_norm(h, h.shape[-1:], w, b, EPS)
+        return (out, h) if res is not None else out
+    errors = harness.accuracy(fuseforge_fn(out_dtype), leaves, grads_in, reference)
+    return harness.forward_and_backward_benches(case, impls, (x, w, b) + ((res,) if with_residual else ()), leaves,
+                                                grads_in, fwd_bytes, fwdbwd_bytes, errors)
 
 
 if __name__ == "__main__":

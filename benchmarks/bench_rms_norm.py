@@ -24,7 +24,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
 
 import harness  # noqa: E402
-from harness import Bench  # noqa: E402
 
 import fuseforge  # noqa: E402,F401  (loads the extension)
 from fuseforge.ops.rms_norm import rms_norm  # noqa: E402
@@ -46,7 +45,7 @@ CPU_CASES = ["1024x512/bf16/add_norm", "8192x128/bf16/norm"]
 
 
 def eager_fn(out_dtype):
-    def fn(x, w, res):
+    def fn(x, w, res=None):
         # LlamaRMSNorm.forward, after the decoder layer's `residual + hidden_states`.
         h = res + x if res is not None else x
         input_dtype = h.dtype
@@ -59,13 +58,13 @@ def eager_fn(out_dtype):
 
 
 def fuseforge_fn(out_dtype):
-    def fn(x, w, res):
+    def fn(x, w, res=None):
         return rms_norm(x, w, EPS, res, 0.0, out_dtype)
     return fn
 
 
 def liger_fn(out_dtype):
-    def fn(x, w, res):
+    def fn(x, w, res=None):
         if res is not None:
             out, h = LigerFusedAddRMSNormFunction.apply(x, res, w, EPS, 0.0, "llama", False)
             return out.to(out_dtype), h
@@ -95,39 +94,16 @@ def setup(case):
     fwd_bytes = in_b * (3 if with_residual else 1) + out_b
     fwdbwd_bytes = fwd_bytes + out_b + in_b * (3 if with_residual else 2)
 
-    leaves = [t.clone().requires_grad_() for t in (x, w)] + ([res.clone().requires_grad_()] if with_residual else [])
-    xg, wg = leaves[:2]
-    rg = leaves[2] if with_residual else None
+    leaves = [t.clone().requires_grad_() for t in (x, w) + ((res,) if with_residual else ())]
     grads_in = (grad_out, grad_h) if with_residual else (grad_out,)
 
-    def outputs(got):
-        return got if isinstance(got, tuple) else (got,)
-
-    # Accuracy of fuseforge against float64 (forward and every gradient).
-    leaves64 = [t.detach().double().requires_grad_() for t in leaves]
-    h64 = leaves64[0] + leaves64[2] if with_residual else leaves64[0]
-    ref = h64 * torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + EPS) * leaves64[1]
-    got = outputs(fuseforge_fn(out_dtype)(xg, wg, rg))
-    fwd_err = harness.rel_err(got[0], ref)
-    grads = torch.autograd.grad(got, leaves, grads_in)
-    ref_grads = torch.autograd.grad((ref, h64) if with_residual else (ref,), leaves64,
-                                    tuple(g.double() for g in grads_in))
-    bwd_err = max([fwd_err] + [harness.rel_err(g, r) for g, r in zip(grads, ref_grads)])
-    del leaves64, h64, ref, got, grads, ref_grads
-
-    benches = []
-    for pass_ in ("fwd", "fwdbwd"):
-        for name, fn in impls.items():
-            if pass_ == "fwd":
-                run = (lambda fn=fn: fn(x, w, res))
-                nbytes = fwd_bytes
-            else:
-                def run(fn=fn):
-                    return torch.autograd.grad(outputs(fn(xg, wg, rg)), leaves, grads_in)
-                nbytes = fwdbwd_bytes
-            err = (fwd_err if pass_ == "fwd" else bwd_err) if name == "fuseforge" else None
-            benches.append(Bench(case, pass_, name, run, bytes=nbytes, rel_err=err))
-    return benches
+    def reference(x, w, res=None):
+        h = x + res if res is not None else x
+        out = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS) * w
+        return (out, h) if res is not None else out
+    errors = harness.accuracy(fuseforge_fn(out_dtype), leaves, grads_in, reference)
+    return harness.forward_and_backward_benches(case, impls, (x, w) + ((res,) if with_residual else ()), leaves,
+                                                grads_in, fwd_bytes, fwdbwd_bytes, errors)
 
 
 if __name__ == "__main__":

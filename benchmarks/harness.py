@@ -78,6 +78,41 @@ def rel_err(got, ref) -> float:
     return ((got.double() - ref).norm() / ref.norm()).item()
 
 
+def _as_tuple(got) -> tuple:
+    return got if isinstance(got, tuple) else (got,)
+
+
+def accuracy(fn: Callable, leaves: list, grads_in: tuple, reference: Callable) -> tuple:
+    """(the first output's error, the worst of it and every gradient's) of fn(*leaves) against
+    reference(*leaves in float64), by rel_err; grads_in: one gradient an output."""
+    leaves64 = [t.detach().double().requires_grad_() for t in leaves]
+    ref = _as_tuple(reference(*leaves64))
+    got = _as_tuple(fn(*leaves))
+    fwd_err = rel_err(got[0], ref[0])
+    grads = torch.autograd.grad(got, leaves, grads_in)
+    ref_grads = torch.autograd.grad(ref, leaves64, tuple(g.double() for g in grads_in))
+    return fwd_err, max([fwd_err] + [rel_err(g, r) for g, r in zip(grads, ref_grads)])
+
+
+def forward_and_backward_benches(case: str, impls: dict, args: tuple, leaves: list, grads_in: tuple,
+                                 fwd_bytes: float, fwdbwd_bytes: float, errors: tuple = (None, None),
+                                 checked: str = "fuseforge") -> list:
+    """A `fwd` Bench (fn(*args)) and a `fwdbwd` one (fn(*leaves), then the gradients of every leaf from
+    grads_in) for each impl name -> fn; `checked`'s rows carry errors (fwd, fwdbwd)."""
+    benches = []
+    for pass_ in ("fwd", "fwdbwd"):
+        for name, fn in impls.items():
+            if pass_ == "fwd":
+                def run(fn=fn):
+                    return fn(*args)
+            else:
+                def run(fn=fn):
+                    return torch.autograd.grad(_as_tuple(fn(*leaves)), leaves, grads_in)
+            benches.append(Bench(case, pass_, name, run, bytes=fwd_bytes if pass_ == "fwd" else fwdbwd_bytes,
+                                 rel_err=errors[pass_ == "fwdbwd"] if name == checked else None))
+    return benches
+
+
 def median(xs: Iterable[float]) -> float:
     """The middle value (the upper one of an even count), as every timing here reports."""
     xs = sorted(xs)
