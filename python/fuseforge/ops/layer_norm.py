@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from fuseforge.ops._eager import eager_autograd, once_differentiable, plain_eager
+from fuseforge.ops.rms_norm import _stat_dtype  # the same kernels' statistics
 
 _ops = torch.ops.fuseforge
 
@@ -40,10 +41,6 @@ def layer_norm(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor
     else:
         out, residual_out, _, _ = _ops.layer_norm_fwd(*args)
     return out if residual is None else (out, residual_out)
-
-
-def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 @torch.library.register_fake("fuseforge::layer_norm_fwd")
