@@ -275,8 +275,9 @@ def _experts_forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
     implementation = getattr(getattr(self, "config", None), "_experts_implementation", None)
     params = dict(self.named_parameters(recurse=False))
-    if self._fuseforge_casting or implementation not in CASTING_EXPERTS or dtype not in (torch.float16, torch.bfloat16) \
-            or not any(p.dtype == torch.float32 for p in params.values()):
+    casts = (not self._fuseforge_casting and implementation in CASTING_EXPERTS
+             and dtype in (torch.float16, torch.bfloat16) and any(p.dtype == torch.float32 for p in params.values()))
+    if not casts:
         return type(self).forward(self, hidden_states, *args, **kwargs)
     cast = {name: p.to(dtype) if p.dtype == torch.float32 else p for name, p in params.items()}
     self._fuseforge_casting = True  # functional_call calls this forward again: the model's runs there
