@@ -977,9 +977,11 @@ def test_grouped_experts_multiply_in_the_autocast_dtype(family, device, monkeypa
     """Under autocast with float32 weights transformers' grouped experts multiply in float32 (they cast
     their input to the weights' dtype); patched, in the autocast dtype, as every other matrix product of
     the model, with the gradients on the float32 weights; `experts=False` and unpatch leave them as they
-    were. Against a float64 copy, the loss and every gradient are within twice the error of the
-    unpatched model whose experts autocast does cast (transformers' loop of linear layers)."""
-    model = make_model(family, torch.float32, device, experts_implementation="grouped_mm")
+    were. Against a float64 copy, the loss and every gradient are within twice the error of the same
+    model, patched, whose experts autocast casts itself (transformers' loop of linear layers). Every
+    token takes every expert (4 of 4): a top-k choice that flips between two models' roundings would
+    move whole experts' gradients."""
+    model = make_model(family, torch.float32, device, experts_implementation="grouped_mm", num_experts_per_tok=4)
     grouped_mm, seen = torch.nn.functional.grouped_mm, []
 
     def spy(a, b, **kwargs):
@@ -1002,8 +1004,9 @@ def test_grouped_experts_multiply_in_the_autocast_dtype(family, device, monkeypa
     out, got_grads = step(model)
     assert seen and set(seen) == {(torch.bfloat16, torch.bfloat16)}
     exact_loss, exact_grads = reference_loss_and_grads(
-        make_model(family, torch.float64, device, experts_implementation="eager"), ids, ids)
-    ref, ref_grads = step(make_model(family, torch.float32, device, experts_implementation="eager"))
+        make_model(family, torch.float64, device, experts_implementation="eager", num_experts_per_tok=4), ids, ids)
+    ref, ref_grads = step(patch(make_model(family, torch.float32, device, experts_implementation="eager",
+                                           num_experts_per_tok=4)))
     bound = max(2 * abs(ref.loss.item() - exact_loss.item()), 1e-3 * exact_loss.item())
     assert abs(out.loss.item() - exact_loss.item()) <= bound
     assert set(got_grads) == set(exact_grads)
