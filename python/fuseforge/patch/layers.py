@@ -86,41 +86,44 @@ def _norm_out_dtype(x: Tensor) -> torch.dtype:
     return x.dtype
 
 
+def _same_dtype(x: Tensor, residual: Optional[Tensor]):
+    """(x, residual) in one dtype: the residual stream (float32 under autocast) and a branch's output
+    (bfloat16) sum in the wider type, as the unfused add gives."""
+    if residual is not None and residual.dtype != x.dtype:
+        wide = torch.promote_types(x.dtype, residual.dtype)
+        x, residual = x.to(wide), residual.to(wide)
+    return x, residual
+
+
+def _module_norm(norm: nn.Module, x: Tensor, residual: Optional[Tensor]):
+    """The norm module's own forward, on x + residual where there is one (returned beside it)."""
+    h = x if residual is None else x + residual
+    out = type(norm).forward(norm, h)
+    return out if residual is None else (out, h)
+
+
 def _norm_forward(self, hidden_states: Tensor, residual: Optional[Tensor] = None):
     """The patched RMSNorm: `norm(x)`, or with a residual `(norm(x + residual), x + residual)`."""
     offset = self._fuseforge_weight_offset
     eps = getattr(self, "variance_epsilon", None)
     eps = self.eps if eps is None else eps
     weight = self.weight
-    x = hidden_states
-    if residual is not None and residual.dtype != x.dtype:
-        # The residual stream (float32 under autocast) and a branch's output (bfloat16): the sum has the
-        # wider type, as the unfused add gives.
-        wide = torch.promote_types(x.dtype, residual.dtype)
-        x, residual = x.to(wide), residual.to(wide)
-    out_dtype = _norm_out_dtype(x)
+    x, residual = _same_dtype(hidden_states, residual)
     # Llama's form returns weight * normalised.to(input dtype): a float32 weight on a 16-bit input without
     # autocast gives float32, which the kernel does not write; so does a weight of a third type.
     takes = weight.dtype in (x.dtype, torch.float32) and (
         offset != 0.0 or weight.dtype == x.dtype or torch.is_autocast_enabled(x.device.type))
     if not takes:
-        h = x if residual is None else x + residual
-        out = type(self).forward(self, h)
-        return out if residual is None else (out, h)
-    return rms_norm(x, weight, eps, residual=residual, weight_offset=offset, out_dtype=out_dtype)
+        return _module_norm(self, x, residual)
+    return rms_norm(x, weight, eps, residual=residual, weight_offset=offset, out_dtype=_norm_out_dtype(x))
 
 
 def _layer_norm_forward(self, hidden_states: Tensor, residual: Optional[Tensor] = None):
     """The patched LayerNorm: `norm(x)`, or with a residual `(norm(x + residual), x + residual)`."""
     weight, bias = getattr(self, "weight", None), getattr(self, "bias", None)
-    x = hidden_states
-    if residual is not None and residual.dtype != x.dtype:
-        wide = torch.promote_types(x.dtype, residual.dtype)
-        x, residual = x.to(wide), residual.to(wide)
+    x, residual = _same_dtype(hidden_states, residual)
     if any(p is not None and p.dtype not in (x.dtype, torch.float32) for p in (weight, bias)):
-        h = x if residual is None else x + residual
-        out = type(self).forward(self, h)
-        return out if residual is None else (out, h)
+        return _module_norm(self, x, residual)
     # OLMo's norm has no eps attribute: its forward passes layer_norm's default, 1e-5.
     return layer_norm(x, weight, bias, getattr(self, "eps", 1e-5), residual=residual, out_dtype=_norm_out_dtype(x))
 
