@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python"))
 
 import harness  # noqa: E402
+from bench_rms_norm import norm_case  # noqa: E402  (the same case format, dtypes and bytes)
 
 import fuseforge  # noqa: E402,F401  (loads the extension)
 from fuseforge.ops.layer_norm import layer_norm  # noqa: E402
@@ -31,7 +32,6 @@ except ImportError:
     LigerLayerNormFunction = None
 
 EPS = 1e-5
-DTYPES = {"bf16": (torch.bfloat16, torch.bfloat16), "fp32_bf16out": (torch.float32, torch.bfloat16)}
 
 CASES = ([f"16384x{h}/{d}/norm" for h in (1024, 2048, 4096, 8192) for d in ("bf16", "fp32_bf16out")]
          + [f"16384x{h}/bf16/add_norm" for h in (2048, 4096)])
@@ -62,26 +62,14 @@ def liger_fn(out_dtype):
 
 def setup(case):
     torch._dynamo.reset()
-    shape, dtype_name, kind = case.split("/")
-    rows, hidden = (int(v) for v in shape.split("x"))
-    dtype, out_dtype = DTYPES[dtype_name]
-    with_residual = kind == "add_norm"
-    dev = harness.bench_device()
-    x = torch.randn(rows, hidden, device=dev, dtype=dtype) + 1.0
-    w = (1 + 0.1 * torch.randn(hidden, device=dev)).to(dtype)
-    b = (0.1 * torch.randn(hidden, device=dev)).to(dtype)
-    res = torch.randn(rows, hidden, device=dev, dtype=dtype) if with_residual else None
-    grad_out = torch.randn(rows, hidden, device=dev, dtype=out_dtype)
-    grad_h = torch.randn(rows, hidden, device=dev, dtype=dtype) if with_residual else None
+    c = norm_case(case, x_shift=1.0)  # rows whose mean is not 0: the centering matters
+    x, res, grad_out, grad_h, out_dtype, with_residual = c.x, c.res, c.grad_out, c.grad_h, c.out_dtype, c.with_residual
+    w = (1 + 0.1 * torch.randn(c.hidden, device=c.device)).to(c.dtype)
+    b = (0.1 * torch.randn(c.hidden, device=c.device)).to(c.dtype)
     impls = {"fuseforge": fuseforge_fn(out_dtype), "eager": eager_fn(out_dtype),
              "compile": torch.compile(eager_fn(out_dtype), dynamic=False)}
-    if LigerLayerNormFunction is not None and dev == "cuda":
+    if LigerLayerNormFunction is not None and c.device == "cuda":
         impls["liger"] = liger_fn(out_dtype)
-
-    elems = rows * hidden
-    in_b, out_b = elems * x.element_size(), elems * torch.empty((), dtype=out_dtype).element_size()
-    fwd_bytes = in_b * (3 if with_residual else 1) + out_b
-    fwdbwd_bytes = fwd_bytes + out_b + in_b * (3 if with_residual else 2)
 
     leaves = [t.clone().requires_grad_() for t in (x, w, b) + ((res,) if with_residual else ())]
     grads_in = (grad_out, grad_h) if with_residual else (grad_out,)
@@ -92,7 +80,7 @@ def setup(case):
         return (out, h) if res is not None else out
     errors = harness.accuracy(fuseforge_fn(out_dtype), leaves, grads_in, reference)
     return harness.forward_and_backward_benches(case, impls, (x, w, b) + ((res,) if with_residual else ()), leaves,
-                                                grads_in, fwd_bytes, fwdbwd_bytes, errors)
+                                                grads_in, c.fwd_bytes, c.fwdbwd_bytes, errors)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ kept): the peers' forwards, timed once, moved by 5-30% between runs.
 """
 import os
 import sys
+import types
 
 import torch
 
@@ -72,27 +73,36 @@ def liger_fn(out_dtype):
     return fn
 
 
-def setup(case):
-    torch._dynamo.reset()  # a fresh compile per case (the eager code object is shared by every case)
+def norm_case(case: str, x_shift: float = 0.0):
+    """A norm benchmark's case `ROWSxHIDDEN/DTYPE/KIND` (bench_layer_norm.py's too): dtype and out_dtype,
+    x (+ x_shift), the residual (add_norm) and the output gradients on the benchmark's device, and the
+    bytes each pass must move."""
     shape, dtype_name, kind = case.split("/")
     rows, hidden = (int(v) for v in shape.split("x"))
     dtype, out_dtype = DTYPES[dtype_name]
     with_residual = kind == "add_norm"
     dev = harness.bench_device()
-    x = torch.randn(rows, hidden, device=dev, dtype=dtype)
-    w = (1 + 0.1 * torch.randn(hidden, device=dev)).to(dtype)
-    res = torch.randn(rows, hidden, device=dev, dtype=dtype) if with_residual else None
-    grad_out = torch.randn(rows, hidden, device=dev, dtype=out_dtype)
-    grad_h = torch.randn(rows, hidden, device=dev, dtype=dtype) if with_residual else None
+    elems = rows * hidden
+    in_b, out_b = elems * dtype.itemsize, elems * out_dtype.itemsize
+    fwd_bytes = in_b * (3 if with_residual else 1) + out_b
+    return types.SimpleNamespace(
+        hidden=hidden, dtype=dtype, out_dtype=out_dtype, device=dev, with_residual=with_residual,
+        x=torch.randn(rows, hidden, device=dev, dtype=dtype) + x_shift,
+        res=torch.randn(rows, hidden, device=dev, dtype=dtype) if with_residual else None,
+        grad_out=torch.randn(rows, hidden, device=dev, dtype=out_dtype),
+        grad_h=torch.randn(rows, hidden, device=dev, dtype=dtype) if with_residual else None,
+        fwd_bytes=fwd_bytes, fwdbwd_bytes=fwd_bytes + out_b + in_b * (3 if with_residual else 2))
+
+
+def setup(case):
+    torch._dynamo.reset()  # a fresh compile per case (the eager code object is shared by every case)
+    c = norm_case(case)
+    x, res, grad_out, grad_h, out_dtype, with_residual = c.x, c.res, c.grad_out, c.grad_h, c.out_dtype, c.with_residual
+    w = (1 + 0.1 * torch.randn(c.hidden, device=c.device)).to(c.dtype)
     impls = {"fuseforge": fuseforge_fn(out_dtype), "eager": eager_fn(out_dtype),
              "compile": torch.compile(eager_fn(out_dtype), dynamic=False)}
-    if LigerRMSNormFunction is not None and dev == "cuda":
+    if LigerRMSNormFunction is not None and c.device == "cuda":
         impls["liger"] = liger_fn(out_dtype)
-
-    elems = rows * hidden
-    in_b, out_b = elems * x.element_size(), elems * torch.empty((), dtype=out_dtype).element_size()
-    fwd_bytes = in_b * (3 if with_residual else 1) + out_b
-    fwdbwd_bytes = fwd_bytes + out_b + in_b * (3 if with_residual else 2)
 
     leaves = [t.clone().requires_grad_() for t in (x, w) + ((res,) if with_residual else ())]
     grads_in = (grad_out, grad_h) if with_residual else (grad_out,)
@@ -103,7 +113,7 @@ def setup(case):
         return (out, h) if res is not None else out
     errors = harness.accuracy(fuseforge_fn(out_dtype), leaves, grads_in, reference)
     return harness.forward_and_backward_benches(case, impls, (x, w) + ((res,) if with_residual else ()), leaves,
-                                                grads_in, fwd_bytes, fwdbwd_bytes, errors)
+                                                grads_in, c.fwd_bytes, c.fwdbwd_bytes, errors)
 
 
 if __name__ == "__main__":
