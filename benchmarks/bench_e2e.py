@@ -8,7 +8,7 @@ Cases (--config): ``1b`` (Llama: hidden 2048, 16 layers, 16 / 4 heads, intermedi
 GeGLU, a 4096 window), ``8b-layers`` (four Llama-3-8B layers: hidden 4096, intermediate 14336, 32 / 8
 heads), ``qwen3-moe-layers`` (four Qwen3-30B-A3B layers: hidden 2048, 32 / 4 heads of 128, 128
 experts of 768 with 8 a token, vocab 151936; the experts run transformers' grouped-GEMM code in every
-impl but liger, which patches them with its fused MoE kernel). Sequence 2048; the batch given, or
+impl but liger, which patches them with its fused MoE kernel; fuseforge's in the autocast dtype). Sequence 2048; the batch given, or
 chosen to fit eager (--batch auto: the largest that keeps eager's peak under 88% of the GPU); labels =
 inputs.
 
@@ -17,10 +17,11 @@ impls (one recipe for all but fuseforge_bf16: fp32 weights, bf16 autocast)
 - liger: eager after Liger-Kernel's apply_liger_kernel_to_<family>(model=...) (RoPE, RMSNorm, SwiGLU /
   GeGLU, fused linear cross-entropy).
 - fuseforge: fuseforge.patch (attention, the loss, RMSNorm with the residual add, rotary, the gated
-  activation) and fuseforge.optim.AdamW.
+  activation, a mixture-of-experts model's experts in the autocast dtype) and fuseforge.optim.AdamW.
 - fuseforge_bf16: fuseforge.patch with bf16 weights and fuseforge.optim.AdamW(master_weights=True).
 - fuseforge_attn_loss, fuseforge_no_rms_norm, fuseforge_no_rotary, fuseforge_no_glu,
-  fuseforge_no_fuse_residual (not in the defaults): one fusion left out each, the ablation.
+  fuseforge_no_fuse_residual, fuseforge_no_experts (not in the defaults): one fusion left out each, the
+  ablation.
 - fuseforge_sdpa (not in the defaults): fuseforge with attention left to transformers' SDPA.
 - fuseforge_bf16_states, fuseforge_int8_states (not in the defaults): fuseforge with AdamW's moments
   in bfloat16 / int8 (`state_dtype`); with --data text, the check that compact states converge like
