@@ -192,12 +192,14 @@ SECTIONS = [
      "(128256, untied head); S = 2048, batch 16; Liger's patch is `apply_liger_kernel_to_llama`. Recipe, "
      "steps and impls as in the 1.2B Llama section."),
     ("e2e_qwen3_moe_layers", "End to end: four Qwen3-30B-A3B layers (mixture of experts)",
-     "`bench_e2e.py --config qwen3-moe-layers --batch 8 --impls eager,liger,fuseforge`: 4 of Qwen3-30B-A3B's "
+     "`bench_e2e.py --config qwen3-moe-layers --batch 8 --impls eager,liger,fuseforge,fuseforge_no_experts`: 4 of Qwen3-30B-A3B's "
      "48 layers (hidden 2048, 32 query heads on 4 KV heads of 128, q/k norms, 128 experts of 768 with 8 a "
      "token, no shared expert) with its vocabulary (151936, untied head); S = 2048, batch 8. The experts "
-     "run transformers' grouped-GEMM implementation (its default) in `eager` and `fuseforge`; Liger's "
-     "`apply_liger_kernel_to_qwen3_moe` replaces them with its fused MoE kernel. This run predates the "
-     "experts' gate on `glu` (the next table). Recipe and steps as in the 1.2B Llama section."),
+     "run transformers' grouped-GEMM implementation (its default), which casts their input to the weights' "
+     "dtype (fp32 here, under autocast too); `fuseforge` patches them to multiply in the autocast dtype "
+     "(`patch(experts=True)`, the default), `fuseforge_no_experts` leaves them to transformers (their gate "
+     "on `glu`). Liger's `apply_liger_kernel_to_qwen3_moe` replaces them with its fused MoE kernel. "
+     "Recipe and steps as in the 1.2B Llama section."),
     ("e2e_qwen3_moe_glu_ab", "End to end: the experts' gate on glu",
      "`bench_e2e.py --config qwen3-moe-layers --batch 8 --impls eager,fuseforge,fuseforge_no_glu`: the "
      "model above with the experts' `act(gate) * up` (transformers' `_apply_gate` on the grouped "
