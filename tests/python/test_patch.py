@@ -4,10 +4,12 @@ patched and unpatched losses, gradients, logits and generations agree (packed ba
 windows and softcapping included); unpatch restores the model."""
 import contextlib
 import copy
+import gc
 import importlib
 import inspect
 import sys
 import types
+import weakref
 
 import pytest
 import torch
@@ -17,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 import fuseforge  # noqa: F401,E402  (loads the extension)
 # `from fuseforge.patch import ...` reaches the module even where fuseforge/__init__ binds the name
 # fuseforge.patch to the function.
-from fuseforge.patch import KernelMask, is_patched, patch, stats, unpatch  # noqa: E402
+from fuseforge.patch import KernelMask, is_patched, layers, patch, stats, unpatch  # noqa: E402
 from harness import assert_rel_close, generator, rel_err, requires_cuda  # noqa: E402
 
 VOCAB = 131  # odd
@@ -1018,6 +1020,50 @@ def test_grouped_experts_multiply_in_the_autocast_dtype(family, device, monkeypa
     assert not [m for m in model.modules() if "forward" in vars(m) or "_fuseforge_casting" in vars(m)]
     step(model)
     assert set(seen) == {(torch.float32, torch.float32)}
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_grouped_experts_keep_no_16bit_weight_copies(checkpointing, device, monkeypatch):
+    """The patched experts' 16-bit weight copies are not kept for the backward (it casts the float32
+    weights again): after the forward nothing holds the weights the grouped GEMMs saw, and the gradients
+    are the ones of the model that keeps them (bit for bit: the same casts, the same products). Under
+    activation checkpointing its hooks drop them (and ours stay out of its way)."""
+    model = make_model("qwen3_moe", torch.float32, device, experts_implementation="grouped_mm", num_experts_per_tok=4)
+    if checkpointing:
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    patch(model)
+    grouped_mm, weights = torch.nn.functional.grouped_mm, []
+
+    def spy(a, b, **kwargs):
+        weights.append(weakref.ref(b))
+        return grouped_mm(a, b, **kwargs)
+    monkeypatch.setattr(torch.nn.functional, "grouped_mm", spy)
+    ids = tokens(2, 19, device)
+
+    def step(keep_copies: bool):
+        weights.clear()
+        if keep_copies:
+            monkeypatch.setattr(layers, "_recast_in_backward", lambda casts: contextlib.nullcontext())
+        model.zero_grad(set_to_none=True)
+        with torch.autocast(device, dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        gc.collect()
+        alive = [w() is not None for w in weights]
+        loss.backward()
+        return alive, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    alive, grads = step(keep_copies=False)
+    kept_alive, kept_grads = step(keep_copies=True)
+    assert len(alive) == len(kept_alive) > 0
+    assert not any(alive)
+    if not checkpointing:  # the copies the unhooked graph saves live until the backward
+        assert all(kept_alive)
+    assert set(grads) == set(kept_grads)
+    for name, g in kept_grads.items():
+        assert torch.equal(grads[name], g), name
 
 
 def test_olmoe_clip_qkv_keeps_the_model_attention(monkeypatch):

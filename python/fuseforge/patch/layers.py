@@ -26,8 +26,9 @@ without a kernel, attention without position_ids) runs the module's own forward.
 """
 from __future__ import annotations
 
+import contextlib
 import types
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor, nn
@@ -273,21 +274,66 @@ def _experts_gate(self, gate_up: Tensor) -> Tensor:
 def _experts_forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
     """The experts with float32 weights under autocast: the model's forward on the weights cast to the
     autocast dtype (the casts are differentiable: the gradients reach the float32 weights), so its
-    grouped GEMMs run in that dtype."""
+    grouped GEMMs run in that dtype. The backward casts the weights again instead of keeping the
+    forward's copies (`_recast_in_backward`)."""
     device = hidden_states.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
     implementation = getattr(getattr(self, "config", None), "_experts_implementation", None)
+    if (self._fuseforge_casting or implementation not in CASTING_EXPERTS
+            or dtype not in (torch.float16, torch.bfloat16)):
+        return type(self).forward(self, hidden_states, *args, **kwargs)
     params = dict(self.named_parameters(recurse=False))
-    casts = (not self._fuseforge_casting and implementation in CASTING_EXPERTS
-             and dtype in (torch.float16, torch.bfloat16) and any(p.dtype == torch.float32 for p in params.values()))
-    if not casts:
+    if not any(p.dtype == torch.float32 for p in params.values()):
         return type(self).forward(self, hidden_states, *args, **kwargs)
     cast = {name: p.to(dtype) if p.dtype == torch.float32 else p for name, p in params.items()}
     self._fuseforge_casting = True  # functional_call calls this forward again: the model's runs there
     try:
-        return torch.func.functional_call(self, cast, (hidden_states, *args), kwargs)
+        with _recast_in_backward({params[name]: c for name, c in cast.items() if c is not params[name]}):
+            return torch.func.functional_call(self, cast, (hidden_states, *args), kwargs)
     finally:
         self._fuseforge_casting = False
+
+
+def _recast_in_backward(casts: dict):
+    """Saved-tensor hooks under which a tensor the autograd graph saves that is (a view of) one of the
+    `casts` values, `{float32 parameter: its copy in a 16-bit dtype}`, is saved as its parameter and cast
+    again when the backward needs it: the copies (a 16-bit copy of every expert weight, 1.2 GB a
+    Qwen3-30B-A3B layer) are then freed after the forward instead of living until the backward. Inside
+    torch.compile the graph's own partitioner decides what to save, and under hooks already set
+    (activation checkpointing drops every saved tensor, the copies too) those decide: no hooks there."""
+    if not casts or torch.compiler.is_compiling() or _saved_tensor_hooks_set():
+        return contextlib.nullcontext()
+    by_storage = {c.untyped_storage().data_ptr(): (p, c.dtype) for p, c in casts.items()}
+
+    def pack(t: Tensor):
+        if t.layout != torch.strided or t.is_nested:
+            return t
+        source = by_storage.get(t.untyped_storage().data_ptr())
+        if source is None or t.dtype != source[1]:
+            return t
+        return _Recast(source[0], source[1], t.size(), t.stride(), t.storage_offset())
+
+    def unpack(saved):
+        return saved.tensor() if isinstance(saved, _Recast) else saved
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+def _saved_tensor_hooks_set() -> bool:
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is None or top(False) is not None
+
+
+class _Recast(NamedTuple):
+    """A saved view of a parameter's 16-bit copy, rebuilt from the parameter."""
+    param: Tensor
+    dtype: torch.dtype
+    size: torch.Size
+    stride: tuple
+    offset: int
+
+    def tensor(self) -> Tensor:
+        return self.param.to(self.dtype).as_strided(self.size, self.stride, self.offset)
 
 
 def _experts_activation(experts: nn.Module, config) -> Optional[str]:
