@@ -15,7 +15,7 @@ What is replaced, each an instance `forward` (the classes are untouched, so othe
   implementations) while their routing and matrix products stay the model's code; under autocast with
   float32 weights, the grouped and batched experts' matrix products in the autocast dtype, as autocast
   runs every other matrix product of the model (transformers casts their input to the weights' dtype,
-  which runs them in float32);
+  which runs them in float32), the backward casting the weights again rather than keeping the copies;
 - the decoder layer: the residual add after attention goes into the next norm (`norm(h, residual=r)`
   returns the normalised output and `h + r` in one pass).
 
