@@ -1066,6 +1066,30 @@ def test_grouped_experts_keep_no_16bit_weight_copies(checkpointing, device, monk
         assert torch.equal(grads[name], g), name
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+def test_batched_experts_under_autocast_match_float64(device):
+    """transformers' batched experts (the weights gathered a token-expert pair each, then bmm, which
+    autocast casts itself) patched under autocast: the gather reads the weights' 16-bit copies, and the
+    loss and every gradient are within twice the error of the same model, patched, on its grouped GEMMs."""
+    ids = tokens(2, 19, device)
+
+    def step(implementation):
+        model = patch(make_model("qwen3_moe", torch.float32, device, experts_implementation=implementation,
+                                 num_experts_per_tok=4))
+        with torch.autocast(device, dtype=torch.bfloat16):
+            return loss_and_grads(model, input_ids=ids, labels=ids)
+    out, got_grads = step("batched_mm")
+    ref, ref_grads = step("grouped_mm")
+    exact_loss, exact_grads = reference_loss_and_grads(
+        make_model("qwen3_moe", torch.float64, device, experts_implementation="eager", num_experts_per_tok=4), ids, ids)
+    bound = max(2 * abs(ref.loss.item() - exact_loss.item()), 1e-3 * exact_loss.item())
+    assert abs(out.loss.item() - exact_loss.item()) <= bound
+    assert set(got_grads) == set(exact_grads)
+    for name, g in exact_grads.items():
+        ref_err = rel_err(ref_grads[name], g)
+        assert_rel_close(got_grads[name], g, max(2 * ref_err, 1e-2), f"grad {name} (grouped's error {ref_err:.1e})")
+
+
 def test_olmoe_clip_qkv_keeps_the_model_attention(monkeypatch):
     """OLMoE's clip_qkv clamps the projections: its attention modules run their own forward (no
     fuseforge rotary), the norms and the loss stay fused, and the result matches."""
