@@ -128,11 +128,12 @@ def assert_compiles_like_eager(fn: Callable, *leaves: torch.Tensor, device: str 
         assert_rel_close(g, e, tol, "compiled grad")
 
 
-def assert_double_backward_raises(fn: Callable, *leaves: torch.Tensor, op_name: str) -> None:
+def assert_double_backward_raises(fn: Callable, *leaves: torch.Tensor, op_name: str, functorch: bool = True) -> None:
     """fn(*leaves) (a tensor, or a tuple whose first element is differentiated): its gradients taken
     with create_graph=True match those taken without (to the dtype's TOL: a GPU backward may add in
     another order), and backpropagating through them raises "fuseforge.<op_name>: double backward is
-    not supported"."""
+    not supported"; with `functorch`, torch.func.grad (and vmap of it) gives the same gradients and its
+    grad raises the same."""
     def first(out):
         return out[0] if isinstance(out, tuple) else out
     weights = torch.randn(first(fn(*leaves)).shape, dtype=torch.float64, generator=generator("cpu"))
@@ -146,3 +147,22 @@ def assert_double_backward_raises(fn: Callable, *leaves: torch.Tensor, op_name: 
     second = sum((g.double() ** 2).sum() for g in grads)
     with pytest.raises(RuntimeError, match=f"fuseforge.{op_name}: double backward is not supported"):
         second.backward()
+    if not functorch:
+        return
+    # The same through functorch: torch.func.grad gives the same gradients, a grad of it raises.
+    def loss_of(*args):
+        out = first(fn(*args))
+        return (out.double() * weights.to(out.device)).sum()
+    argnums = tuple(range(len(leaves)))
+    func_grads = torch.func.grad(loss_of, argnums=argnums)(*leaves)
+    for g, p in zip(func_grads, plain):
+        assert_rel_close(g, p, TOL[p.dtype], "torch.func.grad")
+    # vmap of it over two copies of the inputs: each sample's gradients are the plain ones.
+    per_sample = torch.func.vmap(torch.func.grad(loss_of, argnums=argnums))(*[torch.stack([t, t]) for t in leaves])
+    for g, p in zip(per_sample, plain):
+        for sample in g:
+            assert_rel_close(sample, p, TOL[p.dtype], "torch.func.vmap(torch.func.grad)")
+    def grad_norm(*args):
+        return sum((g.double() ** 2).sum() for g in torch.func.grad(loss_of, argnums=argnums)(*args))
+    with pytest.raises(RuntimeError, match=f"fuseforge.{op_name}: double backward is not supported"):
+        torch.func.grad(grad_norm)(*leaves)

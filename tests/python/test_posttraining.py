@@ -11,8 +11,8 @@ from fuseforge.nn import (CPOLoss, GRPOLoss, KTOLoss, ORPOLoss, PreferenceLoss, 
                           orpo_loss, preference_loss)
 from fuseforge.nn import posttraining as posttraining_module
 from fuseforge.ops import logprobs as logprobs_module
-from harness import (TOL, assert_compiles, assert_double_backward_raises, device_dtypes, devices, generator, randn,
-                     rel_err, run_opcheck)
+from harness import (TOL, assert_compiles, assert_double_backward_raises, assert_rel_close, device_dtypes, devices,
+                     generator, randn, rel_err, run_opcheck)
 
 ops = torch.ops.fuseforge
 
@@ -553,7 +553,15 @@ def test_chunked_path_refuses_a_double_backward(chunked_on_cpu):
     loss_fn = PreferenceLoss(beta=0.3)
     assert type(loss_fn(hc, hr, w, ic, ir, mc, mr, ref_c, ref_r).grad_fn).__name__ == "_SequenceChunkedLossBackward"
     assert_double_backward_raises(lambda w_: loss_fn(hc, hr, w_, ic, ir, mc, mr, ref_c, ref_r), w,
-                                  op_name="ops.logprobs.sequence_chunked_loss")
+                                  op_name="ops.logprobs.sequence_chunked_loss", functorch=False)
+    # Under functorch (whose transforms the chunked path's gradients-in-forward cannot serve) the loss
+    # takes the per-token path: the same gradient, and a grad of it refused by that path's op.
+    def loss_of(w_):
+        return loss_fn(hc, hr, w_, ic, ir, mc, mr, ref_c, ref_r)
+    (plain,) = torch.autograd.grad(loss_of(w), w)
+    assert_rel_close(torch.func.grad(loss_of)(w), plain, 1e-10, "torch.func.grad")
+    with pytest.raises(RuntimeError, match="fuseforge.linear_cross_entropy: double backward is not supported"):
+        torch.func.grad(lambda w_: (torch.func.grad(loss_of)(w_) ** 2).sum())(w)
 
 
 def test_the_cpu_keeps_the_per_token_path():

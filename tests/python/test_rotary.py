@@ -211,6 +211,32 @@ def test_gradcheck_float64_cpu(interleaved):
         assert torch.autograd.gradgradcheck(lambda q, k: rotary(q, k, inv_freq, positions, 0.7, interleaved), (q, k))
 
 
+def test_functorch_grad_and_its_grad_float64_cpu():
+    """torch.func.grad gives autograd's gradients, and (the backward being the op itself) a grad of that
+    gradient too; vmap of grad gives each sample's."""
+    q, k = make_qk(2, 2, 1, 3, 8, torch.float64, "cpu")
+    inv_freq, positions = inv_freq_for(8), packed_positions(1, 3, "cpu")  # (1, S): every row, every sample
+    weights = torch.randn(q.shape, dtype=torch.float64, generator=generator("cpu"))
+
+    def loss(q_, k_, weights_=weights):
+        out_q, out_k = rotary(q_, k_, inv_freq, positions, 0.7)
+        return (out_q * weights_).sum() + (out_k ** 2).sum()
+
+    def grad_norm(q_, k_):
+        return sum((g ** 2).sum() for g in torch.autograd.grad(loss(q_, k_), (q_, k_), create_graph=True))
+    leaves = [t.clone().requires_grad_() for t in (q, k)]
+    plain = torch.autograd.grad(loss(*leaves), leaves)
+    second = torch.autograd.grad(grad_norm(*leaves), leaves)
+    for got, ref in zip(torch.func.grad(loss, argnums=(0, 1))(q, k), plain):
+        assert_rel_close(got, ref, 1e-12, "torch.func.grad")
+    def func_grad_norm(q_, k_):
+        return sum((g ** 2).sum() for g in torch.func.grad(loss, argnums=(0, 1))(q_, k_))
+    for got, ref in zip(torch.func.grad(func_grad_norm, argnums=(0, 1))(q, k), second):
+        assert_rel_close(got, ref, 1e-12, "torch.func.grad of torch.func.grad")
+    per_sample = torch.func.vmap(torch.func.grad(lambda q_, k_, w_: loss(q_[None], k_[None], w_[None])))(q, k, weights)
+    assert_rel_close(per_sample, plain[0], 1e-12, "vmap(grad)")
+
+
 @pytest.mark.parametrize("device", devices())
 def test_opcheck(device):
     inv_freq = inv_freq_for(8, device=device)

@@ -8,7 +8,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from fuseforge.ops._eager import once_differentiable
+from fuseforge.ops._eager import eager_autograd, once_differentiable
 
 _ops = torch.ops.fuseforge
 
@@ -126,51 +126,6 @@ def cu_seqlens_from_position_ids(position_ids: Tensor) -> Tuple[Tensor, int]:
     return bounds, max_len
 
 
-class _AttentionFn(torch.autograd.Function):
-    """Carries `deterministic` (a backward-only flag) to the backward; the forward is the custom op,
-    so torch.compile sees attention_fwd / attention_bwd (both with fake kernels)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, causal, scale, left, right, softcap, deterministic):
-        out, lse = _ops.attention_fwd(q, k, v, causal, scale, left, right, softcap)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (causal, scale, deterministic, left, right, softcap)
-        ctx.mark_non_differentiable(lse)
-        ctx.set_materialize_grads(False)  # no zeros for lse's gradient, which is never used
-        return out, lse
-
-    @staticmethod
-    @once_differentiable("attention")
-    def backward(ctx, grad_out, _grad_lse):
-        if grad_out is None:  # undefined output gradient (gradcheck's check_undefined_grad passes one)
-            return (None,) * 9
-        q, k, v, out, lse = ctx.saved_tensors
-        grad_q, grad_k, grad_v = _ops.attention_bwd(grad_out, q, k, v, out, lse, *ctx.args)
-        return grad_q, grad_k, grad_v, None, None, None, None, None, None
-
-
-class _AttentionVarlenFn(torch.autograd.Function):
-    """As _AttentionFn, for attention_varlen_fwd / attention_varlen_bwd."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, left, right, softcap, deterministic):
-        out, lse = _ops.attention_varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, left, right, softcap)
-        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
-        ctx.args = (max_q, max_k, causal, scale, deterministic, left, right, softcap)
-        ctx.mark_non_differentiable(lse)
-        ctx.set_materialize_grads(False)
-        return out, lse
-
-    @staticmethod
-    @once_differentiable("attention_varlen")
-    def backward(ctx, grad_out, _grad_lse):
-        if grad_out is None:  # undefined output gradient (gradcheck's check_undefined_grad passes one)
-            return (None,) * 13
-        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-        grad_q, grad_k, grad_v = _ops.attention_varlen_bwd(grad_out, q, k, v, out, lse, cu_q, cu_k, *ctx.args)
-        return (grad_q, grad_k, grad_v) + (None,) * 10
-
-
 def _lse_dtype(q):
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
@@ -202,32 +157,36 @@ def _attention_varlen_bwd_fake(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seq
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-# The ops themselves are differentiable too (torch.ops.fuseforge.attention_fwd called directly, opcheck).
+# The ops' autograd (torch.ops.fuseforge.attention_fwd called directly, opcheck), and that of the
+# Functions attention() and attention_varlen() call, whose inputs end with `deterministic`, a
+# backward-only flag the ops do not take.
 def _fwd_setup_context(ctx, inputs, output):
     q, k, v, causal, scale, *rest = inputs
-    left, right, softcap = (list(rest) + [-1, -1, 0.0][len(rest):])
+    left, right, softcap, deterministic = (list(rest) + [-1, -1, 0.0, False][len(rest):])
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.args = (causal, scale, False, left, right, softcap)
+    ctx.args = (causal, scale, deterministic, left, right, softcap)
+    ctx.num_inputs = len(inputs)
     ctx.mark_non_differentiable(lse)
-    ctx.set_materialize_grads(False)
+    ctx.set_materialize_grads(False)  # no zeros for lse's gradient, which is never used
 
 
 @once_differentiable("attention")
 def _fwd_backward(ctx, grad_out, _grad_lse):
     if grad_out is None:  # undefined output gradient (gradcheck's check_undefined_grad passes one)
-        return (None,) * 8
+        return (None,) * ctx.num_inputs
     q, k, v, out, lse = ctx.saved_tensors
     grad_q, grad_k, grad_v = _ops.attention_bwd(grad_out, q, k, v, out, lse, *ctx.args)
-    return grad_q, grad_k, grad_v, None, None, None, None, None
+    return (grad_q, grad_k, grad_v) + (None,) * (ctx.num_inputs - 3)
 
 
 def _varlen_fwd_setup_context(ctx, inputs, output):
     q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, *rest = inputs
-    left, right, softcap = (list(rest) + [-1, -1, 0.0][len(rest):])
+    left, right, softcap, deterministic = (list(rest) + [-1, -1, 0.0, False][len(rest):])
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
-    ctx.args = (max_q, max_k, causal, scale, False, left, right, softcap)
+    ctx.args = (max_q, max_k, causal, scale, deterministic, left, right, softcap)
+    ctx.num_inputs = len(inputs)
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)
 
@@ -235,12 +194,18 @@ def _varlen_fwd_setup_context(ctx, inputs, output):
 @once_differentiable("attention_varlen")
 def _varlen_fwd_backward(ctx, grad_out, _grad_lse):
     if grad_out is None:  # undefined output gradient (gradcheck's check_undefined_grad passes one)
-        return (None,) * 12
+        return (None,) * ctx.num_inputs
     q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
     grad_q, grad_k, grad_v = _ops.attention_varlen_bwd(grad_out, q, k, v, out, lse, cu_q, cu_k, *ctx.args)
-    return (grad_q, grad_k, grad_v) + (None,) * 9
+    return (grad_q, grad_k, grad_v) + (None,) * (ctx.num_inputs - 3)
 
 
 torch.library.register_autograd("fuseforge::attention_fwd", _fwd_backward, setup_context=_fwd_setup_context)
 torch.library.register_autograd("fuseforge::attention_varlen_fwd", _varlen_fwd_backward,
                                 setup_context=_varlen_fwd_setup_context)
+
+# Called in every mode, torch.compile included (the op's own autograd would drop `deterministic`).
+_AttentionFn = eager_autograd(lambda *inputs: _ops.attention_fwd(*inputs[:8]), _fwd_setup_context, _fwd_backward,
+                              below_autograd=False)
+_AttentionVarlenFn = eager_autograd(lambda *inputs: _ops.attention_varlen_fwd(*inputs[:12]),
+                                    _varlen_fwd_setup_context, _varlen_fwd_backward, below_autograd=False)

@@ -145,8 +145,9 @@ def _scale_fake(grad_x, grad_weight, grad_bias, grad_loss, grad_scale):
 
 
 def _is_eager(*tensors) -> bool:
-    """Plain tensors: not traced (torch.compile, functionalization, fake tensors)."""
-    return all(type(t) is torch.Tensor for t in tensors)
+    """Plain tensors, not traced (torch.compile, functionalization, fake tensors) nor under functorch's
+    transforms (whose vmap cannot batch the in-place scaling of the gradients computed in the forward)."""
+    return all(type(t) is torch.Tensor for t in tensors) and not torch._C._are_functorch_transforms_active()
 
 
 def _setup_context(ctx, inputs, output):

@@ -8,9 +8,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-import fuseforge.ops.linear_cross_entropy  # noqa: F401  (registers linear_cross_entropy_scale_grads_'s fake)
 from fuseforge.ops._eager import eager_autograd, once_differentiable, plain_eager
-from fuseforge.ops.linear_cross_entropy import REDUCTIONS
+from fuseforge.ops.linear_cross_entropy import REDUCTIONS, _is_eager  # and linear_cross_entropy_scale_grads_'s fake
 
 _ops = torch.ops.fuseforge
 
@@ -104,11 +103,6 @@ def _bwd_fake(grad_loss, student_x, student_weight, teacher_x, teacher_weight, t
               ignore_index, reduction, grad_x, grad_weight):
     return (student_x.new_empty(student_x.shape if grad_x else (0,)),
             student_x.new_empty(student_weight.shape if grad_weight else (0,)))
-
-
-def _is_eager(*tensors) -> bool:
-    """Plain tensors: not traced (torch.compile, functionalization, fake tensors)."""
-    return all(type(t) is torch.Tensor for t in tensors)
 
 
 def _setup_context(ctx, inputs, output):

@@ -81,6 +81,8 @@ def sequence_loss_chunkable(hiddens: Sequence[Tensor], weight: Tensor, bias: Opt
     tensors = (*hiddens, weight, bias)
     if not torch.is_grad_enabled() or weight.device.type not in CHUNKED_DEVICES or not plain_eager(*tensors):
         return False
+    if torch._C._functorch.maybe_current_level() is not None:  # its forward computes the gradients itself
+        return False
     if weight.dtype not in _CHUNKED_DTYPES or any(h.dtype != weight.dtype for h in hiddens):
         return False
     return any(t is not None and t.requires_grad for t in tensors)

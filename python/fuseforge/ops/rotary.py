@@ -33,7 +33,13 @@ def rotary(q: Tensor, k: Tensor, inv_freq: Tensor, position_ids: Tensor, attenti
     q and k; the backward is the same op rotating the other way, and nothing but inv_freq and
     position_ids is saved.
     """
-    args = (q, k, inv_freq, position_ids, float(attention_scaling), bool(interleaved), False, out_dtype)
+    return _rotate(q, k, inv_freq, position_ids, float(attention_scaling), bool(interleaved), False, out_dtype)
+
+
+def _rotate(*args):
+    """The op on rotary's arguments: below autograd when no gradient is wanted, through _EagerFunction in
+    plain eager mode (functorch's transforms included), else through the registered autograd."""
+    q, k, inv_freq, position_ids = args[:4]
     if plain_eager(q, k, inv_freq, position_ids):
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
             return _EagerFunction.apply(*args)
@@ -78,11 +84,7 @@ def _backward(ctx, grad_q, grad_k):
     need_q, need_k = ctx.needs_input_grad[:2]
     args = (grad_q, grad_k, inv_freq, position_ids, ctx.attention_scaling, ctx.interleaved, not ctx.inverse,
             ctx.input_dtype)
-    if not torch.is_grad_enabled() and plain_eager(grad_q, grad_k):  # no double backward: no autograd wrapper
-        with torch._C._AutoDispatchBelowAutograd():
-            dq, dk = _ops.rotary(*args)
-    else:
-        dq, dk = _ops.rotary(*args)
+    dq, dk = _rotate(*args)  # differentiable: a double backward rotates back again
     return dq if need_q else None, dk if need_k else None, None, None, None, None, None, None
 
 
