@@ -23,6 +23,11 @@ def plain_eager(*tensors) -> bool:
             and not torch._C._is_torch_function_mode_enabled() and torch._C._len_torch_dispatch_stack() == 0)
 
 
+def functorch_active() -> bool:
+    """Inside a functorch transform (torch.func.grad, vmap, jacrev, ...)."""
+    return torch._C._are_functorch_transforms_active()
+
+
 def eager_autograd(op, setup_context, backward, below_autograd: bool = True) -> "EagerAutograd":
     """The autograd.Function an op calls in plain eager mode: `op` (below autograd, unless a traced
     caller needs the Function: torch.compile does not trace that guard), then the op's registered
@@ -70,7 +75,7 @@ class EagerAutograd:
         self.fast, self.transformable = fast, transformable
 
     def apply(self, *inputs):
-        if not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active():
+        if not torch.compiler.is_compiling() and functorch_active():
             return self.transformable.apply(*inputs)
         return self.fast.apply(*inputs)
 
@@ -89,7 +94,7 @@ def once_differentiable(op_name: str):
         def wrapper(ctx, *grads):
             if not torch.is_grad_enabled():
                 return backward(ctx, *grads)
-            if torch._C._functorch.maybe_current_level() is not None:
+            if functorch_active():
                 # functorch's grad runs every backward with grad mode on: only a transform that
                 # differentiates twice (grad of grad, jacrev of jacrev, hessian) needs this backward's graph.
                 if _functorch_differentiations() > 1:

@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from fuseforge.ops._eager import eager_autograd, once_differentiable, plain_eager
+from fuseforge.ops._eager import eager_autograd, functorch_active, once_differentiable, plain_eager
 
 _ops = torch.ops.fuseforge
 
@@ -147,7 +147,7 @@ def _scale_fake(grad_x, grad_weight, grad_bias, grad_loss, grad_scale):
 def _is_eager(*tensors) -> bool:
     """Plain tensors, not traced (torch.compile, functionalization, fake tensors) nor under functorch's
     transforms (whose vmap cannot batch the in-place scaling of the gradients computed in the forward)."""
-    return all(type(t) is torch.Tensor for t in tensors) and not torch._C._are_functorch_transforms_active()
+    return all(type(t) is torch.Tensor for t in tensors) and not functorch_active()
 
 
 def _setup_context(ctx, inputs, output):

@@ -7,7 +7,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from fuseforge.ops._eager import once_differentiable, plain_eager
+from fuseforge.ops._eager import functorch_active, once_differentiable, plain_eager
 from fuseforge.ops.linear_cross_entropy import linear_cross_entropy, per_token_loss_and_entropy
 
 _ops = torch.ops.fuseforge
@@ -81,7 +81,7 @@ def sequence_loss_chunkable(hiddens: Sequence[Tensor], weight: Tensor, bias: Opt
     tensors = (*hiddens, weight, bias)
     if not torch.is_grad_enabled() or weight.device.type not in CHUNKED_DEVICES or not plain_eager(*tensors):
         return False
-    if torch._C._functorch.maybe_current_level() is not None:  # its forward computes the gradients itself
+    if functorch_active():  # its forward computes the gradients itself
         return False
     if weight.dtype not in _CHUNKED_DTYPES or any(h.dtype != weight.dtype for h in hiddens):
         return False

@@ -283,12 +283,13 @@ def _experts_forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
             or dtype not in (torch.float16, torch.bfloat16)):
         return type(self).forward(self, hidden_states, *args, **kwargs)
     params = dict(self.named_parameters(recurse=False))
-    if not any(p.dtype == torch.float32 for p in params.values()):
+    copies = {p: p.to(dtype) for p in params.values() if p.dtype == torch.float32}
+    if not copies:
         return type(self).forward(self, hidden_states, *args, **kwargs)
-    cast = {name: p.to(dtype) if p.dtype == torch.float32 else p for name, p in params.items()}
+    cast = {name: copies.get(p, p) for name, p in params.items()}
     self._fuseforge_casting = True  # functional_call calls this forward again: the model's runs there
     try:
-        with _recast_in_backward({params[name]: c for name, c in cast.items() if c is not params[name]}):
+        with _recast_in_backward(copies):
             return torch.func.functional_call(self, cast, (hidden_states, *args), kwargs)
     finally:
         self._fuseforge_casting = False
@@ -301,7 +302,7 @@ def _recast_in_backward(casts: dict):
     Qwen3-30B-A3B layer) are then freed after the forward instead of living until the backward. Inside
     torch.compile the graph's own partitioner decides what to save, and under hooks already set
     (activation checkpointing drops every saved tensor, the copies too) those decide: no hooks there."""
-    if not casts or torch.compiler.is_compiling() or _saved_tensor_hooks_set():
+    if torch.compiler.is_compiling() or _saved_tensor_hooks_set():
         return contextlib.nullcontext()
     by_storage = {c.untyped_storage().data_ptr(): (p, c.dtype) for p, c in casts.items()}
 
