@@ -41,9 +41,9 @@ void forward_cuda(const ForwardArgs& a, ForwardOutputs& o) {
   const bool aligned = aligned16(a.x) && aligned16(a.residual) && aligned16(a.weight) && aligned16(a.bias) &&
                        aligned16(o.out) && (!a.residual.defined() || aligned16(o.residual_out));
   if (a.centered) {
-    launch_forward<T, true>(p, plan_forward<T, true>(a.rows, a.cols, aligned));
+    launch_forward<T, true>(p, plan_forward<T, true>(a.rows, a.cols, aligned, a.residual.defined()));
   } else {
-    launch_forward<T, false>(p, plan_forward<T, false>(a.rows, a.cols, aligned));
+    launch_forward<T, false>(p, plan_forward<T, false>(a.rows, a.cols, aligned, a.residual.defined()));
   }
 }
 

@@ -173,9 +173,17 @@ __device__ __forceinline__ float block_sum(float v, float* red /* [32] */) {
 // kCentered (LayerNorm): mean = the row's mean, rstd from the mean of (h - mean)^2 (a second reduction
 // over the row in registers: exact where the mean dwarfs the deviations), out = (h - mean) * rstd * w + b.
 
-template <typename T, int kShape, bool kCentered>
-__global__ void __launch_bounds__(ForwardRow<T, kShape>::kThreads) forward_rows_kernel(const ForwardParams<T> p) {
-  using R = ForwardRow<T, kShape>;
+// kBackwardShape: the row held as the backward's shape kShape (two vectors a thread) instead of the
+// forward's (LayerNorm's residual form, layer_norm_residual_takes_two_vectors).
+template <typename T, int kShape, bool kBackwardShape>
+using ForwardKernelRow = std::conditional_t<kBackwardShape, BackwardRow<T, kShape>, ForwardRow<T, kShape>>;
+template <typename T, int kShape>
+using LayerNormResidualRow = ForwardKernelRow<T, kShape, layer_norm_residual_takes_two_vectors(kShape)>;
+
+template <typename T, int kShape, bool kCentered, bool kBackwardShape>
+__global__ void __launch_bounds__(ForwardKernelRow<T, kShape, kBackwardShape>::kThreads)
+    forward_rows_kernel(const ForwardParams<T> p) {
+  using R = ForwardKernelRow<T, kShape, kBackwardShape>;
   constexpr int E = R::kElems;
   __shared__ float red[2 * R::kWarps];
   const int lane = threadIdx.x % R::kThreadsPerRow;
@@ -647,21 +655,40 @@ LaunchPlan make_plan(int64_t rows, int64_t cols, bool aligned, bool one_wave, Ro
 // ---- launchers (instantiated in rms_norm_{fwd,bwd}.cu and layer_norm_{fwd,bwd}.cu) ------------
 
 template <typename T, bool kCentered>
-LaunchPlan plan_forward(int64_t rows, int64_t cols, bool aligned) {
+LaunchPlan plan_forward(int64_t rows, int64_t cols, bool aligned, bool residual) {
+  const auto two_pass_kernel = [](bool vectorized) {
+    return vectorized ? forward_two_pass_kernel<T, kVecElems<T>, kCentered> : forward_two_pass_kernel<T, 1, kCentered>;
+  };
+  if constexpr (kCentered) {
+    if (residual) {
+      LaunchPlan plan = make_plan<T, LayerNormResidualRow>(
+          rows, cols, aligned, /*one_wave=*/false,
+          [](auto shape) {
+            constexpr int kShape = decltype(shape)::value;
+            return forward_rows_kernel<T, kShape, true, layer_norm_residual_takes_two_vectors(kShape)>;
+          },
+          two_pass_kernel);
+      plan.backward_shape = layer_norm_residual_takes_two_vectors(plan.row_shape);
+      return plan;
+    }
+  }
   return make_plan<T, ForwardRow>(
       rows, cols, aligned, /*one_wave=*/false,
-      [](auto shape) { return forward_rows_kernel<T, decltype(shape)::value, kCentered>; },
-      [](bool vectorized) {
-        return vectorized ? forward_two_pass_kernel<T, kVecElems<T>, kCentered>
-                          : forward_two_pass_kernel<T, 1, kCentered>;
-      });
+      [](auto shape) { return forward_rows_kernel<T, decltype(shape)::value, kCentered, false>; }, two_pass_kernel);
 }
 
 template <typename T, bool kCentered>
 void launch_forward(const ForwardParams<T>& params, const LaunchPlan& plan) {
   if (plan.row_shape >= 0) {
     with_row_shape(plan.row_shape, [&](auto shape) {
-      launch_kernel(forward_rows_kernel<T, decltype(shape)::value, kCentered>, plan.grid, plan.block, 0, params);
+      constexpr int kShape = decltype(shape)::value;
+      if constexpr (kCentered && layer_norm_residual_takes_two_vectors(kShape)) {
+        if (plan.backward_shape) {
+          launch_kernel(forward_rows_kernel<T, kShape, kCentered, true>, plan.grid, plan.block, 0, params);
+          return;
+        }
+      }
+      launch_kernel(forward_rows_kernel<T, kShape, kCentered, false>, plan.grid, plan.block, 0, params);
     });
   } else {
     FUSEFORGE_BOOL_SWITCH(plan.vectorized, kVec, [&] {
@@ -706,9 +733,9 @@ void launch_backward(const BackwardParams<T>& params, const LaunchPlan& plan, vo
 
 // One direction's planner and launcher for the three dtypes (a file a direction and form, built in parallel).
 #define FUSEFORGE_NORM_INSTANTIATE_FORWARD(CENTERED)                                                   \
-  template LaunchPlan plan_forward<float, CENTERED>(int64_t, int64_t, bool);                          \
-  template LaunchPlan plan_forward<at::Half, CENTERED>(int64_t, int64_t, bool);                       \
-  template LaunchPlan plan_forward<at::BFloat16, CENTERED>(int64_t, int64_t, bool);                   \
+  template LaunchPlan plan_forward<float, CENTERED>(int64_t, int64_t, bool, bool);                    \
+  template LaunchPlan plan_forward<at::Half, CENTERED>(int64_t, int64_t, bool, bool);                 \
+  template LaunchPlan plan_forward<at::BFloat16, CENTERED>(int64_t, int64_t, bool, bool);             \
   template void launch_forward<float, CENTERED>(const ForwardParams<float>&, const LaunchPlan&);      \
   template void launch_forward<at::Half, CENTERED>(const ForwardParams<at::Half>&, const LaunchPlan&); \
   template void launch_forward<at::BFloat16, CENTERED>(const ForwardParams<at::BFloat16>&, const LaunchPlan&);

@@ -89,8 +89,15 @@ inline int pick_row_shape(int64_t vectors) {
   return -1;
 }
 
+// LayerNorm's residual form at rows of 256-512 vectors (bf16 2048-4096) runs the forward at the
+// backward's shapes, two vectors a thread (twice the threads a row) instead of four: bf16 2048 0.0700
+// against 0.0761 ms, 4096 0.131 against 0.142. The plain form was slower so (2048: 0.0489 against
+// 0.0450); the residual form's other widths were not measured (docs/design/rms_norm.md).
+constexpr bool layer_norm_residual_takes_two_vectors(int row_shape) { return row_shape == 4 || row_shape == 5; }
+
 struct LaunchPlan {
   int row_shape = -1;       // index into k{Forward,Backward}RowShapes; -1: the two-pass kernel
+  bool backward_shape = false;  // the forward on kBackwardRowShapes[row_shape] (LayerNorm's residual form)
   bool vectorized = false;  // 16-byte accesses (cols a multiple of a vector, pointers aligned)
   dim3 grid, block;         // grid.x blocks walk the rows in a grid-stride loop: the weight gradient's partials
 };
@@ -102,7 +109,7 @@ struct LaunchPlan {
 // launch_backward also sums params.weight_partials / bias_partials (plan.grid.x rows) into
 // grad_weight / grad_bias (float32) when they are set.
 template <typename T, bool kCentered>
-LaunchPlan plan_forward(int64_t rows, int64_t cols, bool aligned);
+LaunchPlan plan_forward(int64_t rows, int64_t cols, bool aligned, bool residual);
 template <typename T, bool kCentered>
 void launch_forward(const ForwardParams<T>& params, const LaunchPlan& plan);
 template <typename T, bool kCentered>

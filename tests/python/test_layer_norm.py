@@ -146,6 +146,23 @@ def test_cuda_many_rows_and_long_rows(dtype, shape):
     check_gradients(shape, dtype, "cuda", PARAMS[1], True)
 
 
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("hidden", [1024, 2048, 4096])
+def test_cuda_residual_form_row_shapes(dtype, hidden):
+    """The residual form's forward has row shapes of its own (two vectors a thread at 256-512 vectors a
+    row): out, mean and rstd against float64 at the widths that take them and their neighbours."""
+    x, w, b, res = make((37, hidden), dtype, "cuda", PARAMS[1], True)
+    poison_allocations(x, x, x)
+    out, h, mean, rstd = ops.layer_norm_fwd(x, w, b, res, EPS)
+    assert torch.equal(h, x + res), "residual_out must be the eager add, bit for bit"
+    assert_rel_close(out, reference(h_of(x, res), w, b), TOL[dtype], "out")
+    h64 = h_of(x, res).double()
+    assert_rel_close(mean, h64.mean(-1), 1e-6, "mean")
+    assert_rel_close(rstd, 1 / torch.sqrt(h64.var(-1, unbiased=False) + EPS), 1e-5, "rstd")
+    assert torch.equal(layer_norm(x, w, b, EPS, res)[0], out), "the forward without statistics must match"
+
+
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("shape", [(0, 64), (2, 0, 16), (4, 0)], ids=str)
 def test_empty(device, shape):
