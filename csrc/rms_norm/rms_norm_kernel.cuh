@@ -174,11 +174,14 @@ __device__ __forceinline__ float block_sum(float v, float* red /* [32] */) {
 // over the row in registers: exact where the mean dwarfs the deviations), out = (h - mean) * rstd * w + b.
 
 // kBackwardShape: the row held as the backward's shape kShape (two vectors a thread) instead of the
-// forward's (LayerNorm's residual form, layer_norm_residual_takes_two_vectors).
+// forward's (the residual form's, residual_takes_two_vectors).
 template <typename T, int kShape, bool kBackwardShape>
 using ForwardKernelRow = std::conditional_t<kBackwardShape, BackwardRow<T, kShape>, ForwardRow<T, kShape>>;
-template <typename T, int kShape>
-using LayerNormResidualRow = ForwardKernelRow<T, kShape, layer_norm_residual_takes_two_vectors(kShape)>;
+template <bool kCentered>
+struct ResidualForwardRows {
+  template <typename T, int kShape>
+  using Row = ForwardKernelRow<T, kShape, residual_takes_two_vectors(kCentered, kShape)>;
+};
 
 template <typename T, int kShape, bool kCentered, bool kBackwardShape>
 __global__ void __launch_bounds__(ForwardKernelRow<T, kShape, kBackwardShape>::kThreads)
@@ -659,18 +662,16 @@ LaunchPlan plan_forward(int64_t rows, int64_t cols, bool aligned, bool residual)
   const auto two_pass_kernel = [](bool vectorized) {
     return vectorized ? forward_two_pass_kernel<T, kVecElems<T>, kCentered> : forward_two_pass_kernel<T, 1, kCentered>;
   };
-  if constexpr (kCentered) {
-    if (residual) {
-      LaunchPlan plan = make_plan<T, LayerNormResidualRow>(
-          rows, cols, aligned, /*one_wave=*/false,
-          [](auto shape) {
-            constexpr int kShape = decltype(shape)::value;
-            return forward_rows_kernel<T, kShape, true, layer_norm_residual_takes_two_vectors(kShape)>;
-          },
-          two_pass_kernel);
-      plan.backward_shape = layer_norm_residual_takes_two_vectors(plan.row_shape);
-      return plan;
-    }
+  if (residual) {
+    LaunchPlan plan = make_plan<T, ResidualForwardRows<kCentered>::template Row>(
+        rows, cols, aligned, /*one_wave=*/false,
+        [](auto shape) {
+          constexpr int kShape = decltype(shape)::value;
+          return forward_rows_kernel<T, kShape, kCentered, residual_takes_two_vectors(kCentered, kShape)>;
+        },
+        two_pass_kernel);
+    plan.backward_shape = residual_takes_two_vectors(kCentered, plan.row_shape);
+    return plan;
   }
   return make_plan<T, ForwardRow>(
       rows, cols, aligned, /*one_wave=*/false,
@@ -682,7 +683,7 @@ void launch_forward(const ForwardParams<T>& params, const LaunchPlan& plan) {
   if (plan.row_shape >= 0) {
     with_row_shape(plan.row_shape, [&](auto shape) {
       constexpr int kShape = decltype(shape)::value;
-      if constexpr (kCentered && layer_norm_residual_takes_two_vectors(kShape)) {
+      if constexpr (residual_takes_two_vectors(kCentered, kShape)) {
         if (plan.backward_shape) {
           launch_kernel(forward_rows_kernel<T, kShape, kCentered, true>, plan.grid, plan.block, 0, params);
           return;

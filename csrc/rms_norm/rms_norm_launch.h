@@ -89,15 +89,22 @@ inline int pick_row_shape(int64_t vectors) {
   return -1;
 }
 
-// LayerNorm's residual form at rows of 256-512 vectors (bf16 2048-4096) runs the forward at the
-// backward's shapes, two vectors a thread (twice the threads a row) instead of four: bf16 2048 0.0700
-// against 0.0761 ms, 4096 0.131 against 0.142. The plain form was slower so (2048: 0.0489 against
-// 0.0450); the residual form's other widths were not measured (docs/design/rms_norm.md).
-constexpr bool layer_norm_residual_takes_two_vectors(int row_shape) { return row_shape == 4 || row_shape == 5; }
+// The residual form's forward at some row shapes runs at the backward's shapes, two vectors a thread
+// (twice the threads a row) instead of four: LayerNorm's at 256-512 vectors a row (bf16 2048-4096:
+// 0.0700 against 0.0761 ms, 0.131 against 0.142), where the plain form was slower so (2048: 0.0489
+// against 0.0450). FUSEFORGE_RMS_NORM_RESIDUAL_TWO_VECTOR_SHAPES is RMSNorm's set, a bit a shape (a
+// compile-time knob, so scripts/tune_variants.sh can build variants side by side).
+#ifndef FUSEFORGE_RMS_NORM_RESIDUAL_TWO_VECTOR_SHAPES
+#define FUSEFORGE_RMS_NORM_RESIDUAL_TWO_VECTOR_SHAPES 0x00
+#endif
+constexpr bool residual_takes_two_vectors(bool centered, int row_shape) {
+  const unsigned shapes = centered ? 0x30u : static_cast<unsigned>(FUSEFORGE_RMS_NORM_RESIDUAL_TWO_VECTOR_SHAPES);
+  return row_shape >= 0 && row_shape < kNumRowShapes && ((shapes >> row_shape) & 1u) != 0;
+}
 
 struct LaunchPlan {
   int row_shape = -1;       // index into k{Forward,Backward}RowShapes; -1: the two-pass kernel
-  bool backward_shape = false;  // the forward on kBackwardRowShapes[row_shape] (LayerNorm's residual form)
+  bool backward_shape = false;  // the forward on kBackwardRowShapes[row_shape] (residual_takes_two_vectors)
   bool vectorized = false;  // 16-byte accesses (cols a multiple of a vector, pointers aligned)
   dim3 grid, block;         // grid.x blocks walk the rows in a grid-stride loop: the weight gradient's partials
 };

@@ -208,6 +208,22 @@ def test_weight_gradient_only_when_needed(device):
     assert gw.numel() == 0 and gi.shape == x.shape
 
 
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("hidden", [1024, 2048, 4096, 8192])
+def test_cuda_residual_form_row_shapes(dtype, hidden):
+    """The residual form's forward may hold a row at shapes of its own (residual_takes_two_vectors):
+    out, h and rstd against float64 at every width of 128-2048 vectors a row."""
+    x, w, res, offset = make((37, hidden), dtype, "cuda", WEIGHTS[1], True)
+    poison_allocations(x, x, x)
+    out, h, rstd = ops.rms_norm_fwd(x, w, res, 1e-6, offset)
+    assert torch.equal(h, x + res), "residual_out must be the eager add, bit for bit"
+    assert_rel_close(out, reference(h_of(x, res), w, 1e-6, offset), TOL[dtype], "out")
+    h64 = h_of(x, res).double()
+    assert_rel_close(rstd, torch.rsqrt(h64.pow(2).mean(-1) + 1e-6), 1e-5, "rstd")
+    assert torch.equal(rms_norm(x, w, 1e-6, res)[0], out), "the forward without rstd must match"
+
+
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("shape", [(0, 64), (2, 0, 16), (4, 0)], ids=str)
 def test_empty(device, shape):
