@@ -89,13 +89,14 @@ inline int pick_row_shape(int64_t vectors) {
   return -1;
 }
 
-// The residual form's forward at some row shapes runs at the backward's shapes, two vectors a thread
-// (twice the threads a row) instead of four: LayerNorm's at 256-512 vectors a row (bf16 2048-4096:
-// 0.0700 against 0.0761 ms, 0.131 against 0.142), where the plain form was slower so (2048: 0.0489
-// against 0.0450). FUSEFORGE_RMS_NORM_RESIDUAL_TWO_VECTOR_SHAPES is RMSNorm's set, a bit a shape (a
-// compile-time knob, so scripts/tune_variants.sh can build variants side by side).
+// The residual form's forward at rows of 256+ vectors runs at the backward's shapes, two vectors a
+// thread (twice the threads a row) instead of four. LayerNorm's at 256-512 vectors (bf16 2048-4096:
+// 0.0700 against 0.0761 ms, 0.131 against 0.142; the plain form was slower so, 2048 0.0489 against
+// 0.0450); RMSNorm's at 256-2048 (0.3-1.5% on each bf16 and fp32-in row of 2048-8192).
+// FUSEFORGE_RMS_NORM_RESIDUAL_TWO_VECTOR_SHAPES is RMSNorm's set, a bit a shape (a compile-time knob,
+// so scripts/tune_variants.sh can build variants side by side).
 #ifndef FUSEFORGE_RMS_NORM_RESIDUAL_TWO_VECTOR_SHAPES
-#define FUSEFORGE_RMS_NORM_RESIDUAL_TWO_VECTOR_SHAPES 0x00
+#define FUSEFORGE_RMS_NORM_RESIDUAL_TWO_VECTOR_SHAPES 0xF0
 #endif
 constexpr bool residual_takes_two_vectors(bool centered, int row_shape) {
   const unsigned shapes = centered ? 0x30u : static_cast<unsigned>(FUSEFORGE_RMS_NORM_RESIDUAL_TWO_VECTOR_SHAPES);
