@@ -163,9 +163,10 @@ TORCH_LIBRARY(fuseforge, m) {
   m.def("layer_norm(Tensor x, Tensor? weight, Tensor? bias, Tensor? residual, float eps,"
         " ScalarType? out_dtype=None) -> (Tensor out, Tensor residual_out)");
   // grad_input as rms_norm_bwd's; grad_weight (weight's dtype) when need_grad_weight; grad_bias (the
-  // column sums of grad_out, in the statistics' dtype) when need_grad_bias; else empty.
+  // column sums of grad_out) in grad_bias_dtype, the bias's (h's dtype or float32), when it is given;
+  // else empty.
   m.def("layer_norm_bwd(Tensor grad_out, Tensor? grad_residual_out, Tensor h, Tensor? weight, Tensor mean,"
-        " Tensor rstd, bool need_grad_weight, bool need_grad_bias)"
+        " Tensor rstd, bool need_grad_weight, ScalarType? grad_bias_dtype)"
         " -> (Tensor grad_input, Tensor grad_weight, Tensor grad_bias)");
   // ---- end rms_norm -----------------------------------------------------------------------------
 

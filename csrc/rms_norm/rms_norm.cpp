@@ -87,7 +87,8 @@ ForwardArgs prepare_forward(const at::Tensor& x, const std::optional<at::Tensor>
 BackwardArgs prepare_backward(const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_residual_out,
                               const at::Tensor& h, const std::optional<at::Tensor>& weight,
                               const std::optional<at::Tensor>& mean, const at::Tensor& rstd, double weight_offset,
-                              bool need_grad_weight, bool need_grad_bias, bool allow_double, bool centered) {
+                              bool need_grad_weight, std::optional<at::ScalarType> grad_bias_dtype,
+                              bool allow_double, bool centered) {
   BackwardArgs a;
   a.centered = centered;
   check_dtype_supported(h, "h", allow_double);
@@ -121,7 +122,13 @@ BackwardArgs prepare_backward(const at::Tensor& grad_out, const std::optional<at
   a.rstd = rstd.contiguous();
   a.weight_offset = weight_offset;
   a.need_grad_weight = need_grad_weight && a.weight.defined();
-  a.need_grad_bias = centered && need_grad_bias;
+  a.need_grad_bias = centered && grad_bias_dtype.has_value();
+  if (a.need_grad_bias) {
+    a.grad_bias_dtype = *grad_bias_dtype;
+    TORCH_CHECK(a.grad_bias_dtype == h.scalar_type() || a.grad_bias_dtype == at::kFloat,
+                "grad_bias_dtype (the bias's dtype) must be the dtype of h (", h.scalar_type(),
+                ") or float32, got ", a.grad_bias_dtype);
+  }
   return a;
 }
 
@@ -139,9 +146,10 @@ Gradients allocate_gradients(const BackwardArgs& a) {
   g.grad_input = at::empty(a.h.sizes(), a.h.options());
   const auto grad_weight_options = a.weight.defined() ? a.weight.options() : a.h.options();
   g.grad_weight = at::empty({a.need_grad_weight ? a.cols : 0}, grad_weight_options);
-  // grad_bias in the statistics' dtype (float32; float64 for float64): the bias is not an input of the
-  // backward, and its caller casts these cols values to the bias's dtype.
-  g.grad_bias = at::empty({a.need_grad_bias ? a.cols : 0}, a.h.options().dtype(stat_dtype(a.h.scalar_type())));
+  // grad_bias in the bias's dtype (no cast after the op: a launch less); empty in the statistics' dtype
+  // when not wanted.
+  g.grad_bias = a.need_grad_bias ? at::empty({a.cols}, a.h.options().dtype(a.grad_bias_dtype))
+                                 : at::empty({0}, a.h.options().dtype(stat_dtype(a.h.scalar_type())));
   return g;
 }
 
@@ -183,6 +191,7 @@ void backward_cpu(const BackwardArgs& a, Gradients& g) {
   k.grad_input = g.grad_input.mutable_data_ptr();
   k.grad_weight = a.need_grad_weight ? g.grad_weight.mutable_data_ptr() : nullptr;
   k.grad_bias = a.need_grad_bias ? g.grad_bias.mutable_data_ptr() : nullptr;
+  k.bias_dtype = a.grad_bias_dtype;
   k.rows = a.rows;
   k.cols = a.cols;
   k.dtype = a.h.scalar_type();

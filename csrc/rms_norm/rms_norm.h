@@ -32,6 +32,7 @@ struct BackwardArgs {
   bool centered = false;
   bool need_grad_weight = false;  // and a weight was given
   bool need_grad_bias = false;    // LayerNorm's bias gradient, the column sums of grad_out
+  at::ScalarType grad_bias_dtype = at::kFloat;  // the bias's (h's dtype or float32), when need_grad_bias
 };
 
 struct Gradients {
@@ -46,7 +47,8 @@ ForwardArgs prepare_forward(const at::Tensor& x, const std::optional<at::Tensor>
 BackwardArgs prepare_backward(const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_residual_out,
                               const at::Tensor& h, const std::optional<at::Tensor>& weight,
                               const std::optional<at::Tensor>& mean, const at::Tensor& rstd, double weight_offset,
-                              bool need_grad_weight, bool need_grad_bias, bool allow_double, bool centered);
+                              bool need_grad_weight, std::optional<at::ScalarType> grad_bias_dtype,
+                              bool allow_double, bool centered);
 
 ForwardOutputs allocate_forward(const ForwardArgs& a, bool need_rstd);
 Gradients allocate_gradients(const BackwardArgs& a);
@@ -111,7 +113,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_bwd_op(const at::Tensor& grad_out,
                                                    const at::Tensor& rstd, double weight_offset,
                                                    bool need_grad_weight) {
   const BackwardArgs a = prepare_backward(grad_out, grad_residual_out, h, weight, {}, rstd, weight_offset,
-                                          need_grad_weight, false, kAllowDouble, false);
+                                          need_grad_weight, std::nullopt, kAllowDouble, false);
   Gradients g = run_backward<kRunBackward>(a);
   return {g.grad_input, g.grad_weight};
 }
@@ -140,9 +142,9 @@ template <BackwardRunner kRunBackward, bool kAllowDouble>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd_op(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_residual_out, const at::Tensor& h,
     const std::optional<at::Tensor>& weight, const at::Tensor& mean, const at::Tensor& rstd, bool need_grad_weight,
-    bool need_grad_bias) {
+    std::optional<at::ScalarType> grad_bias_dtype) {
   const BackwardArgs a = prepare_backward(grad_out, grad_residual_out, h, weight, mean, rstd, 0.0, need_grad_weight,
-                                          need_grad_bias, kAllowDouble, true);
+                                          grad_bias_dtype, kAllowDouble, true);
   Gradients g = run_backward<kRunBackward>(a);
   return {g.grad_input, g.grad_weight, g.grad_bias};
 }

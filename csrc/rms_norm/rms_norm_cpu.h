@@ -37,7 +37,8 @@ struct CpuBackwardArgs {
   const void* mean;  // LayerNorm's (then the backward is LayerNorm's); nullptr for RMSNorm
   void* grad_input;
   void* grad_weight;  // weight_dtype, nullptr when not wanted
-  void* grad_bias;    // the statistics' type (float; double for float64), nullptr when not wanted
+  void* grad_bias;    // bias_dtype (the input's or float), nullptr when not wanted
+  c10::ScalarType bias_dtype;
   int64_t rows, cols;
   c10::ScalarType dtype, grad_out_dtype;
 };

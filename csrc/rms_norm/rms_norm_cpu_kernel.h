@@ -259,23 +259,20 @@ void backward_typed(const CpuBackwardArgs& a) {
       }
     });
   };
-  if (a.grad_weight) {
-    sum_blocks(partial, [&](int64_t c, int64_t k, const M* buf) {
-      if (a.weight_dtype == c10::ScalarType::Float) {
-        float* gw = static_cast<float*>(a.grad_weight);
-        for (int64_t j = 0; j < k; ++j) gw[c + j] = static_cast<float>(buf[j]);
+  // A gradient in its parameter's dtype: T or float32.
+  auto store_in = [](c10::ScalarType dtype, void* out) {
+    return [dtype, out](int64_t c, int64_t k, const M* buf) {
+      if (dtype == c10::ScalarType::Float) {
+        float* o = static_cast<float*>(out);
+        for (int64_t j = 0; j < k; ++j) o[c + j] = static_cast<float>(buf[j]);
       } else {
-        T* gw = static_cast<T*>(a.grad_weight);
-        for (int64_t j = 0; j < k; ++j) gw[c + j] = static_cast<T>(buf[j]);
+        T* o = static_cast<T*>(out);
+        for (int64_t j = 0; j < k; ++j) o[c + j] = static_cast<T>(buf[j]);
       }
-    });
-  }
-  if (want_bias) {
-    sum_blocks(bias_partial, [&](int64_t c, int64_t k, const M* buf) {
-      M* gb = static_cast<M*>(a.grad_bias);
-      for (int64_t j = 0; j < k; ++j) gb[c + j] = buf[j];
-    });
-  }
+    };
+  };
+  if (a.grad_weight) sum_blocks(partial, store_in(a.weight_dtype, a.grad_weight));
+  if (want_bias) sum_blocks(bias_partial, store_in(a.bias_dtype, a.grad_bias));
 }
 
 // Calls f(T{}, To{}) for the (input, output) dtype pairs the op takes: the input's, or bf16/fp16

@@ -71,24 +71,25 @@ void backward_cuda(const BackwardArgs& a, Gradients& g) {
                        aligned16(a.weight) && aligned16(g.grad_input);
   const LaunchPlan plan =
       a.centered ? plan_backward<T, true>(a.rows, a.cols, aligned) : plan_backward<T, false>(a.rows, a.cols, aligned);
-  // One fp32 row a block. The rows kernels write every column of theirs; the two-pass kernels add into
-  // theirs.
-  auto partial_rows = [&] {
+  // One fp32 row a block for each sum wanted (the weight's, then the bias's), in one allocation. The rows
+  // kernels write every column of theirs; the two-pass kernels add into theirs.
+  const int64_t blocks = plan.grid.x;
+  const int64_t sums = static_cast<int64_t>(a.need_grad_weight) + static_cast<int64_t>(a.need_grad_bias);
+  at::Tensor partials;
+  if (sums > 0) {
     const auto options = a.h.options().dtype(at::kFloat);
-    const int64_t blocks = plan.grid.x;
-    return plan.row_shape >= 0 ? at::empty({blocks, a.cols}, options) : at::zeros({blocks, a.cols}, options);
-  };
-  at::Tensor weight_partials, bias_partials;
-  if (a.need_grad_weight) {
-    weight_partials = partial_rows();
-    p.weight_partials = weight_partials.mutable_data_ptr<float>();
-  }
-  if (a.need_grad_bias) {
-    bias_partials = partial_rows();
-    p.bias_partials = bias_partials.mutable_data_ptr<float>();
+    partials = plan.row_shape >= 0 ? at::empty({sums * blocks, a.cols}, options)
+                                   : at::zeros({sums * blocks, a.cols}, options);
+    float* next = partials.mutable_data_ptr<float>();
+    if (a.need_grad_weight) {
+      p.weight_partials = next;
+      next += blocks * a.cols;
+    }
+    if (a.need_grad_bias) p.bias_partials = next;
   }
   void* grad_weight = a.need_grad_weight ? g.grad_weight.mutable_data_ptr() : nullptr;
-  float* grad_bias = a.need_grad_bias ? g.grad_bias.mutable_data_ptr<float>() : nullptr;
+  void* grad_bias = a.need_grad_bias ? g.grad_bias.mutable_data_ptr() : nullptr;
+  p.bias_dtype = a.need_grad_bias ? dtype_of(g.grad_bias.scalar_type()) : Dtype::kFloat;
   if (a.centered) {
     launch_backward<T, true>(p, plan, grad_weight, grad_bias);
   } else {

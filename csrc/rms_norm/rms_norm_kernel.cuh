@@ -709,8 +709,18 @@ LaunchPlan plan_backward(int64_t rows, int64_t cols, bool aligned) {
       });
 }
 
+// Calls f with out as the element type of a gradient in its parameter's dtype (T or float32).
+template <typename T, typename F>
+void with_gradient_type(Dtype dtype, void* out, F&& f) {
+  if (dtype == Dtype::kFloat) {
+    f(static_cast<float*>(out));
+  } else {
+    f(static_cast<T*>(out));
+  }
+}
+
 template <typename T, bool kCentered>
-void launch_backward(const BackwardParams<T>& params, const LaunchPlan& plan, void* grad_weight, float* grad_bias) {
+void launch_backward(const BackwardParams<T>& params, const LaunchPlan& plan, void* grad_weight, void* grad_bias) {
   if (plan.row_shape >= 0) {
     with_row_shape(plan.row_shape, [&](auto shape) {
       launch_kernel(backward_rows_kernel<T, decltype(shape)::value, kCentered>, plan.grid, plan.block, 0, params);
@@ -721,15 +731,26 @@ void launch_backward(const BackwardParams<T>& params, const LaunchPlan& plan, vo
                     params);
     });
   }
-  if (params.weight_partials != nullptr) {  // the weight is T or float32
-    if (params.weight_dtype == Dtype::kFloat) {
-      launch_column_sum(params.weight_partials, plan.grid.x, params.cols, static_cast<float*>(grad_weight));
-    } else {
-      launch_column_sum(params.weight_partials, plan.grid.x, params.cols, static_cast<T*>(grad_weight));
+  const int64_t blocks = plan.grid.x;
+  const bool want_weight = params.weight_partials != nullptr;
+  const bool want_bias = kCentered && params.bias_partials != nullptr;
+  if constexpr (kCentered) {
+    if (want_weight && want_bias) {
+      with_gradient_type<T>(params.weight_dtype, grad_weight, [&](auto* weight_out) {
+        with_gradient_type<T>(params.bias_dtype, grad_bias, [&](auto* bias_out) {
+          launch_column_sums(params.weight_partials, weight_out, params.bias_partials, bias_out, blocks, params.cols);
+        });
+      });
+      return;
     }
   }
-  if (kCentered && params.bias_partials != nullptr)
-    launch_column_sum(params.bias_partials, plan.grid.x, params.cols, grad_bias);
+  if (want_weight || want_bias) {
+    with_gradient_type<T>(want_weight ? params.weight_dtype : params.bias_dtype, want_weight ? grad_weight : grad_bias,
+                          [&](auto* out) {
+                            launch_column_sum(want_weight ? params.weight_partials : params.bias_partials, blocks,
+                                              params.cols, out);
+                          });
+  }
 }
 
 // One direction's planner and launcher for the three dtypes (a file a direction and form, built in parallel).
@@ -744,10 +765,10 @@ void launch_backward(const BackwardParams<T>& params, const LaunchPlan& plan, vo
   template LaunchPlan plan_backward<float, CENTERED>(int64_t, int64_t, bool);                                   \
   template LaunchPlan plan_backward<at::Half, CENTERED>(int64_t, int64_t, bool);                                \
   template LaunchPlan plan_backward<at::BFloat16, CENTERED>(int64_t, int64_t, bool);                            \
-  template void launch_backward<float, CENTERED>(const BackwardParams<float>&, const LaunchPlan&, void*, float*); \
-  template void launch_backward<at::Half, CENTERED>(const BackwardParams<at::Half>&, const LaunchPlan&, void*,    \
-                                                    float*);                                                    \
-  template void launch_backward<at::BFloat16, CENTERED>(const BackwardParams<at::BFloat16>&, const LaunchPlan&,   \
-                                                        void*, float*);
+  template void launch_backward<float, CENTERED>(const BackwardParams<float>&, const LaunchPlan&, void*, void*); \
+  template void launch_backward<at::Half, CENTERED>(const BackwardParams<at::Half>&, const LaunchPlan&, void*,   \
+                                                    void*);                                                    \
+  template void launch_backward<at::BFloat16, CENTERED>(const BackwardParams<at::BFloat16>&, const LaunchPlan&,  \
+                                                        void*, void*);
 
 }  // namespace fuseforge::rms_norm

@@ -51,7 +51,7 @@ struct BackwardParams {
   float* bias_partials;          // LayerNorm's, nullable: (grid, cols) fp32 partial sums of grad_out
   int64_t rows, cols;
   float weight_offset;
-  Dtype weight_dtype, out_dtype;
+  Dtype weight_dtype, bias_dtype, out_dtype;  // bias_dtype: LayerNorm's grad_bias (the bias's dtype)
 };
 
 // A row kept in registers: threads_per_row threads, each holding vecs 16-byte vectors of it (a
@@ -114,8 +114,8 @@ struct LaunchPlan {
 // RMSNorm) and layer_norm_fwd.cu / layer_norm_bwd.cu (true: LayerNorm). The backward's planner asks
 // the occupancy calculator (cached per device) for one wave of resident blocks, the forward's plans a
 // block for each row group; the launchers run on the current stream and never synchronize.
-// launch_backward also sums params.weight_partials / bias_partials (plan.grid.x rows) into
-// grad_weight / grad_bias (float32) when they are set.
+// launch_backward also sums params.weight_partials / bias_partials (plan.grid.x rows each) into
+// grad_weight / grad_bias (in weight_dtype / bias_dtype) when they are set, in one launch.
 template <typename T, bool kCentered>
 LaunchPlan plan_forward(int64_t rows, int64_t cols, bool aligned, bool residual);
 template <typename T, bool kCentered>
@@ -123,6 +123,6 @@ void launch_forward(const ForwardParams<T>& params, const LaunchPlan& plan);
 template <typename T, bool kCentered>
 LaunchPlan plan_backward(int64_t rows, int64_t cols, bool aligned);
 template <typename T, bool kCentered>
-void launch_backward(const BackwardParams<T>& params, const LaunchPlan& plan, void* grad_weight, float* grad_bias);
+void launch_backward(const BackwardParams<T>& params, const LaunchPlan& plan, void* grad_weight, void* grad_bias);
 
 }  // namespace fuseforge::rms_norm

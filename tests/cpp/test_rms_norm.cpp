@@ -81,7 +81,7 @@ TEST(LayerNorm, ForwardAndBackwardMatchAten) {
       const std::optional<at::Tensor>&, double, std::optional<at::ScalarType>);
   using LnBwdOp = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
       const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, const std::optional<at::Tensor>&,
-      const at::Tensor&, const at::Tensor&, bool, bool);
+      const at::Tensor&, const at::Tensor&, bool, std::optional<at::ScalarType>);
   auto& dispatcher = c10::Dispatcher::singleton();
   auto fwd = dispatcher.findSchemaOrThrow("fuseforge::layer_norm_fwd", "").typed<LnFwdOp>();
   auto bwd = dispatcher.findSchemaOrThrow("fuseforge::layer_norm_bwd", "").typed<LnBwdOp>();
@@ -95,7 +95,8 @@ TEST(LayerNorm, ForwardAndBackwardMatchAten) {
   auto [out, h, mean, rstd] = fwd.call(x.detach(), w.detach(), b.detach(), std::nullopt, 1e-5, std::nullopt);
   EXPECT_LT((out - ref.detach()).abs().max().item<double>(), 1e-12);
   EXPECT_LT((mean - x.detach().mean(-1)).abs().max().item<double>(), 1e-12);
-  auto [gx, gw, gb] = bwd.call(g, std::nullopt, x.detach(), w.detach(), mean, rstd, true, true);
+  auto [gx, gw, gb] = bwd.call(g, std::nullopt, x.detach(), w.detach(), mean, rstd, true, at::kDouble);
+  EXPECT_EQ(gb.scalar_type(), at::kDouble);
   EXPECT_LT((gx - x.grad()).abs().max().item<double>(), 1e-12);
   EXPECT_LT((gw - w.grad()).abs().max().item<double>(), 1e-12);
   EXPECT_LT((gb - b.grad()).abs().max().item<double>(), 1e-12);

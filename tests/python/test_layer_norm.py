@@ -127,6 +127,16 @@ def test_gradients_match_float64(device, dtype, hidden, params, with_residual):
     check_gradients(leading_shape(hidden) + (hidden,), dtype, device, params, with_residual)
 
 
+@pytest.mark.parametrize("device,dtype", device_dtypes(cpu_dtypes=(torch.bfloat16, torch.float64),
+                                                       cuda_dtypes=(torch.float16, torch.bfloat16)))
+@pytest.mark.parametrize("params", [("x_weight_fp32_bias", "x", torch.float32),
+                                    ("fp32_weight_x_bias", torch.float32, "x")], ids=lambda p: p[0])
+@pytest.mark.parametrize("hidden", [128, 2048, 16384])
+def test_gradients_with_weight_and_bias_of_different_dtypes(device, dtype, params, hidden):
+    """Each parameter's gradient in its own dtype, the two summed in one launch on the GPU."""
+    check_gradients(leading_shape(hidden) + (hidden,), dtype, device, params, True)
+
+
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_float32_x_with_16bit_out(device, out_dtype):
@@ -220,9 +230,10 @@ def test_opcheck(device):
             _, h, mean, rstd = ops.layer_norm_fwd(x, w, b, res, EPS)
             h = h if with_residual else x
             grad_res = randn(5, 24, dtype=torch.bfloat16, device=device) if with_residual else None
-            for need in (True, False):
+            for need_weight, grad_bias_dtype in ((True, torch.bfloat16), (True, torch.float32), (False, None),
+                                                 (False, torch.bfloat16)):
                 run_opcheck(ops.layer_norm_bwd, (randn(5, 24, dtype=torch.bfloat16, device=device), grad_res, h, w,
-                                                 mean, rstd, need, need))
+                                                 mean, rstd, need_weight, grad_bias_dtype))
     x32 = randn(4, 16, device=device)
     run_opcheck(ops.layer_norm_fwd, (x32, randn(16, device=device), randn(16, device=device), None, EPS),
                 {"out_dtype": torch.bfloat16})
@@ -284,9 +295,12 @@ def test_bad_inputs_raise_clear_errors(device):
         layer_norm(x.bfloat16(), None, None, out_dtype=torch.float32)
     _, _, mean, rstd = ops.layer_norm_fwd(x, w, b, None, EPS)
     with pytest.raises(RuntimeError, match=r"mean must be the forward's \(4,\)"):
-        ops.layer_norm_bwd(x, None, x, w, mean[:3], rstd, True, True)
+        ops.layer_norm_bwd(x, None, x, w, mean[:3], rstd, True, torch.float32)
     with pytest.raises(RuntimeError, match=r"rstd must be the forward's \(4,\)"):
-        ops.layer_norm_bwd(x, None, x, w, mean, rstd.double(), True, True)
+        ops.layer_norm_bwd(x, None, x, w, mean, rstd.double(), True, torch.float32)
+    with pytest.raises(RuntimeError, match=r"grad_bias_dtype \(the bias's dtype\) must be the dtype of h \(Float\) "
+                                           r"or float32, got Half"):
+        ops.layer_norm_bwd(x, None, x, w, mean, rstd, True, torch.float16)
 
 
 @requires_cuda

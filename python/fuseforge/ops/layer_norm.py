@@ -32,8 +32,9 @@ def layer_norm(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor
     deterministically.
     """
     args = (x, weight, bias, residual, float(eps), out_dtype)
-    needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x, weight, bias, residual))
+    needs_grad = torch.is_grad_enabled() and (
+        x.requires_grad or (weight is not None and weight.requires_grad)
+        or (bias is not None and bias.requires_grad) or (residual is not None and residual.requires_grad))
     if not needs_grad:
         out, residual_out = _ops.layer_norm(*args)
     elif plain_eager(x, weight, bias, residual):
@@ -58,11 +59,12 @@ def _layer_norm_fake(x, weight, bias, residual, eps, out_dtype=None):
 
 
 @torch.library.register_fake("fuseforge::layer_norm_bwd")
-def _layer_norm_bwd_fake(grad_out, grad_residual_out, h, weight, mean, rstd, need_grad_weight, need_grad_bias):
+def _layer_norm_bwd_fake(grad_out, grad_residual_out, h, weight, mean, rstd, need_grad_weight, grad_bias_dtype):
     cols = h.shape[-1]
     grad_weight = (h.new_empty((0,)) if weight is None
                    else weight.new_empty((cols,) if need_grad_weight else (0,)))
-    grad_bias = h.new_empty((cols,) if need_grad_bias else (0,), dtype=_stat_dtype(h.dtype))
+    grad_bias = (h.new_empty((0,), dtype=_stat_dtype(h.dtype)) if grad_bias_dtype is None
+                 else h.new_empty((cols,), dtype=grad_bias_dtype))
     return h.new_empty(h.shape), grad_weight, grad_bias
 
 
@@ -90,10 +92,11 @@ def _fwd_backward(ctx, grad_out, grad_residual_out, _grad_mean, _grad_rstd):
     h, mean, rstd, weight = ctx.saved_tensors
     need_weight = need_weight and weight is not None
     need_bias = need_bias and ctx.bias_dtype is not None
+    # grad_bias comes in the bias's dtype (no cast here: a launch less).
     grad_input, grad_weight, grad_bias = _ops.layer_norm_bwd(grad_out, grad_residual_out, h, weight, mean, rstd,
-                                                             need_weight, need_bias)
+                                                             need_weight, ctx.bias_dtype if need_bias else None)
     return (grad_input if need_x else None, grad_weight if need_weight else None,
-            grad_bias.to(ctx.bias_dtype) if need_bias else None, grad_input if need_residual else None, None, None)
+            grad_bias if need_bias else None, grad_input if need_residual else None, None, None)
 
 
 torch.library.register_autograd("fuseforge::layer_norm_fwd", _fwd_backward, setup_context=_fwd_setup_context)
