@@ -37,7 +37,7 @@ def run_captured(step: Callable, make_inputs: Callable, tol: float) -> None:
         for s, f in zip(static, fresh):
             s.copy_(f)
         for t in captured:
-            t.fill_(float("nan") if t.is_floating_point() else -1)
+            t.detach().fill_(float("nan") if t.is_floating_point() else -1)  # grads may be views
     graph.replay()
     want = step(*fresh)
     torch.cuda.synchronize()
