@@ -37,7 +37,7 @@ def run_captured(step: Callable, make_inputs: Callable, tol: float) -> None:
         for s, f in zip(static, fresh):
             s.copy_(f)
         for t in captured:
-            t.detach().fill_(float("nan") if t.is_floating_point() else -1)  # grads may be views
+            t.fill_(float("nan") if t.is_floating_point() else -1)
     graph.replay()
     want = step(*fresh)
     torch.cuda.synchronize()
@@ -53,7 +53,9 @@ def grads_of(outputs, leaves):
     outputs = outputs if isinstance(outputs, tuple) else (outputs,)
     grads_in = [torch.cos(torch.arange(o.numel(), device=DEV, dtype=torch.float32) * 0.37).reshape(o.shape).to(o.dtype)
                 for o in outputs]
-    return (*outputs, *torch.autograd.grad(outputs, leaves, grads_in))
+    # The outputs detached: poisoning one that is a view of a multi-output op would make autograd
+    # refuse to read it.
+    return (*(o.detach() for o in outputs), *torch.autograd.grad(outputs, leaves, grads_in))
 
 
 def leaves(seed: int, *shapes, dtype=BF16, scale: float = 1.0):
