@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fuseforge
-from harness import assert_rel_close, randn, requires_cuda
+from harness import TOL, assert_rel_close, randn, requires_cuda
 
 pytestmark = requires_cuda
 
@@ -106,8 +106,9 @@ def test_attention_and_varlen(deterministic):
                                                 deterministic=deterministic)
         return grads_of((out, out_varlen), (q, k, v, qv, kv, vv))
 
-    # Without deterministic, dq's float32 atomics may add in another order than the eager run.
-    run_captured(step, make, 0.0 if deterministic else 1e-5)
+    # Without deterministic, dq's float32 atomics may add in another order than the eager run, and a
+    # bf16 rounding of the sum flip.
+    run_captured(step, make, 0.0 if deterministic else TOL[BF16])
 
 
 @pytest.mark.parametrize("low_memory", [False, True], ids=["default", "low_memory"])
