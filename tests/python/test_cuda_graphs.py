@@ -1,8 +1,8 @@
 """Every op's forward and backward captured in a CUDA graph and replayed on new inputs: a capture
 fails on any host synchronization (a `.item()`, a blocking copy, a sync in a launcher), so these
 tests hold the ops to "no host sync in a forward or a backward", and they show that the ops serve a
-host-bound step through CUDA graphs (`torch.cuda.graph`, `torch.compile(mode="reduce-overhead")`).
-The AdamW step's capture is in test_adamw*.py."""
+host-bound step through a CUDA graph (`torch.cuda.graph`). The AdamW step's capture is in
+test_adamw*.py."""
 from typing import Callable
 
 import pytest
