@@ -122,12 +122,11 @@ BackwardArgs prepare_backward(const at::Tensor& grad_out, const std::optional<at
   a.rstd = rstd.contiguous();
   a.weight_offset = weight_offset;
   a.need_grad_weight = need_grad_weight && a.weight.defined();
-  a.need_grad_bias = centered && grad_bias_dtype.has_value();
-  if (a.need_grad_bias) {
-    a.grad_bias_dtype = *grad_bias_dtype;
-    TORCH_CHECK(a.grad_bias_dtype == h.scalar_type() || a.grad_bias_dtype == at::kFloat,
+  if (centered && grad_bias_dtype.has_value()) {
+    TORCH_CHECK(*grad_bias_dtype == h.scalar_type() || *grad_bias_dtype == at::kFloat,
                 "grad_bias_dtype (the bias's dtype) must be the dtype of h (", h.scalar_type(),
-                ") or float32, got ", a.grad_bias_dtype);
+                ") or float32, got ", *grad_bias_dtype);
+    a.grad_bias_dtype = grad_bias_dtype;
   }
   return a;
 }
@@ -148,8 +147,8 @@ Gradients allocate_gradients(const BackwardArgs& a) {
   g.grad_weight = at::empty({a.need_grad_weight ? a.cols : 0}, grad_weight_options);
   // grad_bias in the bias's dtype (no cast after the op: a launch less); empty in the statistics' dtype
   // when not wanted.
-  g.grad_bias = a.need_grad_bias ? at::empty({a.cols}, a.h.options().dtype(a.grad_bias_dtype))
-                                 : at::empty({0}, a.h.options().dtype(stat_dtype(a.h.scalar_type())));
+  g.grad_bias = a.need_grad_bias() ? at::empty({a.cols}, a.h.options().dtype(*a.grad_bias_dtype))
+                                   : at::empty({0}, a.h.options().dtype(stat_dtype(a.h.scalar_type())));
   return g;
 }
 
@@ -190,8 +189,8 @@ void backward_cpu(const BackwardArgs& a, Gradients& g) {
   k.mean = a.centered ? a.mean.const_data_ptr() : nullptr;
   k.grad_input = g.grad_input.mutable_data_ptr();
   k.grad_weight = a.need_grad_weight ? g.grad_weight.mutable_data_ptr() : nullptr;
-  k.grad_bias = a.need_grad_bias ? g.grad_bias.mutable_data_ptr() : nullptr;
-  k.bias_dtype = a.grad_bias_dtype;
+  k.grad_bias = a.need_grad_bias() ? g.grad_bias.mutable_data_ptr() : nullptr;
+  k.bias_dtype = a.grad_bias_dtype.value_or(at::kFloat);
   k.rows = a.rows;
   k.cols = a.cols;
   k.dtype = a.h.scalar_type();

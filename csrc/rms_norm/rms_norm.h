@@ -31,8 +31,10 @@ struct BackwardArgs {
   double weight_offset = 0;
   bool centered = false;
   bool need_grad_weight = false;  // and a weight was given
-  bool need_grad_bias = false;    // LayerNorm's bias gradient, the column sums of grad_out
-  at::ScalarType grad_bias_dtype = at::kFloat;  // the bias's (h's dtype or float32), when need_grad_bias
+  // LayerNorm's bias gradient (the column sums of grad_out) in the bias's dtype (h's or float32), when
+  // wanted.
+  std::optional<at::ScalarType> grad_bias_dtype;
+  bool need_grad_bias() const { return grad_bias_dtype.has_value(); }
 };
 
 struct Gradients {
@@ -101,7 +103,7 @@ Gradients run_backward(const BackwardArgs& a) {
     kRunBackward(a, g);
   } else {  // sums over no rows
     if (a.need_grad_weight) g.grad_weight.zero_();
-    if (a.need_grad_bias) g.grad_bias.zero_();
+    if (a.need_grad_bias()) g.grad_bias.zero_();
   }
   return g;
 }

@@ -74,7 +74,7 @@ void backward_cuda(const BackwardArgs& a, Gradients& g) {
   // One fp32 row a block for each sum wanted (the weight's, then the bias's), in one allocation. The rows
   // kernels write every column of theirs; the two-pass kernels add into theirs.
   const int64_t blocks = plan.grid.x;
-  const int64_t sums = static_cast<int64_t>(a.need_grad_weight) + static_cast<int64_t>(a.need_grad_bias);
+  const int64_t sums = static_cast<int64_t>(a.need_grad_weight) + static_cast<int64_t>(a.need_grad_bias());
   at::Tensor partials;
   if (sums > 0) {
     const auto options = a.h.options().dtype(at::kFloat);
@@ -85,11 +85,11 @@ void backward_cuda(const BackwardArgs& a, Gradients& g) {
       p.weight_partials = next;
       next += blocks * a.cols;
     }
-    if (a.need_grad_bias) p.bias_partials = next;
+    if (a.need_grad_bias()) p.bias_partials = next;
   }
   void* grad_weight = a.need_grad_weight ? g.grad_weight.mutable_data_ptr() : nullptr;
-  void* grad_bias = a.need_grad_bias ? g.grad_bias.mutable_data_ptr() : nullptr;
-  p.bias_dtype = a.need_grad_bias ? dtype_of(g.grad_bias.scalar_type()) : Dtype::kFloat;
+  void* grad_bias = a.need_grad_bias() ? g.grad_bias.mutable_data_ptr() : nullptr;
+  p.bias_dtype = a.need_grad_bias() ? dtype_of(g.grad_bias.scalar_type()) : Dtype::kFloat;
   if (a.centered) {
     launch_backward<T, true>(p, plan, grad_weight, grad_bias);
   } else {
