@@ -91,6 +91,18 @@ def assert_rel_close(out: torch.Tensor, ref: torch.Tensor, tol: float, what: str
     return err
 
 
+def end_rows(rows: int, n: int = 4) -> tuple:
+    """The first and the last n rows: where a test of a tensor too large for a whole reference checks
+    rows against one."""
+    return slice(0, n), slice(rows - n, rows)
+
+
+def sum_over_row_chunks(term: Callable[[slice], torch.Tensor], rows: int, chunk: int = 8192) -> torch.Tensor:
+    """term(s) summed in float64 over consecutive slices s of `chunk` rows: a reference for a sum over
+    every row (a weight's gradient) of a tensor too large to upcast whole."""
+    return sum(term(slice(r0, min(rows, r0 + chunk))).double() for r0 in range(0, rows, chunk))
+
+
 def poison_allocations(*like: torch.Tensor | Iterable[int]) -> None:
     """Hands the CUDA caching allocator blocks full of 0xFF bytes (NaN in every float type) of the
     sizes of `like` (tensors, or shapes in bytes), so the next allocations of those sizes start

@@ -835,3 +835,20 @@ def test_sass_window_mask_tile_loop_has_no_branch_an_element():
         tile_loop = min((loop for loop in sass_report.loops(code, 1600) if loop["HGMMA"]),
                         key=lambda loop: loop["instructions"])
         assert tile_loop["BRA"] <= 24, f"{name}: {tile_loop}"
+
+
+@requires_cuda
+@pytest.mark.slow
+def test_more_than_2_to_31_elements():
+    """int64 offsets, forward and backward: q of 2^31 + 2^20 bf16 elements (about 4.3 GB) in the
+    projections' (B, S, H, D) layout, causal, GQA 4:1; the batches at both ends checked against float32."""
+    hq, hk, s, d = 8, 2, 256, 128
+    b = (2**31 + 2**20) // (hq * s * d)
+    q, k, v = make_qkv(b, hq, hk, s, s, d, torch.bfloat16, "cuda", layout="bshd", requires_grad=True)
+    grad = randn(b, hq, s, d, dtype=torch.bfloat16, device="cuda")
+    out = attention(q, k, v, causal=True)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad)
+    for sl in (slice(0, 2), slice(b - 2, b)):
+        want = reference_with_grads(q[sl], k[sl], v[sl], grad[sl], causal=True, dtype=torch.float32)
+        for name, got, ref in zip(("out", "dq", "dk", "dv"), (out[sl], dq[sl], dk[sl], dv[sl]), want):
+            assert rel_err(got, ref) <= 2 * TOL[torch.bfloat16], f"batches {sl}: {name} {rel_err(got, ref):.3e}"

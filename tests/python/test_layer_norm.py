@@ -6,7 +6,7 @@ import torch
 from fuseforge.nn.layer_norm import LayerNorm
 from fuseforge.ops.layer_norm import layer_norm
 from harness import (TOL, assert_compiles, assert_double_backward_raises, assert_rel_close, device_dtypes, devices,
-                     poison_allocations, randn, rel_err, requires_cuda, run_opcheck)
+                     end_rows, poison_allocations, randn, rel_err, requires_cuda, run_opcheck, sum_over_row_chunks)
 
 ops = torch.ops.fuseforge
 
@@ -337,3 +337,28 @@ def test_parameter_grads_are_deterministic():
     for _ in range(3):
         again = torch.autograd.grad(layer_norm(x, w, b), (w, b), g)
         assert all(torch.equal(a, c) for a, c in zip(first, again))
+
+
+@requires_cuda
+@pytest.mark.slow
+def test_more_than_2_to_31_elements():
+    """int64 indexing, forward and backward with a residual, weight and bias: 2^31 + 2^20 bf16 elements
+    (about 4.3 GB a tensor); rows at both ends and the whole weight and bias gradients checked."""
+    cols = 4096
+    rows = (2**31 + 2**20) // cols
+    x, w, b, res = make((rows, cols), torch.bfloat16, "cuda", PARAMS[1], True, requires_grad=True)
+    g = randn(rows, cols, dtype=torch.bfloat16, device="cuda")
+    out, h = layer_norm(x, w, b, EPS, res)
+    grad_x, grad_res, grad_w, grad_b = torch.autograd.grad(out, (x, res, w, b), g)
+    for sl in end_rows(rows):
+        h64 = h_of(x[sl], res[sl]).double().requires_grad_()
+        ref = reference(h64, w.detach(), b.detach())
+        assert_rel_close(out[sl], ref, TOL[torch.bfloat16], "out")
+        (ref_grad_h,) = torch.autograd.grad(ref, h64, g[sl].double())
+        assert_rel_close(grad_x[sl], ref_grad_h, TOL[torch.bfloat16], "grad_x")
+        assert_rel_close(grad_res[sl], ref_grad_h, TOL[torch.bfloat16], "grad_residual")
+    xhat = lambda sl: reference(h[sl].detach(), None, None)  # noqa: E731
+    ref_grad_w = sum_over_row_chunks(lambda sl: (g[sl].double() * xhat(sl)).sum(0), rows)
+    assert_rel_close(grad_w, ref_grad_w, TOL[torch.bfloat16], "grad_weight")
+    assert_rel_close(grad_b, sum_over_row_chunks(lambda sl: g[sl].sum(0, dtype=torch.float64), rows),
+                     TOL[torch.bfloat16], "grad_bias")

@@ -13,8 +13,8 @@ import fuseforge  # noqa: F401  (loads the extension)
 from fuseforge.nn.linear_cross_entropy import LinearCrossEntropyLoss
 from fuseforge.ops.linear_cross_entropy import linear_cross_entropy
 from harness import (assert_compiles_like_eager, assert_double_backward_raises, assert_rel_close, device_dtypes,
-                     devices, generator, poison_allocations, randn, rel_err, requires_cuda, requires_dev_knobs,
-                     run_opcheck)
+                     devices, end_rows, generator, poison_allocations, randn, rel_err, requires_cuda,
+                     requires_dev_knobs, run_opcheck, sum_over_row_chunks)
 
 
 ops = torch.ops.fuseforge
@@ -498,3 +498,32 @@ def test_sanitize_kernels(vocab, low_memory):
     check_against_reference(x, w, t, b, low_memory=low_memory, label_smoothing=0.1, softcap=5.0,
                             grad_out=torch.tensor(1.5, device="cuda"))
     check_against_reference(x, w, t, b, low_memory=low_memory, reduction="none", grad_out=randn(8, 9, device="cuda"))
+
+
+@requires_cuda
+@pytest.mark.slow
+def test_more_than_2_to_31_elements():
+    """int64 offsets: x of 2^31 + 2^17 bf16 elements (about 4.3 GB); per-token losses and x's gradient
+    at both ends against float64, the weight's gradient (a sum over every row) against float64 in chunks."""
+    hidden, vocab = 2048, 1024
+    rows = (2**31 + 2**17) // hidden
+    x, w, t, _ = make_inputs((rows,), hidden, vocab, torch.bfloat16, "cuda")
+    g = randn(rows, device="cuda")
+    loss = linear_cross_entropy(x, w, t, reduction="none")
+    grad_x, grad_w = torch.autograd.grad(loss, (x, w), g)
+    w64 = w.detach().double()
+    for sl in end_rows(rows):
+        x64 = x[sl].detach().double().requires_grad_()
+        ref = reference(x64, w64, t[sl], reduction="none")
+        assert_rel_close(loss[sl], ref, LOSS_TOL[torch.bfloat16], "loss")
+        (ref_grad_x,) = torch.autograd.grad(ref, x64, g[sl].double())
+        assert_rel_close(grad_x[sl], ref_grad_x, GRAD_TOL[torch.bfloat16], "grad_x")
+
+    def grad_w_term(sl):  # (softmax - onehot(target)) * g, times x, over the rows of sl
+        x64 = x[sl].detach().double()
+        dz = torch.softmax(x64 @ w64.T, 1)
+        valid = t[sl] != IGNORE
+        dz[valid.nonzero()[:, 0], t[sl][valid]] -= 1
+        return (dz * (g[sl].double() * valid)[:, None]).T @ x64
+
+    assert_rel_close(grad_w, sum_over_row_chunks(grad_w_term, rows), GRAD_TOL[torch.bfloat16], "grad_weight")

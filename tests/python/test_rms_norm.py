@@ -5,7 +5,7 @@ import torch
 from fuseforge.nn.rms_norm import RMSNorm
 from fuseforge.ops.rms_norm import rms_norm
 from harness import (TOL, assert_compiles, assert_double_backward_raises, assert_rel_close, device_dtypes, devices,
-                     poison_allocations, randn, rel_err, requires_cuda, run_opcheck)
+                     end_rows, poison_allocations, randn, rel_err, requires_cuda, run_opcheck, sum_over_row_chunks)
 
 ops = torch.ops.fuseforge
 
@@ -405,11 +405,21 @@ def test_weight_grad_is_deterministic(shape):
 @requires_cuda
 @pytest.mark.slow
 def test_more_than_2_to_31_elements():
-    """int64 indexing: 2^31 + 2^20 bf16 elements (about 4.3 GB a tensor); rows at both ends checked."""
+    """int64 indexing, forward and backward: 2^31 + 2^20 bf16 elements (about 4.3 GB a tensor); rows at
+    both ends and the whole weight gradient checked."""
     cols = 4096
     rows = (2**31 + 2**20) // cols
-    x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(cols, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(cols, device="cuda", dtype=torch.bfloat16) * 0.3 + 1.0).requires_grad_()
+    g = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
     out = rms_norm(x, w)
-    for sl in (slice(0, 4), slice(rows - 4, rows)):
-        assert_rel_close(out[sl], reference(x[sl], w, 1e-6, 0.0), TOL[torch.bfloat16], "out")
+    grad_x, grad_w = torch.autograd.grad(out, (x, w), g)
+    for sl in end_rows(rows):
+        h64 = x[sl].detach().double().requires_grad_()
+        ref = reference(h64, w.detach(), 1e-6, 0.0)
+        assert_rel_close(out[sl], ref, TOL[torch.bfloat16], "out")
+        (ref_grad_x,) = torch.autograd.grad(ref, h64, g[sl].double())
+        assert_rel_close(grad_x[sl], ref_grad_x, TOL[torch.bfloat16], "grad_x")
+    xhat = lambda sl: reference(x[sl].detach(), None, 1e-6, 0.0)  # noqa: E731
+    ref_grad_w = sum_over_row_chunks(lambda sl: (g[sl].double() * xhat(sl)).sum(0), rows)
+    assert_rel_close(grad_w, ref_grad_w, TOL[torch.bfloat16], "grad_weight")
