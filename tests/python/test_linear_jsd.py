@@ -13,8 +13,8 @@ import fuseforge
 from fuseforge.nn import LinearJSD
 from fuseforge.ops.linear_jsd import linear_jsd, linear_kl_div
 from harness import (assert_compiles_like_eager, assert_double_backward_raises, assert_rel_close, device_dtypes,
-                     devices, generator, poison_allocations, randn, rel_err, requires_cuda, requires_dev_knobs,
-                     run_opcheck)
+                     devices, end_rows, generator, poison_allocations, randn, rel_err, requires_cuda,
+                     requires_dev_knobs, run_opcheck, sum_over_row_chunks)
 
 ops = torch.ops.fuseforge
 IGNORE = -100
@@ -489,3 +489,31 @@ def test_sanitize_kernels(vocab, dtype):
     for beta in (0.0, 0.5, 1.0):
         check_against_reference(sx, sw, tx, tw, t, beta=beta, grad_out=torch.tensor(1.5, device="cuda"))
         check_against_reference(sx, sw, tx, tw, t, beta=beta, reduction="none", grad_out=randn(8, 9, device="cuda"))
+
+
+@requires_cuda
+@pytest.mark.slow
+def test_more_than_2_to_31_elements():
+    """int64 offsets: the student's x of 2^31 + 2^17 bf16 elements (about 4.3 GB), JSD at beta 0.5;
+    per-token losses and the student's x gradient at both ends against float64, its weight's gradient
+    (a sum over every row) against float64 in chunks."""
+    hs, ht, vocab = 2048, 1024, 1024
+    rows = (2**31 + 2**17) // hs
+    sx, sw, tx, tw, t = make_inputs((rows,), hs, ht, vocab, torch.bfloat16, "cuda", x_scale=0.5, w_scale=0.05)
+    g = randn(rows, device="cuda")
+    loss = linear_jsd(sx, sw, tx, tw, t, beta=0.5, reduction="none")
+    grad_x, grad_w = torch.autograd.grad(loss, (sx, sw), g)
+    sw64, tw64 = sw.detach().double().requires_grad_(), tw.double()
+
+    def per_token(sl, x64):
+        return reference(x64, sw64, tx[sl].double(), tw64, t[sl], beta=0.5, reduction="none")
+
+    for sl in end_rows(rows):
+        x64 = sx[sl].detach().double().requires_grad_()
+        ref = per_token(sl, x64)
+        assert_rel_close(loss[sl], ref, LOSS_TOL[torch.bfloat16], "loss")
+        (ref_grad_x,) = torch.autograd.grad(ref, x64, g[sl].double())
+        assert_rel_close(grad_x[sl], ref_grad_x, GRAD_TOL[torch.bfloat16], "grad_x")
+    ref_grad_w = sum_over_row_chunks(lambda sl: torch.autograd.grad(
+        per_token(sl, sx[sl].detach().double()), sw64, g[sl].double())[0], rows)
+    assert_rel_close(grad_w, ref_grad_w, GRAD_TOL[torch.bfloat16], "grad_weight")

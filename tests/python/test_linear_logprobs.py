@@ -9,8 +9,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fuseforge  # noqa: F401  (loads the extension)
 from fuseforge import linear_logprobs
-from harness import (assert_compiles_like_eager, assert_rel_close, device_dtypes, devices, generator, poison_allocations, randn,
-                     rel_err, requires_cuda, run_opcheck)
+from harness import (assert_compiles_like_eager, assert_rel_close, device_dtypes, devices, end_rows, generator,
+                     poison_allocations, randn, rel_err, requires_cuda, run_opcheck, sum_over_row_chunks)
 
 ops = torch.ops.fuseforge
 IGNORE = -100
@@ -328,3 +328,33 @@ def test_sanitize_entropy_kernels(vocab, low_memory):
     refs = torch.autograd.grad((-a.cpu() * ref_logp).sum() + (c.cpu() * ref_ent).sum(), (x64, w64, b64))
     for name, got, want in zip(("grad_x", "grad_weight", "grad_bias"), grads, refs):
         assert_rel_close(got, want, GRAD_TOL[torch.bfloat16], name)
+
+
+@requires_cuda
+@pytest.mark.slow
+def test_more_than_2_to_31_elements():
+    """int64 offsets: x of 2^31 + 2^17 bf16 elements (about 4.3 GB); log-probabilities, entropies and x's
+    gradient at both ends against float64, the weight's gradient (a sum over every row) against float64
+    in chunks. The loss: sum(a * logprobs) + sum(c * entropies) for random per-token a, c."""
+    hidden, vocab = 2048, 1024
+    rows = (2**31 + 2**17) // hidden
+    x, w, _, target = make((rows,), hidden, vocab, torch.bfloat16, "cuda", w_scale=0.02)
+    a, c = randn(rows, device="cuda"), randn(rows, device="cuda")
+    logp, ent = linear_logprobs(x, w, target, return_entropy=True)
+    grad_x, grad_w = torch.autograd.grad((a * logp).sum() + (c * ent).sum(), (x, w))
+    w64 = w.detach().double().requires_grad_()
+
+    def objective(sl, x64):
+        ref_logp, ref_ent = reference(x64, w64, target[sl])
+        return ref_logp, ref_ent, (a[sl].double() * ref_logp).sum() + (c[sl].double() * ref_ent).sum()
+
+    for sl in end_rows(rows):
+        x64 = x[sl].detach().double().requires_grad_()
+        ref_logp, ref_ent, ref = objective(sl, x64)
+        assert_rel_close(logp[sl], ref_logp, VALUE_TOL[torch.bfloat16], "logprobs")
+        assert_rel_close(ent[sl], ref_ent, VALUE_TOL[torch.bfloat16], "entropy")
+        (ref_grad_x,) = torch.autograd.grad(ref, x64)
+        assert_rel_close(grad_x[sl], ref_grad_x, GRAD_TOL[torch.bfloat16], "grad_x")
+    ref_grad_w = sum_over_row_chunks(lambda sl: torch.autograd.grad(
+        objective(sl, x[sl].detach().double())[2], w64)[0], rows)
+    assert_rel_close(grad_w, ref_grad_w, GRAD_TOL[torch.bfloat16], "grad_weight")
