@@ -113,6 +113,13 @@ def tiny_config(family: str, head_dim: int = 16, **extra):
         return transformers.StableLmConfig(partial_rotary_factor=0.25, qk_layernorm=True, use_qkv_bias=True,
                                            use_parallel_residual=family == "stablelm-parallel",
                                            eos_token_id=1, bos_token_id=2, **common)
+    if family == "cohere":  # LayerNorms without bias, per-head q / k norms (a weight a head), interleaved
+        # rotary, attention and MLP from one norm (x + attn + mlp), logits scaled, tied embeddings
+        return transformers.CohereConfig(use_qk_norm=True, logit_scale=0.25, pad_token_id=0, eos_token_id=1,
+                                         bos_token_id=2, **common)
+    if family == "cohere2":  # Cohere's layer with a sliding layer (rotary) and a full one (no positions)
+        return transformers.Cohere2Config(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
+                                          logit_scale=0.25, pad_token_id=0, eos_token_id=1, bos_token_id=2, **common)
     if family == "gemma":  # (1 + w) * x norms, GeGLU, no softcaps
         return transformers.GemmaConfig(hidden_activation="gelu_pytorch_tanh", pad_token_id=0, **common)
     # The experts as loops of matrix products (torch's grouped GEMM has no float64).
@@ -162,7 +169,8 @@ MODEL_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "
                  "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
                  "ernie4_5_moe": "Ernie4_5_MoeForCausalLM", "hunyuan_moe": "HunYuanMoEV1ForCausalLM",
                  "granite_moe": "GraniteMoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM", "olmo": "OlmoForCausalLM",
-                 "stablelm": "StableLmForCausalLM", "stablelm-parallel": "StableLmForCausalLM"}
+                 "stablelm": "StableLmForCausalLM", "stablelm-parallel": "StableLmForCausalLM",
+                 "cohere": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM"}
 
 
 def exact_norm_forward(self, x):
@@ -179,13 +187,21 @@ def exact_olmo_norm_forward(self, x):
     return torch.nn.functional.layer_norm(x, self.normalized_shape, None, None, eps=1e-5)
 
 
+def exact_cohere_norm_forward(self, x):
+    """Cohere's LayerNorm (a weight, no bias; per head for its q / k norms) in the input's dtype (its own
+    computes in float32)."""
+    return torch.nn.functional.layer_norm(x, x.shape[-1:], None, None, eps=self.variance_epsilon) * self.weight
+
+
 def exact_rotary_forward(self, x, position_ids, layer_type=None):
     """transformers' rotary embedding with cos and sin of its float32 angles in float64: its own
-    forward rounds them to float32."""
+    forward rounds them to float32. Cohere's tables repeat each angle (pairs 2i, 2i + 1), the others
+    concatenate the halves."""
     prefix = f"{layer_type}_" if layer_type else ""
     inv_freq = getattr(self, f"{prefix}inv_freq").to(device=x.device, dtype=torch.float32)
     angle = (position_ids[..., None].float() * inv_freq).double()
-    emb = torch.cat((angle, angle), dim=-1)
+    pairwise = type(self).__name__ in ("CohereRotaryEmbedding", "Cohere2RotaryEmbedding")
+    emb = angle.repeat_interleave(2, dim=-1) if pairwise else torch.cat((angle, angle), dim=-1)
     scaling = getattr(self, f"{prefix}attention_scaling")
     return (emb.cos() * scaling).to(x.dtype), (emb.sin() * scaling).to(x.dtype)
 
@@ -201,12 +217,27 @@ def exact_interleaved_rotary(q, k, cos, sin, unsqueeze_dim=1):
     return q * cos + rotate(q) * sin, k * cos + rotate(k) * sin
 
 
-def exact_ernie_attention_forward(self, *args, **kwargs):
-    """ERNIE 4.5's attention with exact_interleaved_rotary in place of its own rotation for this call
-    only, so no other model (a bf16 reference) sees the swap."""
+def exact_pairwise_rotary(q, k, cos, sin, unsqueeze_dim=1):
+    """Cohere's apply_rotary_pos_emb (tables already pairwise) in the inputs' dtype: its own computes in
+    float32 whatever the input."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+
+    def rotate(x):
+        return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+    return q * cos + rotate(q) * sin, k * cos + rotate(k) * sin
+
+
+# Attention classes whose rotation computes in float32 whatever the input, and its float64 stand-in.
+EXACT_ROTATIONS = {"Ernie4_5Attention": exact_interleaved_rotary, "Ernie4_5_MoeAttention": exact_interleaved_rotary,
+                   "CohereAttention": exact_pairwise_rotary, "Cohere2Attention": exact_pairwise_rotary}
+
+
+def exact_rotation_attention_forward(self, *args, **kwargs):
+    """The attention with its EXACT_ROTATIONS entry in place of its own rotation for this call only, so
+    no other model (a bf16 reference) sees the swap."""
     module = sys.modules[type(self).__module__]
     own = module.apply_rotary_pos_emb
-    module.apply_rotary_pos_emb = exact_interleaved_rotary
+    module.apply_rotary_pos_emb = EXACT_ROTATIONS[type(self).__name__]
     try:
         return type(self).forward(self, *args, **kwargs)
     finally:
@@ -228,8 +259,10 @@ def make_model(family: str, dtype=torch.float32, device="cpu", **extra):
             p.add_(torch.randn_like(p) * 0.02)
     if dtype == torch.float64:
         for m in model.modules():
-            if type(m).__name__ in ("Ernie4_5Attention", "Ernie4_5_MoeAttention"):
-                m.forward = types.MethodType(exact_ernie_attention_forward, m)
+            if type(m).__name__ in EXACT_ROTATIONS:
+                m.forward = types.MethodType(exact_rotation_attention_forward, m)
+            elif type(m).__name__ in ("CohereLayerNorm", "Cohere2LayerNorm"):
+                m.forward = types.MethodType(exact_cohere_norm_forward, m)
             elif type(m).__name__ in NORMS:
                 m.forward = types.MethodType(exact_norm_forward, m)
             elif type(m).__name__ == "OlmoLayerNorm":
@@ -267,14 +300,14 @@ def kernel_calls():
 
 
 SLIDING = ("mistral-swa", "qwen2-swa", "phi3", "gemma2", "gemma3", "olmo3", "ministral", "smollm3",
-           "exaone4")  # families with a window that binds
+           "exaone4", "cohere2")  # families with a window that binds
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "mistral-swa", "qwen2-swa", "phi3", "gemma2",
                                     "gemma3", "olmo2", "granite", "glm", "olmo3", "ministral", "helium", "ernie4_5",
                                     "smollm3", "seed_oss", "exaone4", "hunyuan", "gemma", "mixtral", "qwen2_moe",
                                     "qwen3_moe", "olmoe", "ernie4_5_moe", "hunyuan_moe", "granite_moe", "glm4_moe",
-                                    "olmo", "stablelm", "stablelm-parallel"])
+                                    "olmo", "stablelm", "stablelm-parallel", "cohere", "cohere2"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 def test_patched_loss_and_gradients_match_unpatched(family, dtype):
     """An unpacked batch (sliding windows and softcapping by the kernel, no fallback)."""
@@ -825,14 +858,14 @@ def test_packed_bf16_cuda_matches_unpatched(family, head_dim):
 LAYER_FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "olmo2", "granite", "glm", "olmo3",
                   "ministral", "helium", "ernie4_5", "smollm3", "seed_oss", "exaone4", "hunyuan", "gemma", "mixtral",
                   "qwen2_moe", "qwen3_moe", "olmoe", "ernie4_5_moe", "hunyuan_moe", "granite_moe", "glm4_moe",
-                  "olmo", "stablelm", "stablelm-parallel"]
+                  "olmo", "stablelm", "stablelm-parallel", "cohere", "cohere2"]
 # Gated MLPs a layer that run glu: none in Mixtral's, Qwen3-MoE's, OLMoE's and Granite MoE's expert blocks (the
 # experts keep the model's code); one for a shared expert or a dense layer.
 GLU_PER_LAYER = {"mixtral": 0, "qwen3_moe": 0, "olmoe": 0, "granite_moe": 0}
 # Families whose residual add goes into a norm (OLMo 2 / 3 and EXAONE 4 normalise before the add, Granite
-# scales the block's output there, StableLM's parallel layer adds both blocks to the input).
-# Layers without rotary: SmolLM3's NoPE layer, EXAONE 4's full-attention layer of a hybrid model.
-NOPE_LAYERS = {"smollm3": 1, "exaone4": 1}
+# scales the block's output there, StableLM's parallel layer and Cohere's add both blocks to the input).
+# Layers without rotary: SmolLM3's NoPE layer, the full-attention layer of a hybrid EXAONE 4 and of Cohere 2.
+NOPE_LAYERS = {"smollm3": 1, "exaone4": 1, "cohere2": 1}
 FUSED_RESIDUAL = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "glm", "ministral", "helium",
                   "ernie4_5", "smollm3", "seed_oss", "hunyuan", "gemma", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
                   "ernie4_5_moe", "hunyuan_moe", "glm4_moe", "olmo", "stablelm")
@@ -1167,7 +1200,7 @@ def test_packed_positions_rotate_per_document():
 
 
 @requires_cuda
-@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3", "gemma2", "olmo", "stablelm"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "phi3", "gemma2", "olmo", "stablelm", "cohere"])
 def test_fp32_weights_under_cuda_autocast(family):
     """The benchmarks' recipe on the GPU: fp32 weights, bf16 autocast. Against a float64 copy of the
     model, every gradient of the patched model is within twice the unpatched model's own bf16 error

@@ -46,9 +46,10 @@ NORMS = {"LlamaRMSNorm": 0.0, "MistralRMSNorm": 0.0, "MinistralRMSNorm": 0.0, "Q
          "Qwen2MoeRMSNorm": 0.0, "Qwen3MoeRMSNorm": 0.0, "OlmoeRMSNorm": 0.0, "Ernie4_5_MoeRMSNorm": 0.0,
          "HunYuanMoEV1RMSNorm": 0.0, "GraniteMoeRMSNorm": 0.0, "Glm4MoeRMSNorm": 0.0, "GemmaRMSNorm": 1.0,
          "Gemma2RMSNorm": 1.0, "Gemma3RMSNorm": 1.0}
-# LayerNorm classes: OLMo's (no weight or bias, eps 1e-5) and torch.nn.LayerNorm (StableLM), the
-# ones over the hidden size only (StableLM's per-head q / k norms keep their own code).
-LAYER_NORMS = ("OlmoLayerNorm", "LayerNorm")
+# LayerNorm classes: OLMo's (no weight or bias, eps 1e-5), torch.nn.LayerNorm (StableLM) and Cohere's
+# (a weight, no bias), the ones over the hidden size only (StableLM's and Cohere's per-head q / k norms
+# keep their own code).
+LAYER_NORMS = ("OlmoLayerNorm", "LayerNorm", "CohereLayerNorm", "Cohere2LayerNorm")
 # Hugging Face activation names and glu's.
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
                "gelu_fast": None, "gelu": "gelu"}
@@ -63,7 +64,10 @@ PRE_NORM_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "MinistralDecoder
                    "OlmoDecoderLayer", "StableLmDecoderLayer")
 SANDWICH_LAYERS = ("Gemma2DecoderLayer", "Gemma3DecoderLayer")
 # Attention classes whose rotation pairs dims 2i and 2i + 1 (GLM's) instead of i and i + R / 2.
-INTERLEAVED_ROTARY = ("GlmAttention", "HeliumAttention", "Ernie4_5Attention", "Ernie4_5_MoeAttention")
+INTERLEAVED_ROTARY = ("GlmAttention", "HeliumAttention", "Ernie4_5Attention", "Ernie4_5_MoeAttention",
+                      "CohereAttention", "Cohere2Attention")
+# Attention classes that rotate only in their sliding-window layers (Cohere 2's full layers: no positions).
+SLIDING_ONLY_ROTARY = ("Cohere2Attention",)
 # Attention classes whose full-attention layers rotate nothing and see the whole sequence when the model
 # also has sliding layers (EXAONE 4's hybrid models: every layer holds sliding_window, is_sliding says
 # which use it).
@@ -125,14 +129,19 @@ def _layer_norm_forward(self, hidden_states: Tensor, residual: Optional[Tensor] 
     x, residual = _same_dtype(hidden_states, residual)
     if any(p is not None and p.dtype not in (x.dtype, torch.float32) for p in (weight, bias)):
         return _module_norm(self, x, residual)
-    # OLMo's norm has no eps attribute: its forward passes layer_norm's default, 1e-5.
-    return layer_norm(x, weight, bias, getattr(self, "eps", 1e-5), residual=residual, out_dtype=_norm_out_dtype(x))
+    # OLMo's norm has no eps attribute: its forward passes layer_norm's default, 1e-5. Cohere's calls it
+    # variance_epsilon.
+    eps = getattr(self, "eps", None)
+    eps = getattr(self, "variance_epsilon", 1e-5) if eps is None else eps
+    return layer_norm(x, weight, bias, eps, residual=residual, out_dtype=_norm_out_dtype(x))
 
 
 def _patched_layer_norm(module: nn.Module, config) -> bool:
     cls = type(module).__name__
     if cls == "OlmoLayerNorm":
         return True
+    if cls in ("CohereLayerNorm", "Cohere2LayerNorm"):
+        return tuple(module.weight.shape) == (config.hidden_size,)
     return cls == "LayerNorm" and isinstance(module, nn.LayerNorm) and \
         tuple(module.normalized_shape) == (config.hidden_size,)
 
@@ -182,7 +191,9 @@ def _hybrid_full_attention(attn: nn.Module) -> bool:
 
 
 def _rotates(attn: nn.Module) -> bool:
-    """False for SmolLM3's NoPE layers and a hybrid EXAONE 4's full-attention layers."""
+    """False for SmolLM3's NoPE layers and the full-attention layers of a hybrid EXAONE 4 and of Cohere 2."""
+    if type(attn).__name__ in SLIDING_ONLY_ROTARY:
+        return attn.sliding_window is not None
     return getattr(attn, "use_rope", True) and not _hybrid_full_attention(attn)
 
 
@@ -221,9 +232,9 @@ def _attention_forward(self, hidden_states: Tensor, position_embeddings=None, at
         query = self.q_proj(hidden_states).view(hidden_shape)
         key = self.k_proj(hidden_states).view(hidden_shape)
         value = self.v_proj(hidden_states).view(hidden_shape)
-    if hasattr(self, "q_norm"):  # norms before the rotation: per head (Qwen3, Gemma 3) or of the
-        # whole projection (OLMo 2)
-        if self.q_norm.weight.numel() == self.head_dim:
+    if hasattr(self, "q_norm"):  # norms before the rotation: per head (Qwen3, Gemma 3; Cohere's with a
+        # weight a head) or of the whole projection (OLMo 2)
+        if self.q_norm.weight.numel() == self.head_dim or self.q_norm.weight.dim() == 2:
             query, key = self.q_norm(query), self.k_norm(key)
         else:
             query = self.q_norm(query.flatten(-2)).view(hidden_shape)

@@ -51,6 +51,15 @@ def _lm_head_forward(self, hidden_states: Tensor, loss_labels: Optional[Tensor] 
                           logits_scaling=logits_scaling)
 
 
+def _logits_scaling(model: nn.Module) -> Optional[float]:
+    """What the model divides its logits by: Granite's logits_scaling, or one over the logit_scale that
+    Cohere multiplies them by."""
+    scale = getattr(model, "logit_scale", None)
+    if isinstance(scale, (int, float)) and scale != 1.0:
+        return 1.0 / scale
+    return getattr(model.config, "logits_scaling", None)
+
+
 def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
                        labels=None, use_cache=None, logits_to_keep=0, **kwargs):
     """The Llama-family ForCausalLM forward with the loss from linear_cross_entropy. The cache travels
@@ -84,7 +93,7 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     loss = self.lm_head(outputs.last_hidden_state, loss_labels=labels, shift_labels=kwargs.get("shift_labels"),
                         num_items_in_batch=kwargs.get("num_items_in_batch"),
                         softcap=getattr(self.config, "final_logit_softcapping", None),
-                        logits_scaling=getattr(self.config, "logits_scaling", None))
+                        logits_scaling=_logits_scaling(self))
     # the cache field is `cache` since transformers renamed `past_key_values` (the old name warns)
     cache_field = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
     fields = dict(logits=None, hidden_states=outputs.hidden_states, attentions=outputs.attentions,
