@@ -120,6 +120,11 @@ def tiny_config(family: str, head_dim: int = 16, **extra):
     if family == "cohere2":  # Cohere's layer with a sliding layer (rotary) and a full one (no positions)
         return transformers.Cohere2Config(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
                                           logit_scale=0.25, pad_token_id=0, eos_token_id=1, bos_token_id=2, **common)
+    if family == "starcoder2":  # LayerNorms with biases, biases on every projection, a plain (ungated) MLP,
+        # every layer sliding; dropouts on each block's output (off here)
+        common.setdefault("residual_dropout", 0.0)
+        return transformers.Starcoder2Config(use_bias=True, sliding_window=WINDOW, embedding_dropout=0.0,
+                                             pad_token_id=0, eos_token_id=1, bos_token_id=2, **common)
     if family == "gemma":  # (1 + w) * x norms, GeGLU, no softcaps
         return transformers.GemmaConfig(hidden_activation="gelu_pytorch_tanh", pad_token_id=0, **common)
     # The experts as loops of matrix products (torch's grouped GEMM has no float64).
@@ -170,7 +175,7 @@ MODEL_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "
                  "ernie4_5_moe": "Ernie4_5_MoeForCausalLM", "hunyuan_moe": "HunYuanMoEV1ForCausalLM",
                  "granite_moe": "GraniteMoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM", "olmo": "OlmoForCausalLM",
                  "stablelm": "StableLmForCausalLM", "stablelm-parallel": "StableLmForCausalLM",
-                 "cohere": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM"}
+                 "cohere": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM", "starcoder2": "Starcoder2ForCausalLM"}
 
 
 def exact_norm_forward(self, x):
@@ -300,14 +305,14 @@ def kernel_calls():
 
 
 SLIDING = ("mistral-swa", "qwen2-swa", "phi3", "gemma2", "gemma3", "olmo3", "ministral", "smollm3",
-           "exaone4", "cohere2")  # families with a window that binds
+           "exaone4", "cohere2", "starcoder2")  # families with a window that binds
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "mistral-swa", "qwen2-swa", "phi3", "gemma2",
                                     "gemma3", "olmo2", "granite", "glm", "olmo3", "ministral", "helium", "ernie4_5",
                                     "smollm3", "seed_oss", "exaone4", "hunyuan", "gemma", "mixtral", "qwen2_moe",
                                     "qwen3_moe", "olmoe", "ernie4_5_moe", "hunyuan_moe", "granite_moe", "glm4_moe",
-                                    "olmo", "stablelm", "stablelm-parallel", "cohere", "cohere2"])
+                                    "olmo", "stablelm", "stablelm-parallel", "cohere", "cohere2", "starcoder2"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 def test_patched_loss_and_gradients_match_unpatched(family, dtype):
     """An unpacked batch (sliding windows and softcapping by the kernel, no fallback)."""
@@ -858,17 +863,17 @@ def test_packed_bf16_cuda_matches_unpatched(family, head_dim):
 LAYER_FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "olmo2", "granite", "glm", "olmo3",
                   "ministral", "helium", "ernie4_5", "smollm3", "seed_oss", "exaone4", "hunyuan", "gemma", "mixtral",
                   "qwen2_moe", "qwen3_moe", "olmoe", "ernie4_5_moe", "hunyuan_moe", "granite_moe", "glm4_moe",
-                  "olmo", "stablelm", "stablelm-parallel", "cohere", "cohere2"]
+                  "olmo", "stablelm", "stablelm-parallel", "cohere", "cohere2", "starcoder2"]
 # Gated MLPs a layer that run glu: none in Mixtral's, Qwen3-MoE's, OLMoE's and Granite MoE's expert blocks (the
-# experts keep the model's code); one for a shared expert or a dense layer.
-GLU_PER_LAYER = {"mixtral": 0, "qwen3_moe": 0, "olmoe": 0, "granite_moe": 0}
+# experts keep the model's code) and StarCoder2's plain MLP; one for a shared expert or a dense layer.
+GLU_PER_LAYER = {"mixtral": 0, "qwen3_moe": 0, "olmoe": 0, "granite_moe": 0, "starcoder2": 0}
 # Families whose residual add goes into a norm (OLMo 2 / 3 and EXAONE 4 normalise before the add, Granite
 # scales the block's output there, StableLM's parallel layer and Cohere's add both blocks to the input).
 # Layers without rotary: SmolLM3's NoPE layer, the full-attention layer of a hybrid EXAONE 4 and of Cohere 2.
 NOPE_LAYERS = {"smollm3": 1, "exaone4": 1, "cohere2": 1}
 FUSED_RESIDUAL = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "glm", "ministral", "helium",
                   "ernie4_5", "smollm3", "seed_oss", "hunyuan", "gemma", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
-                  "ernie4_5_moe", "hunyuan_moe", "glm4_moe", "olmo", "stablelm")
+                  "ernie4_5_moe", "hunyuan_moe", "glm4_moe", "olmo", "stablelm", "starcoder2")
 LAYER_FEATURES = ("rms_norm", "rotary", "glu", "fuse_residual")
 
 
@@ -1138,11 +1143,12 @@ def test_olmoe_clip_qkv_keeps_the_model_attention(monkeypatch):
         assert_rel_close(got_grads[name], g, 1e-9, f"grad {name}")
 
 
-@pytest.mark.parametrize("family,dropout", [("seed_oss", {"residual_dropout": 0.3}), ("stablelm", {"hidden_dropout": 0.3})])
+@pytest.mark.parametrize("family,dropout", [("seed_oss", {"residual_dropout": 0.3}), ("stablelm", {"hidden_dropout": 0.3}),
+                                            ("starcoder2", {"residual_dropout": 0.3})])
 def test_residual_dropout_is_applied_in_training(family, dropout):
-    """Seed-OSS drops out each block's output in training, StableLM the MLP's: the patched modules do too,
-    drawing the same masks in the same order as the unpatched model (the attention itself has no dropout
-    here)."""
+    """Seed-OSS and StarCoder2 drop out each block's output in training, StableLM the MLP's: the patched
+    modules do too, drawing the same masks in the same order as the unpatched model (the attention itself
+    has no dropout here)."""
     model = make_model(family, torch.float64, **dropout)
     model.train()
     ids = tokens(2, 17)

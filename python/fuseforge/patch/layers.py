@@ -61,7 +61,7 @@ PRE_NORM_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "MinistralDecoder
                    "Ernie4_5DecoderLayer", "SmolLM3DecoderLayer", "SeedOssDecoderLayer", "HunYuanDenseV1DecoderLayer",
                    "GemmaDecoderLayer", "MixtralDecoderLayer", "Qwen2MoeDecoderLayer", "Qwen3MoeDecoderLayer",
                    "OlmoeDecoderLayer", "Ernie4_5_MoeDecoderLayer", "HunYuanMoEV1DecoderLayer", "Glm4MoeDecoderLayer",
-                   "OlmoDecoderLayer", "StableLmDecoderLayer")
+                   "OlmoDecoderLayer", "StableLmDecoderLayer", "Starcoder2DecoderLayer")
 SANDWICH_LAYERS = ("Gemma2DecoderLayer", "Gemma3DecoderLayer")
 # Attention classes whose rotation pairs dims 2i and 2i + 1 (GLM's) instead of i and i + R / 2.
 INTERLEAVED_ROTARY = ("GlmAttention", "HeliumAttention", "Ernie4_5Attention", "Ernie4_5_MoeAttention",
