@@ -103,6 +103,8 @@ def tiny_config(family: str, head_dim: int = 16, **extra):
     if family == "granite":  # multipliers on the embedding, the attention, the residual and the logits
         return transformers.GraniteConfig(embedding_multiplier=1.5, attention_multiplier=0.3, residual_multiplier=0.6,
                                           logits_scaling=2.5, **common)
+    if family == "glm4":  # GLM's attention and MLP, a norm before and after each block
+        return transformers.Glm4Config(partial_rotary_factor=0.5, pad_token_id=0, eos_token_id=1, **common)
     if family == "glm":  # interleaved rotary on half of each head, one gate_up projection
         return transformers.GlmConfig(partial_rotary_factor=0.5, pad_token_id=0, eos_token_id=1, **common)
     if family == "olmo":  # parameter-free LayerNorms, Llama's layer
@@ -175,7 +177,8 @@ MODEL_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "
                  "ernie4_5_moe": "Ernie4_5_MoeForCausalLM", "hunyuan_moe": "HunYuanMoEV1ForCausalLM",
                  "granite_moe": "GraniteMoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM", "olmo": "OlmoForCausalLM",
                  "stablelm": "StableLmForCausalLM", "stablelm-parallel": "StableLmForCausalLM",
-                 "cohere": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM", "starcoder2": "Starcoder2ForCausalLM"}
+                 "cohere": "CohereForCausalLM", "cohere2": "Cohere2ForCausalLM", "starcoder2": "Starcoder2ForCausalLM",
+                 "glm4": "Glm4ForCausalLM"}
 
 
 def exact_norm_forward(self, x):
@@ -312,7 +315,8 @@ SLIDING = ("mistral-swa", "qwen2-swa", "phi3", "gemma2", "gemma3", "olmo3", "min
                                     "gemma3", "olmo2", "granite", "glm", "olmo3", "ministral", "helium", "ernie4_5",
                                     "smollm3", "seed_oss", "exaone4", "hunyuan", "gemma", "mixtral", "qwen2_moe",
                                     "qwen3_moe", "olmoe", "ernie4_5_moe", "hunyuan_moe", "granite_moe", "glm4_moe",
-                                    "olmo", "stablelm", "stablelm-parallel", "cohere", "cohere2", "starcoder2"])
+                                    "olmo", "stablelm", "stablelm-parallel", "cohere", "cohere2", "starcoder2",
+                                    "glm4"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 def test_patched_loss_and_gradients_match_unpatched(family, dtype):
     """An unpacked batch (sliding windows and softcapping by the kernel, no fallback)."""
@@ -863,7 +867,7 @@ def test_packed_bf16_cuda_matches_unpatched(family, head_dim):
 LAYER_FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "olmo2", "granite", "glm", "olmo3",
                   "ministral", "helium", "ernie4_5", "smollm3", "seed_oss", "exaone4", "hunyuan", "gemma", "mixtral",
                   "qwen2_moe", "qwen3_moe", "olmoe", "ernie4_5_moe", "hunyuan_moe", "granite_moe", "glm4_moe",
-                  "olmo", "stablelm", "stablelm-parallel", "cohere", "cohere2", "starcoder2"]
+                  "olmo", "stablelm", "stablelm-parallel", "cohere", "cohere2", "starcoder2", "glm4"]
 # Gated MLPs a layer that run glu: none in Mixtral's, Qwen3-MoE's, OLMoE's and Granite MoE's expert blocks (the
 # experts keep the model's code) and StarCoder2's plain MLP; one for a shared expert or a dense layer.
 GLU_PER_LAYER = {"mixtral": 0, "qwen3_moe": 0, "olmoe": 0, "granite_moe": 0, "starcoder2": 0}
@@ -873,7 +877,7 @@ GLU_PER_LAYER = {"mixtral": 0, "qwen3_moe": 0, "olmoe": 0, "granite_moe": 0, "st
 NOPE_LAYERS = {"smollm3": 1, "exaone4": 1, "cohere2": 1}
 FUSED_RESIDUAL = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "glm", "ministral", "helium",
                   "ernie4_5", "smollm3", "seed_oss", "hunyuan", "gemma", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
-                  "ernie4_5_moe", "hunyuan_moe", "glm4_moe", "olmo", "stablelm", "starcoder2")
+                  "ernie4_5_moe", "hunyuan_moe", "glm4_moe", "olmo", "stablelm", "starcoder2", "glm4")
 LAYER_FEATURES = ("rms_norm", "rotary", "glu", "fuse_residual")
 
 

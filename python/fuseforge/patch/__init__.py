@@ -1,6 +1,6 @@
 """`fuseforge.patch(model)` / `fuseforge.unpatch(model)` for Hugging Face Llama-family models (Llama,
 Mistral, Ministral, Qwen2, Qwen3, Phi-3, Gemma, Gemma 2, Gemma 3, OLMo 2, OLMo 3, Granite, GLM,
-Helium, ERNIE 4.5, SmolLM3, Seed-OSS, EXAONE 4, Hunyuan dense, and the LayerNorm families OLMo,
+GLM-4, Helium, ERNIE 4.5, SmolLM3, Seed-OSS, EXAONE 4, Hunyuan dense, and the LayerNorm families OLMo,
 StableLM, Cohere, Cohere 2 and StarCoder2; and the mixture-of-experts Mixtral,
 Qwen2-MoE, Qwen3-MoE, OLMoE, ERNIE 4.5 MoE, Hunyuan MoE, Granite MoE and GLM-4 MoE, whose experts
 keep the model's code: SUPPORTED_MODELS).
@@ -88,7 +88,8 @@ SUPPORTED_MODELS = ("LlamaForCausalLM", "LlamaModel", "MistralForCausalLM", "Mis
                     "Ernie4_5_MoeForCausalLM", "Ernie4_5_MoeModel", "HunYuanMoEV1ForCausalLM", "HunYuanMoEV1Model",
                     "GraniteMoeForCausalLM", "GraniteMoeModel", "Glm4MoeForCausalLM", "Glm4MoeModel",
                     "OlmoForCausalLM", "OlmoModel", "StableLmForCausalLM", "StableLmModel", "CohereForCausalLM",
-                    "CohereModel", "Cohere2ForCausalLM", "Cohere2Model", "Starcoder2ForCausalLM", "Starcoder2Model")
+                    "CohereModel", "Cohere2ForCausalLM", "Cohere2Model", "Starcoder2ForCausalLM", "Starcoder2Model",
+                    "Glm4ForCausalLM", "Glm4Model")
 
 _STATE = "_fuseforge_patch"
 

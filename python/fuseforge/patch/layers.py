@@ -44,8 +44,8 @@ NORMS = {"LlamaRMSNorm": 0.0, "MistralRMSNorm": 0.0, "MinistralRMSNorm": 0.0, "Q
          "GlmRMSNorm": 0.0, "HeliumRMSNorm": 0.0, "Ernie4_5RMSNorm": 0.0, "SmolLM3RMSNorm": 0.0,
          "SeedOssRMSNorm": 0.0, "Exaone4RMSNorm": 0.0, "HunYuanDenseV1RMSNorm": 0.0, "MixtralRMSNorm": 0.0,
          "Qwen2MoeRMSNorm": 0.0, "Qwen3MoeRMSNorm": 0.0, "OlmoeRMSNorm": 0.0, "Ernie4_5_MoeRMSNorm": 0.0,
-         "HunYuanMoEV1RMSNorm": 0.0, "GraniteMoeRMSNorm": 0.0, "Glm4MoeRMSNorm": 0.0, "GemmaRMSNorm": 1.0,
-         "Gemma2RMSNorm": 1.0, "Gemma3RMSNorm": 1.0}
+         "HunYuanMoEV1RMSNorm": 0.0, "GraniteMoeRMSNorm": 0.0, "Glm4MoeRMSNorm": 0.0, "Glm4RMSNorm": 0.0,
+         "GemmaRMSNorm": 1.0, "Gemma2RMSNorm": 1.0, "Gemma3RMSNorm": 1.0}
 # LayerNorm classes: OLMo's (no weight or bias, eps 1e-5), torch.nn.LayerNorm (StableLM) and Cohere's
 # (a weight, no bias), the ones over the hidden size only (StableLM's and Cohere's per-head q / k norms
 # keep their own code).
@@ -62,9 +62,14 @@ PRE_NORM_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "MinistralDecoder
                    "GemmaDecoderLayer", "MixtralDecoderLayer", "Qwen2MoeDecoderLayer", "Qwen3MoeDecoderLayer",
                    "OlmoeDecoderLayer", "Ernie4_5_MoeDecoderLayer", "HunYuanMoEV1DecoderLayer", "Glm4MoeDecoderLayer",
                    "OlmoDecoderLayer", "StableLmDecoderLayer", "Starcoder2DecoderLayer")
-SANDWICH_LAYERS = ("Gemma2DecoderLayer", "Gemma3DecoderLayer")
+# Layers with a norm before and after each block: their (post-attention, pre-MLP, post-MLP) norms' names.
+SANDWICH_LAYERS = {
+    "Gemma2DecoderLayer": ("post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"),
+    "Gemma3DecoderLayer": ("post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"),
+    "Glm4DecoderLayer": ("post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm"),
+}
 # Attention classes whose rotation pairs dims 2i and 2i + 1 (GLM's) instead of i and i + R / 2.
-INTERLEAVED_ROTARY = ("GlmAttention", "HeliumAttention", "Ernie4_5Attention", "Ernie4_5_MoeAttention",
+INTERLEAVED_ROTARY = ("GlmAttention", "Glm4Attention", "HeliumAttention", "Ernie4_5Attention", "Ernie4_5_MoeAttention",
                       "CohereAttention", "Cohere2Attention")
 # Attention classes that rotate only in their sliding-window layers (Cohere 2's full layers: no positions).
 SLIDING_ONLY_ROTARY = ("Cohere2Attention",)
@@ -393,15 +398,17 @@ def _pre_norm_layer_forward(self, hidden_states: Tensor, *args, **kwargs) -> Ten
 
 
 def _sandwich_layer_forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
-    """Gemma 2 / 3's decoder layer (a norm before and after each block), the first add in the pre-MLP norm."""
+    """Gemma 2 / 3's and GLM-4's decoder layer (a norm before and after each block), the first add in the
+    pre-MLP norm."""
     if args:
         return type(self).forward(self, hidden_states, *args, **kwargs)
+    post_attention, pre_mlp, post_mlp = (getattr(self, name) for name in SANDWICH_LAYERS[type(self).__name__])
     residual = hidden_states
     hidden_states = self.input_layernorm(hidden_states)
     hidden_states, _ = self.self_attn(hidden_states=hidden_states, **kwargs)
-    hidden_states = self.post_attention_layernorm(hidden_states)
-    hidden_states, residual = _norm_with_residual(self.pre_feedforward_layernorm, hidden_states, residual)
-    hidden_states = self.post_feedforward_layernorm(self.mlp(hidden_states))
+    hidden_states = post_attention(hidden_states)
+    hidden_states, residual = _norm_with_residual(pre_mlp, hidden_states, residual)
+    hidden_states = post_mlp(self.mlp(hidden_states))
     return residual + hidden_states
 
 
