@@ -214,17 +214,6 @@ def exact_rotary_forward(self, x, position_ids, layer_type=None):
     return (emb.cos() * scaling).to(x.dtype), (emb.sin() * scaling).to(x.dtype)
 
 
-def exact_interleaved_rotary(q, k, cos, sin, unsqueeze_dim=1):
-    """ERNIE 4.5's apply_rotary_pos_emb in the inputs' dtype: its own computes in float32 whatever the
-    input (the same for float32 inputs)."""
-    cos = cos.unsqueeze(unsqueeze_dim)[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
-    sin = sin.unsqueeze(unsqueeze_dim)[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
-
-    def rotate(x):
-        return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
-    return q * cos + rotate(q) * sin, k * cos + rotate(k) * sin
-
-
 def exact_pairwise_rotary(q, k, cos, sin, unsqueeze_dim=1):
     """Cohere's apply_rotary_pos_emb (tables already pairwise) in the inputs' dtype: its own computes in
     float32 whatever the input."""
@@ -233,6 +222,14 @@ def exact_pairwise_rotary(q, k, cos, sin, unsqueeze_dim=1):
     def rotate(x):
         return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
     return q * cos + rotate(q) * sin, k * cos + rotate(k) * sin
+
+
+def exact_interleaved_rotary(q, k, cos, sin, unsqueeze_dim=1):
+    """ERNIE 4.5's apply_rotary_pos_emb in the inputs' dtype (its own computes in float32 whatever the
+    input): its half-split tables' first halves repeated pairwise, then Cohere's rotation."""
+    half = cos.shape[-1] // 2
+    return exact_pairwise_rotary(q, k, cos[..., :half].repeat_interleave(2, dim=-1),
+                                 sin[..., :half].repeat_interleave(2, dim=-1), unsqueeze_dim)
 
 
 # Attention classes whose rotation computes in float32 whatever the input, and its float64 stand-in.

@@ -112,11 +112,17 @@ def _module_norm(norm: nn.Module, x: Tensor, residual: Optional[Tensor]):
     return out if residual is None else (out, h)
 
 
+def _norm_eps(norm: nn.Module, default: Optional[float] = None) -> Optional[float]:
+    """The norm module's epsilon, `variance_epsilon` (Llama's RMSNorm, Cohere's LayerNorm) or `eps`
+    (Gemma's RMSNorm, torch.nn.LayerNorm); `default` where it has neither."""
+    eps = getattr(norm, "variance_epsilon", None)
+    return getattr(norm, "eps", default) if eps is None else eps
+
+
 def _norm_forward(self, hidden_states: Tensor, residual: Optional[Tensor] = None):
     """The patched RMSNorm: `norm(x)`, or with a residual `(norm(x + residual), x + residual)`."""
     offset = self._fuseforge_weight_offset
-    eps = getattr(self, "variance_epsilon", None)
-    eps = self.eps if eps is None else eps
+    eps = _norm_eps(self)
     weight = self.weight
     x, residual = _same_dtype(hidden_states, residual)
     # Llama's form returns weight * normalised.to(input dtype): a float32 weight on a 16-bit input without
@@ -134,11 +140,8 @@ def _layer_norm_forward(self, hidden_states: Tensor, residual: Optional[Tensor] 
     x, residual = _same_dtype(hidden_states, residual)
     if any(p is not None and p.dtype not in (x.dtype, torch.float32) for p in (weight, bias)):
         return _module_norm(self, x, residual)
-    # OLMo's norm has no eps attribute: its forward passes layer_norm's default, 1e-5. Cohere's calls it
-    # variance_epsilon.
-    eps = getattr(self, "eps", None)
-    eps = getattr(self, "variance_epsilon", 1e-5) if eps is None else eps
-    return layer_norm(x, weight, bias, eps, residual=residual, out_dtype=_norm_out_dtype(x))
+    # OLMo's norm has no epsilon attribute: its forward passes layer_norm's default, 1e-5.
+    return layer_norm(x, weight, bias, _norm_eps(self, 1e-5), residual=residual, out_dtype=_norm_out_dtype(x))
 
 
 def _patched_layer_norm(module: nn.Module, config) -> bool:
