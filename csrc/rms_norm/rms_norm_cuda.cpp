@@ -89,7 +89,7 @@ void backward_cuda(const BackwardArgs& a, Gradients& g) {
   }
   void* grad_weight = a.need_grad_weight ? g.grad_weight.mutable_data_ptr() : nullptr;
   void* grad_bias = a.need_grad_bias() ? g.grad_bias.mutable_data_ptr() : nullptr;
-  p.bias_dtype = a.need_grad_bias() ? dtype_of(g.grad_bias.scalar_type()) : Dtype::kFloat;
+  p.bias_dtype = dtype_of(a.grad_bias_dtype.value_or(at::kFloat));
   if (a.centered) {
     launch_backward<T, true>(p, plan, grad_weight, grad_bias);
   } else {
