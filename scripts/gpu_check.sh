@@ -77,10 +77,7 @@ if [ $SANITIZE -eq 1 ] && [ -n "$test_files" ]; then
   # No caching allocator: every allocation is exact, so memcheck sees out-of-bounds accesses.
   for tool in memcheck racecheck; do
     t0=$(date +%s)
-    # racecheck leaves out cuBLAS's own kernels (nvjet_*): it reports shared-memory hazards inside its
-    # split-K products of a few rows (linear_jsd's and the entropy's small cases), not in our code.
-    exclude=(); [ $tool = racecheck ] && exclude=(--kernel-name-exclude kns=nvjet)
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool $tool "${exclude[@]}" --error-exitcode 99 \
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool $tool --error-exitcode 99 \
       python3 -m pytest -q -x -m sanitize $test_files > "$LOG/sanitizer_$tool.log" 2>&1
     rc=$?
     summary "compute-sanitizer $tool: rc=$rc in $(( $(date +%s) - t0 )) s: $(grep -E 'SUMMARY|passed|failed' "$LOG/sanitizer_$tool.log" | tail -2 | tr '\n' ' ')"; pack
