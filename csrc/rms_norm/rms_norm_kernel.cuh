@@ -287,27 +287,86 @@ __global__ void __launch_bounds__(ForwardKernelRow<T, kShape, kBackwardShape>::k
   }
 }
 
+// One access of a two-pass row: N elements as whole 32-bit words (PackedElements), or a lone
+// 16-bit element (the scalar path) as a float.
+template <typename T, int N, bool kWords = (N % kElemsPerWord<T> == 0)>
+struct RowAccess : PackedElements<T, N> {};
+template <typename T, int N>
+struct RowAccess<T, N, false> {
+  static_assert(N == 1, "a lone 16-bit element");
+  float f;
+  __device__ __forceinline__ void load(const T* p) { f = static_cast<float>(*p); }
+  __device__ __forceinline__ void store(T* p) const { *p = static_cast<T>(f); }
+  __device__ __forceinline__ void set_zero() { f = 0.f; }
+  __device__ __forceinline__ float get(int) const { return f; }
+  __device__ __forceinline__ void set(const float (&v)[N]) { f = static_cast<float>(static_cast<T>(v[0])); }
+};
+
+// Accesses a two-pass forward thread loads in a loop trip before it uses any (a compile-time knob,
+// so scripts/tune_variants.sh can build variants side by side). Two, at two 1024-thread blocks an SM
+// (32 registers; 4-16 bytes of spill): one a trip left the DRAM idle between a thread's trips, four
+// (58 registers, one block an SM) left it idle while the SM's one row was in its second pass.
+#ifndef FUSEFORGE_RMS_NORM_TWO_PASS_BATCH
+#define FUSEFORGE_RMS_NORM_TWO_PASS_BATCH 2
+#endif
+
 template <typename T, int N, bool kCentered>
-__global__ void __launch_bounds__(1024) forward_two_pass_kernel(const ForwardParams<T> p) {
+__global__ void __launch_bounds__(1024, 2) forward_two_pass_kernel(const ForwardParams<T> p) {
+  constexpr int kBatch = FUSEFORGE_RMS_NORM_TWO_PASS_BATCH;
+  using A = RowAccess<T, N>;
+  // The first read of a row under an L2 evict-last policy, as the rows kernels read theirs, so
+  // that the second pass finds it in L2 (16-byte accesses).
+  constexpr bool kEvictLast = N * sizeof(T) == 16;
   __shared__ float red[32];
   const int64_t accesses = p.cols / N;
+  const int64_t step = blockDim.x;
+  const uint64_t policy = kEvictLast ? l2_evict_last_policy() : 0;
   // The second pass reads h back: from residual_out, which this thread wrote itself.
   const T* h_src = p.residual != nullptr ? p.residual_out : p.x;
   for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
     const int64_t base = row * p.cols;
-    float sumsq = 0.f;
-    for (int64_t i = threadIdx.x; i < accesses; i += blockDim.x) {
-      float h[N];
-      load_floats<N>(p.x + base + i * N, h);
-      if (p.residual != nullptr) {
-        float r[N];
-        load_floats<N>(p.residual + base + i * N, r);
+    // A trip's kBatch accesses i0, i0 + step, ...: a thread's accesses in the order one a trip
+    // takes them, so the sums' order is that of one a trip; those past the row's end are zeros.
+    const auto load_batch = [&](A (&v)[kBatch], const T* src, int64_t i0, bool first_read) {
 #pragma unroll
-        for (int j = 0; j < N; ++j) h[j] = static_cast<float>(static_cast<T>(h[j] + r[j]));
-        store_floats<N>(p.residual_out + base + i * N, h);
+      for (int u = 0; u < kBatch; ++u) {
+        const int64_t i = i0 + u * step;
+        if (i < accesses) {
+          if constexpr (kEvictLast) {
+            if (first_read) {
+              v[u].load_l2_hint(src + base + i * N, policy);
+              continue;
+            }
+          }
+          v[u].load(src + base + i * N);
+        } else {
+          v[u].set_zero();
+        }
+      }
+    };
+    float sumsq = 0.f;
+    for (int64_t i0 = threadIdx.x; i0 < accesses; i0 += kBatch * step) {
+      A h[kBatch];
+      load_batch(h, p.x, i0, true);
+      if (p.residual != nullptr) {
+        A r[kBatch];
+        load_batch(r, p.residual, i0, true);
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          float sum[N];  // h rounded to T, as the unfused `residual + x` is, before it is squared
+#pragma unroll
+          for (int j = 0; j < N; ++j) sum[j] = h[u].get(j) + r[u].get(j);
+          h[u].set(sum);
+          if (i0 + u * step < accesses) h[u].store(p.residual_out + base + (i0 + u * step) * N);
+        }
       }
 #pragma unroll
-      for (int j = 0; j < N; ++j) sumsq = kCentered ? sumsq + h[j] : fmaf(h[j], h[j], sumsq);  // centered: the sum
+      for (int u = 0; u < kBatch; ++u)
+#pragma unroll
+        for (int j = 0; j < N; ++j) {
+          const float f = h[u].get(j);
+          sumsq = kCentered ? sumsq + f : fmaf(f, f, sumsq);  // centered: the sum
+        }
     }
     sumsq = block_sum(sumsq, red);
     float mean = 0.f;
@@ -316,11 +375,15 @@ __global__ void __launch_bounds__(1024) forward_two_pass_kernel(const ForwardPar
       mean = sumsq / static_cast<float>(p.cols);
       if (p.mean != nullptr && threadIdx.x == 0) p.mean[row] = mean;
       sumsq = 0.f;
-      for (int64_t i = threadIdx.x; i < accesses; i += blockDim.x) {
-        float h[N];
-        load_floats<N>(h_src + base + i * N, h);
+      for (int64_t i0 = threadIdx.x; i0 < accesses; i0 += kBatch * step) {
+        A h[kBatch];
+        load_batch(h, h_src, i0, false);
 #pragma unroll
-        for (int j = 0; j < N; ++j) sumsq = fmaf(h[j] - mean, h[j] - mean, sumsq);
+        for (int u = 0; u < kBatch; ++u) {
+          if (i0 + u * step >= accesses) continue;  // a zeroed access is no deviation of 0 from the mean
+#pragma unroll
+          for (int j = 0; j < N; ++j) sumsq = fmaf(h[u].get(j) - mean, h[u].get(j) - mean, sumsq);
+        }
       }
       sumsq = block_sum(sumsq, red);
     }
@@ -328,19 +391,25 @@ __global__ void __launch_bounds__(1024) forward_two_pass_kernel(const ForwardPar
     if (p.rstd != nullptr && threadIdx.x == 0) p.rstd[row] = rstd;
     with_out_type<T>(p.out_dtype, [&](auto tag) {
       using O = typename decltype(tag)::type;
-      for (int64_t i = threadIdx.x; i < accesses; i += blockDim.x) {
-        float h[N], s[N], o[N];
-        load_floats<N>(h_src + base + i * N, h);
-        load_scale<T, N>(p.weight, p.weight_dtype, p.weight_offset, i * N, s);
+      for (int64_t i0 = threadIdx.x; i0 < accesses; i0 += kBatch * step) {
+        A h[kBatch];
+        load_batch(h, h_src, i0, false);
 #pragma unroll
-        for (int j = 0; j < N; ++j) o[j] = (h[j] - mean) * rstd * s[j];
-        if (kCentered && p.bias != nullptr) {
-          float b[N];
-          load_scale<T, N>(p.bias, p.bias_dtype, 0.f, i * N, b);
+        for (int u = 0; u < kBatch; ++u) {
+          const int64_t i = i0 + u * step;
+          if (i >= accesses) continue;
+          float s[N], o[N];
+          load_scale<T, N>(p.weight, p.weight_dtype, p.weight_offset, i * N, s);
 #pragma unroll
-          for (int j = 0; j < N; ++j) o[j] += b[j];
+          for (int j = 0; j < N; ++j) o[j] = (h[u].get(j) - mean) * rstd * s[j];
+          if (kCentered && p.bias != nullptr) {
+            float b[N];
+            load_scale<T, N>(p.bias, p.bias_dtype, 0.f, i * N, b);
+#pragma unroll
+            for (int j = 0; j < N; ++j) o[j] += b[j];
+          }
+          store_floats<N>(static_cast<O*>(p.out) + base + i * N, o);
         }
-        store_floats<N>(static_cast<O*>(p.out) + base + i * N, o);
       }
     });
   }
