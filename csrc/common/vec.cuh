@@ -69,15 +69,23 @@ __device__ __forceinline__ uint32_t floats_to_word(const float* f) {
   }
 }
 
-// An L2 policy for load_l2_hint: lines it loads are the last to be evicted (createpolicy, sm_80+;
-// before sm_80 both are plain loads).
-__device__ __forceinline__ uint64_t l2_evict_last_policy() {
+// Which lines a cache evicts first: kLast, lines read again (kept); kFirst, lines read for the last time.
+enum class Eviction { kLast, kFirst };
+
+// An L2 policy for load_l2_hint / load_cached (createpolicy, sm_80+; before sm_80 the loads are plain).
+template <Eviction kPriority>
+__device__ __forceinline__ uint64_t l2_policy() {
   uint64_t policy = 0;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+  if constexpr (kPriority == Eviction::kLast) {
+    asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+  } else {
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  }
 #endif
   return policy;
 }
+__device__ __forceinline__ uint64_t l2_evict_last_policy() { return l2_policy<Eviction::kLast>(); }
 
 // N consecutive elements of U (4, 8 or 16 bytes) as words: one aligned access to load or store.
 template <typename U, int N>
@@ -97,6 +105,26 @@ struct PackedElements {
     asm("ld.global.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
         : "=r"(words.val[0]), "=r"(words.val[1]), "=r"(words.val[2]), "=r"(words.val[3])
         : "l"(p), "l"(policy));
+#else
+    load(p);
+#endif
+  }
+  // The 16-byte load under an L2 policy (l2_policy()) with an L1 eviction priority: a line read
+  // again from L1 kLast, its last read kFirst. Volatile: the compiler neither merges a re-read with
+  // the first read nor hoists it across a barrier, so the row need not stay in registers.
+  template <Eviction kL1>
+  __device__ __forceinline__ void load_cached(const U* p, uint64_t policy) {
+    static_assert(kWords == 4, "16-byte accesses");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    if constexpr (kL1 == Eviction::kLast) {
+      asm volatile("ld.global.L1::evict_last.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+                   : "=r"(words.val[0]), "=r"(words.val[1]), "=r"(words.val[2]), "=r"(words.val[3])
+                   : "l"(p), "l"(policy));
+    } else {
+      asm volatile("ld.global.L1::evict_first.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+                   : "=r"(words.val[0]), "=r"(words.val[1]), "=r"(words.val[2]), "=r"(words.val[3])
+                   : "l"(p), "l"(policy));
+    }
 #else
     load(p);
 #endif

@@ -17,6 +17,7 @@
 #include "common/column_sum.cuh"
 #include "common/cuda_utils.h"
 #include "common/dispatch.h"
+#include "common/env.h"
 #include "common/launch.cuh"
 #include "common/vec.cuh"
 #include "rms_norm/rms_norm_launch.h"
@@ -415,6 +416,64 @@ __global__ void __launch_bounds__(1024, 2) forward_two_pass_kernel(const Forward
   }
 }
 
+// RMSNorm without a residual on rows of kRereadRowShapes[kShape] (rms_norm_launch.h): a block a row,
+// each thread reading its vectors for the sum of squares (L1 evict-last, L2 evict-last, as the rows
+// kernels' first read), then each again for the output (L1 hits, evict-first). The row is not kept
+// in registers across the reduction: 2048 resident threads an SM at 32 registers.
+template <typename T, int kShape>
+using RereadRow = RowTraits<T, kRereadRowShapes[kShape].threads_per_row, kRereadRowShapes[kShape].vecs>;
+
+template <typename T, int kShape>
+__global__ void __launch_bounds__(RereadRow<T, kShape>::kThreads, 2048 / RereadRow<T, kShape>::kThreads)
+    forward_reread_kernel(const ForwardParams<T> p) {
+  using R = RereadRow<T, kShape>;
+  static_assert(R::kThreadsPerRow == R::kThreads, "a block a row");
+  constexpr int E = R::kElems;
+  __shared__ float red[2 * R::kWarps];
+  const int lane = threadIdx.x;
+  const int64_t vectors = p.cols / E;
+  const uint64_t keep = l2_policy<Eviction::kLast>(), drop = l2_policy<Eviction::kFirst>();
+  int parity = 0;
+  for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x, parity ^= 1) {
+    const T* x = p.x + row * p.cols;
+    float sumsq = 0.f;
+    {
+      PackedElements<T, E> h[R::kVecs];
+#pragma unroll
+      for (int v = 0; v < R::kVecs; ++v) {
+        const int64_t vi = static_cast<int64_t>(v) * R::kThreadsPerRow + lane;
+        if (vi < vectors) {
+          h[v].template load_cached<Eviction::kLast>(x + vi * E, keep);
+        } else {
+          h[v].set_zero();
+        }
+      }
+#pragma unroll
+      for (int v = 0; v < R::kVecs; ++v)
+#pragma unroll
+        for (int j = 0; j < E; ++j) sumsq = fmaf(h[v].get(j), h[v].get(j), sumsq);
+    }
+    sumsq = row_sum<R>(sumsq, red, parity);
+    const float rstd = 1.f / sqrtf(sumsq / static_cast<float>(p.cols) + p.eps);
+    if (p.rstd != nullptr && lane == 0) p.rstd[row] = rstd;
+    with_out_type<T>(p.out_dtype, [&](auto tag) {
+      using O = typename decltype(tag)::type;
+#pragma unroll
+      for (int v = 0; v < R::kVecs; ++v) {
+        const int64_t vi = static_cast<int64_t>(v) * R::kThreadsPerRow + lane;
+        if (vi >= vectors) continue;
+        PackedElements<T, E> h;
+        h.template load_cached<Eviction::kFirst>(x + vi * E, drop);
+        float s[E], o[E];
+        load_scale<T, E>(p.weight, p.weight_dtype, p.weight_offset, vi * E, s);
+#pragma unroll
+        for (int j = 0; j < E; ++j) o[j] = h.get(j) * rstd * s[j];
+        store_floats<E>(static_cast<O*>(p.out) + row * p.cols + vi * E, o);
+      }
+    });
+  }
+}
+
 // ---- backward ---------------------------------------------------------------------------------
 // With xhat = h * rstd and s = weight_offset + weight: grad_input = rstd * (g s - xhat * mean(g s
 // xhat)) (+ grad_residual_out); the weight gradient sums g * xhat over the rows. kCentered
@@ -688,9 +747,10 @@ int resident_blocks(std::atomic<int> (&cache)[kMaxCachedDevices], Kernel kernel,
 // as few as the grid allows. Otherwise (the forward) a block for each kRowsPerIter rows (a two-pass
 // block for each row): the hardware hands a finished block's place to the next one at once, which
 // a grid-stride loop over a fixed wave does not. RowOf<T, S> is the direction's RowTraits of shape S;
-// row_kernel(std::integral_constant<int, S>) and two_pass_kernel(bool vectorized) name its kernels.
+// row_kernel(std::integral_constant<int, S>) and two_pass_kernel(bool vectorized) name its kernels;
+// allow_rows false: the two-pass kernel for every row (a development knob's).
 template <typename T, template <typename, int> class RowOf, typename RowKernel, typename TwoPassKernel>
-LaunchPlan make_plan(int64_t rows, int64_t cols, bool aligned, bool one_wave, RowKernel row_kernel,
+LaunchPlan make_plan(int64_t rows, int64_t cols, bool aligned, bool one_wave, bool allow_rows, RowKernel row_kernel,
                      TwoPassKernel two_pass_kernel) {
   constexpr int64_t kMaxGrid = 0x7fffffff;  // gridDim.x's limit; the kernels loop over any further rows
   static std::atomic<int> row_cache[kNumRowShapes][kMaxCachedDevices];
@@ -698,7 +758,7 @@ LaunchPlan make_plan(int64_t rows, int64_t cols, bool aligned, bool one_wave, Ro
   LaunchPlan plan;
   plan.vectorized = aligned && cols % kVecElems<T> == 0;
   const int64_t vectors = cols / kVecElems<T>;
-  plan.row_shape = plan.vectorized ? pick_row_shape(vectors) : -1;
+  plan.row_shape = plan.vectorized && allow_rows ? pick_row_shape(vectors) : -1;
   const int64_t sms = num_sms();
   if (plan.row_shape >= 0) {
     with_row_shape(plan.row_shape, [&](auto shape) {
@@ -726,14 +786,34 @@ LaunchPlan make_plan(int64_t rows, int64_t cols, bool aligned, bool one_wave, Ro
 
 // ---- launchers (instantiated in rms_norm_{fwd,bwd}.cu and layer_norm_{fwd,bwd}.cu) ------------
 
+// Development knob (FUSEFORGE_DEV builds), read at every call: FUSEFORGE_RMS_NORM_FORWARD=rows|reread|two_pass
+// forces that forward kernel where the row allows it (the tests cover each kernel on small rows).
+inline std::string forced_forward_kernel() {
+  return dev_choice("FUSEFORGE_RMS_NORM_FORWARD", {"rows", "reread", "two_pass"});
+}
+
 template <typename T, bool kCentered>
 LaunchPlan plan_forward(int64_t rows, int64_t cols, bool aligned, bool residual) {
   const auto two_pass_kernel = [](bool vectorized) {
     return vectorized ? forward_two_pass_kernel<T, kVecElems<T>, kCentered> : forward_two_pass_kernel<T, 1, kCentered>;
   };
+  const std::string forced = forced_forward_kernel();
+  const bool vectorized = aligned && cols % kVecElems<T> == 0;
+  const int reread_shape = !kCentered && !residual && vectorized && (forced.empty() || forced == "reread")
+                               ? pick_reread_shape(cols / kVecElems<T>, sizeof(T), forced == "reread")
+                               : -1;
+  if (reread_shape >= 0) {
+    LaunchPlan plan;
+    plan.reread_shape = reread_shape;
+    plan.vectorized = true;
+    plan.block = dim3(kRereadRowShapes[reread_shape].threads_per_row);
+    plan.grid = dim3(static_cast<unsigned>(std::min<int64_t>(rows, 0x7fffffff)));
+    return plan;
+  }
+  const bool allow_rows = forced != "two_pass";
   if (residual) {
     LaunchPlan plan = make_plan<T, ResidualForwardRows<kCentered>::template Row>(
-        rows, cols, aligned, /*one_wave=*/false,
+        rows, cols, aligned, /*one_wave=*/false, allow_rows,
         [](auto shape) {
           constexpr int kShape = decltype(shape)::value;
           return forward_rows_kernel<T, kShape, kCentered, residual_takes_two_vectors(kCentered, kShape)>;
@@ -743,12 +823,23 @@ LaunchPlan plan_forward(int64_t rows, int64_t cols, bool aligned, bool residual)
     return plan;
   }
   return make_plan<T, ForwardRow>(
-      rows, cols, aligned, /*one_wave=*/false,
+      rows, cols, aligned, /*one_wave=*/false, allow_rows,
       [](auto shape) { return forward_rows_kernel<T, decltype(shape)::value, kCentered, false>; }, two_pass_kernel);
 }
 
 template <typename T, bool kCentered>
 void launch_forward(const ForwardParams<T>& params, const LaunchPlan& plan) {
+  if constexpr (!kCentered) {
+    static_assert(kNumRereadShapes == 2, "one case a reread shape");
+    if (plan.reread_shape >= 0) {
+      if (plan.reread_shape == 0) {
+        launch_kernel(forward_reread_kernel<T, 0>, plan.grid, plan.block, 0, params);
+      } else {
+        launch_kernel(forward_reread_kernel<T, 1>, plan.grid, plan.block, 0, params);
+      }
+      return;
+    }
+  }
   if (plan.row_shape >= 0) {
     with_row_shape(plan.row_shape, [&](auto shape) {
       constexpr int kShape = decltype(shape)::value;
@@ -770,7 +861,7 @@ void launch_forward(const ForwardParams<T>& params, const LaunchPlan& plan) {
 template <typename T, bool kCentered>
 LaunchPlan plan_backward(int64_t rows, int64_t cols, bool aligned) {
   return make_plan<T, BackwardRow>(
-      rows, cols, aligned, /*one_wave=*/true,
+      rows, cols, aligned, /*one_wave=*/true, /*allow_rows=*/true,
       [](auto shape) { return backward_rows_kernel<T, decltype(shape)::value, kCentered>; },
       [](bool vectorized) {
         return vectorized ? backward_two_pass_kernel<T, kVecElems<T>, kCentered>

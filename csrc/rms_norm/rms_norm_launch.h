@@ -81,6 +81,26 @@ constexpr bool same_capacities() {
 }
 static_assert(same_capacities(), "a row takes the same shape index in both directions");
 
+// RMSNorm's forward without a residual on wide rows takes the reread kernel: its threads read the
+// row into registers for the sum of squares, then again from L1 for the output, as torch.compile's
+// norm does. Only the sum lives across the row's reduction, so it runs at 32 registers: four
+// 512-thread blocks an SM where the rows kernel's 512 x 4 row in registers (40) allows three, two of
+// 1024 where a 1024 x 4 row (44) would allow one, and the two-pass kernel leaves the DRAM idle between
+// its loop trips. H200: 8192 x 16384 bf16 0.132 ms against 0.137 (rows kernel), 4096 x 32768 bf16
+// 0.133 against 0.151 (two-pass). Float32 rows of 32 KB stay on the rows kernel (Tried).
+inline constexpr RowShape kRereadRowShapes[] = {{512, 4}, {1024, 4}};
+inline constexpr int kNumRereadShapes = sizeof(kRereadRowShapes) / sizeof(kRereadRowShapes[0]);
+
+// The reread shape for a row of `vectors` 16-byte vectors of `elem_bytes`-byte elements, or -1:
+// 16-bit rows of 1025-4096 vectors (8200-32768 elements), float32 rows of 2049-4096 (8196-16384).
+// any_width: every row that a shape holds (a development knob's).
+inline int pick_reread_shape(int64_t vectors, int elem_bytes, bool any_width = false) {
+  if (!any_width && vectors <= (elem_bytes == 4 ? 2048 : 1024)) return -1;
+  for (int i = 0; i < kNumRereadShapes; ++i)
+    if (row_shape_capacity(kRereadRowShapes[i]) >= vectors) return i;
+  return -1;
+}
+
 // The first shape whose row holds `vectors` vectors, or -1: rows longer than the last one (bf16
 // 16384, fp32 8192) take the two-pass kernel, which reads each row twice.
 inline int pick_row_shape(int64_t vectors) {
@@ -105,6 +125,7 @@ constexpr bool residual_takes_two_vectors(bool centered, int row_shape) {
 
 struct LaunchPlan {
   int row_shape = -1;       // index into k{Forward,Backward}RowShapes; -1: the two-pass kernel
+  int reread_shape = -1;    // index into kRereadRowShapes (RMSNorm's plain forward); -1: not the reread kernel
   bool backward_shape = false;  // the forward on kBackwardRowShapes[row_shape] (residual_takes_two_vectors)
   bool vectorized = false;  // 16-byte accesses (cols a multiple of a vector, pointers aligned)
   dim3 grid, block;         // grid.x blocks walk the rows in a grid-stride loop: the weight gradient's partials

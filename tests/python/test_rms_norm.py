@@ -5,7 +5,8 @@ import torch
 from fuseforge.nn.rms_norm import RMSNorm
 from fuseforge.ops.rms_norm import rms_norm
 from harness import (TOL, assert_compiles, assert_double_backward_raises, assert_rel_close, device_dtypes, devices,
-                     end_rows, poison_allocations, randn, rel_err, requires_cuda, run_opcheck, sum_over_row_chunks)
+                     end_rows, poison_allocations, randn, rel_err, requires_cuda, requires_dev_knobs, run_opcheck,
+                     sum_over_row_chunks)
 
 ops = torch.ops.fuseforge
 
@@ -180,6 +181,58 @@ def test_cuda_many_rows_and_long_rows(dtype, shape):
     trip, rows too long for registers (two-pass, vectorized), and a two-pass row of a width that is
     not a multiple of a vector (4100 fp32 is; 4100 bf16 is not)."""
     check_gradients(shape, dtype, "cuda", ("gemma", 1.0, "x"), True)
+
+
+def check_forward(shape, dtype, device, weight_case, with_residual, out_dtype=None):
+    """out (and h) against float64, from both forwards (rms_norm without rstd, rms_norm_fwd with it),
+    into poisoned allocations."""
+    x, w, res, offset = make(shape, dtype, device, weight_case, with_residual)
+    eps = eps_for(shape[-1])
+    want = reference(h_of(x, res), w, eps, offset)
+    poison_allocations(x, x, x)
+    got = rms_norm(x, w, eps, res, offset, out_dtype)
+    out = got[0] if with_residual else got
+    assert_rel_close(out, want, TOL[out_dtype or dtype], "out")
+    poison_allocations(x, x, x)
+    out_fwd, h_fwd, rstd = ops.rms_norm_fwd(x, w, res, eps, offset, out_dtype)
+    assert torch.equal(out, out_fwd), "the forward without rstd must match the training forward"
+    h64 = h_of(x, res).double()
+    assert_rel_close(rstd, torch.rsqrt(h64.pow(2).mean(-1) + eps).reshape(-1), 1e-6, "rstd")
+    if with_residual:
+        assert torch.equal(got[1], x + res) and torch.equal(h_fwd, x + res)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("weight_case", WEIGHTS, ids=lambda w: w[0])
+def test_cuda_reread_rows(dtype, weight_case):
+    """Rows of 1025-4096 vectors for 16-bit types, 2049-4096 for float32 (the reread kernel's two
+    shapes), without a residual, the last vector column partly filled at 20000 / 12000; with the
+    residual the same widths take the rows or two-pass kernels."""
+    widths = [32768, 20000, 16384, 12000] if dtype != torch.float32 else [16384, 12000]
+    for cols in widths:
+        check_forward((37, cols), dtype, "cuda", weight_case, False)
+        check_gradients((37, cols), dtype, "cuda", weight_case, False)
+    check_forward((5, widths[1]), dtype, "cuda", weight_case, True)
+    check_gradients((5, widths[1]), dtype, "cuda", weight_case, True)
+    if dtype == torch.float32:
+        check_forward((9, 12000), dtype, "cuda", weight_case, False, out_dtype=torch.bfloat16)
+        check_gradients((9, 12000), dtype, "cuda", weight_case, False, out_dtype=torch.bfloat16)
+
+
+@requires_cuda
+@requires_dev_knobs
+@pytest.mark.parametrize("kernel", ["rows", "reread", "two_pass"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape", [(7, 128), (5, 1000), (3, 2048), (4, 8192), (2, 20000)], ids=str)
+def test_cuda_forced_forward_kernel(kernel, dtype, shape, monkeypatch):
+    """Each forward kernel on rows another would take (FUSEFORGE_RMS_NORM_FORWARD: the reread kernel
+    where the row has no residual and at most 4096 vectors, the rows kernels where one holds it),
+    plain and with the residual."""
+    monkeypatch.setenv("FUSEFORGE_RMS_NORM_FORWARD", kernel)
+    for weight_case, with_residual in ((("gemma", 1.0, "x"), False), (("llama_fp32w", 0.0, torch.float32), True)):
+        check_forward(shape, dtype, "cuda", weight_case, with_residual)
+        check_gradients(shape, dtype, "cuda", weight_case, with_residual)
 
 
 @pytest.mark.parametrize("device", devices())
@@ -377,7 +430,7 @@ def test_wrong_device_raises():
 
 @requires_cuda
 @pytest.mark.sanitize
-@pytest.mark.parametrize("shape", [(33, 128), (5, 7), (3, 2048), (2, 20000), (9, 24)], ids=str)
+@pytest.mark.parametrize("shape", [(33, 128), (5, 7), (3, 2048), (2, 20000), (3, 16384), (9, 24)], ids=str)
 def test_cuda_small_for_sanitizer(shape):
     """Every CUDA kernel (rows kernels narrow and wide, two-pass vectorized and scalar, forward,
     backward, the weight gradient's column sum) on small shapes."""
