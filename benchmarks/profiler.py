@@ -218,7 +218,8 @@ and elapsed cycles and its five longest kernels, then a table of the peers' rati
 docs/benchmarks.md). ncu flushes the caches before each kernel and serializes them, so the sums leave
 out launch gaps.
 --traffic adds what each call moves, summed over its kernels (L2 bytes, of them reductions and
-atomics, DRAM bytes, shared-memory wavefronts, instructions): where a power-capped row's energy
+atomics, DRAM bytes read and written, global loads at L1 and those that missed it, shared-memory
+wavefronts, instructions): where a power-capped row's energy
 goes when its cycles lead (<name>_traffic.md with --out). Metrics this ncu does not list for the
 chip are left out with a note.
 """
@@ -227,6 +228,9 @@ UNIT_MS = {"ns": 1e-6, "nsecond": 1e-6, "us": 1e-3, "usecond": 1e-3, "ms": 1.0, 
 TRAFFIC = (("l2_MB", "lts__t_bytes.sum", 1e-6), ("l2_red_MB", "lts__t_sectors_op_red.sum", 32e-6),
            ("l2_atom_MB", "lts__t_sectors_op_atom.sum", 32e-6), ("l2_read_MB", "lts__t_sectors_op_read.sum", 32e-6),
            ("l2_write_MB", "lts__t_sectors_op_write.sum", 32e-6), ("dram_MB", "dram__bytes.sum", 1e-6),
+           ("dram_read_MB", "dram__bytes_read.sum", 1e-6), ("dram_write_MB", "dram__bytes_write.sum", 1e-6),
+           ("l1_load_MB", "l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum", 32e-6),
+           ("l1_load_miss_MB", "l1tex__t_sectors_pipe_lsu_mem_global_op_ld_lookup_miss.sum", 32e-6),
            ("smem_wavefronts_M", "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum", 1e-6),
            ("inst_M", "smsp__inst_executed.sum", 1e-6))
 # --traffic, per kernel only (printed for the longest kernels, not summed): its launch shape.
