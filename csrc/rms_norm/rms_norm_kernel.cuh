@@ -800,7 +800,7 @@ LaunchPlan plan_forward(int64_t rows, int64_t cols, bool aligned, bool residual)
   const std::string forced = forced_forward_kernel();
   const bool vectorized = aligned && cols % kVecElems<T> == 0;
   const int reread_shape = !kCentered && !residual && vectorized && (forced.empty() || forced == "reread")
-                               ? pick_reread_shape(cols / kVecElems<T>, sizeof(T), forced == "reread")
+                               ? pick_reread_shape(cols / kVecElems<T>, forced == "reread")
                                : -1;
   if (reread_shape >= 0) {
     LaunchPlan plan;

@@ -87,15 +87,16 @@ static_assert(same_capacities(), "a row takes the same shape index in both direc
 // 512-thread blocks an SM where the rows kernel's 512 x 4 row in registers (40) allows three, two of
 // 1024 where a 1024 x 4 row (44) would allow one, and the two-pass kernel leaves the DRAM idle between
 // its loop trips. H200: 8192 x 16384 bf16 0.132 ms against 0.137 (rows kernel), 4096 x 32768 bf16
-// 0.133 against 0.151 (two-pass). Float32 rows of 32 KB stay on the rows kernel (Tried).
+// 0.133 against 0.151 (two-pass), 16384 x 8192 fp32 in / bf16 out 0.190 against 0.192 (rows kernel).
 inline constexpr RowShape kRereadRowShapes[] = {{512, 4}, {1024, 4}};
 inline constexpr int kNumRereadShapes = sizeof(kRereadRowShapes) / sizeof(kRereadRowShapes[0]);
 
-// The reread shape for a row of `vectors` 16-byte vectors of `elem_bytes`-byte elements, or -1:
-// 16-bit rows of 1025-4096 vectors (8200-32768 elements), float32 rows of 2049-4096 (8196-16384).
-// any_width: every row that a shape holds (a development knob's).
-inline int pick_reread_shape(int64_t vectors, int elem_bytes, bool any_width = false) {
-  if (!any_width && vectors <= (elem_bytes == 4 ? 2048 : 1024)) return -1;
+// The reread shape for a row of `vectors` 16-byte vectors, or -1: rows of 1025-4096 vectors (bf16 /
+// fp16 8200-32768 elements, float32 4100-16384). Narrower rows keep the rows kernel (16 KB rows:
+// the reread shapes were slower there, Tried). any_width: every row that a shape holds (a
+// development knob's).
+inline int pick_reread_shape(int64_t vectors, bool any_width = false) {
+  if (!any_width && vectors <= 1024) return -1;
   for (int i = 0; i < kNumRereadShapes; ++i)
     if (row_shape_capacity(kRereadRowShapes[i]) >= vectors) return i;
   return -1;

@@ -206,10 +206,10 @@ def check_forward(shape, dtype, device, weight_case, with_residual, out_dtype=No
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("weight_case", WEIGHTS, ids=lambda w: w[0])
 def test_cuda_reread_rows(dtype, weight_case):
-    """Rows of 1025-4096 vectors for 16-bit types, 2049-4096 for float32 (the reread kernel's two
-    shapes), without a residual, the last vector column partly filled at 20000 / 12000; with the
-    residual the same widths take the rows or two-pass kernels."""
-    widths = [32768, 20000, 16384, 12000] if dtype != torch.float32 else [16384, 12000]
+    """Rows of 1025-4096 vectors (the reread kernel's two shapes: 16-bit 8200-32768 elements,
+    float32 4100-16384), without a residual, the last vector column partly filled at 20000 / 12000 /
+    6000; with the residual the same widths take the rows or two-pass kernels."""
+    widths = [32768, 20000, 16384, 12000] if dtype != torch.float32 else [16384, 12000, 8192, 6000]
     for cols in widths:
         check_forward((37, cols), dtype, "cuda", weight_case, False)
         check_gradients((37, cols), dtype, "cuda", weight_case, False)
