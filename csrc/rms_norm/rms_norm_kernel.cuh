@@ -743,6 +743,14 @@ int resident_blocks(std::atomic<int> (&cache)[kMaxCachedDevices], Kernel kernel,
   });
 }
 
+inline constexpr int64_t kMaxGrid = 0x7fffffff;  // gridDim.x's limit; the kernels loop over any further rows
+
+// 16-byte accesses: whole vectors a row and aligned pointers.
+template <typename T>
+bool takes_vectors(int64_t cols, bool aligned) {
+  return aligned && cols % kVecElems<T> == 0;
+}
+
 // one_wave (the backward): one wave of resident blocks, so that the weight gradient's partials are
 // as few as the grid allows. Otherwise (the forward) a block for each kRowsPerIter rows (a two-pass
 // block for each row): the hardware hands a finished block's place to the next one at once, which
@@ -752,11 +760,10 @@ int resident_blocks(std::atomic<int> (&cache)[kMaxCachedDevices], Kernel kernel,
 template <typename T, template <typename, int> class RowOf, typename RowKernel, typename TwoPassKernel>
 LaunchPlan make_plan(int64_t rows, int64_t cols, bool aligned, bool one_wave, bool allow_rows, RowKernel row_kernel,
                      TwoPassKernel two_pass_kernel) {
-  constexpr int64_t kMaxGrid = 0x7fffffff;  // gridDim.x's limit; the kernels loop over any further rows
   static std::atomic<int> row_cache[kNumRowShapes][kMaxCachedDevices];
   static std::atomic<int> two_pass_cache[2][6][kMaxCachedDevices];  // by vectorized, log2(threads / 32)
   LaunchPlan plan;
-  plan.vectorized = aligned && cols % kVecElems<T> == 0;
+  plan.vectorized = takes_vectors<T>(cols, aligned);
   const int64_t vectors = cols / kVecElems<T>;
   plan.row_shape = plan.vectorized && allow_rows ? pick_row_shape(vectors) : -1;
   const int64_t sms = num_sms();
@@ -798,8 +805,8 @@ LaunchPlan plan_forward(int64_t rows, int64_t cols, bool aligned, bool residual)
     return vectorized ? forward_two_pass_kernel<T, kVecElems<T>, kCentered> : forward_two_pass_kernel<T, 1, kCentered>;
   };
   const std::string forced = forced_forward_kernel();
-  const bool vectorized = aligned && cols % kVecElems<T> == 0;
-  const int reread_shape = !kCentered && !residual && vectorized && (forced.empty() || forced == "reread")
+  const bool reread_allowed = !kCentered && !residual && (forced.empty() || forced == "reread");
+  const int reread_shape = reread_allowed && takes_vectors<T>(cols, aligned)
                                ? pick_reread_shape(cols / kVecElems<T>, forced == "reread")
                                : -1;
   if (reread_shape >= 0) {
@@ -807,7 +814,7 @@ LaunchPlan plan_forward(int64_t rows, int64_t cols, bool aligned, bool residual)
     plan.reread_shape = reread_shape;
     plan.vectorized = true;
     plan.block = dim3(kRereadRowShapes[reread_shape].threads_per_row);
-    plan.grid = dim3(static_cast<unsigned>(std::min<int64_t>(rows, 0x7fffffff)));
+    plan.grid = dim3(static_cast<unsigned>(std::min(rows, kMaxGrid)));
     return plan;
   }
   const bool allow_rows = forced != "two_pass";
