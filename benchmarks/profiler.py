@@ -219,9 +219,9 @@ docs/benchmarks.md). ncu flushes the caches before each kernel and serializes th
 out launch gaps.
 --traffic adds what each call moves, summed over its kernels (L2 bytes, of them reductions and
 atomics, DRAM bytes read and written, global loads at L1 and those that missed it, shared-memory
-wavefronts, instructions): where a power-capped row's energy
-goes when its cycles lead (<name>_traffic.md with --out). Metrics this ncu does not list for the
-chip are left out with a note.
+wavefronts, instructions): where a power-capped row's energy goes when its cycles lead, or what a
+peer's kernel moves that ours does not (<name>_traffic.md with --out). Metrics this ncu does not
+list for the chip are left out with a note.
 """
 UNIT_MS = {"ns": 1e-6, "nsecond": 1e-6, "us": 1e-3, "usecond": 1e-3, "ms": 1.0, "msecond": 1.0}
 # --traffic: (column, metric, factor from the metric's base unit to the column's).
