@@ -184,9 +184,25 @@ struct ResidualForwardRows {
   using Row = ForwardKernelRow<T, kShape, residual_takes_two_vectors(kCentered, kShape)>;
 };
 
-template <typename T, int kShape, bool kCentered, bool kBackwardShape>
-__global__ void __launch_bounds__(ForwardKernelRow<T, kShape, kBackwardShape>::kThreads)
-    forward_rows_kernel(const ForwardParams<T> p) {
+// x's dtype as the kernels' run-time Dtype (the weight's and bias's, when they are x's).
+template <typename T>
+inline constexpr Dtype kDtypeOf =
+    std::is_same_v<T, float> ? Dtype::kFloat : (std::is_same_v<T, at::Half> ? Dtype::kHalf : Dtype::kBFloat16);
+
+// LayerNorm's preloading shapes are held to three 256-thread blocks an SM: the weight's and bias's
+// words took ptxas to 87-90 registers (two blocks) without the bound, 80 with it and no spill. 0:
+// no bound (a minimum of 1 block changes ptxas's allocation: 40 -> 70 registers at 32 x 4).
+template <int kShape, bool kCentered, bool kBackwardShape, int kThreads>
+constexpr int forward_min_blocks() {
+  return kCentered && !kBackwardShape && preloads_scale(kCentered, kShape) ? 768 / kThreads : 0;
+}
+
+// forward_rows_kernel's body. kPreloaded: the weight (and bias) of the thread's columns loaded as
+// words of T ahead of each row group's own loads (preloads_scale's shapes, parameters of x's
+// dtype), so the output step waits on no load; otherwise it loads them (L1 hits) after the row's
+// reductions.
+template <typename T, int kShape, bool kCentered, bool kBackwardShape, bool kPreloaded>
+__device__ __forceinline__ void forward_rows(const ForwardParams<T> p) {
   using R = ForwardKernelRow<T, kShape, kBackwardShape>;
   constexpr int E = R::kElems;
   __shared__ float red[2 * R::kWarps];
@@ -208,6 +224,18 @@ __global__ void __launch_bounds__(ForwardKernelRow<T, kShape, kBackwardShape>::k
     const int64_t row = first + slot;
     const bool row_ok = row < p.rows;
     const int64_t base = row * p.cols;
+    [[maybe_unused]] PackedElements<T, E> weight[kPreloaded ? R::kVecs : 1];
+    [[maybe_unused]] PackedElements<T, E> bias[kPreloaded && kCentered ? R::kVecs : 1];
+    if constexpr (kPreloaded) {
+#pragma unroll
+      for (int v = 0; v < R::kVecs; ++v) {
+        const int64_t vi = static_cast<int64_t>(v) * R::kThreadsPerRow + lane;
+        if (vi < vectors) {
+          weight[v].load(static_cast<const T*>(p.weight) + vi * E);
+          if constexpr (kCentered) bias[v].load(static_cast<const T*>(p.bias) + vi * E);
+        }
+      }
+    }
     // The row as words (PackedElements): 16-bit elements two to a register.
     PackedElements<T, E> h[R::kVecs];
 #pragma unroll
@@ -272,20 +300,44 @@ __global__ void __launch_bounds__(ForwardKernelRow<T, kShape, kBackwardShape>::k
       for (int v = 0; v < R::kVecs; ++v) {
         const int64_t vi = static_cast<int64_t>(v) * R::kThreadsPerRow + lane;
         if (!row_ok || vi >= vectors) continue;
-        float s[E], o[E];
-        load_scale<T, E>(p.weight, p.weight_dtype, p.weight_offset, vi * E, s);
+        float o[E];
+        if constexpr (kPreloaded) {
 #pragma unroll
-        for (int j = 0; j < E; ++j) o[j] = (h[v].get(j) - mean) * rstd * s[j];
-        if (kCentered && p.bias != nullptr) {
-          float b[E];
-          load_scale<T, E>(p.bias, p.bias_dtype, 0.f, vi * E, b);
+          for (int j = 0; j < E; ++j) o[j] = (h[v].get(j) - mean) * rstd * (p.weight_offset + weight[v].get(j));
+          if constexpr (kCentered) {
 #pragma unroll
-          for (int j = 0; j < E; ++j) o[j] += b[j];
+            for (int j = 0; j < E; ++j) o[j] += bias[v].get(j);
+          }
+        } else {
+          float s[E];
+          load_scale<T, E>(p.weight, p.weight_dtype, p.weight_offset, vi * E, s);
+#pragma unroll
+          for (int j = 0; j < E; ++j) o[j] = (h[v].get(j) - mean) * rstd * s[j];
+          if (kCentered && p.bias != nullptr) {
+            float b[E];
+            load_scale<T, E>(p.bias, p.bias_dtype, 0.f, vi * E, b);
+#pragma unroll
+            for (int j = 0; j < E; ++j) o[j] += b[j];
+          }
         }
         store_floats<E>(static_cast<O*>(p.out) + base + vi * E, o);
       }
     });
   }
+}
+
+template <typename T, int kShape, bool kCentered, bool kBackwardShape>
+__global__ void __launch_bounds__(ForwardKernelRow<T, kShape, kBackwardShape>::kThreads,
+                                  forward_min_blocks<kShape, kCentered, kBackwardShape, ForwardKernelRow<T, kShape, kBackwardShape>::kThreads>())
+    forward_rows_kernel(const ForwardParams<T> p) {
+  if constexpr (!kBackwardShape && preloads_scale(kCentered, kShape)) {
+    // Uniform over the grid: a weight (and LayerNorm's bias) of x's dtype.
+    if (p.weight != nullptr && p.weight_dtype == kDtypeOf<T> &&
+        (!kCentered || (p.bias != nullptr && p.bias_dtype == kDtypeOf<T>))) {
+      return forward_rows<T, kShape, kCentered, kBackwardShape, true>(p);
+    }
+  }
+  forward_rows<T, kShape, kCentered, kBackwardShape, false>(p);
 }
 
 // One access of a two-pass row: N elements as whole 32-bit words (PackedElements), or a lone

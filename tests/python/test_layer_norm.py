@@ -318,7 +318,8 @@ def test_wrong_device_raises():
 def test_cuda_small_for_sanitizer(shape):
     """Every LayerNorm CUDA kernel (rows kernels narrow and wide, two-pass vectorized and scalar,
     forward, backward, the weight and bias gradients' column sums) on small shapes."""
-    for dtype, pdtype in ((torch.bfloat16, torch.float32), (torch.float32, "x")):
+    # Parameters of x's dtype and float32 ones: the rows kernels' preloaded parameters and not.
+    for dtype, pdtype in ((torch.bfloat16, torch.float32), (torch.bfloat16, "x"), (torch.float32, "x")):
         x, w, b, res = make(shape, dtype, "cuda", ("p", pdtype, pdtype), True, requires_grad=True)
         with torch.no_grad():
             layer_norm(x, w, b, EPS, res)

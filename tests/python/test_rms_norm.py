@@ -434,7 +434,8 @@ def test_wrong_device_raises():
 def test_cuda_small_for_sanitizer(shape):
     """Every CUDA kernel (rows kernels narrow and wide, two-pass vectorized and scalar, forward,
     backward, the weight gradient's column sum) on small shapes."""
-    for dtype, wdtype in ((torch.bfloat16, torch.float32), (torch.float32, "x")):
+    # A 16-bit weight of x's dtype and float32 ones: the rows kernels' preloaded weights and not.
+    for dtype, wdtype in ((torch.bfloat16, torch.float32), (torch.bfloat16, "x"), (torch.float32, "x")):
         x, w, res, _ = make(shape, dtype, "cuda", ("w", 0.0, wdtype), True, requires_grad=True)
         with torch.no_grad():  # the forward without rstd
             rms_norm(x, w, 1e-6, res)
