@@ -192,9 +192,9 @@ inline constexpr Dtype kDtypeOf =
 // LayerNorm's preloading shapes are held to three 256-thread blocks an SM: the weight's and bias's
 // words took ptxas to 87-90 registers (two blocks) without the bound, 80 with it and no spill. 0:
 // no bound (a minimum of 1 block changes ptxas's allocation: 40 -> 70 registers at 32 x 4).
-template <int kShape, bool kCentered, bool kBackwardShape, int kThreads>
+template <typename T, int kShape, bool kCentered, bool kBackwardShape, int kThreads>
 constexpr int forward_min_blocks() {
-  return kCentered && !kBackwardShape && preloads_scale(kCentered, kShape) ? 768 / kThreads : 0;
+  return kCentered && !kBackwardShape && preloads_scale(kCentered, kShape, sizeof(T)) ? 768 / kThreads : 0;
 }
 
 // forward_rows_kernel's body. kPreloaded: the weight (and bias) of the thread's columns loaded as
@@ -328,9 +328,9 @@ __device__ __forceinline__ void forward_rows(const ForwardParams<T> p) {
 
 template <typename T, int kShape, bool kCentered, bool kBackwardShape>
 __global__ void __launch_bounds__(ForwardKernelRow<T, kShape, kBackwardShape>::kThreads,
-                                  forward_min_blocks<kShape, kCentered, kBackwardShape, ForwardKernelRow<T, kShape, kBackwardShape>::kThreads>())
+                                  forward_min_blocks<T, kShape, kCentered, kBackwardShape, ForwardKernelRow<T, kShape, kBackwardShape>::kThreads>())
     forward_rows_kernel(const ForwardParams<T> p) {
-  if constexpr (!kBackwardShape && preloads_scale(kCentered, kShape)) {
+  if constexpr (!kBackwardShape && preloads_scale(kCentered, kShape, sizeof(T))) {
     // Uniform over the grid: a weight (and LayerNorm's bias) of x's dtype.
     if (p.weight != nullptr && p.weight_dtype == kDtypeOf<T> &&
         (!kCentered || (p.bias != nullptr && p.bias_dtype == kDtypeOf<T>))) {
