@@ -126,14 +126,15 @@ constexpr bool residual_takes_two_vectors(bool centered, int row_shape) {
 
 // The forward's row shapes whose threads load the weight (and LayerNorm's bias), when of x's dtype,
 // ahead of each row's own loads instead of after its reductions: the output step waits on no load.
-// RMSNorm at 64-256 threads x 4 vectors (H200, 16384 rows, A/B in one run, ms: bf16 4096 0.0675
-// against 0.0686, 8192 0.1280 against 0.1302; fp32 in / bf16 out 2048 0.0506 against 0.0525, 4096
-// 0.0967 against 0.0982), LayerNorm's 16-bit rows at 64-128 x 4 (bf16 2048 0.0414 against 0.0450,
-// 4096 0.0774 against 0.0800). LayerNorm's 256 x 4 (8192) took 86 registers so, 0.175 against 0.150,
-// and its float32 rows were slower (fp32 in / bf16 out 1024 / 2048: 0.0348 / 0.0613 against 0.0314 /
-// 0.0538); the narrow rows were level; the residual forms' two-vector shapes slower.
+// 16-bit rows at 64-256 threads x 4 vectors for RMSNorm, 64-128 x 4 for LayerNorm (H200, 16384
+// rows, ms: RMSNorm bf16 2048 0.0361 against 0.0370, 8192 0.1280 against 0.1302 in an A/B run;
+// LayerNorm bf16 2048 0.0414 against 0.0450, 4096 0.0774 against 0.0800). LayerNorm's 256 x 4 (8192)
+// took 86 registers so, 0.175 against 0.150; float32 rows gained nothing (RMSNorm fp32 in / bf16 out
+// 2048 / 4096 0.0522 / 0.0993 against 0.0527 / 0.0988, 8 bytes of spill at 64 registers) or lost
+// (LayerNorm 1024 / 2048: 0.0348 / 0.0613 against 0.0314 / 0.0538); the narrow rows were level; the
+// residual forms' two-vector shapes slower.
 constexpr bool preloads_scale(bool centered, int row_shape, int elem_bytes) {
-  return centered ? elem_bytes == 2 && (row_shape == 4 || row_shape == 5) : row_shape >= 4 && row_shape <= 6;
+  return elem_bytes == 2 && row_shape >= 4 && row_shape <= (centered ? 5 : 6);
 }
 
 struct LaunchPlan {
