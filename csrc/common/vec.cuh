@@ -98,13 +98,20 @@ struct PackedElements {
   __device__ __forceinline__ void load(const U* p) {
     words = load_vector<uint32_t, kWords>(reinterpret_cast<const uint32_t*>(p));
   }
-  // The same 16-byte load under an L2 eviction policy (from l2_evict_last_policy()).
+  // The same load under an L2 eviction policy (from l2_evict_last_policy()).
   __device__ __forceinline__ void load_l2_hint(const U* p, uint64_t policy) {
-    static_assert(kWords == 4, "16-byte accesses");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm("ld.global.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-        : "=r"(words.val[0]), "=r"(words.val[1]), "=r"(words.val[2]), "=r"(words.val[3])
-        : "l"(p), "l"(policy));
+    if constexpr (kWords == 4) {
+      asm("ld.global.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+          : "=r"(words.val[0]), "=r"(words.val[1]), "=r"(words.val[2]), "=r"(words.val[3])
+          : "l"(p), "l"(policy));
+    } else if constexpr (kWords == 2) {
+      asm("ld.global.L2::cache_hint.v2.u32 {%0, %1}, [%2], %3;"
+          : "=r"(words.val[0]), "=r"(words.val[1])
+          : "l"(p), "l"(policy));
+    } else {
+      asm("ld.global.L2::cache_hint.u32 %0, [%1], %2;" : "=r"(words.val[0]) : "l"(p), "l"(policy));
+    }
 #else
     load(p);
 #endif
@@ -145,7 +152,7 @@ struct PackedElements {
   }
 };
 
-// load_vector's 16-byte load under an L2 eviction policy (PackedElements::load_l2_hint).
+// load_vector's load (4, 8 or 16 bytes) under an L2 eviction policy (PackedElements::load_l2_hint).
 template <typename T, int N>
 __device__ __forceinline__ AlignedVector<T, N> load_vector_l2_hint(const T* p, uint64_t policy) {
   PackedElements<T, N> packed;
