@@ -221,6 +221,17 @@ def test_cuda_reread_rows(dtype, weight_case):
 
 
 @requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("weight_case", WEIGHTS, ids=lambda w: w[0])
+def test_cuda_narrow_rows(dtype, weight_case):
+    """16-bit rows of 128 without a residual (the narrow kernel: 8 rows a block, two a thread): a
+    block's last rows missing (1, 7, 9, 13 rows), many blocks, a (B, S, H, D) q/k-norm input."""
+    for shape in [(1, 128), (7, 128), (9, 128), (13, 128), (3001, 128), (2, 33, 4, 128)]:
+        check_forward(shape, dtype, "cuda", weight_case, False)
+        check_gradients(shape, dtype, "cuda", weight_case, False)
+
+
+@requires_cuda
 @requires_dev_knobs
 @pytest.mark.parametrize("kernel", ["rows", "reread", "two_pass"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
@@ -432,8 +443,8 @@ def test_wrong_device_raises():
 @pytest.mark.sanitize
 @pytest.mark.parametrize("shape", [(33, 128), (5, 7), (3, 2048), (2, 20000), (3, 16384), (9, 24)], ids=str)
 def test_cuda_small_for_sanitizer(shape):
-    """Every CUDA kernel (rows kernels narrow and wide, two-pass vectorized and scalar, forward,
-    backward, the weight gradient's column sum) on small shapes."""
+    """Every CUDA kernel (the narrow kernel, rows kernels narrow and wide, two-pass vectorized and
+    scalar, forward, backward, the weight gradient's column sum) on small shapes."""
     # A 16-bit weight of x's dtype and float32 ones: the rows kernels' preloaded weights and not.
     for dtype, wdtype in ((torch.bfloat16, torch.float32), (torch.bfloat16, "x"), (torch.float32, "x")):
         x, w, res, _ = make(shape, dtype, "cuda", ("w", 0.0, wdtype), True, requires_grad=True)
