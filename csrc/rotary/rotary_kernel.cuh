@@ -352,8 +352,8 @@ __device__ __forceinline__ AlignedVector<T, N> load_kept(const T* p, uint64_t po
 // share its r x chunks_per_head slices. So k takes no threads of its own: a thread keeps 32 + 4
 // kKElems bytes in flight, and at Llama's 4:1 a block is 128 threads (16 tokens an SM, Liger's
 // rope's shape) instead of the token kernel's 160 (12 tokens an SM, 32 bytes a thread). q and k are
-// read under an L2 evict-last policy, as the norms read their rows (docs/design/rotary.md: Llama 8B
-// forward 0.0840 against 0.0887 ms in an A/B run).
+// read under an L2 evict-last policy where a token takes 8 KB or more (keeps_in_l2), else under
+// evict-normal (as plain loads).
 template <typename T, int kKElems>
 __global__ void __launch_bounds__(kTokenMaxThreads, kTokenMinBlocks)
     rotary_token_gqa_kernel(const RotaryParams<T, T> p) {
@@ -367,7 +367,7 @@ __global__ void __launch_bounds__(kTokenMaxThreads, kTokenMinBlocks)
   const int q_first = c * kChunk;
   const T* q_src = p.q + b * p.q_stride_b + s * p.q_stride_s + h * p.q_stride_h + q_first;
   const T* k_src = p.k + b * p.k_stride_b + s * p.k_stride_s + hk * p.k_stride_h + k_first;
-  const uint64_t policy = l2_evict_last_policy();
+  const uint64_t policy = p.keep_in_l2 ? l2_policy<Eviction::kLast>() : l2_policy<Eviction::kNormal>();
   const AlignedVector<T, kChunk> qx = load_vector_l2_hint<T, kChunk>(q_src, policy);
   const AlignedVector<T, kChunk> qy = load_vector_l2_hint<T, kChunk>(q_src + p.rot_half, policy);
   const AlignedVector<T, kKElems> kx = load_kept<T, kKElems>(k_src, policy);
