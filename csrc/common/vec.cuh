@@ -69,9 +69,8 @@ __device__ __forceinline__ uint32_t floats_to_word(const float* f) {
   }
 }
 
-// Which lines a cache evicts first: kLast, lines read again (kept); kFirst, lines read for the last time;
-// kNormal, as an access without a policy.
-enum class Eviction { kLast, kFirst, kNormal };
+// Which lines a cache evicts first: kLast, lines read again (kept); kFirst, lines read for the last time.
+enum class Eviction { kLast, kFirst };
 
 // An L2 policy for load_l2_hint / load_cached (createpolicy, sm_80+; before sm_80 the loads are plain).
 template <Eviction kPriority>
@@ -80,10 +79,8 @@ __device__ __forceinline__ uint64_t l2_policy() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   if constexpr (kPriority == Eviction::kLast) {
     asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
-  } else if constexpr (kPriority == Eviction::kFirst) {
-    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
   } else {
-    asm("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(policy));
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
   }
 #endif
   return policy;

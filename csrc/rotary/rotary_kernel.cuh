@@ -351,10 +351,10 @@ __device__ __forceinline__ AlignedVector<T, N> load_kept(const T* p, uint64_t po
 // kChunk / r elements of k head h / r's first half (with its partners): the r q heads of a k head
 // share its r x chunks_per_head slices. So k takes no threads of its own: a thread keeps 32 + 4
 // kKElems bytes in flight, and at Llama's 4:1 a block is 128 threads (16 tokens an SM, Liger's
-// rope's shape) instead of the token kernel's 160 (12 tokens an SM, 32 bytes a thread). q and k are
-// read under an L2 evict-last policy where a token takes 8 KB or more (keeps_in_l2), else under
-// evict-normal (as plain loads).
-template <typename T, int kKElems>
+// rope's shape) instead of the token kernel's 160 (12 tokens an SM, 32 bytes a thread). kKeepInL2:
+// q and k read under an L2 evict-last policy, for tokens of 8 KB or more (keeps_in_l2); smaller ones
+// read with plain loads (an evict-normal policy was slower than both, docs/design/rotary.md).
+template <typename T, int kKElems, bool kKeepInL2>
 __global__ void __launch_bounds__(kTokenMaxThreads, kTokenMinBlocks)
     rotary_token_gqa_kernel(const RotaryParams<T, T> p) {
   constexpr int kChunk = chunk_elems<T>();
@@ -367,11 +367,20 @@ __global__ void __launch_bounds__(kTokenMaxThreads, kTokenMinBlocks)
   const int q_first = c * kChunk;
   const T* q_src = p.q + b * p.q_stride_b + s * p.q_stride_s + h * p.q_stride_h + q_first;
   const T* k_src = p.k + b * p.k_stride_b + s * p.k_stride_s + hk * p.k_stride_h + k_first;
-  const uint64_t policy = p.keep_in_l2 ? l2_policy<Eviction::kLast>() : l2_policy<Eviction::kNormal>();
-  const AlignedVector<T, kChunk> qx = load_vector_l2_hint<T, kChunk>(q_src, policy);
-  const AlignedVector<T, kChunk> qy = load_vector_l2_hint<T, kChunk>(q_src + p.rot_half, policy);
-  const AlignedVector<T, kKElems> kx = load_kept<T, kKElems>(k_src, policy);
-  const AlignedVector<T, kKElems> ky = load_kept<T, kKElems>(k_src + p.rot_half, policy);
+  AlignedVector<T, kChunk> qx, qy;
+  AlignedVector<T, kKElems> kx, ky;
+  if constexpr (kKeepInL2) {
+    const uint64_t policy = l2_evict_last_policy();
+    qx = load_vector_l2_hint<T, kChunk>(q_src, policy);
+    qy = load_vector_l2_hint<T, kChunk>(q_src + p.rot_half, policy);
+    kx = load_kept<T, kKElems>(k_src, policy);
+    ky = load_kept<T, kKElems>(k_src + p.rot_half, policy);
+  } else {
+    qx = load_vector<T, kChunk>(q_src);
+    qy = load_vector<T, kChunk>(q_src + p.rot_half);
+    kx = load_vector<T, kKElems>(k_src);
+    ky = load_vector<T, kKElems>(k_src + p.rot_half);
+  }
 
   float* cos_tab = rotary_tables;
   float* sin_tab = rotary_tables + p.rot_half;

@@ -1,6 +1,6 @@
 // Instantiates the rotary kernels: 3 x 3 (input, output) types x {half-split, interleaved} x
 // {token, staged, register vector, register scalar}, and the grouped-query token kernel for bf16 and
-// fp16 (in and out) x 3 head ratios.
+// fp16 (in and out) x 3 head ratios x {plain, L2 evict-last} loads.
 #include <type_traits>
 
 #include "common/dispatch.h"
@@ -24,8 +24,10 @@ void launch_rotary(const RotaryParams<Tin, Tout>& params, const LaunchPlan& plan
         constexpr int kChunk = chunk_elems<Tin>();
         const int ratio = params.heads_q / params.heads_k;
         auto launch = [&](auto k_elems) {
-          launch_kernel(rotary_token_gqa_kernel<Tin, decltype(k_elems)::value>, plan.grid, plan.block, plan.smem_bytes,
-                        params);
+          FUSEFORGE_BOOL_SWITCH(params.keep_in_l2, kKeepInL2, [&] {
+            launch_kernel(rotary_token_gqa_kernel<Tin, decltype(k_elems)::value, kKeepInL2>, plan.grid, plan.block,
+                          plan.smem_bytes, params);
+          });
         };
         if (ratio == 2) launch(std::integral_constant<int, kChunk / 2>{});
         else if (ratio == 4) launch(std::integral_constant<int, kChunk / 4>{});
