@@ -906,17 +906,15 @@ LaunchPlan plan_forward(int64_t rows, int64_t cols, bool aligned, bool residual)
     return vectorized ? forward_two_pass_kernel<T, kVecElems<T>, kCentered> : forward_two_pass_kernel<T, 1, kCentered>;
   };
   const std::string forced = forced_forward_kernel();
-  if constexpr (sizeof(T) == 2) {
-    // (A grid of kMaxGrid blocks holds 1.7e10 rows: no loop over more.)
-    if (forced.empty() && takes_narrow_rows(kCentered, residual, sizeof(T), cols, takes_vectors<T>(cols, aligned)) &&
-        rows <= kMaxGrid * kNarrowRowsPerBlock) {
-      LaunchPlan plan;
-      plan.narrow = true;
-      plan.vectorized = true;
-      plan.block = dim3(kNarrowThreads);
-      plan.grid = dim3(static_cast<unsigned>(ceil_div(rows, int64_t{kNarrowRowsPerBlock})));
-      return plan;
-    }
+  // (A grid of kMaxGrid blocks holds 1.7e10 rows: no loop over more.)
+  if (forced.empty() && takes_narrow_rows(kCentered, residual, sizeof(T), cols, takes_vectors<T>(cols, aligned)) &&
+      rows <= kMaxGrid * kNarrowRowsPerBlock) {
+    LaunchPlan plan;
+    plan.narrow = true;
+    plan.vectorized = true;
+    plan.block = dim3(kNarrowThreads);
+    plan.grid = dim3(static_cast<unsigned>(ceil_div(rows, int64_t{kNarrowRowsPerBlock})));
+    return plan;
   }
   const bool reread_allowed = !kCentered && !residual && (forced.empty() || forced == "reread");
   const int reread_shape = reread_allowed && takes_vectors<T>(cols, aligned)

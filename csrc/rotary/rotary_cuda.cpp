@@ -65,7 +65,6 @@ void rotary_cuda_typed(const Problem& pr, double scaling, bool interleaved, bool
   p.chunks_per_head = p.rot_chunks + static_cast<int>(ceil_div(pr.head_dim - pr.rot_dims(), kChunk));
   p.cos_scaling = static_cast<float>(scaling);
   p.sin_scaling = inverse ? -p.cos_scaling : p.cos_scaling;
-  p.keep_in_l2 = keeps_in_l2(pr.heads_q, pr.heads_k, pr.head_dim, static_cast<int64_t>(sizeof(Tin)));
   p.dense_token_rows = dense_token_rows(pr.q, pr.heads_q, pr.head_dim, pr.seq) &&
                        dense_token_rows(pr.k, pr.heads_k, pr.head_dim, pr.seq);
   const bool vectorized = pr.head_dim % kChunk == 0 && rot_span % kChunk == 0 && is_aligned(p.q, 16) &&

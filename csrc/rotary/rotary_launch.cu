@@ -24,7 +24,8 @@ void launch_rotary(const RotaryParams<Tin, Tout>& params, const LaunchPlan& plan
         constexpr int kChunk = chunk_elems<Tin>();
         const int ratio = params.heads_q / params.heads_k;
         auto launch = [&](auto k_elems) {
-          FUSEFORGE_BOOL_SWITCH(params.keep_in_l2, kKeepInL2, [&] {
+          const bool keep = keeps_in_l2(params.heads_q, params.heads_k, params.head_dim, sizeof(Tin));
+          FUSEFORGE_BOOL_SWITCH(keep, kKeepInL2, [&] {
             launch_kernel(rotary_token_gqa_kernel<Tin, decltype(k_elems)::value, kKeepInL2>, plan.grid, plan.block,
                           plan.smem_bytes, params);
           });

@@ -37,7 +37,6 @@ struct RotaryParams {
   int chunks_per_head;  // rot_chunks + chunks of dims R..D-1
   float cos_scaling, sin_scaling;  // attention_scaling; sin's is negated for the inverse rotation
   bool dense_token_rows;  // each token's q heads (k heads) one dense row: token t's at t * heads * head_dim
-  bool keep_in_l2;        // the grouped-query kernel reads q and k under an L2 evict-last policy (keeps_in_l2)
 };
 
 // The grouped-query kernel's loads go under an L2 evict-last policy where a token's q and k heads take

@@ -412,8 +412,8 @@ def test_empty(device):
 @pytest.mark.parametrize("layout", ["bshd", "bhsd"])
 def test_cuda_model_shapes_match_float64(shape, interleaved, layout):
     """The grouped-query token kernel (16-bit, half-split, Hq / Hk = 4, 2, 8; 128 to 512 threads a
-    token; tokens under and over 8 KB, read without and with the L2 evict-last policy), the token kernel (a block a token: fp32, interleaved, partial rotary,
-    Hq = Hk) and the staged one (D = 64 with 18 heads, D = 8: blocks of several tokens across batch
+    token; tokens under and over 8 KB, read without and with the L2 evict-last policy), the token
+    kernel (a block a token: fp32, interleaved, partial rotary, Hq = Hk) and the staged one (D = 64 with 18 heads, D = 8: blocks of several tokens across batch
     rows, many trips, one chunk a head); a grid of several waves; both layouts (bhsd: strided heads);
     bf16, fp16 and fp32."""
     batch, heads_q, heads_k, seq, head_dim, rot_dims = shape
