@@ -1,6 +1,7 @@
 """The one benchmark harness: every bench_<op>.py describes its cases with `Bench` entries and calls
-`run()`, which times them (median of device-event timings after warm-up, every impl of a case in
-the same process), measures peak extra memory, measures the copy and GEMM ceilings in the same run,
+`run()`, which times them (median of device-event timings after warm-up, the calls queued ahead of
+the GPU so that the host's pace does not enter: queued_device_ms; every impl of a case in the same
+process), measures peak extra memory, measures the copy and GEMM ceilings in the same run,
 and writes benchmarks/results/<op>_<gpu>.json in the format of shared/BENCHMARKS.md, plus a markdown
 table (<op>.md) and a plot (<op>.png) generated from that JSON. On CUDA each row also records the SM
 clock and the board power nvidia-smi saw while it was timed (`sm_mhz`, `watts`, ClockSampler): under
@@ -151,10 +152,10 @@ class StepTimer:
 
 
 def time_ms(fn: Callable[[], Any], warmup_ms: float = 50, rep_ms: float = 300) -> float:
-    """Median milliseconds of fn over repeated runs, device events on CUDA."""
+    """Median milliseconds of fn over repeated runs: device events of calls queued ahead on CUDA
+    (queued_device_ms), wall clock on the CPU."""
     if _device == "cuda":
-        import triton.testing
-        return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+        return queued_device_ms(fn, warmup_ms, rep_ms)
     times = []
     fn()
     deadline = time.perf_counter() + rep_ms / 1000
@@ -377,6 +378,84 @@ class EnergyCounter:
         return mj.value / 1000.0
 
 
+# Device timing. triton.testing.do_bench brackets each call with events as the host issues it, so
+# where the host takes longer to issue a call than the GPU to run it (a small op's fwd+bwd under
+# autograd: 0.1-0.4 ms of Python and launches a call on a slow host, against 0.04-0.3 ms of kernels)
+# its events time the host's pace, and which impl wins depends on the host. Here the GPU spins
+# (torch.cuda._sleep) while the host queues a batch of calls, each after the same 256 MiB L2 flush as
+# do_bench's; a batch counts only if the spin was still running when the host had queued all of it,
+# so every call's events bracket its own device work, back to back with the flush before it.
+QUEUE_BATCH_CALLS = 16  # calls queued behind one spin (fewer where the launch queue cannot hold them)
+_spin_cycles_a_ms: Optional[float] = None
+
+
+def _spin_rate() -> float:
+    """torch.cuda._sleep cycles a millisecond on this GPU, measured once."""
+    global _spin_cycles_a_ms
+    if _spin_cycles_a_ms is None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1_000_000)  # first launch outside the measurement
+        start.record()
+        torch.cuda._sleep(20_000_000)
+        end.record()
+        end.synchronize()
+        _spin_cycles_a_ms = 20_000_000 / start.elapsed_time(end)
+    return _spin_cycles_a_ms
+
+
+def _queued_calls(fn: Callable[[], Any], flush: torch.Tensor, calls: int, spin_ms: float) -> Optional[list]:
+    """Device ms of each of `calls` calls of fn (each after an L2 flush) queued behind a spin of spin_ms;
+    None where the spin ended before the host had queued them all (a call may then have waited on the
+    host, or the launch queue was full)."""
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(calls)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(calls)]
+    torch.cuda._sleep(int(spin_ms * _spin_rate()))
+    spun = torch.cuda.Event()
+    spun.record()
+    for start, end in zip(starts, ends):
+        flush.zero_()
+        start.record()
+        fn()
+        end.record()
+    queued_ahead = not spun.query()
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) for s, e in zip(starts, ends)] if queued_ahead else None
+
+
+def queued_device_ms(fn: Callable[[], Any], warmup_ms: float = 50, rep_ms: float = 300) -> float:
+    """Median device ms of fn, its calls queued ahead of the GPU (see above): about rep_ms of calls
+    after warmup_ms of them, counted at the slower of the device's and the host's pace a call."""
+    fn()
+    torch.cuda.synchronize()
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+    t0 = time.perf_counter()
+    for _ in range(5):
+        flush.zero_()
+        fn()
+    host_ms = (time.perf_counter() - t0) * 1000 / 5  # a call's, with its flush
+    torch.cuda.synchronize()
+    margin = 1.5  # the spin's length over the host's measured time to queue the batch
+
+    def queued(calls: int) -> list:
+        nonlocal margin
+        while True:
+            got = _queued_calls(fn, flush, calls, margin * calls * host_ms + 0.05)
+            if got is not None:
+                return got
+            # The spin ran out first: a launch queue too short for the batch, or a slower host.
+            calls, margin = max(1, calls // 2), margin * 2
+            if margin > 100:
+                raise RuntimeError("queued_device_ms: the host never got ahead of the GPU (does fn synchronize?)")
+
+    pace_ms = max(median(queued(5)), host_ms)
+    for _ in range(max(1, int(warmup_ms / pace_ms))):
+        fn()
+    n_repeat, times = max(10, int(rep_ms / pace_ms)), []
+    while len(times) < n_repeat:
+        times += queued(min(QUEUE_BATCH_CALLS, n_repeat - len(times)))
+    return median(times)
+
+
 # id(bench) -> the (start, end) time.time() spans it was timed in, for the clock it ran at (run()).
 _timing_spans: dict[int, list[tuple[float, float]]] = {}
 
@@ -533,6 +612,8 @@ def run(op: str, cases: Iterable[str], setup: Callable[[str], list[Bench]], argv
     if args.name:
         op = args.name
     result = {"op": op, **env_info(), "ceilings": measure_ceilings(), "rounds": rounds, "rows": []}
+    if _device == "cuda":
+        result["timing"] = "queued"  # queued_device_ms; results before it timed with triton's do_bench
     if _device == "cuda" and args.settle_ms > 0:
         result["settle_ms"] = args.settle_ms
     log(f"{op}: {len(cases)} cases on {result.get('cpu', result['gpu'])} (torch {result['torch']}, commit {result['commit']}), "
@@ -664,6 +745,8 @@ def markdown_table(result: dict) -> str:
     commit = sha[:12] + ("-dirty" if sha != result["commit"] else "")
     meta = (f"\n{where}, torch {result['torch']}, CUDA {result['cuda']}, commit `{commit}`, "
             f"{result['date']}; ceilings {result.get('ceilings', {})}. `vs X` = X's time / fuseforge's.")
+    if result.get("timing") == "queued":
+        meta += " Device time of calls queued ahead of the GPU (the host's pace excluded)."
     if result.get("settle_ms"):
         meta += (f" Each impl timed after {result['settle_ms']:g} ms of itself (--settle-ms), "
                  f"{result.get('rounds', 1)} rounds.")

@@ -1,5 +1,5 @@
-"""benchmarks/harness.py's pieces that run without a GPU: the nvidia-smi sample parser and the
-clock / power summary of a row (the GPU runs only produce them)."""
+"""benchmarks/harness.py: the pieces that run without a GPU (the nvidia-smi sample parser, the clock /
+power summary of a row, which only GPU runs produce) and, on a GPU, the queued device timing."""
 import datetime as dt
 import importlib.util
 import json
@@ -240,3 +240,30 @@ def test_cpu_runs_default_to_several_rounds(tmp_path):
     assert len(result["rows"][0]["ms_rounds"]) == harness.CPU_MIN_ROUNDS
     result = harness.run("roundtest", ["c"], setup, argv=argv + ["--rounds", "1"], cpu_cases=["c"])
     assert result["rounds"] == 1
+
+
+@pytest.mark.skipif(not harness.torch.cuda.is_available(), reason="queued_device_ms times CUDA work (needs a GPU)")
+def test_queued_device_ms_times_the_device_not_the_host():
+    """A call that spends 2 ms of host time to issue ~0.1 ms of device work: do_bench-style events would
+    read ~2 ms (the GPU waits on the host); the queued timing reads the kernel, about what the same
+    spin reads alone. A fn that synchronizes cannot be queued ahead and says so."""
+    import time
+
+    torch = harness.torch
+    cycles = int(0.1 * harness._spin_rate())  # 0.1 ms of spinning
+
+    def slow_host_call():
+        time.sleep(0.002)
+        torch.cuda._sleep(cycles)
+
+    ms = harness.queued_device_ms(slow_host_call, warmup_ms=5, rep_ms=40)
+    alone = harness.queued_device_ms(lambda: torch.cuda._sleep(cycles), warmup_ms=5, rep_ms=40)
+    assert 0.08 < alone < 0.2, alone
+    assert abs(ms - alone) < 0.02, (ms, alone)
+
+    def synchronizing_call():
+        torch.cuda._sleep(cycles)
+        torch.cuda.synchronize()
+
+    with pytest.raises(RuntimeError, match="never got ahead"):
+        harness.queued_device_ms(synchronizing_call, warmup_ms=1, rep_ms=2)
