@@ -379,7 +379,9 @@ def benchmarks_md(results: dict) -> str:
         "",
         "Every table below is generated from a JSON file in `benchmarks/results/` (one file per "
         "benchmark and device, `<bench>_<gpu>.json`, written by `benchmarks/harness.py`). Times are medians of device-event timings after warm-up (CPU: "
-        "wall-clock medians), every impl of a row measured in the same process and run; `MiB` is the "
+        "wall-clock medians); tables whose footer says so time calls queued ahead of the GPU, so that a "
+        "slow host's launch pace does not enter a small row's time (the others: `triton.testing.do_bench`). "
+        "Every impl of a row is measured in the same process and run; `MiB` is the "
         "peak memory a pass allocates beyond its inputs. `vs X` = X's time / fuseforge's: above 1, "
         "fuseforge is faster. Peers that were not installed are left out, not faked. Each table ends "
         "with its run's device, torch, CUDA, commit and date.",
