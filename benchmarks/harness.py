@@ -403,6 +403,11 @@ def _spin_rate() -> float:
     return _spin_cycles_a_ms
 
 
+def _l2_flush_buffer() -> torch.Tensor:
+    """The 256 MiB that each timed call's flush zeroes (do_bench's size): more than L2 holds."""
+    return torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+
+
 def _queued_calls(fn: Callable[[], Any], flush: torch.Tensor, calls: int, spin_ms: float) -> Optional[list]:
     """Device ms of each of `calls` calls of fn (each after an L2 flush) queued behind a spin of spin_ms;
     None where the spin ended before the host had queued them all (a call may then have waited on the
@@ -427,23 +432,26 @@ def queued_device_ms(fn: Callable[[], Any], warmup_ms: float = 50, rep_ms: float
     after warmup_ms of them, counted at the slower of the device's and the host's pace a call."""
     fn()
     torch.cuda.synchronize()
-    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+    flush = _l2_flush_buffer()
     t0 = time.perf_counter()
     for _ in range(5):
         flush.zero_()
         fn()
     host_ms = (time.perf_counter() - t0) * 1000 / 5  # a call's, with its flush
     torch.cuda.synchronize()
-    margin = 1.5  # the spin's length over the host's measured time to queue the batch
+    # The spin's length over the host's measured time to queue the batch, and the most calls a
+    # batch; both kept for the later batches once a spin ran out.
+    margin, batch = 1.5, QUEUE_BATCH_CALLS
 
     def queued(calls: int) -> list:
-        nonlocal margin
+        nonlocal margin, batch
         while True:
+            calls = min(calls, batch)
             got = _queued_calls(fn, flush, calls, margin * calls * host_ms + 0.05)
             if got is not None:
                 return got
             # The spin ran out first: a launch queue too short for the batch, or a slower host.
-            calls, margin = max(1, calls // 2), margin * 2
+            batch, margin = max(1, calls // 2), margin * 2
             if margin > 100:
                 raise RuntimeError("queued_device_ms: the host never got ahead of the GPU (does fn synchronize?)")
 
@@ -452,7 +460,7 @@ def queued_device_ms(fn: Callable[[], Any], warmup_ms: float = 50, rep_ms: float
         fn()
     n_repeat, times = max(10, int(rep_ms / pace_ms)), []
     while len(times) < n_repeat:
-        times += queued(min(QUEUE_BATCH_CALLS, n_repeat - len(times)))
+        times += queued(n_repeat - len(times))
     return median(times)
 
 

@@ -267,3 +267,54 @@ def test_queued_device_ms_times_the_device_not_the_host():
 
     with pytest.raises(RuntimeError, match="never got ahead"):
         harness.queued_device_ms(synchronizing_call, warmup_ms=1, rep_ms=2)
+
+
+def test_queued_device_ms_retries_until_the_spin_outlasts_the_queueing(monkeypatch):
+    """The retry logic, with the CUDA calls stubbed: a batch whose spin ended before the host had
+    queued it is dropped and queued again behind a longer spin with fewer calls; only the kept
+    batches' times count; a fn the host can never get ahead of raises."""
+    torch = harness.torch
+    spins, batches = [], []
+    state = {"spin_ends_early": 2, "calls": 0}
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.call = state["calls"]
+
+        def record(self):
+            self.call = state["calls"]
+
+        def query(self):  # the spin's event: done already (the host was too slow) while failures remain
+            batches.append(state["calls"] - self.call)
+            if state["spin_ends_early"] > 0:
+                state["spin_ends_early"] -= 1
+                return True
+            return False
+
+        def elapsed_time(self, end):
+            return 0.25
+
+        def synchronize(self):
+            pass
+
+    def fn():  # 1 ms of the host's (fake) clock a call
+        state["calls"] += 1
+        state["clock"] += 0.001
+
+    state["clock"] = 0.0
+    monkeypatch.setattr(harness.time, "perf_counter", lambda: state["clock"])
+    monkeypatch.setattr(harness, "_spin_rate", lambda: 1000.0)
+    monkeypatch.setattr(harness, "_l2_flush_buffer", lambda: torch.empty(8))
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: spins.append(cycles))
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    assert harness.queued_device_ms(fn, warmup_ms=1, rep_ms=5) == 0.25
+    # The estimate's 5 calls failed twice: queued again as 2, then 1, each behind a spin of the
+    # host's 1 ms a call times a margin that doubles (1.5, 3, 6), plus 0.05 ms; cycles at 1000 a ms.
+    assert batches[:3] == [5, 2, 1]
+    assert [round(c) for c in spins[:3]] == [7550, 6050, 6050]
+    assert round(spins[3]) == 6050 and batches[3] == 1  # the timed batches keep the last margin
+    assert all(b <= harness.QUEUE_BATCH_CALLS for b in batches)
+    state["spin_ends_early"] = 10**9
+    with pytest.raises(RuntimeError, match="never got ahead"):
+        harness.queued_device_ms(fn, warmup_ms=1, rep_ms=5)
