@@ -155,7 +155,13 @@ def time_ms(fn: Callable[[], Any], warmup_ms: float = 50, rep_ms: float = 300) -
     """Median milliseconds of fn over repeated runs: device events of calls queued ahead on CUDA
     (queued_device_ms), wall clock on the CPU."""
     if _device == "cuda":
-        return queued_device_ms(fn, warmup_ms, rep_ms)
+        try:
+            return queued_device_ms(fn, warmup_ms, rep_ms)
+        except HostSynchronizes:
+            # Its calls cannot be queued ahead: time them as issued, and say so in the row (measure()).
+            log("    fn synchronizes with the host: timed with triton's do_bench")
+            _timed_as_issued.add(id(fn))
+            return _do_bench_ms(fn, warmup_ms, rep_ms)
     times = []
     fn()
     deadline = time.perf_counter() + rep_ms / 1000
@@ -385,6 +391,19 @@ class EnergyCounter:
 # (torch.cuda._sleep) while the host queues a batch of calls, each after the same 256 MiB L2 flush as
 # do_bench's; a batch counts only if the spin was still running when the host had queued all of it,
 # so every call's events bracket its own device work, back to back with the flush before it.
+class HostSynchronizes(RuntimeError):
+    """fn waits on the GPU inside a call (a synchronize, an .item()): no call can be queued ahead."""
+
+
+# ids of the fns that time_ms timed as issued (HostSynchronizes), for their rows' "timing".
+_timed_as_issued: set = set()
+
+
+def _do_bench_ms(fn: Callable[[], Any], warmup_ms: float, rep_ms: float) -> float:
+    import triton.testing
+    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
 QUEUE_BATCH_CALLS = 16  # calls queued behind one spin (fewer where the launch queue cannot hold them)
 _spin_cycles_a_ms: Optional[float] = None
 
@@ -453,7 +472,7 @@ def queued_device_ms(fn: Callable[[], Any], warmup_ms: float = 50, rep_ms: float
             # The spin ran out first: a launch queue too short for the batch, or a slower host.
             batch, margin = max(1, calls // 2), margin * 2
             if margin > 100:
-                raise RuntimeError("queued_device_ms: the host never got ahead of the GPU (does fn synchronize?)")
+                raise HostSynchronizes("queued_device_ms: the host never got ahead of the GPU (does fn synchronize?)")
 
     pace_ms = max(median(queued(5)), host_ms)
     for _ in range(max(1, int(warmup_ms / pace_ms))):
@@ -554,6 +573,8 @@ def measure(bench: Bench, with_memory: bool = True, ms: Optional[float] = None, 
         if ms is None:
             ms = _time_recorded(bench, settle_ms=settle_ms)
         row["ms"] = _round(ms)
+        if id(bench.fn) in _timed_as_issued:
+            row["timing"] = "do_bench"
         if bench.bytes:
             row["GBps"] = _round(bench.bytes / ms / 1e6)
         if bench.flops:
@@ -755,6 +776,10 @@ def markdown_table(result: dict) -> str:
             f"{result['date']}; ceilings {result.get('ceilings', {})}. `vs X` = X's time / fuseforge's.")
     if result.get("timing") == "queued":
         meta += " Device time of calls queued ahead of the GPU (the host's pace excluded)."
+        as_issued = [f"{r['impl']} ({r['case']}, {r['pass']})" for r in result["rows"] if r.get("timing") == "do_bench"]
+        if as_issued:
+            meta += (" Timed as issued (do_bench), their calls synchronizing with the host: "
+                     + ", ".join(as_issued) + ".")
     if result.get("settle_ms"):
         meta += (f" Each impl timed after {result['settle_ms']:g} ms of itself (--settle-ms), "
                  f"{result.get('rounds', 1)} rounds.")

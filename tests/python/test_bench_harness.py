@@ -318,3 +318,24 @@ def test_queued_device_ms_retries_until_the_spin_outlasts_the_queueing(monkeypat
     state["spin_ends_early"] = 10**9
     with pytest.raises(RuntimeError, match="never got ahead"):
         harness.queued_device_ms(fn, warmup_ms=1, rep_ms=5)
+
+
+def test_a_synchronizing_fn_is_timed_as_issued_and_its_row_says_so(monkeypatch):
+    """A fn that queued timing cannot get ahead of (HostSynchronizes) is timed with do_bench instead
+    of failing its row; the row records "timing": "do_bench" and the table's footer names it."""
+    def never_ahead(fn, warmup_ms, rep_ms):
+        raise harness.HostSynchronizes("never got ahead")
+
+    monkeypatch.setattr(harness, "_device", "cuda")
+    monkeypatch.setattr(harness, "queued_device_ms", never_ahead)
+    monkeypatch.setattr(harness, "_do_bench_ms", lambda fn, warmup_ms, rep_ms: 2.0)
+    syncing = harness.Bench("c", "fwd", "paged", lambda: None)
+    row = harness.measure(syncing, with_memory=False)
+    assert row["ms"] == 2.0 and row["timing"] == "do_bench"
+    monkeypatch.setattr(harness, "queued_device_ms", lambda fn, warmup_ms, rep_ms: 1.0)
+    plain = harness.measure(harness.Bench("c", "fwd", "fuseforge", lambda: None), with_memory=False)
+    assert plain["ms"] == 1.0 and "timing" not in plain
+    result = {"rows": [plain, row], "gpu": "G", "torch": "t", "cuda": "c", "commit": "0123456789abcdef",
+              "date": "d", "timing": "queued"}
+    assert "Timed as issued (do_bench), their calls synchronizing with the host: paged (c, fwd)." in \
+        harness.markdown_table(result)
