@@ -395,7 +395,8 @@ class HostSynchronizes(RuntimeError):
     """fn waits on the GPU inside a call (a synchronize, an .item()): no call can be queued ahead."""
 
 
-# ids of the fns that time_ms timed as issued (HostSynchronizes), for their rows' "timing".
+# ids of the fns that time_ms timed as issued (HostSynchronizes), for their rows' "timing"; run()
+# empties it after each case, whose benches' ids may then be reused.
 _timed_as_issued: set = set()
 
 
@@ -681,6 +682,7 @@ def run(op: str, cases: Iterable[str], setup: Callable[[str], list[Bench]], argv
             row_spans.append((row, _timing_spans.pop(id(b), [])))
             log("    " + "  ".join(f"{k}={v}" for k, v in row.items() if k != "case"))
         del benches
+        _timed_as_issued.clear()
         gc.collect()
         if _device == "cuda":
             torch.cuda.empty_cache()
