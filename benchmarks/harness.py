@@ -151,17 +151,14 @@ class StepTimer:
         return [(e - s) * 1000 for s, e in self.pairs]
 
 
-def time_ms(fn: Callable[[], Any], warmup_ms: float = 50, rep_ms: float = 300) -> float:
+WARMUP_MS, REP_MS = 50, 300  # time_ms's default warm-up and timed span
+
+
+def time_ms(fn: Callable[[], Any], warmup_ms: float = WARMUP_MS, rep_ms: float = REP_MS) -> float:
     """Median milliseconds of fn over repeated runs: device events of calls queued ahead on CUDA
-    (queued_device_ms), wall clock on the CPU."""
+    (queued_device_ms; HostSynchronizes where fn waits on the GPU), wall clock on the CPU."""
     if _device == "cuda":
-        try:
-            return queued_device_ms(fn, warmup_ms, rep_ms)
-        except HostSynchronizes:
-            # Its calls cannot be queued ahead: time them as issued, and say so in the row (measure()).
-            log("    fn synchronizes with the host: timed with triton's do_bench")
-            _timed_as_issued.add(id(fn))
-            return _do_bench_ms(fn, warmup_ms, rep_ms)
+        return queued_device_ms(fn, warmup_ms, rep_ms)
     times = []
     fn()
     deadline = time.perf_counter() + rep_ms / 1000
@@ -395,11 +392,6 @@ class HostSynchronizes(RuntimeError):
     """fn waits on the GPU inside a call (a synchronize, an .item()): no call can be queued ahead."""
 
 
-# ids of the fns that time_ms timed as issued (HostSynchronizes), for their rows' "timing"; run()
-# empties it after each case, whose benches' ids may then be reused.
-_timed_as_issued: set = set()
-
-
 def _do_bench_ms(fn: Callable[[], Any], warmup_ms: float, rep_ms: float) -> float:
     import triton.testing
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
@@ -447,7 +439,7 @@ def _queued_calls(fn: Callable[[], Any], flush: torch.Tensor, calls: int, spin_m
     return [s.elapsed_time(e) for s, e in zip(starts, ends)] if queued_ahead else None
 
 
-def queued_device_ms(fn: Callable[[], Any], warmup_ms: float = 50, rep_ms: float = 300) -> float:
+def queued_device_ms(fn: Callable[[], Any], warmup_ms: float = WARMUP_MS, rep_ms: float = REP_MS) -> float:
     """Median device ms of fn, its calls queued ahead of the GPU (see above): about rep_ms of calls
     after warmup_ms of them, counted at the slower of the device's and the host's pace a call."""
     fn()
@@ -527,12 +519,19 @@ def energy_per_call(fn: Callable[[], Any], counter: EnergyCounter, ms: float = 2
             "watts": round((e1 - e0) / (t1 - t0), 1)}
 
 
-def _time_recorded(bench: Bench, settle_ms: float = 0, **kwargs) -> float:
-    """time_ms(bench.fn, **kwargs) after _settle(bench.fn, settle_ms), the timed part's wall-clock span
-    recorded in _timing_spans."""
+def _time_recorded(bench: Bench, settle_ms: float = 0, warmup_ms: float = WARMUP_MS,
+                   rep_ms: float = REP_MS) -> float:
+    """time_ms(bench.fn, ...) after _settle(bench.fn, settle_ms), the timed part's wall-clock span
+    recorded in _timing_spans. A fn whose calls cannot be queued ahead (HostSynchronizes) is timed as
+    issued, with do_bench, and its row says so (bench.extra's "timing")."""
     _settle(bench.fn, settle_ms)
     t0 = time.time()
-    ms = time_ms(bench.fn, **kwargs)
+    try:
+        ms = time_ms(bench.fn, warmup_ms=warmup_ms, rep_ms=rep_ms)
+    except HostSynchronizes:
+        log(f"    {bench.impl}: fn synchronizes with the host: timed with triton's do_bench")
+        bench.extra["timing"] = "do_bench"
+        ms = _do_bench_ms(bench.fn, warmup_ms, rep_ms)
     _timing_spans.setdefault(id(bench), []).append((t0, time.time()))
     return ms
 
@@ -574,8 +573,6 @@ def measure(bench: Bench, with_memory: bool = True, ms: Optional[float] = None, 
         if ms is None:
             ms = _time_recorded(bench, settle_ms=settle_ms)
         row["ms"] = _round(ms)
-        if id(bench.fn) in _timed_as_issued:
-            row["timing"] = "do_bench"
         if bench.bytes:
             row["GBps"] = _round(bench.bytes / ms / 1e6)
         if bench.flops:
@@ -682,7 +679,6 @@ def run(op: str, cases: Iterable[str], setup: Callable[[str], list[Bench]], argv
             row_spans.append((row, _timing_spans.pop(id(b), [])))
             log("    " + "  ".join(f"{k}={v}" for k, v in row.items() if k != "case"))
         del benches
-        _timed_as_issued.clear()
         gc.collect()
         if _device == "cuda":
             torch.cuda.empty_cache()
