@@ -1,9 +1,10 @@
 // rms_norm device code. Every tensor is a rows x cols matrix (cols = hidden). Two kernels a
 // direction:
 // - rows kernels (vectorized, a row that fits in registers): threads_per_row threads hold a row
-//   as 16-byte vectors (k{Forward,Backward}RowShapes), so it is read once; a 256-thread block takes several narrow
-//   rows at once; blocks walk the rows in a grid-stride loop (the backward: one wave of resident
-//   blocks, each summing its weight-gradient partials in registers over all the rows it takes).
+//   as 16-byte vectors (k{Forward,Backward}RowShapes), so it is read once; a block takes several
+//   narrow rows at once (the forward's kForwardMinThreads, the backward's 256 threads); blocks walk
+//   the rows in a grid-stride loop (the backward: one wave of resident blocks, each summing its
+//   weight-gradient partials in registers over all the rows it takes).
 // - two-pass kernels (rows too long for registers, or not vectorizable): a block a row, the row
 //   read twice (the second read mostly from L2); N = elements an access (a vector or 1).
 // All arithmetic is fp32; reductions have a fixed order (deterministic results).
@@ -108,12 +109,12 @@ __device__ __forceinline__ void load_scale(const void* weight, Dtype dtype, floa
   for (int j = 0; j < N; ++j) s[j] = offset + s[j];
 }
 
-template <typename T, int kThreadsPerRow_, int kVecs_>
+template <typename T, int kThreadsPerRow_, int kVecs_, int kMinThreads = 256>
 struct RowTraits {
   static constexpr int kThreadsPerRow = kThreadsPerRow_;
   static constexpr int kVecs = kVecs_;
   static constexpr int kElems = kVecElems<T>;
-  static constexpr int kThreads = kThreadsPerRow > 256 ? kThreadsPerRow : 256;
+  static constexpr int kThreads = kThreadsPerRow > kMinThreads ? kThreadsPerRow : kMinThreads;
   static constexpr int kRowsPerIter = kThreads / kThreadsPerRow;
   static constexpr int kWarps = kThreads / 32;
   static constexpr int kWarpsPerRow = kThreadsPerRow >= 32 ? kThreadsPerRow / 32 : 1;
@@ -130,8 +131,15 @@ struct RowTraits {
   static_assert((kThreadsPerRow & (kThreadsPerRow - 1)) == 0, "the shuffles pair lanes by xor");
 };
 
-template <typename T, int kShape>
-using ForwardRow = RowTraits<T, kForwardRowShapes[kShape].threads_per_row, kForwardRowShapes[kShape].vecs>;
+// The forward's block: a row's threads, or kForwardMinThreads when a row takes fewer (several rows a
+// block). LayerNorm's at 64 (H200, 16384 rows bf16, ms: 1024 / 2048 / 4096 0.0253 / 0.0381 / 0.0725
+// against 0.0259 / 0.0406 / 0.0762 at 256, in an A/B run); RMSNorm's stay at 256 (2048 bf16 0.0353
+// against 0.0357 at 64).
+template <bool kCentered>
+inline constexpr int kForwardMinThreads = kCentered ? 64 : 256;
+template <typename T, int kShape, bool kCentered>
+using ForwardRow = RowTraits<T, kForwardRowShapes[kShape].threads_per_row, kForwardRowShapes[kShape].vecs,
+                             kForwardMinThreads<kCentered>>;
 template <typename T, int kShape>
 using BackwardRow = RowTraits<T, kBackwardRowShapes[kShape].threads_per_row, kBackwardRowShapes[kShape].vecs>;
 
@@ -176,12 +184,16 @@ __device__ __forceinline__ float block_sum(float v, float* red /* [32] */) {
 
 // kBackwardShape: the row held as the backward's shape kShape (two vectors a thread) instead of the
 // forward's (the residual form's, residual_takes_two_vectors).
-template <typename T, int kShape, bool kBackwardShape>
-using ForwardKernelRow = std::conditional_t<kBackwardShape, BackwardRow<T, kShape>, ForwardRow<T, kShape>>;
+template <typename T, int kShape, bool kCentered, bool kBackwardShape>
+using ForwardKernelRow =
+    std::conditional_t<kBackwardShape, BackwardRow<T, kShape>, ForwardRow<T, kShape, kCentered>>;
+// The plain and the residual forward's rows of shape kShape, for make_plan.
 template <bool kCentered>
-struct ResidualForwardRows {
+struct ForwardRows {
   template <typename T, int kShape>
-  using Row = ForwardKernelRow<T, kShape, residual_takes_two_vectors(kCentered, kShape)>;
+  using Plain = ForwardRow<T, kShape, kCentered>;
+  template <typename T, int kShape>
+  using Residual = ForwardKernelRow<T, kShape, kCentered, residual_takes_two_vectors(kCentered, kShape)>;
 };
 
 // x's dtype as the kernels' run-time Dtype (the weight's and bias's, when they are x's).
@@ -189,8 +201,8 @@ template <typename T>
 inline constexpr Dtype kDtypeOf =
     std::is_same_v<T, float> ? Dtype::kFloat : (std::is_same_v<T, at::Half> ? Dtype::kHalf : Dtype::kBFloat16);
 
-// LayerNorm's preloading shapes are held to three 256-thread blocks an SM: the weight's and bias's
-// words took ptxas to 87-90 registers (two blocks) without the bound, 80 with it and no spill. 0:
+// LayerNorm's preloading shapes are held to 768 resident threads an SM: the weight's and bias's
+// words took ptxas to 87-90 registers (512 threads) without the bound, 80 with it and no spill. 0:
 // no bound (a minimum of 1 block changes ptxas's allocation: 40 -> 70 registers at 32 x 4).
 template <typename T, int kShape, bool kCentered, bool kBackwardShape, int kThreads>
 constexpr int forward_min_blocks() {
@@ -203,7 +215,7 @@ constexpr int forward_min_blocks() {
 // reductions.
 template <typename T, int kShape, bool kCentered, bool kBackwardShape, bool kPreloaded>
 __device__ __forceinline__ void forward_rows(const ForwardParams<T> p) {
-  using R = ForwardKernelRow<T, kShape, kBackwardShape>;
+  using R = ForwardKernelRow<T, kShape, kCentered, kBackwardShape>;
   constexpr int E = R::kElems;
   __shared__ float red[2 * R::kWarps];
   const int lane = threadIdx.x % R::kThreadsPerRow;
@@ -327,8 +339,9 @@ __device__ __forceinline__ void forward_rows(const ForwardParams<T> p) {
 }
 
 template <typename T, int kShape, bool kCentered, bool kBackwardShape>
-__global__ void __launch_bounds__(ForwardKernelRow<T, kShape, kBackwardShape>::kThreads,
-                                  forward_min_blocks<T, kShape, kCentered, kBackwardShape, ForwardKernelRow<T, kShape, kBackwardShape>::kThreads>())
+__global__ void __launch_bounds__(ForwardKernelRow<T, kShape, kCentered, kBackwardShape>::kThreads,
+                                  forward_min_blocks<T, kShape, kCentered, kBackwardShape,
+                                                     ForwardKernelRow<T, kShape, kCentered, kBackwardShape>::kThreads>())
     forward_rows_kernel(const ForwardParams<T> p) {
   if constexpr (!kBackwardShape && preloads_scale(kCentered, kShape, sizeof(T))) {
     // Uniform over the grid: a weight (and LayerNorm's bias) of x's dtype.
@@ -939,7 +952,7 @@ LaunchPlan plan_forward(int64_t rows, int64_t cols, bool aligned, bool residual)
   }
   const bool allow_rows = forced != "two_pass";
   if (residual) {
-    LaunchPlan plan = make_plan<T, ResidualForwardRows<kCentered>::template Row>(
+    LaunchPlan plan = make_plan<T, ForwardRows<kCentered>::template Residual>(
         rows, cols, aligned, /*one_wave=*/false, allow_rows,
         [](auto shape) {
           constexpr int kShape = decltype(shape)::value;
@@ -949,7 +962,7 @@ LaunchPlan plan_forward(int64_t rows, int64_t cols, bool aligned, bool residual)
     plan.backward_shape = residual_takes_two_vectors(kCentered, plan.row_shape);
     return plan;
   }
-  return make_plan<T, ForwardRow>(
+  return make_plan<T, ForwardRows<kCentered>::template Plain>(
       rows, cols, aligned, /*one_wave=*/false, allow_rows,
       [](auto shape) { return forward_rows_kernel<T, decltype(shape)::value, kCentered, false>; }, two_pass_kernel);
 }
