@@ -15,6 +15,7 @@
 #include <atomic>
 #include <type_traits>
 
+#include "common/async_copy.cuh"
 #include "common/column_sum.cuh"
 #include "common/cuda_utils.h"
 #include "common/dispatch.h"
@@ -619,6 +620,19 @@ constexpr int min_blocks_per_sm() {
   return R::kThreads >= kThreadsPerSm ? 1 : kThreadsPerSm / R::kThreads;
 }
 
+// A compile-time knob (0: the loads straight into registers), so scripts/tune_variants.sh can build
+// variants side by side.
+#ifndef FUSEFORGE_NORM_BWD_STAGED
+#define FUSEFORGE_NORM_BWD_STAGED 1
+#endif
+// LayerNorm's 16-bit backward takes a row group of h and grad_out into shared memory with cp.async
+// one trip ahead (each thread copies the vectors it will read itself), so that its SM's loads stay
+// in flight while it reduces and writes the row group before: at 96 registers one block an SM, whose
+// rows are otherwise the only ones there. Rows kernels of up to 1024 vectors a block (32 KB).
+template <typename T, typename R, bool kCentered>
+inline constexpr bool kStagedBackward =
+    FUSEFORGE_NORM_BWD_STAGED && kCentered && sizeof(T) == 2 && R::kThreads * R::kVecs <= 1024;
+
 template <typename T, int kShape, bool kCentered>
 __global__ void __launch_bounds__(BackwardRow<T, kShape>::kThreads,
                                   min_blocks_per_sm<BackwardRow<T, kShape>, kCentered>())
@@ -626,8 +640,11 @@ __global__ void __launch_bounds__(BackwardRow<T, kShape>::kThreads,
   using R = BackwardRow<T, kShape>;
   constexpr int E = R::kElems;
   constexpr int kExchange = R::kGroups > 1 ? R::kGroups * E * R::kThreadsPerRow : 1;
+  constexpr bool kStaged = kStagedBackward<T, R, kCentered>;
   __shared__ float red[2 * R::kWarps];
   __shared__ float exchange[kExchange];
+  // [tensor: h, grad_out][vector][thread], 16 bytes each.
+  __shared__ AlignedVector<uint32_t, 4> stage[kStaged ? 2 * R::kVecs * R::kThreads : 1];
   const int lane = threadIdx.x % R::kThreadsPerRow;
   const int slot = threadIdx.x / R::kThreadsPerRow;
   const int64_t vectors = p.cols / E;
@@ -645,6 +662,22 @@ __global__ void __launch_bounds__(BackwardRow<T, kShape>::kThreads,
       dw[v][j] = 0.f;
       if constexpr (kCentered) db[v][j] = 0.f;
     }
+  // kStaged: this thread's vectors of h and grad_out of row group `first` (zeros past the ends) into
+  // its stage slots.
+  [[maybe_unused]] const auto stage_rows = [&](int64_t first) {
+    const int64_t row = first + slot;
+#pragma unroll
+    for (int v = 0; v < R::kVecs; ++v) {
+      const int64_t vi = static_cast<int64_t>(v) * R::kThreadsPerRow + lane;
+      const bool valid = row < p.rows && vi < vectors;
+      const int64_t offset = valid ? row * p.cols + vi * E : 0;
+      cp_async_16(smem_addr(&stage[v * R::kThreads + threadIdx.x]), p.h + offset, valid);
+      cp_async_16(smem_addr(&stage[(R::kVecs + v) * R::kThreads + threadIdx.x]),
+                  static_cast<const T*>(p.grad_out) + offset, valid);
+    }
+    cp_async_commit();
+  };
+  if constexpr (kStaged) stage_rows(static_cast<int64_t>(blockIdx.x) * R::kRowsPerIter);
   int parity = 0;
   for (int64_t first = static_cast<int64_t>(blockIdx.x) * R::kRowsPerIter; first < p.rows;
        first += static_cast<int64_t>(gridDim.x) * R::kRowsPerIter, parity ^= 1) {
@@ -654,31 +687,44 @@ __global__ void __launch_bounds__(BackwardRow<T, kShape>::kThreads,
     // The rows as words (PackedElements: 16-bit elements two to a register). g is kept as T
     // (exact: a 16-bit grad_out is T itself, and beside a float32 T any out dtype converts exactly).
     PackedElements<T, E> h[R::kVecs], g[R::kVecs], grad_res[R::kVecs];
+    if constexpr (kStaged) {
+      cp_async_wait<0>();
 #pragma unroll
-    for (int v = 0; v < R::kVecs; ++v) {
-      const int64_t vi = static_cast<int64_t>(v) * R::kThreadsPerRow + lane;
-      if (row_ok && vi < vectors) {
-        h[v].load(p.h + base + vi * E);
-      } else {
-        h[v].set_zero();
+      for (int v = 0; v < R::kVecs; ++v) {
+        h[v].words = stage[v * R::kThreads + threadIdx.x];
+        g[v].words = stage[(R::kVecs + v) * R::kThreads + threadIdx.x];
       }
-    }
-    with_out_type<T>(p.out_dtype, [&](auto tag) {
-      using O = typename decltype(tag)::type;
+      // The slots are this thread's own, read above before the next group's copies overwrite them.
+      asm volatile("" ::: "memory");
+      const int64_t next = first + static_cast<int64_t>(gridDim.x) * R::kRowsPerIter;
+      if (next < p.rows) stage_rows(next);
+    } else {
 #pragma unroll
       for (int v = 0; v < R::kVecs; ++v) {
         const int64_t vi = static_cast<int64_t>(v) * R::kThreadsPerRow + lane;
-        if (!row_ok || vi >= vectors) {
-          g[v].set_zero();
-        } else if constexpr (std::is_same_v<O, T>) {
-          g[v].load(static_cast<const T*>(p.grad_out) + base + vi * E);
+        if (row_ok && vi < vectors) {
+          h[v].load(p.h + base + vi * E);
         } else {
-          float f[E];
-          load_floats<E>(static_cast<const O*>(p.grad_out) + base + vi * E, f);
-          g[v].set(f);
+          h[v].set_zero();
         }
       }
-    });
+      with_out_type<T>(p.out_dtype, [&](auto tag) {
+        using O = typename decltype(tag)::type;
+#pragma unroll
+        for (int v = 0; v < R::kVecs; ++v) {
+          const int64_t vi = static_cast<int64_t>(v) * R::kThreadsPerRow + lane;
+          if (!row_ok || vi >= vectors) {
+            g[v].set_zero();
+          } else if constexpr (std::is_same_v<O, T>) {
+            g[v].load(static_cast<const T*>(p.grad_out) + base + vi * E);
+          } else {
+            float f[E];
+            load_floats<E>(static_cast<const O*>(p.grad_out) + base + vi * E, f);
+            g[v].set(f);
+          }
+        }
+      });
+    }
     if (p.grad_residual_out != nullptr) {
 #pragma unroll
       for (int v = 0; v < R::kVecs; ++v) {

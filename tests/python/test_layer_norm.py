@@ -152,8 +152,11 @@ def test_float32_x_with_16bit_out(device, out_dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("shape", [(20000, 128), (4099, 64), (3000, 2048), (257, 8192), (40, 40000), (33, 4100)],
                          ids=str)
-def test_cuda_many_rows_and_long_rows(dtype, shape):
-    check_gradients(shape, dtype, "cuda", PARAMS[1], True)
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+def test_cuda_many_rows_and_long_rows(dtype, shape, with_residual):
+    """Rows past one wave of the backward's blocks: each block's later row groups (staged one trip
+    ahead in the 16-bit backward)."""
+    check_gradients(shape, dtype, "cuda", PARAMS[1], with_residual)
 
 
 @requires_cuda
@@ -314,10 +317,12 @@ def test_wrong_device_raises():
 
 @requires_cuda
 @pytest.mark.sanitize
-@pytest.mark.parametrize("shape", [(33, 128), (5, 7), (3, 2048), (2, 20000), (9, 24)], ids=str)
+@pytest.mark.parametrize("shape", [(33, 128), (5, 7), (3, 2048), (2, 20000), (9, 24), (600, 2048), (9000, 16)],
+                         ids=str)
 def test_cuda_small_for_sanitizer(shape):
     """Every LayerNorm CUDA kernel (rows kernels narrow and wide, two-pass vectorized and scalar,
-    forward, backward, the weight and bias gradients' column sums) on small shapes."""
+    forward, backward, the weight and bias gradients' column sums) on small shapes; the last two
+    take more rows than one wave of backward blocks (the 16-bit backward's staged row groups)."""
     # Parameters of x's dtype and float32 ones: the rows kernels' preloaded parameters and not.
     for dtype, pdtype in ((torch.bfloat16, torch.float32), (torch.bfloat16, "x"), (torch.float32, "x")):
         x, w, b, res = make(shape, dtype, "cuda", ("p", pdtype, pdtype), True, requires_grad=True)
