@@ -627,8 +627,9 @@ constexpr int min_blocks_per_sm() {
 #endif
 // LayerNorm's 16-bit backward takes a row group of h and grad_out into shared memory with cp.async
 // one trip ahead (each thread copies the vectors it will read itself), so that its SM's loads stay
-// in flight while it reduces and writes the row group before: at 96 registers one block an SM, whose
-// rows are otherwise the only ones there. Rows kernels of up to 1024 vectors a block (32 KB).
+// in flight while it reduces and writes the row group before: at 96-122 registers one block an SM,
+// whose rows are otherwise the only ones there (H200, 16384 x 8192 bf16 forward + backward 0.432 ms
+// against 0.492). Rows kernels of up to 1024 vectors a block (32 KB).
 template <typename T, typename R, bool kCentered>
 inline constexpr bool kStagedBackward =
     FUSEFORGE_NORM_BWD_STAGED && kCentered && sizeof(T) == 2 && R::kThreads * R::kVecs <= 1024;
