@@ -690,6 +690,7 @@ __global__ void __launch_bounds__(BackwardRow<T, kShape>::kThreads,
     PackedElements<T, E> h[R::kVecs], g[R::kVecs], grad_res[R::kVecs];
     if constexpr (kStaged) {
       cp_async_wait<0>();
+      asm volatile("" ::: "memory");  // the reads below stay after the wait
 #pragma unroll
       for (int v = 0; v < R::kVecs; ++v) {
         h[v].words = stage[v * R::kThreads + threadIdx.x];
