@@ -620,10 +620,10 @@ constexpr int min_blocks_per_sm() {
   return R::kThreads >= kThreadsPerSm ? 1 : kThreadsPerSm / R::kThreads;
 }
 
-// A compile-time knob (0: the loads straight into registers), so scripts/tune_variants.sh can build
-// variants side by side.
+// A compile-time knob (0: the loads straight into registers; 1: h and grad_out staged, not the
+// residual's gradient), so scripts/tune_variants.sh can build variants side by side.
 #ifndef FUSEFORGE_NORM_BWD_STAGED
-#define FUSEFORGE_NORM_BWD_STAGED 1
+#define FUSEFORGE_NORM_BWD_STAGED 2
 #endif
 // LayerNorm's 16-bit backward takes a row group of h and grad_out into shared memory with cp.async
 // one trip ahead (each thread copies the vectors it will read itself), so that its SM's loads stay
@@ -633,6 +633,12 @@ constexpr int min_blocks_per_sm() {
 template <typename T, typename R, bool kCentered>
 inline constexpr bool kStagedBackward =
     FUSEFORGE_NORM_BWD_STAGED && kCentered && sizeof(T) == 2 && R::kThreads * R::kVecs <= 1024;
+// The residual's gradient staged with them where a block's row group is up to 512 vectors (a third
+// 16 KB): otherwise it is the one load a row group waits on (residual form, bf16 forward + backward,
+// 16384 x 2048 / 4096: 0.1623 / 0.3032 ms against 0.1659-0.1682 / 0.3093-0.3095).
+template <typename T, typename R, bool kCentered>
+inline constexpr bool kStagedResidual =
+    kStagedBackward<T, R, kCentered> && FUSEFORGE_NORM_BWD_STAGED >= 2 && R::kThreads * R::kVecs <= 512;
 
 template <typename T, int kShape, bool kCentered>
 __global__ void __launch_bounds__(BackwardRow<T, kShape>::kThreads,
@@ -644,8 +650,9 @@ __global__ void __launch_bounds__(BackwardRow<T, kShape>::kThreads,
   constexpr bool kStaged = kStagedBackward<T, R, kCentered>;
   __shared__ float red[2 * R::kWarps];
   __shared__ float exchange[kExchange];
-  // [tensor: h, grad_out][vector][thread], 16 bytes each.
-  __shared__ AlignedVector<uint32_t, 4> stage[kStaged ? 2 * R::kVecs * R::kThreads : 1];
+  // [tensor: h, grad_out, grad_residual_out where staged][vector][thread], 16 bytes each.
+  constexpr bool kStagedRes = kStagedResidual<T, R, kCentered>;
+  __shared__ AlignedVector<uint32_t, 4> stage[kStaged ? (kStagedRes ? 3 : 2) * R::kVecs * R::kThreads : 1];
   const int lane = threadIdx.x % R::kThreadsPerRow;
   const int slot = threadIdx.x / R::kThreadsPerRow;
   const int64_t vectors = p.cols / E;
@@ -675,6 +682,11 @@ __global__ void __launch_bounds__(BackwardRow<T, kShape>::kThreads,
       cp_async_16(smem_addr(&stage[v * R::kThreads + threadIdx.x]), p.h + offset, valid);
       cp_async_16(smem_addr(&stage[(R::kVecs + v) * R::kThreads + threadIdx.x]),
                   static_cast<const T*>(p.grad_out) + offset, valid);
+      if constexpr (kStagedRes) {
+        if (p.grad_residual_out != nullptr)
+          cp_async_16(smem_addr(&stage[(2 * R::kVecs + v) * R::kThreads + threadIdx.x]), p.grad_residual_out + offset,
+                      valid);
+      }
     }
     cp_async_commit();
   };
@@ -695,6 +707,7 @@ __global__ void __launch_bounds__(BackwardRow<T, kShape>::kThreads,
       for (int v = 0; v < R::kVecs; ++v) {
         h[v].words = stage[v * R::kThreads + threadIdx.x];
         g[v].words = stage[(R::kVecs + v) * R::kThreads + threadIdx.x];
+        if constexpr (kStagedRes) grad_res[v].words = stage[(2 * R::kVecs + v) * R::kThreads + threadIdx.x];
       }
       // The slots are this thread's own, read above before the next group's copies overwrite them.
       asm volatile("" ::: "memory");
@@ -727,7 +740,7 @@ __global__ void __launch_bounds__(BackwardRow<T, kShape>::kThreads,
         }
       });
     }
-    if (p.grad_residual_out != nullptr) {
+    if (!kStagedRes && p.grad_residual_out != nullptr) {
 #pragma unroll
       for (int v = 0; v < R::kVecs; ++v) {
         const int64_t vi = static_cast<int64_t>(v) * R::kThreadsPerRow + lane;
