@@ -99,6 +99,17 @@ def test_round_robin_rows_keep_each_round(tmp_path):
     assert (tmp_path / "roundtest_cpu.json").exists()
 
 
+def test_rounds_rotate_the_order(monkeypatch):
+    """Each round starts one bench further on: no bench is always timed first, or always after the
+    same bench; each keeps one timing a round."""
+    order = []
+    monkeypatch.setattr(harness, "_time_recorded", lambda b, **kw: (order.append(b.impl), len(order))[1])
+    benches = [harness.Bench("c", "fwd", name, lambda: None) for name in ("a", "b", "c")]
+    times = harness.time_interleaved(benches, rounds=3)
+    assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert [times[id(b)] for b in benches] == [[1, 6, 8], [2, 4, 9], [3, 5, 7]]
+
+
 def test_settle_runs_the_bench_before_its_timed_span(monkeypatch):
     """settle_ms (GPU): the bench runs back to back that long before time_ms, and the span kept for
     its clock and power (_timing_spans) starts after the settling; none on the CPU or with 0."""
