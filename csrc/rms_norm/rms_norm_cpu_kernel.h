@@ -35,6 +35,14 @@ constexpr int64_t kWeightGradBlocks = 64;
 
 int64_t grain_rows(int64_t cols) { return std::max<int64_t>(1, kGrainElems / std::max<int64_t>(1, cols)); }
 
+// Rows of up to kBatchedCols columns go kRowBatch at a time, each step over all of them before the
+// next (sums, statistics, outputs): a row's reduction ends in a chain of dependent operations (the
+// lanes' tree, a division, a square root) that would otherwise hold up the row's output pass, and
+// the batch's chains overlap.
+constexpr int64_t kRowBatch = 4;
+constexpr int64_t kBatchedCols = 1024;
+int64_t row_batch(int64_t cols) { return cols <= kBatchedCols ? kRowBatch : 1; }
+
 // weight_offset + weight in M (cols of them), or nullptr without a weight.
 template <typename T, typename M>
 const M* scale_of(const void* weight, c10::ScalarType weight_dtype, double weight_offset, int64_t cols, M* buf) {
@@ -81,69 +89,85 @@ void forward_typed(const CpuForwardArgs& a) {
   const M eps = static_cast<M>(a.eps);
   at::parallel_for(0, a.rows, grain_rows(cols), [&](int64_t r0, int64_t r1) {
     alignas(64) M xb[kTile], rb[kTile], ob[kTile];
-    // 16-bit types: the row's h in M, converted once for both passes.
-    M* hrow_math = std::is_same_v<T, M> ? nullptr : thread_scratch<M>(cols);
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t base = r * cols;
-      Lanes sumsq, sum;  // sum: LayerNorm's first pass
-      for (int64_t c0 = 0; c0 < cols; c0 += kTile) {
-        const int64_t n = std::min(kTile, cols - c0);
-        const M* h;
-        if (res) {
-          // h rounded to T, as the unfused `residual + x` is, before it is squared.
-          const M* xv = tile_to_math(x + base + c0, xb, n);
-          const M* rv = tile_to_math(res + base + c0, rb, n);
-          M* hv = math_dst(h_out + base + c0, hrow_math + c0);
-          for (int64_t i = 0; i < n; i += W) {
-            const int64_t k = std::min<int64_t>(V::size(), n - i);
-            (V::loadu(xv + i, k) + V::loadu(rv + i, k)).store(hv + i, k);
+    const int64_t batch = row_batch(cols);
+    // 16-bit types: the batch's rows of h in M, converted once for every pass.
+    M* hbatch_math = std::is_same_v<T, M> ? nullptr : thread_scratch<M>(batch * cols);
+    for (int64_t b0 = r0; b0 < r1; b0 += batch) {
+      const int64_t batch_rows = std::min(batch, r1 - b0);
+      M total[kRowBatch], mu[kRowBatch] = {}, rs[kRowBatch];
+      // Each row's h and its first sum: of squares (RMSNorm), or of h (LayerNorm).
+      for (int64_t j = 0; j < batch_rows; ++j) {
+        const int64_t base = (b0 + j) * cols;
+        M* hrow_math = hbatch_math ? hbatch_math + j * cols : nullptr;
+        Lanes acc;
+        for (int64_t c0 = 0; c0 < cols; c0 += kTile) {
+          const int64_t n = std::min(kTile, cols - c0);
+          const M* h;
+          if (res) {
+            // h rounded to T, as the unfused `residual + x` is, before it is squared.
+            const M* xv = tile_to_math(x + base + c0, xb, n);
+            const M* rv = tile_to_math(res + base + c0, rb, n);
+            M* hv = math_dst(h_out + base + c0, hrow_math + c0);
+            for (int64_t i = 0; i < n; i += W) {
+              const int64_t k = std::min<int64_t>(V::size(), n - i);
+              (V::loadu(xv + i, k) + V::loadu(rv + i, k)).store(hv + i, k);
+            }
+            tile_from_math(hv, h_out + base + c0, n);
+            h = tile_to_math(h_out + base + c0, hrow_math + c0, n);
+          } else {
+            h = tile_to_math(x + base + c0, hrow_math + c0, n);
           }
-          tile_from_math(hv, h_out + base + c0, n);
-          h = tile_to_math(h_out + base + c0, hrow_math + c0, n);
-        } else {
-          h = tile_to_math(x + base + c0, hrow_math + c0, n);
-        }
-        if constexpr (kCentered) {
-          sum.add_tile(n, [&](int64_t i, int64_t k) { return V::loadu(h + i, k); });
-        } else {
-          sumsq.add_tile(n, [&](int64_t i, int64_t k) {
+          acc.add_tile(n, [&](int64_t i, int64_t k) {
             const V v = V::loadu(h + i, k);
-            return v * v;
+            return kCentered ? v : v * v;
           });
         }
+        total[j] = acc.total();
       }
-      const T* hrow = h_out ? h_out + base : x + base;
-      M mu = M(0);
       if constexpr (kCentered) {
         // The variance from the deviations (a second pass over the row: exact where mean >> std).
-        mu = static_cast<M>(static_cast<double>(sum.total()) / static_cast<double>(cols));
-        const V muv(mu), zero(M(0));
+        for (int64_t j = 0; j < batch_rows; ++j) {
+          const int64_t base = (b0 + j) * cols;
+          const M* hrow_math = hbatch_math ? hbatch_math + j * cols : nullptr;
+          const T* hrow = h_out ? h_out + base : x + base;
+          mu[j] = static_cast<M>(static_cast<double>(total[j]) / static_cast<double>(cols));
+          const V muv(mu[j]), zero(M(0));
+          Lanes sumsq;
+          for (int64_t c0 = 0; c0 < cols; c0 += kTile) {
+            const int64_t n = std::min(kTile, cols - c0);
+            const M* h = hrow_math ? hrow_math + c0 : tile_to_math(hrow + c0, xb, n);
+            sumsq.add_tile(n, [&](int64_t i, int64_t k) {
+              const V d = V::set(zero, V::loadu(h + i, k) - muv, k);  // lanes past k: 0, not -mean
+              return d * d;
+            });
+          }
+          total[j] = sumsq.total();
+          if (mean_out) mean_out[b0 + j] = mu[j];
+        }
+      }
+      for (int64_t j = 0; j < batch_rows; ++j) {
+        rs[j] = rstd_of(total[j], cols, eps);
+        if (rstd) rstd[b0 + j] = rs[j];
+      }
+      for (int64_t j = 0; j < batch_rows; ++j) {
+        const int64_t base = (b0 + j) * cols;
+        const M* hrow_math = hbatch_math ? hbatch_math + j * cols : nullptr;
+        const T* hrow = h_out ? h_out + base : x + base;
+        const V rsv(rs[j]), muv(mu[j]);
         for (int64_t c0 = 0; c0 < cols; c0 += kTile) {
           const int64_t n = std::min(kTile, cols - c0);
           const M* h = hrow_math ? hrow_math + c0 : tile_to_math(hrow + c0, xb, n);
-          sumsq.add_tile(n, [&](int64_t i, int64_t k) {
-            const V d = V::set(zero, V::loadu(h + i, k) - muv, k);  // lanes past k: 0, not -mean
-            return d * d;
-          });
+          To* o_dst = out + base + c0;
+          M* o = math_dst(o_dst, ob);
+          for (int64_t i = 0; i < n; i += W) {
+            const int64_t k = std::min<int64_t>(V::size(), n - i);
+            const V xhat = kCentered ? (V::loadu(h + i, k) - muv) * rsv : V::loadu(h + i, k) * rsv;
+            V v = scale ? xhat * V::loadu(scale + c0 + i, k) : xhat;
+            if (kCentered && bias) v = v + V::loadu(bias + c0 + i, k);
+            v.store(o + i, k);
+          }
+          tile_from_math(o, o_dst, n);
         }
-        if (mean_out) mean_out[r] = mu;
-      }
-      const M rs = rstd_of(sumsq.total(), cols, eps);
-      if (rstd) rstd[r] = rs;
-      const V rsv(rs), muv(mu);
-      for (int64_t c0 = 0; c0 < cols; c0 += kTile) {
-        const int64_t n = std::min(kTile, cols - c0);
-        const M* h = hrow_math ? hrow_math + c0 : tile_to_math(hrow + c0, xb, n);
-        To* o_dst = out + base + c0;
-        M* o = math_dst(o_dst, ob);
-        for (int64_t i = 0; i < n; i += W) {
-          const int64_t k = std::min<int64_t>(V::size(), n - i);
-          const V xhat = kCentered ? (V::loadu(h + i, k) - muv) * rsv : V::loadu(h + i, k) * rsv;
-          V v = scale ? xhat * V::loadu(scale + c0 + i, k) : xhat;
-          if (kCentered && bias) v = v + V::loadu(bias + c0 + i, k);
-          v.store(o + i, k);
-        }
-        tile_from_math(o, o_dst, n);
       }
     }
   });
@@ -167,49 +191,62 @@ void backward_rows(const CpuBackwardArgs& a, const at::opmath_type<T>* scale, in
   const M* row_mean = static_cast<const M*>(a.mean);
   T* grad_input = static_cast<T*>(a.grad_input);
   alignas(64) M gob[kTile], hb[kTile], grb[kTile], gib[kTile];
-  for (int64_t r = r0; r < r1; ++r) {
-    const int64_t base = r * cols;
-    const V rs(rstd[r]);
-    const V mu(kCentered ? row_mean[r] : M(0));
-    Lanes dot, gsum;
-    for (int64_t c0 = 0; c0 < cols; c0 += kTile) {
-      const int64_t n = std::min(kTile, cols - c0);
-      const M* go = tile_to_math(grad_out + base + c0, gob, n);
-      const M* h = tile_to_math(hp + base + c0, hb, n);
-      dot.add_tile(n, [&](int64_t i, int64_t k) {
-        const V g = V::loadu(go + i, k);
-        const V xhat = kCentered ? (V::loadu(h + i, k) - mu) * rs : V::loadu(h + i, k) * rs;
-        if (dw) (V::loadu(dw + c0 + i, k) + g * xhat).store(dw + c0 + i, k);
-        if (kCentered && db) (V::loadu(db + c0 + i, k) + g).store(db + c0 + i, k);
-        const V gw = scale ? g * V::loadu(scale + c0 + i, k) : g;
-        return gw * xhat;  // 0 past k (g is)
-      });
-      if constexpr (kCentered) {
-        gsum.add_tile(n, [&](int64_t i, int64_t k) {
+  const int64_t batch = row_batch(cols);
+  for (int64_t b0 = r0; b0 < r1; b0 += batch) {
+    const int64_t batch_rows = std::min(batch, r1 - b0);
+    M dot_mean[kRowBatch], g_mean[kRowBatch] = {};
+    // Each row's mean(g s xhat) (and LayerNorm's mean(g s)); the weight and bias gradients' terms.
+    for (int64_t j = 0; j < batch_rows; ++j) {
+      const int64_t r = b0 + j, base = r * cols;
+      const V rs(rstd[r]);
+      const V mu(kCentered ? row_mean[r] : M(0));
+      Lanes dot, gsum;
+      for (int64_t c0 = 0; c0 < cols; c0 += kTile) {
+        const int64_t n = std::min(kTile, cols - c0);
+        const M* go = tile_to_math(grad_out + base + c0, gob, n);
+        const M* h = tile_to_math(hp + base + c0, hb, n);
+        dot.add_tile(n, [&](int64_t i, int64_t k) {
           const V g = V::loadu(go + i, k);
-          return scale ? g * V::loadu(scale + c0 + i, k) : g;
+          const V xhat = kCentered ? (V::loadu(h + i, k) - mu) * rs : V::loadu(h + i, k) * rs;
+          if (dw) (V::loadu(dw + c0 + i, k) + g * xhat).store(dw + c0 + i, k);
+          if (kCentered && db) (V::loadu(db + c0 + i, k) + g).store(db + c0 + i, k);
+          const V gw = scale ? g * V::loadu(scale + c0 + i, k) : g;
+          return gw * xhat;  // 0 past k (g is)
         });
+        if constexpr (kCentered) {
+          gsum.add_tile(n, [&](int64_t i, int64_t k) {
+            const V g = V::loadu(go + i, k);
+            return scale ? g * V::loadu(scale + c0 + i, k) : g;
+          });
+        }
       }
+      dot_mean[j] = static_cast<M>(static_cast<double>(dot.total()) / static_cast<double>(cols));
+      if constexpr (kCentered)
+        g_mean[j] = static_cast<M>(static_cast<double>(gsum.total()) / static_cast<double>(cols));
     }
-    const V mean(static_cast<M>(static_cast<double>(dot.total()) / static_cast<double>(cols)));
-    const V gmean(kCentered ? static_cast<M>(static_cast<double>(gsum.total()) / static_cast<double>(cols)) : M(0));
-    for (int64_t c0 = 0; c0 < cols; c0 += kTile) {
-      const int64_t n = std::min(kTile, cols - c0);
-      const M* go = tile_to_math(grad_out + base + c0, gob, n);
-      const M* h = tile_to_math(hp + base + c0, hb, n);
-      const M* gr = grad_res ? tile_to_math(grad_res + base + c0, grb, n) : nullptr;
-      T* gi_dst = grad_input + base + c0;
-      M* gi = math_dst(gi_dst, gib);
-      for (int64_t i = 0; i < n; i += W) {
-        const int64_t k = std::min<int64_t>(V::size(), n - i);
-        const V g = V::loadu(go + i, k);
-        const V xhat = kCentered ? (V::loadu(h + i, k) - mu) * rs : V::loadu(h + i, k) * rs;
-        const V gw = scale ? g * V::loadu(scale + c0 + i, k) : g;
-        V v = kCentered ? rs * (gw - gmean - xhat * mean) : rs * (gw - xhat * mean);
-        if (gr) v = v + V::loadu(gr + i, k);
-        v.store(gi + i, k);
+    for (int64_t j = 0; j < batch_rows; ++j) {
+      const int64_t r = b0 + j, base = r * cols;
+      const V rs(rstd[r]);
+      const V mu(kCentered ? row_mean[r] : M(0));
+      const V mean(dot_mean[j]), gmean(g_mean[j]);
+      for (int64_t c0 = 0; c0 < cols; c0 += kTile) {
+        const int64_t n = std::min(kTile, cols - c0);
+        const M* go = tile_to_math(grad_out + base + c0, gob, n);
+        const M* h = tile_to_math(hp + base + c0, hb, n);
+        const M* gr = grad_res ? tile_to_math(grad_res + base + c0, grb, n) : nullptr;
+        T* gi_dst = grad_input + base + c0;
+        M* gi = math_dst(gi_dst, gib);
+        for (int64_t i = 0; i < n; i += W) {
+          const int64_t k = std::min<int64_t>(V::size(), n - i);
+          const V g = V::loadu(go + i, k);
+          const V xhat = kCentered ? (V::loadu(h + i, k) - mu) * rs : V::loadu(h + i, k) * rs;
+          const V gw = scale ? g * V::loadu(scale + c0 + i, k) : g;
+          V v = kCentered ? rs * (gw - gmean - xhat * mean) : rs * (gw - xhat * mean);
+          if (gr) v = v + V::loadu(gr + i, k);
+          v.store(gi + i, k);
+        }
+        tile_from_math(gi, gi_dst, n);
       }
-      tile_from_math(gi, gi_dst, n);
     }
   }
 }
