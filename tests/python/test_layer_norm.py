@@ -148,6 +148,14 @@ def test_float32_x_with_16bit_out(device, out_dtype):
     check_gradients((4, 5, 256), torch.float32, device, PARAMS[1], True, out_dtype=out_dtype)
 
 
+@pytest.mark.parametrize("shape", [(1027, 96), (3001, 1024), (70, 1025)], ids=str)
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+def test_cpu_many_rows(shape, with_residual):
+    """Rows over several threads' tasks and the parameters' row blocks, in batches of four with a
+    partial last batch (1025 columns: one row at a time), against float64."""
+    check_gradients(shape, torch.bfloat16, "cpu", PARAMS[1], with_residual)
+
+
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("shape", [(20000, 128), (4099, 64), (3000, 2048), (257, 8192), (40, 40000), (33, 4100)],

@@ -183,6 +183,26 @@ def test_cuda_many_rows_and_long_rows(dtype, shape):
     check_gradients(shape, dtype, "cuda", ("gemma", 1.0, "x"), True)
 
 
+@pytest.mark.parametrize("shape", [(1027, 96), (3001, 1024), (70, 1025)], ids=str)
+def test_cpu_many_rows(shape):
+    """Rows over several threads' tasks and the weight gradient's row blocks, in batches of four with
+    a partial last batch (and 1025 columns: one row at a time), against float64; the same bits with
+    one thread as with two."""
+    check_gradients(shape, torch.bfloat16, "cpu", ("gemma", 1.0, "x"), True)
+    x, w, res, offset = make(shape, torch.bfloat16, "cpu", ("llama", 0.0, torch.float32), True, requires_grad=True)
+    grads = (randn(*shape, dtype=torch.bfloat16), randn(*shape, dtype=torch.bfloat16))
+    prev, runs = torch.get_num_threads(), []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            out, h = rms_norm(x, w, residual=res, weight_offset=offset)
+            runs.append((out, h, *torch.autograd.grad((out, h), (x, w, res), grads)))
+    finally:
+        torch.set_num_threads(prev)
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
 def check_forward(shape, dtype, device, weight_case, with_residual, out_dtype=None):
     """out (and h) against float64, from both forwards (rms_norm without rstd, rms_norm_fwd with it),
     into poisoned allocations."""
