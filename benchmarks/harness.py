@@ -20,6 +20,7 @@ import datetime as _dt
 import gc
 import json
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -547,16 +548,17 @@ def time_interleaved(benches: list[Bench], rounds: int, rep_ms: float = 100,
                      settle_ms: float = 0) -> dict[int, list[float] | str]:
     """Each bench's ms in each of `rounds` rounds that time every bench in turn (time_ms with rep_ms
     each, after settle_ms of itself: _settle): slow drifts of the GPU's clocks and temperature fall on
-    every impl alike instead of on whichever is timed first. Round r starts r benches further on, so
-    no bench is always the one timed first after the case's setup, or always after the same bench
-    (H200: Liger's rope timed right after torch.compile's ran 0.0421 ms, after ours 0.0460-0.0463).
-    For a bench that raised (out of memory, a peer's compiler failing), its error text instead: the
-    other impls still run."""
+    every impl alike instead of on whichever is timed first. Each round takes the benches in its own
+    order (a shuffle seeded by the round's index: the same in every run), so no bench is always timed
+    first after the case's setup, or always right after the same bench (H200: Liger's rope timed
+    right after torch.compile's ran 0.0421 ms, after ours 0.0460-0.0463). For a bench that raised
+    (out of memory, a peer's compiler failing), its error text instead: the other impls still run."""
     times: dict[int, list[float]] = {id(b): [] for b in benches}
     failed: dict[int, str] = {}
     for r in range(rounds):
-        start = r % len(benches) if benches else 0
-        for b in benches[start:] + benches[:start]:
+        order = list(benches)
+        random.Random(r).shuffle(order)
+        for b in order:
             if id(b) in failed:
                 continue
             try:

@@ -99,15 +99,25 @@ def test_round_robin_rows_keep_each_round(tmp_path):
     assert (tmp_path / "roundtest_cpu.json").exists()
 
 
-def test_rounds_rotate_the_order(monkeypatch):
-    """Each round starts one bench further on: no bench is always timed first, or always after the
-    same bench; each keeps one timing a round."""
-    order = []
-    monkeypatch.setattr(harness, "_time_recorded", lambda b, **kw: (order.append(b.impl), len(order))[1])
-    benches = [harness.Bench("c", "fwd", name, lambda: None) for name in ("a", "b", "c")]
-    times = harness.time_interleaved(benches, rounds=3)
-    assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
-    assert [times[id(b)] for b in benches] == [[1, 6, 8], [2, 4, 9], [3, 5, 7]]
+def test_rounds_vary_the_order(monkeypatch):
+    """Each round times every bench once, in an order of its own that is the same in every run: no
+    bench is always timed first, or always right after the same bench."""
+    def timed_orders():
+        order = []
+        monkeypatch.setattr(harness, "_time_recorded", lambda b, **kw: (order.append(b.impl), len(order))[1])
+        benches = [harness.Bench("c", "fwd", name, lambda: None) for name in ("a", "b", "c", "d")]
+        times = harness.time_interleaved(benches, rounds=4)
+        for b in benches:  # each bench's timings in round order, one a round
+            assert len(times[id(b)]) == 4 and times[id(b)] == sorted(times[id(b)])
+        return [order[i:i + 4] for i in range(0, 16, 4)]
+
+    rounds = timed_orders()
+    assert all(sorted(r) == ["a", "b", "c", "d"] for r in rounds)
+    assert len({r[0] for r in rounds}) > 1
+    for name in "abcd":
+        before = {r[r.index(name) - 1] if r.index(name) else None for r in rounds}
+        assert len(before) > 1, name
+    assert timed_orders() == rounds
 
 
 def test_settle_runs_the_bench_before_its_timed_span(monkeypatch):
